@@ -1,0 +1,133 @@
+"""Static input buffers: allocated once per path at the largest budget, filled before each replay.
+
+Lifetime: the buffers live as long as the runner; every budget's graph of a path reads views of their leading
+rows, so a replay must be filled (``fill``) right before it and never concurrently with another batch of the
+same path (the runner's lock serialises calls; copies and replays are ordered on one stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from encgraph.capture.protocol import BufferSpec, FillRule
+from encgraph.errors import ConfigError, InputError
+
+__all__ = ["PathBuffers", "sequence_bounds"]
+
+
+def sequence_bounds(values: np.ndarray, slots: int, total: int, chunk: int) -> np.ndarray:
+    """The full contents of a ``cu_seqlens`` buffer of ``slots`` entries.
+
+    ``values``: int array ``[0, e1, e2, ..., ek]`` (ends of the real sequences; may be empty, meaning no real
+    sequence). Appends padding sequences of at most ``chunk`` rows up to ``total``, then repeats ``total``.
+
+    >>> sequence_bounds(np.array([0, 5, 9]), 8, 20, 8).tolist()
+    [0, 5, 9, 17, 20, 20, 20, 20]
+    """
+    real = values if values.size else np.zeros(1, dtype=np.int64)
+    end = int(real[-1])
+    if end > total:
+        raise InputError(f"cu_seqlens: the real sequences end at row {end}, past the buffer's {total} rows.")
+    pad = np.arange(end + chunk, total, chunk, dtype=np.int64) if end < total else np.zeros(0, np.int64)
+    if end < total:
+        pad = np.append(pad, total)
+    used = real.size + pad.size
+    if used > slots:
+        raise InputError(
+            f"cu_seqlens: {real.size - 1} sequences plus {pad.size} padding sequences need {used} slots; the "
+            f"captured buffer has {slots}. Lower max_frames or raise the adapter's slot count."
+        )
+    out = np.full(slots, total, dtype=np.int64)
+    out[: real.size] = real
+    out[real.size : used] = pad
+    return out
+
+
+class PathBuffers:
+    """The static buffers of one path: ``name -> tensor`` at the largest budget, with per-budget specs.
+
+    ``specs[budget][name]`` is the adapter's :class:`BufferSpec` at that budget; ``view(budget)`` gives the
+    tensors a graph at that budget reads (views, shape ``specs[budget][name].shape``).
+    """
+
+    def __init__(self, path: str, specs: Mapping[int, Mapping[str, BufferSpec]], device: torch.device) -> None:
+        self.path = path
+        self.specs = {b: dict(s) for b, s in specs.items()}
+        self.device = device
+        budgets = sorted(self.specs)
+        names = set(self.specs[budgets[0]])
+        for b in budgets:
+            if set(self.specs[b]) != names:
+                raise ConfigError(
+                    f"buffer_specs({path!r}, {b}): buffer names {sorted(self.specs[b])} differ from "
+                    f"{sorted(names)} at budget {budgets[0]}; every budget of a path must declare the same buffers."
+                )
+        self.storage: dict[str, torch.Tensor] = {}
+        for name in sorted(names):
+            ref = self.specs[budgets[0]][name]
+            rows = 0
+            for b in budgets:
+                spec = self.specs[b][name]
+                if spec.shape[1:] != ref.shape[1:] or spec.dtype != ref.dtype or spec.fill != ref.fill:
+                    raise ConfigError(
+                        f"buffer {name!r} of path {path!r}: only dim 0 may change with the budget; budget {b} "
+                        f"gives {spec.shape} {spec.dtype} {spec.fill.name}, budget {budgets[0]} {ref.shape} "
+                        f"{ref.dtype} {ref.fill.name}."
+                    )
+                rows = max(rows, spec.shape[0])
+            self.storage[name] = torch.zeros((rows, *ref.shape[1:]), dtype=ref.dtype, device=device)
+        self._arange = torch.arange(max((t.shape[0] for t in self.storage.values()), default=0), device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.storage.values())
+
+    def view(self, budget: int) -> dict[str, torch.Tensor]:
+        return {name: self.storage[name][: spec.shape[0]] for name, spec in self.specs[budget].items()}
+
+    def fill(self, budget: int, values: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Write a sub-batch's ``values`` (``None``: an all-padding batch, used for warm-up and capture) into
+        the views of ``budget``, every row of them, and return the views."""
+        views = self.view(budget)
+        values = values or {}
+        unknown = set(values) - set(views)
+        if unknown:
+            raise ConfigError(
+                f"replay_values({self.path!r}): unknown buffers {sorted(unknown)}; declared: {sorted(views)}."
+            )
+        for name, view in views.items():
+            spec = self.specs[budget][name]
+            _fill_one(name, view, values.get(name), spec, self._arange)
+        return views
+
+
+def _fill_one(
+    name: str, view: torch.Tensor, value: torch.Tensor | None, spec: BufferSpec, arange: torch.Tensor
+) -> None:
+    rows = view.shape[0]
+    if spec.fill is FillRule.SEQUENCE_BOUNDS:
+        host = np.zeros(0, np.int64) if value is None else np.asarray(value, dtype=np.int64).reshape(-1)
+        full = sequence_bounds(host, rows, int(spec.total), int(spec.chunk))  # type: ignore[arg-type]
+        view.copy_(torch.from_numpy(full).to(view.dtype), non_blocking=False)
+        return
+    n = 0 if value is None else value.shape[0]
+    if n > rows or (value is not None and tuple(value.shape[1:]) != tuple(view.shape[1:])):
+        raise InputError(
+            f"buffer {name!r}: values of shape {tuple(value.shape)} do not fit its static shape "  # type: ignore[union-attr]
+            f"{tuple(view.shape)}; the sub-batch is larger than the budget it was planned for."
+        )
+    if n:
+        view[:n].copy_(value, non_blocking=True)  # type: ignore[arg-type]
+    if n == rows:
+        return
+    tail = view[n:]
+    if spec.fill is FillRule.ZERO or (spec.fill is FillRule.REPEAT_LAST and n == 0):
+        tail.zero_()
+    elif spec.fill is FillRule.REPEAT_LAST:
+        tail.copy_(view[n - 1 : n].expand_as(tail))
+    else:  # ARANGE
+        shape = (rows - n,) + (1,) * (tail.dim() - 1)
+        tail.copy_(arange[n:rows].view(shape).expand_as(tail))

@@ -1,0 +1,434 @@
+"""The runner: plan each call, fill static buffers, replay captured graphs (or run eagerly), hand results back.
+
+Phases, in the order a runner lives through them:
+
+1. construction - validate the adapter and options, fix the ladders and limits (no device work);
+2. ``capture()`` - allocate each path's buffers at its largest budget, warm each budget's static forward up on
+   a side stream, capture every budget into one shared memory pool, largest first (rule 10), time each replay;
+   a budget whose capture fails is logged and dropped, the rest keep working;
+3. ``__call__`` - item specs -> ``pack`` -> per batch: select the sub-batch, fill the buffers of its budget
+   (every row, by the adapter's fill rules), replay (or run eagerly where no budget fits) -> per-item results
+   as fresh tensors, in the caller's order.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from encgraph._validate import check_int, describe
+from encgraph.capture.buffers import PathBuffers
+from encgraph.capture.protocol import AdapterConfig, BudgetUnit, EncoderAdapter
+from encgraph.capture.records import GraphRecord, RunMode
+from encgraph.capture.stats import RunStats
+from encgraph.errors import CaptureError, ConfigError, ConfigTypeError, EncgraphError, InputError
+from encgraph.packing import Limits, Plan, budget_ladder, default_limits, normalize_ladders, pack
+
+__all__ = ["EncoderGraphRunner", "CAPTURE_FAILED", "EAGER_MODE"]
+
+log = logging.getLogger("encgraph")
+
+CAPTURE_FAILED = "capture failed at that budget"
+EAGER_MODE = "runner in eager mode"
+
+
+class EncoderGraphRunner:
+    """Capture an adapter's static-shape forward once per budget and replay it for batches of any size.
+
+    Args:
+        adapter: an :class:`~encgraph.capture.protocol.EncoderAdapter` (see ``encgraph.models.wrap``).
+        budgets: the ladder of one path (an iterable of ints) or ``{path: ladder}``; default: per path,
+            ``budget_ladder(min_budget, max_budget, allow_zero=allow_empty)`` from the adapter.
+        max_items, max_frames: per-batch limits; defaults from :func:`encgraph.packing.default_limits`.
+        device: must be where the adapter's tower lives; default the adapter's device.
+        mode: :class:`RunMode`; default ``GRAPH`` on CUDA, ``STATIC`` on CPU.
+        lazy: capture on the first call if ``capture()`` was not called (else that call raises).
+        copy_outputs: results are fresh tensors (default). ``False``: zero-copy, results are views of the
+            graphs' output buffers, **valid only until the next call** of this runner.
+        warmup: eager runs of each budget's static forward on the side stream before its capture.
+        progress: show a progress bar while capturing; default when stderr is a terminal.
+
+    Thread safety: calls and ``capture()`` are serialised by a lock (one sub-batch at a time owns the static
+    buffers); concurrent callers wait, they never interleave.
+    """
+
+    def __init__(
+        self,
+        adapter: EncoderAdapter,
+        *,
+        budgets: Iterable[int] | Mapping[str, Iterable[int]] | None = None,
+        max_items: int | None = None,
+        max_frames: int | None = None,
+        device: torch.device | str | None = None,
+        mode: RunMode | None = None,
+        lazy: bool = True,
+        copy_outputs: bool = True,
+        warmup: int = 2,
+        progress: bool | None = None,
+    ) -> None:
+        if not isinstance(adapter, EncoderAdapter):
+            missing = [m for m in _ADAPTER_METHODS if not hasattr(adapter, m)]
+            raise ConfigTypeError(
+                f"adapter: expected an EncoderAdapter (see encgraph.models.protocol), got {describe(adapter)}; "
+                f"missing: {missing}. For a Hugging Face tower use encgraph.models.wrap(module)."
+            )
+        config = adapter.config
+        if not isinstance(config, AdapterConfig):
+            raise ConfigTypeError(f"adapter.config: expected an AdapterConfig, got {describe(config)}.")
+        self.adapter = adapter
+        self.config = config
+        self.device = _resolve_device(device, config.device)
+        if mode is None:
+            mode = RunMode.GRAPH if self.device.type == "cuda" else RunMode.STATIC
+        if not isinstance(mode, RunMode):
+            raise ConfigTypeError(f"mode: expected an encgraph RunMode, got {describe(mode)}.")
+        if mode is RunMode.GRAPH and self.device.type != "cuda":
+            raise ConfigError(
+                f"mode: GRAPH needs a CUDA device, the tower is on {self.device}; use RunMode.STATIC on the CPU."
+            )
+        self.mode = mode
+        self.lazy = _check_bool("lazy", lazy)
+        self.copy_outputs = _check_bool("copy_outputs", copy_outputs)
+        self.warmup = check_int("warmup", warmup, minimum=1)
+        self.progress = sys.stderr.isatty() if progress is None else _check_bool("progress", progress)
+
+        self.ladders = self._resolve_ladders(budgets)
+        if max_items is None and all(p.unit is BudgetUnit.ITEMS for p in config.paths):
+            # Every item counts one unit: the largest batch size is the item cap.
+            max_items = min(max(self.ladders[p.name]) for p in config.paths)
+        self.limits: Limits = default_limits(
+            self.ladders, max_frames_per_item=config.max_frames_per_item, max_items=max_items, max_frames=max_frames
+        )
+        self.records: dict[str, dict[int, GraphRecord]] = {p: {} for p in config.path_names}
+        self.failed: dict[str, dict[int, str]] = {p: {} for p in config.path_names}
+        self.buffers: dict[str, PathBuffers] = {}
+        self.captured = False
+        self.capture_info: dict[str, Any] = {}
+        self._stats = RunStats(config.path_names)
+        self._lock = threading.RLock()
+        self._pool: Any = None
+
+    # ------------------------------------------------------------------ configuration
+    def _resolve_ladders(self, budgets: Any) -> dict[str, tuple[int, ...]]:
+        paths = self.config.paths
+        if budgets is None:
+            return {p.name: budget_ladder(p.min_budget, p.max_budget, allow_zero=p.allow_empty) for p in paths}
+        if not isinstance(budgets, Mapping) and len(paths) > 1:
+            raise ConfigError(
+                f"budgets: this adapter has paths {list(self.config.path_names)}; give {{path: ladder}}, got "
+                f"{describe(budgets)}."
+            )
+        if not isinstance(budgets, Mapping):
+            budgets = {paths[0].name: budgets}
+        ladders = normalize_ladders(budgets, paths=self.config.path_names)
+        for p in paths:
+            if 0 in ladders[p.name] and not p.allow_empty:
+                raise ConfigError(f"budgets[{p.name!r}]: 0 is allowed only on a path that may be empty; drop it.")
+            if p.allow_empty and 0 not in ladders[p.name]:
+                ladders[p.name] = (0, *ladders[p.name])
+        return ladders
+
+    @property
+    def planning_ladders(self) -> dict[str, tuple[int, ...]]:
+        """The ladders ``pack`` uses: the configured ones less budgets whose capture failed (a path whose every
+        capture failed keeps its ladder, and each of its batches then runs eagerly)."""
+        out = {}
+        for path, ladder in self.ladders.items():
+            kept = tuple(b for b in ladder if b not in self.failed[path])
+            out[path] = kept if any(kept) else ladder
+        return out
+
+    def plan(self, inputs: Any) -> Plan:
+        """The plan a call with ``inputs`` would run (no device work beyond the adapter's validation)."""
+        specs = self.adapter.item_specs(inputs)
+        if not specs:
+            raise InputError("inputs: expected at least one item, got an empty batch.")
+        return pack(specs, self.planning_ladders, max_items=self.limits.max_items, max_frames=self.limits.max_frames)
+
+    # ------------------------------------------------------------------ buffers and capture
+    def _allocate(self) -> None:
+        if self.buffers:
+            return
+        lim = self.limits
+        for path, ladder in self.ladders.items():
+            specs = {
+                b: self.adapter.buffer_specs(path, b, lim.max_items, lim.max_frames) for b in ladder if b > 0
+            }
+            self.buffers[path] = PathBuffers(path, specs, self.device)
+
+    def capture(self) -> dict[str, Any]:
+        """Capture every budget of every path (GRAPH mode); in other modes only allocate the buffers.
+
+        Returns (and keeps in ``capture_info``) a summary: graphs, seconds, pool bytes, failures, per graph.
+        """
+        with self._lock:
+            if self.captured:
+                return self.capture_info
+            self._allocate()
+            if self.mode is not RunMode.GRAPH:
+                self.captured = True
+                self.capture_info = {"graphs": 0, "seconds": 0.0, "mode": self.mode.value}
+                return self.capture_info
+            self.capture_info = self._capture_all()
+            self.captured = True
+            return self.capture_info
+
+    def _capture_all(self) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        device = self.device
+        todo = sorted(
+            ((path, b) for path, ladder in self.ladders.items() for b in ladder if b > 0),
+            key=lambda pb: (-pb[1], pb[0]),
+        )
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        reserved0 = torch.cuda.memory_reserved(device)
+        stream = torch.cuda.Stream(device)
+        self._pool = torch.cuda.graph_pool_handle()
+        bar = tqdm(todo, desc="encgraph: capture", unit="graph", disable=not self.progress, leave=False)
+        for path, budget in bar:
+            bar.set_postfix_str(f"{path}@{budget}")
+            try:
+                record = self._capture_one(path, budget, stream)
+            except EncgraphError:
+                raise
+            except Exception as exc:  # OOM or a kernel that cannot be captured: drop this budget only
+                torch.cuda.synchronize(device)
+                self.failed[path][budget] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                log.warning(
+                    "encgraph: capture of path %r at budget %d failed (%s); batches planned there move to the "
+                    "next budget, or run eagerly.", path, budget, self.failed[path][budget]
+                )
+                continue
+            self.records[path][budget] = record
+        bar.close()
+        torch.cuda.synchronize(device)
+        for path_records in self.records.values():
+            for record in path_records.values():
+                record.replay_ms = self._time_replay(record)
+        seconds = time.perf_counter() - start
+        pool_bytes = torch.cuda.memory_reserved(device) - reserved0
+        graphs = [r for rs in self.records.values() for r in rs.values()]
+        info = {
+            "mode": self.mode.value,
+            "graphs": len(graphs),
+            "seconds": round(seconds, 3),
+            "pool_bytes": int(pool_bytes),
+            "largest_graph_bytes": max((r.memory_bytes for r in graphs), default=0),
+            "buffer_bytes": sum(b.nbytes for b in self.buffers.values()),
+            "failed": {p: dict(f) for p, f in self.failed.items() if f},
+            "per_graph": [r.summary() for r in sorted(graphs, key=lambda r: (r.path, r.budget))],
+        }
+        log.info(
+            "encgraph: captured %d graphs in %.2f s; pool %.1f MiB, static buffers %.1f MiB%s",
+            info["graphs"], seconds, pool_bytes / 2**20, info["buffer_bytes"] / 2**20,
+            f"; {sum(len(f) for f in self.failed.values())} failed" if info["failed"] else "",
+        )
+        return info
+
+    def _capture_one(self, path: str, budget: int, stream: torch.cuda.Stream) -> GraphRecord:
+        device = self.device
+        t0 = time.perf_counter()
+        views = self.buffers[path].fill(budget, None)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self._check_outputs(path, budget, self.adapter.forward_static(path, views, budget), budget, "static")
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            outputs = dict(self.adapter.forward_static(path, views, budget))
+        torch.cuda.synchronize(device)
+        self._check_outputs(path, budget, outputs, budget, "static")
+        return GraphRecord(
+            path=path,
+            budget=budget,
+            graph=graph,
+            inputs=views,
+            outputs=outputs,
+            capture_seconds=time.perf_counter() - t0,
+            memory_bytes=int(torch.cuda.memory_reserved(device) - before),
+        )
+
+    def _time_replay(self, record: GraphRecord, repeats: int = 5) -> float:
+        # Time on random floats: zeros can run faster than real data.
+        self.buffers[record.path].fill(record.budget, None)
+        for t in record.inputs.values():
+            if t.is_floating_point():
+                t.normal_()
+        times = []
+        for _ in range(repeats):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            record.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        return float(statistics.median(times))
+
+    # ------------------------------------------------------------------ running
+    def __call__(self, inputs: Any) -> list[Any]:
+        """Encode ``inputs``; return one result per item, in the caller's order (see the adapter for types).
+
+        Results are fresh tensors unless ``copy_outputs=False`` (then views valid until the next call).
+        """
+        with self._lock:
+            specs = self.adapter.item_specs(inputs)
+            if not specs:
+                raise InputError("inputs: expected at least one item, got an empty batch.")
+            if not self.captured:
+                if self.mode is RunMode.GRAPH and not self.lazy:
+                    raise CaptureError("runner: call capture() before the first call, or pass lazy=True.")
+                self.capture()
+            plan = pack(
+                specs, self.planning_ladders, max_items=self.limits.max_items, max_frames=self.limits.max_frames
+            )
+            batch_results = [self._run_batch(inputs, specs, batch) for batch in plan.batches]
+            self._stats.add_call(len(specs))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("encgraph: call of %d items, %d batches; stats %s", len(specs), len(plan.batches), self.stats)
+            return plan.restore(batch_results)
+
+    def _run_batch(self, inputs: Any, specs: Sequence[Any], batch: Any) -> list[Any]:
+        sub = self.adapter.select(inputs, batch.items)
+        sub_specs = [specs[i] for i in batch.items]
+        outputs: dict[str, Mapping[str, torch.Tensor]] = {}
+        eager_paths: dict[str, str] = {}
+        for path in self.config.path_names:
+            budget = batch.budgets[path]
+            used = batch.tokens[path]
+            if budget == 0 or used == 0:
+                continue
+            reason = None
+            if self.mode is RunMode.EAGER:
+                reason = EAGER_MODE
+            elif budget is None:
+                reason = batch.eager[path].value
+            elif self.mode is RunMode.GRAPH and budget not in self.records[path]:
+                reason = CAPTURE_FAILED
+            if reason is not None:
+                out = self.adapter.forward_eager(path, sub)
+                self._check_outputs(path, budget, out, used, "eager")
+                eager_paths[path] = reason
+                self._stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
+            else:
+                out = self._run_static(path, budget, sub, used)
+                self._stats.add_replay(path, budget, used)
+            outputs[path] = out
+        self._stats.add_items(eager=sum(1 for s in sub_specs if any(s.tokens[p] for p in eager_paths)),
+                              total=len(sub_specs))
+        return self._split(outputs, sub_specs)
+
+    def _run_static(self, path: str, budget: int, sub: Any, used: int) -> Mapping[str, torch.Tensor]:
+        values = self.adapter.replay_values(path, sub, budget)
+        views = self.buffers[path].fill(budget, values)
+        if self.mode is RunMode.GRAPH:
+            record = self.records[path][budget]
+            record.graph.replay()
+            outputs = record.outputs
+            if self.copy_outputs:
+                return {name: t[:used].clone() for name, t in outputs.items()}
+            return {name: t[:used] for name, t in outputs.items()}
+        outputs = self.adapter.forward_static(path, views, budget)
+        self._check_outputs(path, budget, outputs, budget, "static")
+        return {name: t[:used] for name, t in outputs.items()}
+
+    def _split(self, outputs: Mapping[str, Mapping[str, torch.Tensor]], specs: Sequence[Any]) -> list[Any]:
+        offsets = dict.fromkeys(outputs, 0)
+        results = []
+        for spec in specs:
+            parts: dict[str, dict[str, torch.Tensor]] = {}
+            for path, named in outputs.items():
+                n = spec.tokens[path]
+                if n:
+                    o = offsets[path]
+                    parts[path] = {name: t[o : o + n] for name, t in named.items()}
+                    offsets[path] = o + n
+            results.append(self.adapter.assemble(parts))
+        return results
+
+    def _check_outputs(self, path: str, budget: int | None, outputs: Any, rows: int, kind: str) -> None:
+        # Read the adapter's config afresh: a generic adapter learns its output names on its first call.
+        expected = self.adapter.config.path(path).outputs
+        if not isinstance(outputs, Mapping) or tuple(sorted(outputs)) != tuple(sorted(expected)):
+            raise ConfigError(
+                f"forward_{kind}({path!r}): expected a mapping with outputs {list(expected)}, got "
+                f"{describe(outputs) if not isinstance(outputs, Mapping) else sorted(outputs)}."
+            )
+        for name, t in outputs.items():
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != rows:
+                raise ConfigError(
+                    f"forward_{kind}({path!r}) at budget {budget}: output {name!r} must have {rows} rows in dim 0, "
+                    f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else describe(t)}."
+                )
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction (or ``reset_stats()``), as a plain dict:
+
+        ``calls``, ``items``, ``graph_items`` (items whose every path ran the static forward: a replay in GRAPH
+        mode), ``eager_items`` (items with at least one path run eagerly), ``eager_reasons`` (item-paths per
+        reason), ``paths`` (per path: ``replays`` per budget, ``eager_runs``, ``eager_items``, ``real_tokens``,
+        ``padded_tokens``), ``capture`` (the capture summary). ``graph_items + eager_items == items``.
+        """
+        out = self._stats.as_dict()
+        out["mode"] = self.mode.value
+        out["capture"] = dict(self.capture_info)
+        return out
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = RunStats(self.config.path_names)
+
+    def __repr__(self) -> str:
+        return (
+            f"EncoderGraphRunner(mode={self.mode.value}, device={self.device}, ladders={self.ladders}, "
+            f"limits={self.limits}, captured={self.captured})"
+        )
+
+
+_ADAPTER_METHODS = (
+    "config", "item_specs", "select", "buffer_specs", "replay_values", "forward_static", "forward_eager", "assemble",
+)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigTypeError(f"{name}: expected True or False, got {describe(value)}.")
+    return value
+
+
+def _resolve_device(device: torch.device | str | None, tower: torch.device) -> torch.device:
+    if device is None:
+        resolved = tower
+    else:
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigTypeError(f"device: expected a torch.device or a string like 'cuda:0', got {describe(device)}.") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {resolved} was asked for but CUDA is not available; use device='cpu'.")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    tower_norm = tower
+    if tower.type == "cuda" and tower.index is None and torch.cuda.is_available():
+        tower_norm = torch.device("cuda", torch.cuda.current_device())
+    if resolved != tower_norm:
+        raise ConfigError(
+            f"device: the tower's weights are on {tower}, but device={resolved} was asked for; move the module "
+            f"first (module.to({str(resolved)!r})) or leave device unset."
+        )
+    return resolved

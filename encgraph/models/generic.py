@@ -1,0 +1,181 @@
+"""A generic adapter for any ``nn.Module`` whose forward takes batch-first tensors and returns a batch-first
+tensor (or a tuple, list or dict of them): the budget unit is items, the ladder is one of batch sizes, padding
+rows are zeros.
+
+The adapter learns the trailing shapes and dtypes of the inputs, and the structure of the output, from the
+first call (or from ``example``); later calls must match them (a different trailing shape would need other
+graphs: wrap that module once per shape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from encgraph._validate import check_int, describe
+from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec
+from encgraph.errors import ConfigError, InputError, InputTypeError
+from encgraph.packing import ItemSpec
+
+__all__ = ["GenericModuleAdapter"]
+
+PATH = "default"
+
+
+@attrs.frozen
+class _Signature:
+    """Trailing shapes and dtypes of the positional inputs; the output's structure ("tensor", "tuple",
+    "list" or "dict") and names."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    kind: str
+    names: tuple[str, ...]
+
+
+class GenericModuleAdapter:
+    """Adapter for a batch-first module. Inputs: a tuple of tensors with the same size in dim 0.
+
+    Args:
+        module: the module; its parameters' device and dtype are the tower's.
+        max_batch: the largest batch size captured (default 32); the default ladder is 1, 2, 4, ... up to it.
+        example: optional example positional inputs (a tensor or a tuple), to capture before the first call.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, max_batch: int = 32, example: Any = None) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise InputTypeError(f"module: expected a torch.nn.Module, got {describe(module)}.")
+        self._module = module
+        self.max_batch = check_int("max_batch", max_batch, minimum=1)
+        param = next(iter(module.parameters()), None)
+        self._device = param.device if param is not None else torch.device("cpu")
+        self._dtype = param.dtype if param is not None else torch.float32
+        self._signature: _Signature | None = None
+        if example is not None:
+            self.item_specs(self.inputs_from_call(*(example if isinstance(example, tuple) else (example,))))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module
+
+    @property
+    def config(self) -> AdapterConfig:
+        names = self._signature.names if self._signature is not None else ("out",)
+        return AdapterConfig(
+            paths=PathSpec(PATH, 1, self.max_batch, outputs=names, unit=BudgetUnit.ITEMS),
+            dtype=self._dtype,
+            device=self._device,
+        )
+
+    # -- inputs
+    def inputs_from_call(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        if kwargs:
+            raise InputTypeError(
+                f"graphed module: keyword arguments are not supported by the generic adapter, got "
+                f"{sorted(kwargs)}; pass tensors positionally."
+            )
+        return tuple(args)
+
+    def item_specs(self, inputs: tuple[torch.Tensor, ...]) -> list[ItemSpec]:
+        if not isinstance(inputs, tuple) or not inputs:
+            raise InputTypeError(f"inputs: expected a non-empty tuple of tensors, got {describe(inputs)}.")
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise InputTypeError(f"inputs[{i}]: expected a batch-first tensor, got {describe(t)}.")
+            if t.device != self._device:
+                raise InputError(
+                    f"inputs[{i}]: expected a tensor on {self._device} (where the module is), got {t.device}; "
+                    f"move it with .to({str(self._device)!r})."
+                )
+        batch = inputs[0].shape[0]
+        if any(t.shape[0] != batch for t in inputs):
+            raise InputError(
+                f"inputs: every tensor must have the same batch size in dim 0, got {[t.shape[0] for t in inputs]}."
+            )
+        shapes = tuple(tuple(t.shape[1:]) for t in inputs)
+        dtypes = tuple(t.dtype for t in inputs)
+        if self._signature is None:
+            if batch == 0:
+                raise InputError("inputs: expected at least one item, got an empty batch.")
+            self._signature = self._probe(inputs, shapes, dtypes)
+        elif (shapes, dtypes) != (self._signature.shapes, self._signature.dtypes):
+            raise InputError(
+                f"inputs: the graphs were built for trailing shapes {list(self._signature.shapes)} and dtypes "
+                f"{list(self._signature.dtypes)}, got {list(shapes)} and {list(dtypes)}; wrap the module once per "
+                "input shape."
+            )
+        return [ItemSpec(1)] * batch
+
+    def _probe(self, inputs: tuple[torch.Tensor, ...], shapes: Any, dtypes: Any) -> _Signature:
+        with torch.inference_mode():
+            out = self._module(*(t[:1] for t in inputs))
+        if isinstance(out, torch.Tensor):
+            return _Signature(shapes, dtypes, "tensor", ("out",))
+        if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+            kind = "tuple" if isinstance(out, tuple) else "list"
+            return _Signature(shapes, dtypes, kind, tuple(str(i) for i in range(len(out))))
+        if isinstance(out, Mapping) and out and all(isinstance(o, torch.Tensor) for o in out.values()):
+            return _Signature(shapes, dtypes, "dict", tuple(str(k) for k in out))
+        raise InputTypeError(
+            f"module output: the generic adapter needs a batch-first tensor, or a tuple, list or dict of them, got "
+            f"{describe(out)}."
+        )
+
+    def select(self, inputs: tuple[torch.Tensor, ...], indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        if list(indices) == list(range(indices[0], indices[0] + len(indices))):
+            return tuple(t[indices[0] : indices[0] + len(indices)] for t in inputs)
+        idx = torch.as_tensor(list(indices), device=self._device)
+        return tuple(t.index_select(0, idx) for t in inputs)
+
+    # -- static buffers and forwards
+    def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:
+        sig = self._require_signature()
+        return {
+            f"arg{i}": BufferSpec((budget, *shape), dtype, FillRule.ZERO)
+            for i, (shape, dtype) in enumerate(zip(sig.shapes, sig.dtypes))
+        }
+
+    def replay_values(self, path: str, inputs: tuple[torch.Tensor, ...], budget: int) -> dict[str, torch.Tensor]:
+        return {f"arg{i}": t for i, t in enumerate(inputs)}
+
+    def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
+        args = [buffers[f"arg{i}"] for i in range(len(buffers))]
+        return self._named(self._module(*args))
+
+    def forward_eager(self, path: str, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        return self._named(self._module(*inputs))
+
+    def _named(self, out: Any) -> dict[str, torch.Tensor]:
+        sig = self._require_signature()
+        if sig.kind == "tensor":
+            return {"out": out}
+        if sig.kind == "dict":
+            return {k: out[k] for k in sig.names}
+        return {name: out[i] for i, name in enumerate(sig.names)}
+
+    def assemble(self, parts: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return dict(parts[PATH])
+
+    def output_for_call(self, results: list[dict[str, torch.Tensor]], inputs: Any) -> Any:
+        sig = self._require_signature()
+        cat = {name: torch.cat([r[name] for r in results]) for name in sig.names}
+        if sig.kind == "tensor":
+            return cat["out"]
+        if sig.kind == "dict":
+            return dict(cat)
+        seq = [cat[name] for name in sig.names]
+        return tuple(seq) if sig.kind == "tuple" else seq
+
+    def unwrap(self) -> torch.nn.Module:
+        return self._module
+
+    def _require_signature(self) -> _Signature:
+        if self._signature is None:
+            raise ConfigError(
+                "generic adapter: input shapes are unknown before the first call; call the module once, or pass "
+                "example=(tensors...) to capture ahead."
+            )
+        return self._signature

@@ -1,0 +1,47 @@
+"""``wrap(module)``: pick the adapter for a Hugging Face vision tower by its config class.
+
+Adapters register here by config class name with the module path of their factory, imported on first use (so
+that wrapping a SigLIP tower does not import the Qwen code).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from encgraph._validate import describe
+from encgraph.errors import UnsupportedModelError
+
+__all__ = ["wrap", "register_adapter", "known_configs"]
+
+# config class name -> "module:factory"; a factory takes (module, **options) and returns an adapter.
+_REGISTRY: dict[str, str] = {}
+
+
+def register_adapter(config_class_name: str, factory: str) -> None:
+    """Register ``factory`` ("package.module:callable") for towers whose ``config`` class has this name."""
+    _REGISTRY[config_class_name] = factory
+
+
+def known_configs() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def wrap(module: torch.nn.Module, **options: Any) -> Any:
+    """The model adapter for a known Hugging Face vision tower (chosen by ``type(module.config).__name__``).
+
+    Raises :class:`~encgraph.UnsupportedModelError` (a ``TypeError``) for anything else.
+    """
+    config = getattr(module, "config", None)
+    name = type(config).__name__ if config is not None else None
+    if name not in _REGISTRY:
+        raise UnsupportedModelError(
+            f"module: no encgraph adapter for {describe(module)} with config {name}; known configs: "
+            f"{list(known_configs())}. For a batch-first module use encgraph.graphed(module), which falls back "
+            "to the generic adapter."
+        )
+    module_name, attr = _REGISTRY[name].split(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory(module, **options)
