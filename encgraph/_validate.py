@@ -1,18 +1,29 @@
 """Checks on user input, in one place, raising clear errors (never ``assert``).
 
 Pure Python: imported by the torch-free planner.  Each helper names the argument, what was expected, what was
-given, and how to fix it.
+given, and how to fix it (the ``hint``).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from encgraph.errors import ConfigError, ConfigTypeError
 
-__all__ = ["check_int", "check_positive_int", "check_nonneg_int", "check_str", "describe"]
+__all__ = [
+    "check_int",
+    "check_positive_int",
+    "check_nonneg_int",
+    "check_optional_int",
+    "check_str",
+    "check_path",
+    "check_iterable",
+    "check_mapping",
+    "check_sequence",
+    "describe",
+]
 
 
 def describe(value: Any) -> str:
@@ -23,13 +34,21 @@ def describe(value: Any) -> str:
     return f"{text} ({type(value).__name__})"
 
 
+def _tail(hint: str) -> str:
+    return f" {hint}" if hint else ""
+
+
 def check_int(name: str, value: Any, *, minimum: int | None = None, hint: str = "") -> int:
-    """Return ``value`` as an ``int`` if it is an integer (not a bool) at least ``minimum``; raise otherwise."""
+    """Return ``value`` as an ``int`` if it is an integer (not a bool) at least ``minimum``; raise otherwise.
+
+    >>> check_int("max_items", 4, minimum=1)
+    4
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigTypeError(f"{name}: expected an int, got {describe(value)}.{' ' + hint if hint else ''}")
+        raise ConfigTypeError(f"{name}: expected an int, got {describe(value)}.{_tail(hint)}")
     value = int(value)
     if minimum is not None and value < minimum:
-        raise ConfigError(f"{name}: expected an int >= {minimum}, got {value}.{' ' + hint if hint else ''}")
+        raise ConfigError(f"{name}: expected an int >= {minimum}, got {value}.{_tail(hint)}")
     return value
 
 
@@ -41,13 +60,49 @@ def check_nonneg_int(name: str, value: Any, *, hint: str = "") -> int:
     return check_int(name, value, minimum=0, hint=hint)
 
 
+def check_optional_int(name: str, value: Any, *, minimum: int | None = None, hint: str = "") -> int | None:
+    """``None`` passes through; anything else must be an int at least ``minimum``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigTypeError(f"{name}: expected an int or None, got {describe(value)}.{_tail(hint)}")
+    return check_int(name, value, minimum=minimum, hint=hint)
+
+
 def check_str(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigTypeError(f"{name}: expected a non-empty str, got {describe(value)}.")
     return value
 
 
-def check_iterable(name: str, value: Any) -> Iterable[Any]:
+def check_path(name: str, value: Any) -> str:
+    """A path name: a non-empty ``str`` (type errors raise ``ConfigTypeError``, ``""`` raises ``ConfigError``)."""
+    if not isinstance(value, str):
+        raise ConfigTypeError(
+            f"{name}: expected a path name (str), got {describe(value)}. Name each path with a str such as "
+            f"'default', 'global' or 'local'."
+        )
+    if not value:
+        raise ConfigError(f"{name}: expected a non-empty path name, got ''. Give the path a name such as 'default'.")
+    return value
+
+
+def check_iterable(name: str, value: Any, *, hint: str = "") -> Iterable[Any]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ConfigTypeError(f"{name}: expected an iterable, got {describe(value)}.")
+        raise ConfigTypeError(f"{name}: expected an iterable, got {describe(value)}.{_tail(hint)}")
+    return value
+
+
+def check_mapping(name: str, value: Any, *, hint: str = "") -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigTypeError(f"{name}: expected a mapping (dict), got {describe(value)}.{_tail(hint)}")
+    return value
+
+
+def check_sequence(name: str, value: Any, *, hint: str = "") -> Sequence[Any]:
+    """A sized, indexable sequence (list, tuple, range), not a str/bytes and not a one-shot iterator."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigTypeError(
+            f"{name}: expected a sequence (list or tuple), got {describe(value)}.{_tail(hint)}"
+        )
     return value
