@@ -1,0 +1,359 @@
+"""Fixed-resolution Hugging Face vision towers (SigLIP, CLIP, InternVL): one graph per batch size.
+
+These towers take ``pixel_values (B, C, H, W)`` at one image size and give every image the same number of
+tokens, so the budget unit is items (:attr:`BudgetUnit.ITEMS`): a ladder of batch sizes (default 1, 2, 4, ...,
+32). A batch of ``n`` images replays the graph of the smallest batch size ``b >= n``; the ``b - n`` padding
+rows of the pixel buffer are zero images (``FillRule.ZERO``), whose outputs the runner never hands out.
+
+The static forward is the tower's own ``forward`` on the padded pixel buffer. It is graph-safe on transformers
+5.17 and 5.24: attention (SDPA or eager) runs on fixed shapes with no mask, the size checks and the
+``interpolate_pos_encoding`` branches compare Python ints, and nothing reads a tensor value on the host (the
+tests run the static forward on the ``meta`` device, where any such read raises).
+
+Outputs per item (rows = items, each ``(1, ...)`` in the per-item results):
+
+- ``last_hidden_state``: ``(B, tokens, hidden)``;
+- ``pooler_output``: ``(B, hidden)``, where the tower returns one (CLIP; SigLIP with its attention-pooling
+  head; not InternVL, whose forward leaves it ``None``);
+- ``hidden_states.<i>``: ``(B, tokens, hidden)``, index ``i`` of the tower's ``hidden_states`` tuple
+  (embeddings, then each layer), for the indices the adapter captures (see ``hidden_states`` below).
+
+``graphed(tower)`` returns the tower's own output class (``BaseModelOutputWithPooling``, or InternVL's
+``InternVLVisionModelOutputWithPooling``), with every tensor concatenated over the call's images in input order,
+or its ``to_tuple()`` when the call passes ``return_dict=False``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from encgraph._validate import describe
+from encgraph.capture.protocol import BufferSpec
+from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError, UnsupportedModelError
+from encgraph.models.generic import GenericModuleAdapter, _Signature
+from encgraph.packing import ItemSpec
+
+__all__ = ["FixedResolutionAdapter", "PixelBatch", "CallRequest", "hidden_states_layout"]
+
+HIDDEN = "hidden_states."
+"""Prefix of the named outputs that hold entries of the tower's ``hidden_states`` tuple."""
+
+
+@attrs.frozen
+class CallRequest:
+    """What one call asked for besides its pixels; applies to every image of the call.
+
+    ``hidden_layout`` describes the ``hidden_states`` tuple to return: per slot, the index into the tower's full
+    tuple (``num_hidden_layers + 1`` entries), or ``None`` for a slot that holds ``None``; ``None`` itself means
+    the call returns no ``hidden_states``.
+    """
+
+    return_dict: bool = True
+    hidden_layout: tuple[int | None, ...] | None = None
+
+
+@attrs.frozen
+class PixelBatch:
+    """The inputs of one call: ``pixel_values (B, C, H, W)`` (floating point, on the tower's device; row ``i``
+    is image ``i``) and the call's :class:`CallRequest`."""
+
+    pixel_values: torch.Tensor
+    request: CallRequest = CallRequest()
+
+
+def _selects_full_indices() -> bool:
+    # transformers changed what an index list in `output_hidden_states` means: 5.17 reads it as layer outputs
+    # (no initial embedding state, one slot per layer); later versions (5.24 has it) as indices into the full
+    # tuple, negative ones allowed, resolved by this helper.
+    from transformers.utils import output_capturing
+
+    return hasattr(output_capturing, "resolve_hidden_states_indices")
+
+
+def hidden_states_layout(value: Any, num_layers: int) -> tuple[int | None, ...] | None:
+    """The ``hidden_states`` tuple the installed transformers returns for ``output_hidden_states=value``, as
+    indices into the full tuple (``num_layers + 1`` entries: embeddings, then each layer's output), ``None`` in
+    slots it leaves ``None``; ``None`` when it returns no ``hidden_states`` at all.
+
+    >>> hidden_states_layout(True, 2)
+    (0, 1, 2)
+    >>> hidden_states_layout(False, 2) is None
+    True
+    """
+    if not value:
+        return None
+    full = num_layers + 1
+    if isinstance(value, bool):
+        return tuple(range(full))
+    as_list = isinstance(value, (list, tuple, set, frozenset))
+    chosen = list(value) if as_list else [value]
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in chosen):
+        raise InputTypeError(
+            f"output_hidden_states: expected True, False, an int or a list of ints (hidden-state indices), got "
+            f"{describe(value)}."
+        )
+    if _selects_full_indices():
+        picked = {int(i) % full for i in chosen if -full <= i < full}
+        return tuple(i if i in picked else None for i in range(full))
+    if as_list:
+        return tuple(j + 1 if j in set(chosen) else None for j in range(num_layers))
+    return tuple(range(full))  # 5.17 reads a lone int as a flag
+
+
+def _pair(name: str, value: Any) -> tuple[int, int]:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value), int(value)
+    if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, numbers.Integral) for v in value):
+        return int(value[0]), int(value[1])
+    raise ConfigTypeError(f"{name}: expected an int or a (height, width) pair of ints, got {describe(value)}.")
+
+
+class FixedResolutionAdapter(GenericModuleAdapter):
+    """Adapter for a fixed-resolution Hugging Face vision tower; families set the class attributes below.
+
+    Builds on :class:`~encgraph.models.generic.GenericModuleAdapter` (a batch ladder, one zero-filled input
+    buffer ``arg0`` of shape ``(budget, C, H, W)`` in the tower's dtype, batch-first outputs), adding what a
+    Hugging Face tower needs: its forward's keyword arguments, named outputs (``hidden_states`` entries
+    included), checks of the images against the tower's config, and its own output class.
+
+    Args:
+        module: the tower (e.g. ``model.vision_tower``); its first parameter's device and dtype are the tower's.
+        max_batch: the largest batch size captured (default 32); the default ladder is 1, 2, 4, ... up to it.
+        hidden_states: which entries of the tower's ``hidden_states`` tuple to capture: ``None`` (default:
+            learn them from the calls that ask for hidden states before the runner allocates its buffers,
+            that is before the first capture), ``"all"``, or indices (negative ones count from the end; ``()``
+            captures none). With indices given, a call asking ``output_hidden_states=True`` gets ``None`` in the
+            slots not captured (LLaVA on transformers 5.17 asks for all and reads one; ``[-2]`` saves the memory
+            of the others). Capturing hidden states keeps them in the graph pool: ``(B, tokens, hidden)`` each.
+        image_size: the image size the graphs are built for, an int or ``(height, width)``, multiple of the
+            patch size; default the config's. Another size than the config's interpolates the position
+            embeddings as the tower does (calls must then pass ``interpolate_pos_encoding=True`` where the
+            tower takes it, as the tower itself requires).
+
+    Outputs carry no autograd history: both forwards run under ``torch.no_grad()`` (a captured graph cannot
+    replay a backward pass).
+    """
+
+    family: ClassVar[str] = "vision tower"
+    tower_class_names: ClassVar[tuple[str, ...]] = ()
+    """Class names (of the tower or a base class) this adapter accepts."""
+    positional: ClassVar[tuple[str, ...]] = ("pixel_values", "interpolate_pos_encoding")
+    """The tower forward's positional parameters, in order."""
+    interpolate_kwarg: ClassVar[str | None] = "interpolate_pos_encoding"
+    """The forward's switch for position-embedding interpolation (``None``: the tower interpolates by itself)."""
+    none_only: ClassVar[tuple[str, ...]] = ()
+    """Forward parameters accepted only as ``None`` (per-call options the graphs do not hold)."""
+    output_class_name: ClassVar[str] = "BaseModelOutputWithPooling"
+    """The tower's output class, looked up in the tower's own modeling module (so it matches the version)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        max_batch: int = 32,
+        hidden_states: str | Iterable[int] | None = None,
+        image_size: int | tuple[int, int] | None = None,
+    ) -> None:
+        if not any(c.__name__ in self.tower_class_names for c in type(module).__mro__):
+            raise UnsupportedModelError(
+                f"module: the {self.family} adapter takes {' or '.join(self.tower_class_names)}, got "
+                f"{describe(module)}; wrap it with encgraph.models.wrap(module) to pick its adapter."
+            )
+        super().__init__(module, max_batch=max_batch)
+        config = module.config
+        self.num_layers = int(config.num_hidden_layers)
+        self.channels = int(config.num_channels)
+        self.config_size = _pair("config.image_size", config.image_size)
+        self.patch = _pair("config.patch_size", config.patch_size)
+        self.image_size = self.config_size if image_size is None else _pair("image_size", image_size)
+        if any(s <= 0 or s % p for s, p in zip(self.image_size, self.patch)):
+            raise ConfigError(
+                f"image_size: expected positive multiples of the patch size {self.patch}, got {self.image_size}."
+            )
+        self.resized = self.image_size != self.config_size
+        self.output_class = getattr(importlib.import_module(type(module).__module__), self.output_class_name)
+        self.has_pooler = self._has_pooler()
+        self.learn_hidden = hidden_states is None
+        self.hidden: tuple[int, ...] = () if hidden_states is None else self._resolve_hidden(hidden_states)
+        self.frozen = False
+        self._signature = _Signature(
+            ((self.channels, *self.image_size),), (self._dtype,), "dict", self._output_names()
+        )
+
+    # -- family hooks
+    def _has_pooler(self) -> bool:
+        """Whether the tower's forward returns a ``pooler_output`` (CLIP always does)."""
+        return True
+
+    # -- configuration
+    def _resolve_hidden(self, value: Any) -> tuple[int, ...]:
+        full = self.num_layers + 1
+        if value == "all":
+            return tuple(range(full))
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise ConfigTypeError(
+                f"hidden_states: expected None, 'all' or a list of hidden-state indices, got {describe(value)}."
+            )
+        out = set()
+        for i in value:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -full <= i < full:
+                raise ConfigError(
+                    f"hidden_states: expected indices in [-{full}, {full - 1}] (the tower returns {full} hidden "
+                    f"states: embeddings and {self.num_layers} layers), got {describe(i)}."
+                )
+            out.add(int(i) % full)
+        return tuple(sorted(out))
+
+    def _output_names(self) -> tuple[str, ...]:
+        names = ["last_hidden_state"] + (["pooler_output"] if self.has_pooler else [])
+        return tuple(names + [f"{HIDDEN}{i}" for i in self.hidden])
+
+    # -- inputs
+    def inputs_from_call(self, *args: Any, **kwargs: Any) -> PixelBatch:
+        """Parse the tower forward's own arguments into a :class:`PixelBatch`; learns the hidden states a call
+        asks for while the adapter may still grow its outputs (before the runner allocates its buffers)."""
+        name = type(self._module).__name__
+        if len(args) > len(self.positional):
+            raise InputTypeError(
+                f"graphed {name}: expected at most {len(self.positional)} positional arguments "
+                f"({', '.join(self.positional)}), got {len(args)}."
+            )
+        for key, value in zip(self.positional, args):
+            if key in kwargs:
+                raise InputTypeError(f"graphed {name}: got {key!r} both positionally and as a keyword.")
+            kwargs[key] = value
+        config = self._module.config
+        pixel_values = kwargs.pop("pixel_values", None)
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = getattr(config, "return_dict", True) if return_dict is None else bool(return_dict)
+        want = kwargs.pop("output_hidden_states", None)
+        want = getattr(config, "output_hidden_states", False) if want is None else want
+        if kwargs.pop("output_attentions", None):
+            raise InputError(
+                f"graphed {name}: output_attentions is not supported (attention weights are not captured); "
+                "call the unwrapped tower (graphed.unwrap()) for them."
+            )
+        interpolate = kwargs.pop(self.interpolate_kwarg, None) if self.interpolate_kwarg else None
+        if self.interpolate_kwarg and self.resized and not interpolate:
+            raise InputError(
+                f"graphed {name}: the graphs are built for {self.image_size[0]}x{self.image_size[1]} images, not "
+                f"the config's {self.config_size[0]}x{self.config_size[1]}; pass {self.interpolate_kwarg}=True, "
+                "as the tower itself requires."
+            )
+        for key in self.none_only:
+            if kwargs.pop(key, None) is not None:
+                raise InputError(f"graphed {name}: {key} is not supported by the graphs; pass None or leave it out.")
+        if kwargs:
+            raise InputTypeError(
+                f"graphed {name}: unsupported keyword arguments {sorted(kwargs)}; supported: "
+                f"{sorted({*self.positional, 'return_dict', 'output_hidden_states', 'output_attentions'})}."
+            )
+        if pixel_values is None:
+            raise InputTypeError(f"graphed {name}: expected pixel_values (B, C, H, W), got none.")
+        layout = hidden_states_layout(want, self.num_layers)
+        self._take_hidden(layout)
+        return PixelBatch(pixel_values, CallRequest(return_dict=return_dict, hidden_layout=layout))
+
+    def _take_hidden(self, layout: tuple[int | None, ...] | None) -> None:
+        if layout is None:
+            return
+        asked = {i for i in layout if i is not None}
+        missing = asked - set(self.hidden)
+        if not missing or (not self.learn_hidden and layout == tuple(range(self.num_layers + 1))):
+            return  # an explicit choice answers "all" with None in the slots it left out
+        if self.learn_hidden and not self.frozen:
+            self.hidden = tuple(sorted(set(self.hidden) | missing))
+            self._signature = attrs.evolve(self._signature, names=self._output_names())
+            return
+        raise InputError(
+            f"output_hidden_states: this call asks for hidden states {sorted(missing)}, which the graphs do not "
+            f"hold (captured: {list(self.hidden)}); pass adapter_options={{'hidden_states': {sorted(asked)}}} (or "
+            "'all') to encgraph.graphed so that they are captured."
+        )
+
+    def item_specs(self, inputs: PixelBatch) -> list[ItemSpec]:
+        """One spec (one item) per image; checks the images against the tower."""
+        if not isinstance(inputs, PixelBatch):
+            raise InputTypeError(f"inputs: expected a PixelBatch, got {describe(inputs)}.")
+        pv = inputs.pixel_values
+        expected = (self.channels, *self.image_size)
+        shape_hint = f"(B, {', '.join(map(str, expected))})"
+        if not isinstance(pv, torch.Tensor):
+            raise InputTypeError(f"pixel_values: expected a tensor {shape_hint}, got {describe(pv)}.")
+        if pv.dim() != 4:
+            raise InputError(f"pixel_values: expected 4 dims {shape_hint}, got shape {tuple(pv.shape)}.")
+        if not pv.is_floating_point():
+            raise InputTypeError(
+                f"pixel_values: expected a floating-point tensor (normalized pixels, cast to the tower's "
+                f"{self._dtype} as the tower itself does), got {pv.dtype}; run the image processor first."
+            )
+        if pv.shape[1] != self.channels:
+            raise InputError(
+                f"pixel_values: the tower takes {self.channels} channels, got {pv.shape[1]} (shape "
+                f"{tuple(pv.shape)}, expected {shape_hint})."
+            )
+        if tuple(pv.shape[2:]) != self.image_size:
+            raise InputError(
+                f"pixel_values: the graphs are built for {self.image_size[0]}x{self.image_size[1]} images, got "
+                f"{pv.shape[2]}x{pv.shape[3]}; resize them with the model's image processor, or wrap with "
+                f"adapter_options={{'image_size': ({pv.shape[2]}, {pv.shape[3]})}}."
+            )
+        if pv.device != self._device:
+            raise InputError(
+                f"pixel_values: expected a tensor on {self._device} (where the tower is), got {pv.device}; move "
+                f"it with .to({str(self._device)!r})."
+            )
+        return [ItemSpec(1)] * pv.shape[0]
+
+    def select(self, inputs: PixelBatch, indices: Sequence[int]) -> PixelBatch:
+        (pixels,) = super().select((inputs.pixel_values,), indices)
+        return PixelBatch(pixels, inputs.request)
+
+    # -- static buffers and forwards
+    def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:
+        # The runner allocates buffers (and then captures) with the outputs as they are now: stop learning.
+        self.frozen = True
+        return super().buffer_specs(path, budget, max_items, max_frames)
+
+    def replay_values(self, path: str, inputs: PixelBatch, budget: int) -> dict[str, torch.Tensor]:
+        return super().replay_values(path, (inputs.pixel_values,), budget)
+
+    def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
+        """The tower on the padded pixel buffer ``arg0 (budget, C, H, W)``; every keyword is a host constant."""
+        return self._run(buffers["arg0"])
+
+    def forward_eager(self, path: str, inputs: PixelBatch) -> dict[str, torch.Tensor]:
+        return self._run(inputs.pixel_values)
+
+    def _run(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+        kwargs: dict[str, Any] = {"return_dict": True, "output_attentions": False, "output_hidden_states": False}
+        if self.hidden:
+            # Where transformers takes full-tuple indices, ask only for those (the rest is never kept alive).
+            kwargs["output_hidden_states"] = list(self.hidden) if _selects_full_indices() else True
+        if self.resized and self.interpolate_kwarg:
+            kwargs[self.interpolate_kwarg] = True
+        with torch.no_grad():
+            out = self._module(pixel_values=pixel_values, **kwargs)
+        named = {"last_hidden_state": out.last_hidden_state}
+        if self.has_pooler:
+            named["pooler_output"] = out.pooler_output
+        for i in self.hidden:
+            named[f"{HIDDEN}{i}"] = out.hidden_states[i]
+        return named
+
+    def output_for_call(self, results: list[dict[str, torch.Tensor]], inputs: PixelBatch) -> Any:
+        """The tower's own output class (or its ``to_tuple()`` for ``return_dict=False``), each tensor
+        concatenated over the call's images in input order."""
+        cat = {name: torch.cat([r[name] for r in results]) for name in self._signature.names}
+        layout = inputs.request.hidden_layout
+        hidden = None if layout is None else tuple(None if i is None else cat.get(f"{HIDDEN}{i}") for i in layout)
+        out = self.output_class(
+            last_hidden_state=cat["last_hidden_state"], pooler_output=cat.get("pooler_output"), hidden_states=hidden
+        )
+        return out if inputs.request.return_dict else out.to_tuple()
