@@ -1,0 +1,287 @@
+"""Tiny random-weight fixed-resolution towers (SigLIP, CLIP, InternVL), tiny VLMs around them, and the checks
+their test files share. Plain functions (not pytest fixtures): the test files import them.
+
+Every tower: hidden 32, 4 heads, 2 layers, 32x32 images in 8x8 patches (16 patch tokens), fp32, eval mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import encgraph
+from encgraph.capture.records import RunMode
+
+HIDDEN, HEADS, LAYERS, SIZE, PATCH = 32, 4, 2, 32, 8
+LADDER = (1, 2, 4)
+"""Batch sizes of the CPU tests' ladder: batches of 1..9 images need padding, several batches, or both."""
+
+
+def ladder_options() -> dict[str, Any]:
+    """Runner options for the test ladder: ``budgets=LADDER`` (items per batch up to its largest size).
+
+    Workaround: while the planner caps ``max_items`` at the smallest budget on every path (right for token
+    budgets, vLLM PR 38040, but a batch-size ladder holds one unit per item), the runner refuses ladder
+    (1, 2, 4); the tests then run on ladder (2, 4) with 2 items per batch, which still pads odd batches.
+    """
+    from encgraph.errors import ConfigError
+    from encgraph.packing import default_limits
+
+    try:
+        default_limits(LADDER, max_items=max(LADDER))
+    except ConfigError:
+        return {"budgets": (2, 4), "max_items": 2}
+    return {"budgets": LADDER}
+TOL = 1e-5
+"""Largest relative error (max abs difference over max abs value, per image) between graphed and the tower."""
+
+_VISION = dict(
+    hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+)
+
+
+def tiny_siglip(**overrides: Any) -> torch.nn.Module:
+    """A ``SiglipVisionModel``; ``vision_use_head=True`` (default here) gives it the attention-pooling head."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    options = dict(_VISION, image_size=SIZE, patch_size=PATCH, vision_use_head=True) | overrides
+    return SiglipVisionModel(SiglipVisionConfig(**options)).eval()
+
+
+def tiny_clip(**overrides: Any) -> torch.nn.Module:
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    return CLIPVisionModel(CLIPVisionConfig(**(dict(_VISION, image_size=SIZE, patch_size=PATCH) | overrides))).eval()
+
+
+def tiny_internvl(**overrides: Any) -> torch.nn.Module:
+    """An ``InternVLVisionModel`` with the non-default options on (qk-norm, final layernorm, a mask token)."""
+    from transformers import InternVLVisionConfig, InternVLVisionModel
+
+    torch.manual_seed(0)
+    options = dict(
+        _VISION, image_size=[SIZE, SIZE], patch_size=[PATCH, PATCH], use_qk_norm=True, use_mean_pooling=False,
+        layer_scale_init_value=0.5,
+    ) | overrides
+    model = InternVLVisionModel(InternVLVisionConfig(**options)).eval()
+    with torch.no_grad():  # zero-initialised by HF: give them values so that they matter
+        model.embeddings.cls_token.normal_()
+        model.embeddings.position_embeddings.normal_()
+    return model
+
+
+def images(n: int, seed: int = 0, size: int = SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``n`` random normalized images ``(n, 3, size, size)``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, size, size, generator=gen).to(dtype)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def assert_items_close(out: torch.Tensor, ref: torch.Tensor, tol: float = TOL, what: str = "") -> float:
+    """Per image (dim 0), relative error below ``tol``; returns the largest."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    worst = 0.0
+    for i in range(ref.shape[0]):
+        err = rel_err(out[i], ref[i])
+        assert err < tol, f"{what} image {i}: relative error {err:.2e} >= {tol:.0e}"
+        worst = max(worst, err)
+    return worst
+
+
+def assert_outputs_match(out: Any, ref: Any, tol: float = TOL) -> None:
+    """``graphed(tower)(...)`` against ``tower(...)``: same class, same fields, each tensor close per image."""
+    assert type(out) is type(ref), f"output type {type(out).__name__} != the tower's {type(ref).__name__}"
+    if isinstance(ref, tuple):
+        assert len(out) == len(ref)
+        pairs = list(zip(out, ref))
+    else:
+        assert list(out.keys()) == list(ref.keys()), f"fields {list(out.keys())} != {list(ref.keys())}"
+        pairs = [(out[k], ref[k]) for k in ref.keys()]
+    for a, b in pairs:
+        if isinstance(b, tuple):  # hidden_states
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                assert (x is None) == (y is None)
+                if y is not None:
+                    assert_items_close(x, y, tol, "hidden_states")
+        else:
+            assert_items_close(a, b, tol)
+
+
+def graphed_tower(tower: torch.nn.Module, mode: RunMode = RunMode.STATIC, **adapter_options: Any) -> Any:
+    """``encgraph.graphed`` over the tower's registered adapter, on the test ladder."""
+    import encgraph.models._builtin_fixed  # noqa: F401  (registers the adapters until the registry imports it)
+
+    return encgraph.graphed(tower, mode=mode, adapter_options=adapter_options or None, **ladder_options())
+
+
+# -- checks every family runs
+def check_batches(tower: torch.nn.Module, mode: RunMode, sizes: range = range(1, 10)) -> None:
+    """Batches of 1..9 images (over the ladder's largest size) equal the tower's own forward, per image."""
+    fast = graphed_tower(tower, mode)
+    total = 0
+    for n in sizes:
+        x = images(n, seed=n)
+        with torch.no_grad():
+            ref = tower(x)
+        assert_outputs_match(fast(x), ref)
+        total += n
+    stats = fast.stats
+    assert stats["items"] == total
+    assert stats["eager_items" if mode is RunMode.EAGER else "graph_items"] == total
+
+
+def check_return_tuple(tower: torch.nn.Module) -> None:
+    x = images(3)
+    with torch.no_grad():
+        assert_outputs_match(graphed_tower(tower)(x, return_dict=False), tower(x, return_dict=False))
+
+
+def check_hidden_states(tower: torch.nn.Module) -> None:
+    """Every form of ``output_hidden_states`` the installed transformers reads gives what the tower gives."""
+    x = images(5, seed=1)
+    last = tower.config.num_hidden_layers
+    for value in (True, 1, -2, [1], [0, -1], [last], False):
+        with torch.no_grad():
+            ref = tower(x, output_hidden_states=value)
+        fast = graphed_tower(tower)  # learns the hidden states from its first call
+        assert_outputs_match(fast(x, output_hidden_states=value), ref)
+        assert_outputs_match(fast(x[:2]), tower(x[:2]))  # asked for nothing: no hidden_states
+
+
+def check_hidden_states_captured_once(tower: torch.nn.Module) -> None:
+    """After the first call the outputs are fixed; an explicit choice answers "all" with None elsewhere."""
+    from encgraph.errors import InputError
+
+    x = images(3)
+    fast = graphed_tower(tower)
+    fast(x)
+    with pytest.raises(InputError, match=r"hidden_states.*adapter_options"):
+        fast(x, output_hidden_states=True)
+    chosen = graphed_tower(tower, hidden_states=[-2])
+    out = chosen(x, output_hidden_states=True)
+    with torch.no_grad():
+        ref = tower(x, output_hidden_states=True)
+    full = len(ref.hidden_states)
+    assert [h is None for h in out.hidden_states] == [i != full - 2 for i in range(full)]
+    assert_items_close(out.hidden_states[-2], ref.hidden_states[-2])
+    assert_items_close(out.last_hidden_state, ref.last_hidden_state)
+
+
+def check_no_host_sync(make_tower: Callable[..., torch.nn.Module]) -> None:
+    """The static forward runs on the ``meta`` device, where reading any tensor value on the host (``.item()``,
+    ``.tolist()``, ``nonzero``, a data-dependent branch) raises: nothing in it can sync a GPU either."""
+    from encgraph.models.registry import wrap
+
+    import encgraph.models._builtin_fixed  # noqa: F401
+
+    with torch.device("meta"):
+        tower = make_tower()
+    adapter = wrap(tower, hidden_states="all")
+    specs = adapter.buffer_specs("default", 4, 4, 4)
+    buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()}
+    out = adapter.forward_static("default", buffers, 4)
+    assert set(out) == set(adapter.config.path("default").outputs)
+    assert all(t.device.type == "meta" and t.shape[0] == 4 for t in out.values())
+
+
+def check_input_errors(tower: torch.nn.Module, extra: list[tuple[Any, dict[str, Any], type, str]] = ()) -> None:
+    """Images and arguments that contradict the tower raise an EncgraphError naming the problem."""
+    from encgraph.errors import EncgraphError, InputError, InputTypeError
+
+    fast = graphed_tower(tower)
+    fast(images(2))  # the graphs exist; later checks must not depend on that
+    cases = [
+        (images(2)[:, :2], {}, InputError, "3 channels, got 2"),
+        (images(2, size=SIZE + PATCH), {}, InputError, "built for 32x32 images, got 40x40"),
+        (images(2).to(torch.int64), {}, InputTypeError, "floating-point"),
+        (images(2)[0], {}, InputError, "4 dims"),
+        (images(2).numpy(), {}, InputTypeError, "expected a tensor"),
+        (images(2).to("meta"), {}, InputError, "expected a tensor on cpu"),
+        (images(2), {"output_attentions": True}, InputError, "output_attentions"),
+        (images(2), {"foo": 1}, InputTypeError, "unsupported keyword arguments \\['foo'\\]"),
+        (images(2), {"output_hidden_states": ["a"]}, InputTypeError, "output_hidden_states"),
+        (None, {}, InputTypeError, "expected pixel_values"),
+        *extra,
+    ]
+    for pixels, kwargs, error, message in cases:
+        with pytest.raises(error, match=message) as info:
+            fast(pixels, **kwargs)
+        assert isinstance(info.value, EncgraphError)
+    with pytest.raises(InputTypeError, match="both positionally and as a keyword"):
+        fast(images(1), pixel_values=images(1))
+
+
+def check_resized(tower: torch.nn.Module, interpolate_kwarg: str | None) -> None:
+    """``image_size`` other than the config's: position embeddings interpolate as in the tower."""
+    from encgraph.errors import InputError
+
+    x = images(3, size=SIZE + 2 * PATCH)
+    call = {interpolate_kwarg: True} if interpolate_kwarg else {}
+    fast = graphed_tower(tower, image_size=SIZE + 2 * PATCH)
+    with torch.no_grad():
+        assert_outputs_match(fast(x, **call), tower(x, **call))
+    if interpolate_kwarg:
+        with pytest.raises(InputError, match=interpolate_kwarg):
+            fast(x)
+
+
+# -- tiny VLMs: the drop-in `model.model.vision_tower = encgraph.graphed(model.model.vision_tower)`
+_TEXT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, head_dim=8,
+)
+IMAGE_TOKEN = 100
+
+
+def tiny_vlm(family: str) -> tuple[torch.nn.Module, int]:
+    """A tiny VLM around the family's tower and the number of text tokens one image becomes."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    vision = {k: v for k, v in _VISION.items()}
+    if family == "clip":
+        config = tf.LlavaConfig(
+            vision_config=tf.CLIPVisionConfig(**vision, image_size=SIZE, patch_size=PATCH),
+            text_config=tf.LlamaConfig(**_TEXT), image_token_index=IMAGE_TOKEN, image_seq_length=16,
+        )
+        return tf.LlavaForConditionalGeneration(config).eval(), 16
+    if family == "siglip":
+        config = tf.PaliGemmaConfig(
+            vision_config=tf.SiglipVisionConfig(**vision, image_size=SIZE, patch_size=PATCH, projection_dim=32),
+            text_config=tf.GemmaConfig(**_TEXT), image_token_index=IMAGE_TOKEN, projection_dim=32,
+        )
+        return tf.PaliGemmaForConditionalGeneration(config).eval(), 16
+    config = tf.InternVLConfig(
+        vision_config=tf.InternVLVisionConfig(**vision, image_size=[SIZE, SIZE], patch_size=[PATCH, PATCH]),
+        text_config=tf.Qwen2Config(**_TEXT), image_token_id=IMAGE_TOKEN, image_seq_length=4,
+    )
+    return tf.InternVLForConditionalGeneration(config).eval(), 4
+
+
+def check_vlm_drop_in(family: str, n_images: int = 6) -> None:
+    """Logits and image features of a tiny VLM are the same with its tower replaced by ``graphed(tower)``."""
+    model, per_image = tiny_vlm(family)
+    pixels = images(n_images, seed=3)
+    ids = torch.cat([torch.full((n_images * per_image,), IMAGE_TOKEN), torch.arange(1, 9)])[None]
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids, pixel_values=pixels).logits
+        ref_features = model.model.get_image_features(pixel_values=pixels).pooler_output
+        tower = model.model.vision_tower
+        model.model.vision_tower = graphed_tower(tower)
+        logits = model(input_ids=ids, pixel_values=pixels).logits
+        features = model.model.get_image_features(pixel_values=pixels).pooler_output
+    assert model.model.vision_tower.stats["graph_items"] == 2 * n_images
+    for a, b in zip(features, ref_features):
+        assert_items_close(a[None], b[None])
+    assert rel_err(logits, ref_logits) < TOL
+    assert model.model.vision_tower.unwrap() is tower

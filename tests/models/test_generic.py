@@ -1,0 +1,93 @@
+"""The generic batch-first adapter and ``graphed()`` for plain modules (CPU, static and eager modes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import encgraph
+from encgraph.capture.records import RunMode
+from encgraph.errors import ConfigError, EncgraphError, InputError, InputTypeError
+from encgraph.models.generic import GenericModuleAdapter
+from tests.models.fixtures_fixed import assert_items_close, ladder_options
+
+
+class TwoHeads(torch.nn.Module):
+    """Returns a tuple, or a dict, of two batch-first tensors of different trailing shapes."""
+
+    def __init__(self, as_dict: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 6)
+        self.as_dict = as_dict
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+        h = torch.tanh(self.lin(x)) * scale[:, None, None]
+        pooled = h.mean(1)
+        return {"tokens": h, "pooled": pooled} if self.as_dict else (h, pooled)
+
+
+def sequential() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 5, 8, generator=gen), torch.rand(n, generator=gen) + 0.5
+
+
+@pytest.mark.parametrize("mode", [RunMode.STATIC, RunMode.EAGER])
+def test_sequential_any_batch_size(mode):
+    net = sequential()
+    fast = encgraph.graphed(net, mode=mode, **ladder_options())
+    assert isinstance(fast.adapter, GenericModuleAdapter)
+    for n in range(1, 10):  # over the largest batch size: several batches
+        x = torch.randn(n, 8)
+        out = fast(x)
+        assert isinstance(out, torch.Tensor)
+        assert_items_close(out, net(x).detach())
+    assert fast.stats["items"] == sum(range(1, 10))
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_structured_outputs_keep_their_type(as_dict):
+    torch.manual_seed(0)
+    net = TwoHeads(as_dict)
+    fast = encgraph.graphed(net, **ladder_options())
+    for n in (1, 3, 6):
+        x, scale = inputs(n, seed=n)
+        out, ref = fast(x, scale), net(x, scale)
+        assert type(out) is type(ref)
+        pairs = [(out[k], ref[k]) for k in ref] if as_dict else list(zip(out, ref))
+        if as_dict:
+            assert list(out) == list(ref)
+        for a, b in pairs:
+            assert_items_close(a, b.detach())
+
+
+def test_example_allows_capture_before_the_first_call():
+    net = sequential()
+    with pytest.raises(ConfigError, match="example="):
+        encgraph.graphed(net, **ladder_options()).capture()
+    fast = encgraph.graphed(net, adapter_options={"example": torch.zeros(1, 8)}, **ladder_options())
+    fast.capture()
+    x = torch.randn(3, 8)
+    assert_items_close(fast(x), net(x).detach())
+
+
+def test_bad_calls_raise_clear_errors():
+    fast = encgraph.graphed(TwoHeads(), **ladder_options())
+    x, scale = inputs(3, seed=0)
+    with pytest.raises(InputTypeError, match="keyword arguments"):
+        fast(x, scale=scale)
+    fast(x, scale)
+    with pytest.raises(InputError, match="trailing shapes"):  # a new trailing shape would need other graphs
+        fast(torch.randn(3, 7, 8), scale)
+    with pytest.raises(InputError, match="trailing shapes"):
+        fast(x.double(), scale)
+    with pytest.raises(InputError, match="same batch size"):
+        fast(x, scale[:2])
+    with pytest.raises(InputTypeError, match="batch-first tensor"):
+        fast(x, 2.0)
+    with pytest.raises(EncgraphError):
+        encgraph.graphed("not a module")
