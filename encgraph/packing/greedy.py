@@ -46,7 +46,8 @@ def pack(
         items: the item specs; every item must name exactly the ladders' paths (an ``int``-token
             :class:`ItemSpec` is on the path ``"default"``).
         ladders: one ladder (path ``"default"``) or ``{path: ladder}``; see :func:`normalize_ladders`.
-        max_items: most items per batch; at most the smallest non-zero budget of every path (vLLM PR 38040).
+        max_items: most items per batch, >= 1.  The planner does not tie it to the budgets; the capture side
+            does (see :func:`default_limits`).
         max_frames: most frames per batch (>= ``max_items``), or ``None`` for no frame limit.
 
     Returns:
@@ -63,7 +64,7 @@ def pack(
         ConfigError: an item names an unknown path or misses one, or a ladder or limit has a bad value.
     """
     lad = normalize_ladders(ladders)
-    n_max, f_max = check_limits(lad, max_items, max_frames)
+    n_max, f_max = check_limits(None, max_items, max_frames)
     check_sequence("pack(items)", items, hint="Pass a list of ItemSpec.")
     paths = tuple(lad)
     n = len(items)

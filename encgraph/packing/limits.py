@@ -61,12 +61,13 @@ def _smallest_nonzero(ladders: Mapping[str, tuple[int, ...]]) -> tuple[str, int]
 
 
 def check_limits(
-    ladders: Mapping[str, tuple[int, ...]], max_items: Any, max_frames: Any, *, where: str = "pack"
+    ladders: Mapping[str, tuple[int, ...]] | None, max_items: Any, max_frames: Any, *, where: str = "pack"
 ) -> tuple[int, int | None]:
-    """Validate user limits against normalized ladders; return ``(max_items, max_frames)``.
+    """Validate user limits; return ``(max_items, max_frames)``.
 
-    ``max_items`` must be a positive int no larger than the smallest non-zero budget of any path (vLLM PR
-    38040: a per-item dummy of 0 tokens crashes capture); ``max_frames`` is ``None`` or an int >= ``max_items``.
+    ``max_items`` must be a positive int, and when ``ladders`` (normalized) are given, no larger than the
+    smallest non-zero budget of any path (vLLM PR 38040: a per-item dummy of 0 tokens crashes capture);
+    ``max_frames`` is ``None`` or an int >= ``max_items``.
     """
     items = check_int(
         f"{where}(max_items)", max_items, minimum=1, hint="A batch holds at least one item: use 1 or more."
@@ -74,6 +75,17 @@ def check_limits(
     frames = check_optional_int(
         f"{where}(max_frames)", max_frames, minimum=1, hint="Use None for no frame limit, or 1 or more."
     )
+    if ladders is not None:
+        _check_items_fit_budgets(ladders, items, where)
+    if frames is not None and frames < items:
+        raise ConfigError(
+            f"{where}(max_frames): expected at least max_items={items} (every item has at least one frame), "
+            f"got {frames}. Raise max_frames to {items} or more, or lower max_items to {frames}."
+        )
+    return items, frames
+
+
+def _check_items_fit_budgets(ladders: Mapping[str, tuple[int, ...]], items: int, where: str) -> None:
     path, smallest = _smallest_nonzero(ladders)
     if items > smallest:
         raise ConfigError(
@@ -81,12 +93,6 @@ def check_limits(
             f"got {items}. More items than the smallest budget leaves some item no tokens at capture; lower "
             f"max_items to {smallest} or raise the smallest budget of {path!r}."
         )
-    if frames is not None and frames < items:
-        raise ConfigError(
-            f"{where}(max_frames): expected at least max_items={items} (every item has at least one frame), "
-            f"got {frames}. Raise max_frames to {items} or more, or lower max_items to {frames}."
-        )
-    return items, frames
 
 
 def default_limits(

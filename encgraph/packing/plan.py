@@ -77,6 +77,21 @@ def _check_batch(b: Batch) -> None:
     check_int(f"{where}(frames)", b.frames, minimum=len(b.items), hint="Every item has at least one frame.")
 
 
+def _as_tuple(name: str):  # noqa: ANN202
+    def convert(value: Any) -> tuple[Any, ...]:
+        check_sequence(name, value, hint="Use a tuple.")
+        return tuple(value)
+
+    return convert
+
+
+def _as_dict(name: str):  # noqa: ANN202
+    def convert(value: Any) -> dict[Any, Any]:
+        return dict(check_mapping(name, value, hint="Use {path: value}."))
+
+    return convert
+
+
 @attrs.frozen(eq=True)
 class Batch:
     """One sub-batch of a plan.
@@ -91,12 +106,12 @@ class Batch:
         eager: only the eager (``None``) paths, each with its :class:`EagerReason`.
     """
 
-    items: tuple[int, ...] = attrs.field(converter=tuple)
-    budgets: dict[str, int | None] = attrs.field(converter=dict)
-    tokens: dict[str, int] = attrs.field(converter=dict)
-    padded: dict[str, int] = attrs.field(converter=dict)
+    items: tuple[int, ...] = attrs.field(converter=_as_tuple("Batch(items)"))
+    budgets: dict[str, int | None] = attrs.field(converter=_as_dict("Batch(budgets)"))
+    tokens: dict[str, int] = attrs.field(converter=_as_dict("Batch(tokens)"))
+    padded: dict[str, int] = attrs.field(converter=_as_dict("Batch(padded)"))
     frames: int
-    eager: dict[str, EagerReason] = attrs.field(factory=dict, converter=dict)
+    eager: dict[str, EagerReason] = attrs.field(factory=dict, converter=_as_dict("Batch(eager)"))
 
     def __attrs_post_init__(self) -> None:
         _check_batch(self)
@@ -203,10 +218,10 @@ class Plan:
     ['r0', 'r1', 'r2']
     """
 
-    batches: tuple[Batch, ...] = attrs.field(converter=tuple)
+    batches: tuple[Batch, ...] = attrs.field(converter=_as_tuple("Plan(batches)"))
     n_items: int
-    paths: tuple[str, ...] = attrs.field(converter=tuple)
-    ladders: dict[str, tuple[int, ...]] = attrs.field(converter=dict)
+    paths: tuple[str, ...] = attrs.field(converter=_as_tuple("Plan(paths)"))
+    ladders: dict[str, tuple[int, ...]] = attrs.field(converter=_as_dict("Plan(ladders)"))
     limits: Limits
 
     def __attrs_post_init__(self) -> None:
