@@ -1,0 +1,265 @@
+"""Packed variable-length attention that is safe inside a CUDA graph, and its Hugging Face registration.
+
+Layout: the tokens of every sequence of a batch are packed into one ``(tokens, heads, head_dim)`` tensor;
+``cu_seqlens`` (a 1-D int tensor of a fixed number of slots, ``[0, e1, e2, ..., tokens, tokens, ...]``) bounds
+the sequences. Trailing zero-length sequences are allowed, so a captured graph can read a buffer with more slots
+than a replay has sequences; the padded layout of encgraph ends its last (padding) sequence at ``tokens``, so
+every row is written (design rule 1). ``max_seqlen`` is a host int fixed per layer at capture (rule 3).
+
+Backends (chosen per call from the tensors, never from their values, so the choice is the same at capture and
+at replay):
+
+- ``VARLEN``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention) on CUDA with fp16/bf16;
+- ``MASKED_SDPA``: on the CPU, in fp32, or where varlen is missing: a block-diagonal mask built from
+  ``cu_seqlens`` with tensor ops only (``searchsorted`` segment ids: no host sync, capturable) and
+  ``scaled_dot_product_attention``. Exact, but tokens^2 memory and 3-21x slower than varlen on a GPU (measured):
+  a fallback, not a fast path.
+
+For Hugging Face towers the function is registered with ``transformers.AttentionInterface`` under a name that
+contains "flash" (:data:`ATTENTION_NAME`): the Qwen-VL towers take their packed ``cu_seqlens`` path only for such
+names, and otherwise split on ``cu_seqlens.tolist()``, which cannot be captured.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from encgraph._validate import describe
+from encgraph.errors import ConfigError, InputError
+from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
+
+__all__ = [
+    "ATTENTION_NAME",
+    "MIN_TRANSFORMERS",
+    "AttentionBackend",
+    "pick_backend",
+    "packed_attention",
+    "hf_attention_forward",
+    "register_attention",
+    "use_packed_attention",
+]
+
+ATTENTION_NAME = "encgraph_flash_varlen"
+"""The name registered with ``transformers.AttentionInterface``; contains "flash" so that towers take their packed
+path (``transformers.utils.generic.is_flash_attention_requested`` tests for the substring)."""
+
+MIN_TRANSFORMERS = "5.15"
+"""The lowest transformers whose Qwen-VL towers accept every precomputed metadata keyword encgraph passes, an
+integer ``max_seqlen`` / ``max_window_seqlen`` among them (5.15; 5.14 still computes ``max_seqlen`` with
+``.item()``), and hand ``cu_seq_lens_q/k`` and ``max_length_q/k`` to a "flash" attention function."""
+
+
+class AttentionBackend(enum.Enum):
+    """The kernel :func:`packed_attention` runs."""
+
+    VARLEN = "varlen"
+    """``torch.nn.attention.varlen.varlen_attn``: CUDA, fp16/bf16."""
+    MASKED_SDPA = "masked_sdpa"
+    """SDPA with a block-diagonal boolean mask from ``cu_seqlens``: any device and dtype, tokens^2 memory."""
+
+
+@functools.cache
+def _varlen() -> tuple[Callable[..., torch.Tensor] | None, bool]:
+    """``(varlen_attn, takes_scale)``; ``(None, False)`` where this torch build lacks it (older than 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False
+    try:
+        takes_scale = "scale" in inspect.signature(varlen_attn).parameters
+    except (TypeError, ValueError):
+        takes_scale = False
+    return varlen_attn, takes_scale
+
+
+def pick_backend(query: torch.Tensor) -> AttentionBackend:
+    """The backend for ``query``'s device and dtype (the same at capture and at replay)."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen()[0] is not None:
+        return AttentionBackend.VARLEN
+    return AttentionBackend.MASKED_SDPA
+
+
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None = None,
+    backend: AttentionBackend | None = None,
+) -> torch.Tensor:
+    """Non-causal attention within each packed sequence.
+
+    Args:
+        query, key, value: ``(tokens, heads, head_dim)``, one dtype, on one device (key/value may have fewer
+            heads, a divisor of the query heads).
+        cu_seqlens: ``(slots,)`` int32 (int64 is converted) on the same device, non-decreasing, ``cu[0] == 0``;
+            rows past ``cu[-1]`` are left unwritten by ``VARLEN``, so callers end the last sequence at ``tokens``.
+        max_seqlen: the longest sequence any call at this shape may see (a host int, baked into a captured
+            kernel); only ``VARLEN`` reads it.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        backend: force a backend; default :func:`pick_backend`.
+
+    Returns:
+        ``(tokens, heads, head_dim)`` in ``query``'s dtype, a fresh tensor. Never syncs the host.
+    """
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        raise InputError(
+            f"packed_attention: expected query, key, value of shape (tokens, heads, head_dim), got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise InputError(
+            f"packed_attention(cu_seqlens): expected a 1-D int32 tensor, got {cu_seqlens.dtype} of shape "
+            f"{tuple(cu_seqlens.shape)}."
+        )
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise InputError(
+            f"packed_attention(max_seqlen): expected a host int >= 1 fixed per layer at capture, got "
+            f"{describe(max_seqlen)}; a tensor here would sync the host inside the graph."
+        )
+    backend = pick_backend(query) if backend is None else backend
+    head_dim = query.shape[-1]
+    if backend is AttentionBackend.VARLEN:
+        return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale, head_dim)
+    return _masked_attention(query, key, value, cu_seqlens, scale)
+
+
+def _varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None,
+    head_dim: int,
+) -> torch.Tensor:
+    varlen_attn, takes_scale = _varlen()
+    if varlen_attn is None:
+        raise ConfigError(
+            "packed_attention(backend=VARLEN): this torch build has no torch.nn.attention.varlen (torch>=2.10); "
+            "use backend=MASKED_SDPA or upgrade torch."
+        )
+    # Flash kernels need the head dim contiguous; other strides are free (a copy per layer would cost more than
+    # the attention itself at small batches).
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    default = head_dim**-0.5
+    kwargs: dict[str, Any] = {}
+    if key.shape[1] != query.shape[1]:
+        key, value = _repeat_heads(key, value, query.shape[1])
+    if scale is not None and not math.isclose(scale, default, rel_tol=1e-6):
+        if takes_scale:
+            kwargs["scale"] = scale
+        else:  # torch 2.10's varlen_attn has no ``scale``: fold the ratio into the query.
+            query = query * (scale / default)
+    return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+def _repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if heads % key.shape[1]:
+        raise InputError(
+            f"packed_attention: query heads ({heads}) must be a multiple of key/value heads ({key.shape[1]})."
+        )
+    groups = heads // key.shape[1]
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+
+def _masked_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    tokens = query.shape[0]
+    if key.shape[1] != query.shape[1]:
+        key, value = _repeat_heads(key, value, query.shape[1])
+    # Segment id of each row: the number of sequence ends at or before it. Zero-length sequences add equal ends
+    # and so never split a segment; rows past cu[-1] share one extra segment (they attend among themselves).
+    rows = torch.arange(tokens, device=query.device, dtype=cu_seqlens.dtype)
+    seg = torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True)
+    mask = seg[:, None] == seg[None, :]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+    )
+    return out[0].transpose(0, 1)
+
+
+def hf_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as :data:`ATTENTION_NAME`, with transformers' attention-interface signature.
+
+    ``query``/``key``/``value``: ``(1, heads, tokens, head_dim)``; the packed path reads ``cu_seq_lens_q`` (and
+    ``cu_seq_lens_k``, which must be the same tensor: vision self-attention) and ``max_length_q``. Returns
+    ``((1, tokens, heads, head_dim), None)`` as transformers' flash functions do. Without ``cu_seq_lens_q`` (a
+    module that does not pack) it runs plain SDPA with ``attention_mask``.
+    """
+    if dropout:
+        raise ConfigError(
+            f"{ATTENTION_NAME}: attention dropout is not supported (got {dropout}); call module.eval() first, "
+            "encgraph runs inference only."
+        )
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is None:
+        is_causal = bool(kwargs.get("is_causal") or False) and attention_mask is None and query.shape[2] > 1
+        if key.shape[1] != query.shape[1]:
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=is_causal
+        )
+        return out.transpose(1, 2), None
+    if kwargs.get("is_causal"):
+        raise ConfigError(f"{ATTENTION_NAME}: packed causal attention is not supported; it serves vision towers.")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu_q:
+        raise ConfigError(f"{ATTENTION_NAME}: cu_seq_lens_k must be cu_seq_lens_q (self-attention only).")
+    if query.shape[0] != 1:
+        raise InputError(f"{ATTENTION_NAME}: packed inputs have batch size 1, got {query.shape[0]}.")
+    max_seqlen = kwargs.get("max_length_q")
+    if max_seqlen is None or isinstance(max_seqlen, torch.Tensor):
+        # Only eager callers get here (encgraph's static forwards always pass a host int): read it once.
+        max_seqlen = int((cu_q[1:] - cu_q[:-1]).max()) if cu_q.numel() > 1 else 1
+    out = packed_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_q,
+        max(int(max_seqlen), 1),
+        scale=scaling,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register :func:`hf_attention_forward` as :data:`ATTENTION_NAME` with ``transformers.AttentionInterface``
+    (idempotent) and return the name. Raises :class:`~encgraph.VersionError` below :data:`MIN_TRANSFORMERS`."""
+    require_transformers(MIN_TRANSFORMERS, "encgraph's packed attention for Hugging Face towers")
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, hf_attention_forward)
+    return ATTENTION_NAME
+
+
+def use_packed_attention(module: torch.nn.Module) -> AttentionSwitch:
+    """Switch every config of the tower ``module`` to :data:`ATTENTION_NAME`; ``.restore()`` on the returned
+    switch undoes it (adapters call it from ``unwrap()``)."""
+    return switch_attention(module, register_attention())

@@ -1,0 +1,111 @@
+"""The Qwen3-VL vision tower (``Qwen3VLVisionModel``, config ``Qwen3VLVisionConfig``; the identical
+``Qwen3VLMoeVisionModel`` of Qwen3-VL-MoE too).
+
+Besides the 2-D rotary positions, each patch gets a learned position embedding resampled (bilinear,
+``align_corners=True``) from a square ``num_grid_per_side^2`` table to the item's grid: encgraph computes the
+4 gather indices and weights per patch row on the host (``interp_indices`` / ``interp_weights``, exactly as
+``transformers.vision_utils.get_vision_interpolation_indices_and_weights``, in float32). The features after
+the layers in ``deepstack_visual_indexes`` pass through their own mergers and come out as extra named outputs
+``deepstack_0``, ``deepstack_1``, ... (one token per row, like ``pooler_output``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from encgraph.errors import ConfigError
+from encgraph.models.protocol import BufferSpec, FillRule
+from encgraph.models.qwen_vl import QwenVisionAdapter, UnitGrid, patch_coords
+
+__all__ = ["Qwen3VLAdapter", "adapter", "interpolation"]
+
+TAPS = 4  # bilinear: 2 per axis
+
+
+def _axis(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
+    # The same float32 operations, in the same order, as transformers' helper (align_corners=True), so that the
+    # weights match it bit for bit.
+    src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+    floor = np.floor(src)
+    offsets = np.arange(2)
+    taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
+    distance = np.abs(src[:, None] - floor[:, None] - offsets.astype(np.float32))
+    return taps, np.clip(np.float32(1) - distance, 0, None)
+
+
+def interpolation(units: UnitGrid, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per patch row, the ``TAPS`` rows of the flattened ``side x side`` position table and their bilinear
+    weights: ``(rows, 4)`` int64 and ``(rows, 4)`` float32."""
+    m = units.merge
+    row, col = patch_coords(units)
+    heights = np.repeat(units.height[units.frame] * m, m * m)
+    widths = np.repeat(units.width[units.frame] * m, m * m)
+    h_taps, h_weights = _axis(row, heights, side)
+    w_taps, w_weights = _axis(col, widths, side)
+    indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, TAPS)
+    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, TAPS)
+    return indices, weights
+
+
+class Qwen3VLAdapter(QwenVisionAdapter):
+    """Adapter of a Qwen3-VL vision tower; see :class:`~encgraph.models.qwen_vl.QwenVisionAdapter`.
+
+    Extra buffers per budget (``R`` patch rows): ``interp_indices`` ``(R, 4)`` int64 and ``interp_weights``
+    ``(R, 4)`` float32, both ZERO (padding rows get a zero position embedding). Extra outputs: ``deepstack_i``.
+    """
+
+    family = "Qwen3-VL"
+    tower_class = "Qwen3VLVisionModel"
+
+    def _init_family(self, module: torch.nn.Module) -> None:
+        mode = getattr(module, "interpolation_mode", "bilinear")
+        corners = getattr(module, "interpolation_align_corners", True)
+        if mode != "bilinear" or corners is not True:
+            raise ConfigError(
+                f"module: the {self.family} adapter reproduces bilinear interpolation with align_corners=True, the "
+                f"tower uses {mode!r} with align_corners={corners!r}."
+            )
+        self.grid_side = int(module.num_grid_per_side)
+        self.deepstack = len(module.deepstack_visual_indexes)
+        tower_module = importlib.import_module(type(module).__module__)
+        self._output_class = getattr(tower_module, "BaseModelOutputWithDeepstackFeatures", None)
+        if self._output_class is None:
+            from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+            self._output_class = BaseModelOutputWithDeepstackFeatures
+
+    def _extra_outputs(self) -> tuple[str, ...]:
+        return tuple(f"deepstack_{i}" for i in range(self.deepstack))
+
+    def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
+        rows = self._rows(budget)
+        return {
+            "interp_indices": BufferSpec((rows, TAPS), torch.int64, FillRule.ZERO),
+            "interp_weights": BufferSpec((rows, TAPS), torch.float32, FillRule.ZERO),
+        }
+
+    def _extra_metadata(self, grid: np.ndarray, units: UnitGrid) -> dict[str, np.ndarray]:
+        indices, weights = interpolation(units, self.grid_side)
+        return {"interp_indices": indices, "interp_weights": weights}
+
+    def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
+        return {"interp_indices": buffers["interp_indices"], "interp_weights": buffers["interp_weights"]}
+
+    def _extra_named(self, out: Any) -> dict[str, torch.Tensor]:
+        return {f"deepstack_{i}": feature for i, feature in enumerate(out.deepstack_features)}
+
+    def _output(self, last: torch.Tensor | None, cat: dict[str, torch.Tensor]) -> Any:
+        """``BaseModelOutputWithDeepstackFeatures``: ``pooler_output`` and ``deepstack_features`` (a list,
+        one ``(tokens, out_hidden)`` tensor per deepstack layer), as the tower returns them."""
+        deepstack = [cat[name] for name in self._extra_outputs()]
+        return self._output_class(last_hidden_state=last, pooler_output=cat["pooler_output"], deepstack_features=deepstack)
+
+
+def adapter(module: torch.nn.Module, **options: Any) -> Qwen3VLAdapter:
+    """The registry factory: ``options`` are :class:`Qwen3VLAdapter`'s keyword arguments."""
+    return Qwen3VLAdapter(module, **options)

@@ -1,0 +1,490 @@
+"""What the Qwen-VL vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) share: inputs, host-side metadata, buffers,
+forwards and the Hugging Face output type.
+
+The towers take ``(pixel_values, grid_thw)``: ``pixel_values`` is ``(rows, C*T*P*P)``, one row per patch (``T``
+frames of ``P x P`` pixels of ``C`` channels), items concatenated; ``grid_thw`` is ``(n, 3)``, per item its
+temporal, height and width grid in patches. An item has ``t`` frames (attention sequences of ``h*w`` rows in the
+full-attention layers) and ``t*h*w / merge^2`` output tokens after the patch merger, the budget unit. Patch rows
+of a frame come in merge-block order: the ``merge x merge`` patches of one output token are consecutive.
+
+From transformers 5.15 the towers accept all their data-dependent metadata as keyword arguments (``position_ids``,
+``cu_seqlens``, integer ``max_seqlen``, ...) and then never read ``grid_thw``; with an attention implementation
+whose name contains "flash" they run one packed attention per layer. So the static forward is the tower's own
+``forward``, given static buffers, ``grid_thw=None`` (a version that read it would fail loudly, not silently) and
+per-layer ``max_seqlen`` fixed by the budget: nothing in it syncs the host.
+
+Every piece of metadata is computed on the host with numpy for the whole batch at once (no per-item Python loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import torch
+
+from encgraph._validate import check_int, describe
+from encgraph.errors import ConfigError, InputError, InputTypeError
+from encgraph.models._hf import require_transformers, tower_dtype_device
+from encgraph.models.attention import MIN_TRANSFORMERS, use_packed_attention
+from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
+from encgraph.packing import ItemSpec
+
+__all__ = ["QwenVisionInputs", "QwenVisionAdapter", "UnitGrid", "unit_grid", "frame_bounds", "patch_coords", "rotary_positions", "check_window"]
+
+PATH = "default"
+
+# Keywords a caller (a Hugging Face model) may pass with the metadata precomputed from ``grid_thw``: encgraph
+# computes the same from ``grid_thw`` itself, so they are accepted and not used.
+_PRECOMPUTED = frozenset({
+    "cu_seqlens", "max_seqlen", "position_ids", "window_index", "cu_window_seqlens", "max_window_seqlen",
+    "interp_indices", "interp_weights", "bilinear_indices", "bilinear_weights",
+})
+# Output-recording switches: only their off values can be honoured (graphs record nothing per layer).
+_RECORDING = ("output_hidden_states", "output_attentions")
+
+
+@attrs.frozen(eq=False)
+class QwenVisionInputs:
+    """Validated inputs of a Qwen-VL tower.
+
+    Attributes:
+        pixel_values: ``(rows, C*T*P*P)`` floating tensor on the tower's device (cast to the tower's dtype when
+            copied into the static buffer, as the tower's patch embedding does).
+        grid: ``(n, 3)`` int64 numpy array on the host, ``(t, h, w)`` per item in patches.
+        return_dict: the caller's ``return_dict`` (``False``: ``output_for_call`` returns a tuple).
+        row_starts: ``(n + 1,)`` int64, the first patch row of each item, then the total.
+    """
+
+    pixel_values: torch.Tensor
+    grid: np.ndarray
+    return_dict: bool = True
+    row_starts: np.ndarray = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        rows = self.grid[:, 0] * self.grid[:, 1] * self.grid[:, 2]
+        object.__setattr__(self, "row_starts", np.concatenate(([0], np.cumsum(rows))))
+
+    @property
+    def n(self) -> int:
+        return int(self.grid.shape[0])
+
+
+@attrs.frozen(eq=False)
+class UnitGrid:
+    """Per output token ("unit": ``merge^2`` patch rows) of a batch, its coordinates; per frame its table.
+
+    Unit arrays (``(units,)`` int64): ``y``, ``x`` (row and column in the frame's merged grid), ``frame``.
+    Frame arrays (``(frames,)`` int64): ``item``, ``height``, ``width`` (merged grid), ``start`` (first unit).
+    """
+
+    merge: int
+    y: np.ndarray
+    x: np.ndarray
+    frame: np.ndarray
+    item: np.ndarray
+    height: np.ndarray
+    width: np.ndarray
+    start: np.ndarray
+
+    @property
+    def units(self) -> int:
+        return int(self.y.shape[0])
+
+
+def unit_grid(grid: np.ndarray, merge: int) -> UnitGrid:
+    """The :class:`UnitGrid` of ``grid`` (``(n, 3)`` int64, ``h`` and ``w`` multiples of ``merge``)."""
+    t = grid[:, 0]
+    item = np.repeat(np.arange(grid.shape[0]), t)
+    height = grid[item, 1] // merge
+    width = grid[item, 2] // merge
+    sizes = height * width
+    start = np.zeros(sizes.shape[0], dtype=np.int64)
+    np.cumsum(sizes[:-1], out=start[1:])
+    frame = np.repeat(np.arange(sizes.shape[0]), sizes)
+    within = np.arange(frame.shape[0]) - start[frame]
+    w_unit = width[frame]
+    y = within // w_unit
+    return UnitGrid(merge, y, within - y * w_unit, frame, item, height, width, start)
+
+
+def frame_bounds(units: UnitGrid) -> np.ndarray:
+    """``cu_seqlens`` of the full-attention layers in patch rows: ``[0, end of frame 1, ...]`` (int64)."""
+    rows = units.height * units.width * units.merge**2
+    return np.concatenate(([0], np.cumsum(rows)))
+
+
+def patch_coords(units: UnitGrid) -> tuple[np.ndarray, np.ndarray]:
+    # Patch rows come in merge-block order: unit (y, x), then (i, j) within the merge x merge block.
+    m = units.merge
+    inner = np.arange(m * m)
+    row = (units.y[:, None] * m + inner[None, :] // m).reshape(-1)
+    col = (units.x[:, None] * m + inner[None, :] % m).reshape(-1)
+    return row, col
+
+
+def rotary_positions(units: UnitGrid) -> np.ndarray:
+    """``(rows, 2)`` int64 ``(row, col)`` patch positions for the 2-D rotary embedding, as
+    ``transformers.vision_utils.get_vision_position_ids`` lays them out."""
+    row, col = patch_coords(units)
+    return np.stack((row, col), axis=1)
+
+
+class QwenVisionAdapter:
+    """The adapter of a Qwen-VL vision tower (one path, ``"default"``, budgets in output tokens).
+
+    Family modules subclass it: :class:`~encgraph.models.qwen2_vl.Qwen2VLAdapter` is this class as is,
+    Qwen2.5-VL adds window attention, Qwen3-VL position-embedding interpolation and deepstack outputs.
+
+    Args:
+        module: the Hugging Face tower (e.g. ``model.model.visual``); its attention is switched to
+            :data:`~encgraph.models.attention.ATTENTION_NAME` until :meth:`unwrap`.
+        min_budget, max_budget: bounds of the default ladder, in output tokens (default 64: one 224 x 224 image
+            at patch 14, merge 2; and 4096: one 896 x 896 image).
+        max_frames_per_item: frames one item is expected to bring; the default frame limit per batch is
+            ``max_items * max_frames_per_item``, and it sizes the ``cu_seqlens`` buffers. Every slot costs the
+            full-attention kernels ``max_seqlen / 128`` empty blocks per head, so keep it small; longer videos
+            are split over batches or run eagerly.
+        last_hidden_state: also return the tower's pre-merger hidden states (``(rows, hidden)``, in the tower's
+            own row order); off by default (it costs an extra output buffer and copy).
+
+    Buffers per budget ``B`` (``U = merge^2`` rows per token, ``R = B * U``): ``pixels`` ``(R, C*T*P*P)`` tower
+    dtype (ZERO), ``position_ids`` ``(R, 2)`` int64 (ZERO), ``cu_seqlens`` ``(min(max_frames, B) + 2,)`` int32
+    (SEQUENCE_BOUNDS over ``R`` rows in one padding sequence: the full-attention ``max_seqlen`` is ``R``).
+    """
+
+    family: ClassVar[str] = "Qwen2-VL"
+    tower_class: ClassVar[str] = "Qwen2VisionTransformerPretrainedModel"
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        min_budget: int = 64,
+        max_budget: int = 4096,
+        max_frames_per_item: int = 2,
+        last_hidden_state: bool = False,
+    ) -> None:
+        require_transformers(MIN_TRANSFORMERS, f"the {self.family} adapter")
+        if not isinstance(module, torch.nn.Module):
+            raise InputTypeError(f"module: expected a {self.tower_class}, got {describe(module)}.")
+        missing = [a for a in ("patch_embed", "blocks", "merger", "spatial_merge_size") if not hasattr(module, a)]
+        if missing:
+            raise InputTypeError(
+                f"module: expected a {self.family} vision tower ({self.tower_class}), got {type(module).__name__} "
+                f"without {missing}."
+            )
+        if not isinstance(last_hidden_state, bool):
+            raise InputTypeError(f"last_hidden_state: expected True or False, got {describe(last_hidden_state)}.")
+        self._module = module
+        self.min_budget = check_int("min_budget", min_budget, minimum=1)
+        self.max_budget = check_int("max_budget", max_budget, minimum=self.min_budget)
+        self.max_frames_per_item = check_int("max_frames_per_item", max_frames_per_item, minimum=1)
+        self.with_last_hidden_state = last_hidden_state
+        self.merge = int(module.spatial_merge_size)
+        weight = module.patch_embed.proj.weight  # (hidden, C, T, P, P)
+        self.channels = int(np.prod(weight.shape[1:]))
+        self.patch_shape = tuple(int(d) for d in weight.shape[1:])
+        self.hidden = int(weight.shape[0])
+        self._dtype, self._device = tower_dtype_device(module)
+        self._init_family(module)
+        # Last: nothing above may leave the tower switched if it raises.
+        self._switch = use_packed_attention(module)
+
+    def _init_family(self, module: torch.nn.Module) -> None:
+        """Read family-specific geometry from the tower (subclasses)."""
+
+    # ------------------------------------------------------------------ description
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        names = ("pooler_output",) + self._extra_outputs()
+        return names + (("last_hidden_state",) if self.with_last_hidden_state else ())
+
+    def _extra_outputs(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def config(self) -> AdapterConfig:
+        return AdapterConfig(
+            paths=PathSpec(PATH, self.min_budget, self.max_budget, outputs=self.output_names),
+            max_frames_per_item=self.max_frames_per_item,
+            dtype=self._dtype,
+            device=self._device,
+        )
+
+    # ------------------------------------------------------------------ inputs
+    def inputs(self, pixel_values: Any, grid_thw: Any, *, return_dict: bool = True) -> QwenVisionInputs:
+        """Validate ``(pixel_values, grid_thw)`` (the tower's own arguments) into :class:`QwenVisionInputs`.
+
+        Reads ``grid_thw`` on the host (a device tensor is copied once, as the tower itself does).
+        """
+        if not isinstance(pixel_values, torch.Tensor):
+            raise InputTypeError(f"pixel_values: expected a torch.Tensor (rows, {self.channels}), got {describe(pixel_values)}.")
+        if not pixel_values.is_floating_point():
+            raise InputTypeError(
+                f"pixel_values: expected a floating-point tensor (the processor's normalised patches), got "
+                f"{pixel_values.dtype}."
+            )
+        c, t, p, q = self.patch_shape
+        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.channels:
+            raise InputError(
+                f"pixel_values: expected shape (rows, {self.channels}) = (rows, channels {c} * temporal patch {t} * "
+                f"patch {p} * {q}), got {tuple(pixel_values.shape)}; pass the processor's flattened patches."
+            )
+        if pixel_values.device != self._device:
+            raise InputError(
+                f"pixel_values: expected a tensor on {self._device} (where the tower is), got {pixel_values.device}; "
+                f"move it with .to({str(self._device)!r})."
+            )
+        grid = _grid_array(grid_thw)
+        if grid[:, 1:].min() < 1 or grid[:, 0].min() < 1:
+            raise InputError(f"grid_thw: every t, h, w must be >= 1, got {grid.tolist()}.")
+        bad = np.nonzero((grid[:, 1] % self.merge) | (grid[:, 2] % self.merge))[0]
+        if bad.size:
+            raise InputError(
+                f"grid_thw: h and w must be multiples of the spatial merge size {self.merge}; item {int(bad[0])} "
+                f"has {grid[bad[0]].tolist()}."
+            )
+        rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+        if rows != pixel_values.shape[0]:
+            raise InputError(
+                f"pixel_values: grid_thw {grid.tolist() if grid.shape[0] <= 8 else f'of {grid.shape[0]} items'} "
+                f"needs sum(t*h*w) = {rows} patch rows, got {pixel_values.shape[0]}; pixel_values and grid_thw must "
+                "describe the same items."
+            )
+        if not isinstance(return_dict, bool):
+            raise InputTypeError(f"return_dict: expected True or False, got {describe(return_dict)}.")
+        return QwenVisionInputs(pixel_values, grid, return_dict)
+
+    def _coerce(self, inputs: Any) -> QwenVisionInputs:
+        if isinstance(inputs, QwenVisionInputs):
+            return inputs
+        if isinstance(inputs, tuple) and len(inputs) == 2:
+            return self.inputs(*inputs)
+        raise InputTypeError(
+            f"inputs: expected QwenVisionInputs (adapter.inputs(pixel_values, grid_thw)) or a tuple "
+            f"(pixel_values, grid_thw), got {describe(inputs)}."
+        )
+
+    def inputs_from_call(self, *args: Any, **kwargs: Any) -> QwenVisionInputs:
+        """The tower's ``forward(hidden_states, grid_thw, **kwargs)`` arguments as inputs.
+
+        Accepts ``return_dict``; ``output_hidden_states`` / ``output_attentions`` only when off (a graph records
+        no per-layer outputs); metadata keywords precomputed from ``grid_thw`` (``cu_seqlens``, ...) are ignored,
+        encgraph computes its own. Anything else raises ``InputTypeError``.
+        """
+        names = ("hidden_states", "grid_thw")
+        if len(args) > 2:
+            raise InputTypeError(f"{self.tower_class}.forward: expected (hidden_states, grid_thw), got {len(args)} positional arguments.")
+        values = dict(zip(names, args))
+        for name in names:
+            if name in kwargs:
+                if name in values:
+                    raise InputTypeError(f"{self.tower_class}.forward: got {name!r} both positionally and by keyword.")
+                values[name] = kwargs.pop(name)
+        if values.get("hidden_states") is None or values.get("grid_thw") is None:
+            raise InputTypeError(
+                f"{self.tower_class}.forward: expected hidden_states (pixel rows) and grid_thw, got "
+                f"{sorted(k for k, v in values.items() if v is not None)}; a graphed tower derives all its metadata "
+                "from grid_thw."
+            )
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = True if return_dict is None else return_dict
+        for name in _RECORDING:
+            if kwargs.pop(name, None):
+                raise InputError(
+                    f"{name}=True: a graphed {self.family} tower records no per-layer outputs; call "
+                    "graphed_module.unwrap() (or the original tower) for them."
+                )
+        unknown = sorted(k for k in kwargs if k not in _PRECOMPUTED)
+        if unknown:
+            raise InputTypeError(
+                f"{self.tower_class}.forward: unsupported keyword arguments {unknown} for a graphed tower; expected "
+                f"only return_dict, {list(_RECORDING)} (off) or precomputed metadata {sorted(_PRECOMPUTED)}."
+            )
+        if return_dict is False and not self.with_last_hidden_state:
+            raise InputError(
+                "return_dict=False: the tower's tuple starts with last_hidden_state, which this adapter does not "
+                "compute; wrap with adapter_options={'last_hidden_state': True}, or use return_dict=True."
+            )
+        return self.inputs(values["hidden_states"], values["grid_thw"], return_dict=return_dict)
+
+    def item_specs(self, inputs: Any) -> list[ItemSpec]:
+        """One spec per item: ``t*h*w / merge^2`` tokens, ``t`` frames, ``t*h*w`` input rows."""
+        inputs = self._coerce(inputs)
+        g = inputs.grid
+        rows = (g[:, 0] * g[:, 1] * g[:, 2]).tolist()
+        unit = self.merge**2
+        return [ItemSpec(r // unit, frames=int(t), input_size=r) for r, t in zip(rows, g[:, 0].tolist())]
+
+    def select(self, inputs: Any, indices: Sequence[int]) -> QwenVisionInputs:
+        """The sub-batch of items ``indices``: a view of the pixel rows when they are one run, else a copy."""
+        inputs = self._coerce(inputs)
+        idx = list(indices)
+        starts = inputs.row_starts
+        first, n = idx[0], len(idx)
+        if idx == list(range(first, first + n)):
+            pixels = inputs.pixel_values[int(starts[first]) : int(starts[first + n])]
+        else:
+            pixels = torch.cat([inputs.pixel_values[int(starts[i]) : int(starts[i + 1])] for i in idx])
+        return QwenVisionInputs(pixels, inputs.grid[idx], inputs.return_dict)
+
+    # ------------------------------------------------------------------ buffers and metadata
+    def _rows(self, budget: int) -> int:
+        return budget * self.merge**2
+
+    def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:
+        rows = self._rows(budget)
+        specs = {
+            "pixels": BufferSpec((rows, self.channels), self._dtype, FillRule.ZERO),
+            "position_ids": BufferSpec((rows, 2), torch.int64, FillRule.ZERO),
+            # A frame has at least one token, so a budget holds at most ``budget`` frames; +1 for the leading 0
+            # and +1 for the padding sequence (one, of up to ``rows`` rows: the full-attention max_seqlen).
+            "cu_seqlens": BufferSpec(
+                (min(max_frames, budget) + 2,), torch.int32, FillRule.SEQUENCE_BOUNDS, total=rows, chunk=rows
+            ),
+        }
+        specs.update(self._extra_buffer_specs(budget, max_frames))
+        return specs
+
+    def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
+        return {}
+
+    def metadata(self, grid: np.ndarray) -> dict[str, np.ndarray]:
+        """The host metadata of a batch with ``grid`` (``(n, 3)`` int64): numpy arrays named as the tower's
+        keyword arguments (``cu_seqlens`` as int64 ``[0, ends...]``)."""
+        units = unit_grid(grid, self.merge)
+        meta = {"cu_seqlens": frame_bounds(units), "position_ids": rotary_positions(units)}
+        meta.update(self._extra_metadata(grid, units))
+        return meta
+
+    def _extra_metadata(self, grid: np.ndarray, units: UnitGrid) -> dict[str, np.ndarray]:
+        return {}
+
+    def replay_values(self, path: str, inputs: QwenVisionInputs, budget: int) -> dict[str, Any]:
+        meta = self.metadata(inputs.grid)
+        values: dict[str, Any] = {"pixels": inputs.pixel_values, "cu_seqlens": meta.pop("cu_seqlens")}
+        values.update(self._replay_extras(meta))
+        values.update((name, torch.from_numpy(array)) for name, array in meta.items())
+        return values
+
+    def _replay_extras(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Values of SEQUENCE_BOUNDS buffers other than ``cu_seqlens`` (popped from ``meta``; host arrays)."""
+        return {}
+
+    # ------------------------------------------------------------------ forwards
+    def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
+        """Keyword arguments of the tower's forward besides ``position_ids``/``cu_seqlens``/``max_seqlen``."""
+        return {}
+
+    def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
+        kwargs = {
+            "position_ids": buffers["position_ids"],
+            "cu_seqlens": buffers["cu_seqlens"],
+            "max_seqlen": self._rows(budget),
+        }
+        kwargs.update(self._static_kwargs(buffers, budget))
+        return self._run(buffers["pixels"], budget, kwargs)
+
+    def forward_eager(self, path: str, inputs: QwenVisionInputs) -> dict[str, torch.Tensor]:
+        """The tower's forward on exactly the items' rows, with host metadata and exact ``max_seqlen`` (no
+        padding, no host sync)."""
+        meta = self.metadata(inputs.grid)
+        kwargs = self._eager_kwargs(meta)
+        tokens = int(inputs.pixel_values.shape[0]) // self.merge**2
+        return self._run(inputs.pixel_values, tokens, kwargs)
+
+    def _eager_kwargs(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:
+        cu = meta.pop("cu_seqlens")
+        kwargs: dict[str, Any] = {
+            "cu_seqlens": self._to_device(cu.astype(np.int32)),
+            "max_seqlen": int(np.diff(cu).max()),
+        }
+        kwargs.update(self._eager_extras(meta))
+        kwargs.update((name, self._to_device(array)) for name, array in meta.items())
+        return kwargs
+
+    def _eager_extras(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:
+        return {}
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self._device)
+
+    def _run(self, pixels: torch.Tensor, tokens: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            out = self._module(pixels, grid_thw=None, return_dict=True, **kwargs)
+        named = {"pooler_output": out.pooler_output}
+        named.update(self._extra_named(out))
+        if self.with_last_hidden_state:
+            named["last_hidden_state"] = out.last_hidden_state.reshape(tokens, -1)
+        return named
+
+    def _extra_named(self, out: Any) -> dict[str, torch.Tensor]:
+        return {}
+
+    # ------------------------------------------------------------------ results
+    def assemble(self, parts: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One item's outputs: ``{"pooler_output": (tokens, out_hidden), ...}``."""
+        return dict(parts[PATH])
+
+    def output_for_call(self, results: list[dict[str, torch.Tensor]], inputs: QwenVisionInputs) -> Any:
+        """The tower's own output type: ``BaseModelOutputWithPooling`` (``pooler_output``: the merged
+        embeddings of all items in order; ``last_hidden_state`` only with the adapter option, else ``None``)."""
+        cat = {name: torch.cat([r[name] for r in results]) for name in self.output_names}
+        last = cat.pop("last_hidden_state", None)
+        if last is not None:
+            last = last.reshape(-1, self.hidden)
+        out = self._output(last, cat)
+        return out if inputs.return_dict else out.to_tuple()
+
+    def _output(self, last: torch.Tensor | None, cat: dict[str, torch.Tensor]) -> Any:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=cat["pooler_output"])
+
+    def unwrap(self) -> torch.nn.Module:
+        """Restore the tower's attention implementation and return the tower."""
+        self._switch.restore()
+        return self._module
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.tower_class}, budgets {self.min_budget}..{self.max_budget} tokens, "
+            f"merge {self.merge}, {self._dtype}, {self._device})"
+        )
+
+
+def _grid_array(grid_thw: Any) -> np.ndarray:
+    if isinstance(grid_thw, torch.Tensor):
+        if grid_thw.is_floating_point() or grid_thw.is_complex() or grid_thw.dtype == torch.bool:
+            raise InputTypeError(f"grid_thw: expected an integer tensor, got {grid_thw.dtype}.")
+        grid = grid_thw.detach().to("cpu", torch.int64).numpy()
+    elif isinstance(grid_thw, (np.ndarray, list, tuple)):
+        grid = np.asarray(grid_thw)
+        if grid.dtype.kind not in "iu":
+            raise InputTypeError(f"grid_thw: expected integers, got an array of {grid.dtype}.")
+        grid = grid.astype(np.int64)
+    else:
+        raise InputTypeError(f"grid_thw: expected an integer tensor (n, 3), got {describe(grid_thw)}.")
+    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
+        raise InputError(
+            f"grid_thw: expected shape (n, 3) with n >= 1 (t, h, w per image or video), got {tuple(grid.shape)}."
+        )
+    return grid
+
+
+def check_window(window_size: int, merge: int, patch: int) -> int:
+    """Merged tokens per window side (``window_size // merge // patch``), at least 1."""
+    side = int(window_size) // merge // patch
+    if side < 1:
+        raise ConfigError(
+            f"window_size: {window_size} px is smaller than one merged token ({merge} x {patch} px); the tower's "
+            "config is inconsistent."
+        )
+    return side

@@ -1,0 +1,190 @@
+"""encgraph.models.attention and encgraph.models._hf: packed attention on the padded layout, its Hugging Face
+registration, the reversible attention switch and the version guard."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import encgraph
+from encgraph.models import _hf, attention
+from encgraph.models.attention import (
+    ATTENTION_NAME,
+    MIN_TRANSFORMERS,
+    AttentionBackend,
+    hf_attention_forward,
+    packed_attention,
+    pick_backend,
+    register_attention,
+    use_packed_attention,
+)
+
+
+def reference(q, k, v, lengths, scale=None):
+    """Per-sequence SDPA on (tokens, heads, dim) tensors."""
+    outs, start = [], 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        o = F.scaled_dot_product_attention(*(t[sl].transpose(0, 1)[None] for t in (q, k, v)), scale=scale)
+        outs.append(o[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def qkv(tokens, heads=3, dim=8, kv_heads=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dim, generator=g)
+    k = torch.randn(tokens, kv_heads or heads, dim, generator=g)
+    v = torch.randn(tokens, kv_heads or heads, dim, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_masked_equals_per_sequence_with_zero_length_slots(cu_dtype):
+    lengths = [5, 1, 9, 3]
+    q, k, v = qkv(sum(lengths))
+    # Trailing zero-length sequences: a buffer with more slots than sequences.
+    cu = torch.tensor([0, 5, 6, 15, 18, 18, 18], dtype=cu_dtype)
+    out = packed_attention(q, k, v, cu, 18, scale=0.3)
+    torch.testing.assert_close(out, reference(q, k, v, lengths, scale=0.3), rtol=1e-6, atol=1e-6)
+    assert out.shape == q.shape
+
+
+def test_masked_grouped_kv_heads():
+    q, k, v = qkv(7, heads=4, kv_heads=2)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    out = packed_attention(q, k, v, cu, 4)
+    ref = reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), [3, 4])
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_backend_on_cpu_is_masked_sdpa():
+    assert pick_backend(torch.zeros(2, 1, 4)) is AttentionBackend.MASKED_SDPA
+    assert pick_backend(torch.zeros(2, 1, 4, dtype=torch.bfloat16)) is AttentionBackend.MASKED_SDPA
+
+
+@pytest.mark.parametrize("takes_scale", [True, False])
+def test_varlen_call_contract(monkeypatch, takes_scale):
+    # The varlen kernel itself needs CUDA (tests/gpu); here: what it is handed.
+    calls = []
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        calls.append((cu_q.dtype, cu_q is cu_k, max_q, max_k, kw))
+        lengths = torch.diff(cu_q).tolist()
+        return reference(q, k, v, [n for n in lengths if n], scale=kw.get("scale"))
+
+    monkeypatch.setattr(attention, "_varlen", lambda: (fake, takes_scale))
+    q, k, v = qkv(6, dim=16)
+    cu = torch.tensor([0, 2, 6, 6], dtype=torch.int64)
+    out = packed_attention(q, k, v, cu, 64, scale=0.5, backend=AttentionBackend.VARLEN)
+    torch.testing.assert_close(out, reference(q, k, v, [2, 4], scale=0.5), rtol=1e-5, atol=1e-5)
+    dtype, same, max_q, max_k, kw = calls[0]
+    assert dtype == torch.int32 and same and max_q == max_k == 64
+    assert ("scale" in kw) == takes_scale  # torch 2.10 has no scale: it is folded into the query
+    packed_attention(q, k, v, cu, 64, scale=16**-0.5, backend=AttentionBackend.VARLEN)
+    assert "scale" not in calls[-1][4]  # the default scale is never passed
+
+
+def test_masked_attention_has_no_host_sync():
+    # Meta tensors have no data: any .item()/.tolist()/nonzero would raise. This is what capture needs.
+    q, k, v = (torch.empty(12, 2, 8, device="meta") for _ in range(3))
+    cu = torch.empty(5, dtype=torch.int32, device="meta")
+    assert packed_attention(q, k, v, cu, 12).shape == (12, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "max_seqlen, match", [(torch.tensor(4), "host int"), (0, "host int"), (True, "host int")]
+)
+def test_bad_max_seqlen(max_seqlen, match):
+    q, k, v = qkv(4)
+    with pytest.raises(encgraph.InputError, match=match):
+        packed_attention(q, k, v, torch.tensor([0, 4], dtype=torch.int32), max_seqlen)
+
+
+def test_bad_shapes_and_cu():
+    q, k, v = qkv(4)
+    with pytest.raises(encgraph.InputError, match="tokens, heads, head_dim"):
+        packed_attention(q[None], k, v, torch.tensor([0, 4], dtype=torch.int32), 4)
+    with pytest.raises(encgraph.InputError, match="int32"):
+        packed_attention(q, k, v, torch.tensor([0.0, 4.0]), 4)
+    with pytest.raises(encgraph.InputError, match="multiple"):
+        packed_attention(*qkv(4, heads=3, kv_heads=2), torch.tensor([0, 4], dtype=torch.int32), 4)
+
+
+def test_hf_signature_packed_and_plain():
+    q, k, v = qkv(9)
+    hq, hk, hv = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, tokens, dim) as transformers passes
+    cu = torch.tensor([0, 4, 9, 9], dtype=torch.int32)
+    out, weights = hf_attention_forward(
+        None, hq, hk, hv, None, scaling=0.25, dropout=0.0,
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9, is_causal=False,
+    )
+    assert weights is None and out.shape == (1, 9, 3, 8)
+    torch.testing.assert_close(out[0], reference(q, k, v, [4, 5], scale=0.25), rtol=1e-6, atol=1e-6)
+    # max_length_q missing (an eager caller): read from cu_seqlens.
+    out2, _ = hf_attention_forward(None, hq, hk, hv, None, scaling=0.25, cu_seq_lens_q=cu)
+    torch.testing.assert_close(out2, out)
+    # No cu_seq_lens: a module that does not pack gets plain SDPA.
+    plain, _ = hf_attention_forward(None, hq, hk, hv, None, scaling=0.25)
+    torch.testing.assert_close(plain[0], reference(q, k, v, [9], scale=0.25), rtol=1e-6, atol=1e-6)
+
+
+def test_hf_signature_rejects_what_it_cannot_do():
+    hq = torch.zeros(1, 2, 4, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(encgraph.ConfigError, match="dropout"):
+        hf_attention_forward(None, hq, hq, hq, None, dropout=0.1, cu_seq_lens_q=cu)
+    with pytest.raises(encgraph.ConfigError, match="causal"):
+        hf_attention_forward(None, hq, hq, hq, None, cu_seq_lens_q=cu, is_causal=True)
+    with pytest.raises(encgraph.ConfigError, match="self-attention"):
+        hf_attention_forward(None, hq, hq, hq, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone())
+
+
+def test_registration_is_idempotent_and_flash_named():
+    from transformers import AttentionInterface
+    from transformers.utils.generic import is_flash_attention_requested
+
+    assert register_attention() == register_attention() == ATTENTION_NAME
+    assert AttentionInterface()[ATTENTION_NAME] is hf_attention_forward
+    # The towers' packed path hinges on this test of the name.
+    assert is_flash_attention_requested(requested_attention_implementation=ATTENTION_NAME)
+
+
+def test_switch_is_reversible_and_covers_copied_configs(qwen_towers):
+    torch.manual_seed(0)
+    tower = qwen_towers["qwen2_5_vl"]()
+    # A block holding its own copy of the config must be switched too.
+    import copy
+
+    tower.blocks[0].attn.config = copy.deepcopy(tower.config)
+    before = tower.config._attn_implementation
+    switch = use_packed_attention(tower)
+    assert tower.config._attn_implementation == ATTENTION_NAME
+    assert tower.blocks[0].attn.config._attn_implementation == ATTENTION_NAME
+    switch.restore()
+    switch.restore()  # idempotent
+    assert tower.config._attn_implementation == before
+    assert tower.blocks[0].attn.config._attn_implementation == before
+
+
+def test_version_guard(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.14.2")
+    with pytest.raises(encgraph.VersionError, match=rf"transformers>={MIN_TRANSFORMERS}, found 5.14.2"):
+        register_attention()
+    monkeypatch.setattr(transformers, "__version__", "5.15.0.dev0")
+    assert register_attention() == ATTENTION_NAME
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    with pytest.raises(encgraph.VersionError, match="not installed"):
+        _hf.require_transformers("5.15", "x")
+    assert isinstance(encgraph.VersionError("x"), ImportError)
+
+
+def test_tower_dtype_device():
+    lin = torch.nn.Linear(2, 2).to(torch.float64)
+    assert _hf.tower_dtype_device(lin) == (torch.float64, torch.device("cpu"))
+    assert _hf.tower_dtype_device(torch.nn.ReLU()) == (torch.float32, torch.device("cpu"))
