@@ -101,12 +101,7 @@ class EncoderGraphRunner:
         self.progress = sys.stderr.isatty() if progress is None else _check_bool("progress", progress)
 
         self.ladders = self._resolve_ladders(budgets)
-        if max_items is None and all(p.unit is BudgetUnit.ITEMS for p in config.paths):
-            # Every item counts one unit: the largest batch size is the item cap.
-            max_items = min(max(self.ladders[p.name]) for p in config.paths)
-        self.limits: Limits = default_limits(
-            self.ladders, max_frames_per_item=config.max_frames_per_item, max_items=max_items, max_frames=max_frames
-        )
+        self.limits = self._resolve_limits(max_items, max_frames)
         self.records: dict[str, dict[int, GraphRecord]] = {p: {} for p in config.path_names}
         self.failed: dict[str, dict[int, str]] = {p: {} for p in config.path_names}
         self.buffers: dict[str, PathBuffers] = {}
@@ -135,6 +130,21 @@ class EncoderGraphRunner:
             if p.allow_empty and 0 not in ladders[p.name]:
                 ladders[p.name] = (0, *ladders[p.name])
         return ladders
+
+    def _resolve_limits(self, max_items: int | None, max_frames: int | None) -> Limits:
+        config = self.config
+        if not all(p.unit is BudgetUnit.ITEMS for p in config.paths):
+            return default_limits(
+                self.ladders, max_frames_per_item=config.max_frames_per_item, max_items=max_items, max_frames=max_frames
+            )
+        # Budgets count items: every item fills one unit, so the cap on items is the largest batch size, and the
+        # token rule of default_limits (items <= smallest budget) does not apply.
+        largest = min(max(self.ladders[p.name]) for p in config.paths)
+        items = largest if max_items is None else check_int("max_items", max_items, minimum=1)
+        if items > largest:
+            raise ConfigError(f"max_items: expected at most {largest} (the largest batch size captured), got {items}.")
+        frames = items * config.max_frames_per_item if max_frames is None else check_int("max_frames", max_frames, minimum=1)
+        return Limits(max_items=items, max_frames=frames)
 
     @property
     def planning_ladders(self) -> dict[str, tuple[int, ...]]:

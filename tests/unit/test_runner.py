@@ -1,0 +1,194 @@
+"""The runner on the CPU (STATIC mode: the same plan, padded buffers and static forward as a replay)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import encgraph
+from encgraph.capture import EncoderGraphRunner, RunMode
+from encgraph.capture.runner import CAPTURE_FAILED
+from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError, InputError, InputTypeError
+from encgraph.packing import EagerReason
+from tests.toy_models import ToyAdapter, ToyInputs, ToyTower, random_inputs, reference
+
+
+def one_path(**kw):
+    torch.manual_seed(0)
+    return ToyAdapter({"default": ToyTower()}, **kw)
+
+
+def two_path(**kw):
+    torch.manual_seed(1)
+    return ToyAdapter({"global": ToyTower(), "local": ToyTower()}, empty=("local",), **kw)
+
+
+def assert_same(out, ref, tol=1e-5):
+    assert len(out) == len(ref)
+    for i, (a, b) in enumerate(zip(out, ref)):
+        assert a.shape == b.shape, (i, a.shape, b.shape)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"item {i}")
+
+
+@pytest.mark.parametrize("make", [one_path, two_path])
+def test_random_mixes_equal_eager_per_item(make):
+    adapter = make(min_budget=16, max_budget=128)
+    runner = EncoderGraphRunner(adapter)
+    gen = np.random.default_rng(0)
+    for _ in range(25):
+        inputs = random_inputs(gen, adapter, int(gen.integers(1, 24)), max_len=70, max_frames=3)
+        assert_same(runner(inputs), reference(adapter, inputs))
+    stats = runner.stats
+    assert stats["graph_items"] + stats["eager_items"] == stats["items"]
+    assert stats["eager_items"] > 0  # items over 128 rows exist at max_len 70 x 3 frames
+    assert stats["graph_items"] > 0
+
+
+def test_partial_eager_only_on_overflowing_path():
+    adapter = two_path(min_budget=16, max_budget=64)
+    runner = EncoderGraphRunner(adapter)
+    # Item 0: global fits, local overflows (100 rows > 64). Item 1: both fit.
+    seqs = {"global": ((10,), (12,)), "local": ((50, 50), (20,))}
+    rows = {p: torch.randn(sum(map(sum, s)), 6) for p, s in seqs.items()}
+    inputs = ToyInputs(rows, seqs)
+    plan = runner.plan(inputs)
+    lone = [b for b in plan.batches if b.budgets["local"] is None]
+    assert len(lone) == 1 and lone[0].budgets["global"] is not None
+    assert lone[0].eager == {"local": EagerReason.TOKENS}
+    assert_same(runner(inputs), reference(adapter, inputs))
+    paths = runner.stats["paths"]
+    assert paths["local"]["eager_items"] == 1 and paths["global"]["eager_items"] == 0
+
+
+def test_frames_over_limit_run_eagerly_alone():
+    adapter = one_path(min_budget=16, max_budget=256)
+    runner = EncoderGraphRunner(adapter, max_items=4, max_frames=4)
+    seqs = {"default": ((3, 3, 3, 3, 3, 3), (5,), (7, 2))}
+    inputs = ToyInputs({"default": torch.randn(32, 6)}, seqs)
+    assert_same(runner(inputs), reference(adapter, inputs))
+    assert runner.stats["eager_reasons"] == {EagerReason.FRAMES.value: 1}
+
+
+def test_empty_path_items_have_only_global_rows():
+    adapter = two_path()
+    runner = EncoderGraphRunner(adapter)
+    seqs = {"global": ((8,), (9,)), "local": ((), ())}
+    inputs = ToyInputs({"global": torch.randn(17, 6), "local": torch.randn(0, 6)}, seqs)
+    out = runner(inputs)
+    assert [o.shape[0] for o in out] == [8, 9]
+    assert runner.stats["paths"]["local"]["replays"] == {}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 60)), min_size=1, max_size=30), st.integers(1, 8))
+def test_stats_never_lose_or_double_count(sizes, max_items):
+    adapter = one_path(min_budget=16, max_budget=128)
+    runner = EncoderGraphRunner(adapter, max_items=max_items)
+    seqs = {"default": tuple((n,) * f for f, n in sizes)}
+    inputs = ToyInputs({"default": torch.randn(sum(f * n for f, n in sizes), 6)}, seqs)
+    out = runner(inputs)
+    s = runner.stats
+    assert len(out) == len(sizes) == s["items"]
+    assert s["graph_items"] + s["eager_items"] == s["items"]
+    p = s["paths"]["default"]
+    assert p["real_tokens"] == sum(f * n for f, n in sizes)
+    assert sum(p["replays"].values()) + p["eager_runs"] == len(runner.plan(inputs).batches)
+
+
+def test_eager_mode_and_static_mode_agree():
+    adapter = two_path(min_budget=16, max_budget=128)
+    gen = np.random.default_rng(3)
+    inputs = random_inputs(gen, adapter, 12)
+    static = EncoderGraphRunner(adapter)(inputs)
+    eager_runner = EncoderGraphRunner(adapter, mode=RunMode.EAGER)
+    assert_same(eager_runner(inputs), static)
+    assert eager_runner.stats["graph_items"] == 0
+
+
+def test_concurrent_calls_are_serialised():
+    adapter = one_path(min_budget=16, max_budget=128)
+    runner = EncoderGraphRunner(adapter)
+    gen = np.random.default_rng(4)
+    batches = [random_inputs(gen, adapter, 10) for _ in range(6)]
+    refs = [reference(adapter, b) for b in batches]
+    results: dict[int, list] = {}
+
+    def work(i: int) -> None:
+        results[i] = runner(batches[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(6):
+        assert_same(results[i], refs[i])
+    assert runner.stats["calls"] == 6
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"budgets": [0, 16]}, ConfigError, "may be empty"),
+        ({"budgets": {"nope": [16]}}, ConfigError, "nope"),
+        ({"mode": "graph"}, ConfigTypeError, "RunMode"),
+        ({"mode": RunMode.GRAPH}, ConfigError, "CUDA"),
+        ({"device": "cuda"}, ConfigError, "CUDA"),
+        ({"device": 3.5}, ConfigTypeError, "device"),
+        ({"lazy": 1}, ConfigTypeError, "lazy"),
+        ({"warmup": 0}, ConfigError, "warmup"),
+        ({"max_items": 64}, ConfigError, "max_items"),
+    ],
+)
+def test_bad_runner_arguments(kwargs, error, words):
+    with pytest.raises(error, match=words) as info:
+        EncoderGraphRunner(one_path(), **kwargs)
+    assert isinstance(info.value, EncgraphError)
+
+
+def test_not_an_adapter():
+    with pytest.raises(ConfigTypeError, match="EncoderAdapter"):
+        EncoderGraphRunner(object())
+
+
+def test_bad_inputs_raise_clear_errors():
+    adapter = one_path()
+    runner = EncoderGraphRunner(adapter)
+    with pytest.raises(InputError, match="empty"):
+        runner(ToyInputs({"default": torch.randn(0, 6)}, {"default": ()}))
+    with pytest.raises(InputTypeError):
+        runner(ToyInputs({"default": torch.randn(4, 6, dtype=torch.float64)}, {"default": ((4,),)}))
+    with pytest.raises(InputError):
+        runner(ToyInputs({"default": torch.randn(5, 6)}, {"default": ((4,),)}))
+    with pytest.raises(InputTypeError):
+        runner([torch.randn(4, 6)])
+    # Nothing was half-done: the runner still answers correctly afterwards.
+    inputs = ToyInputs({"default": torch.randn(4, 6)}, {"default": ((4,),)})
+    assert_same(runner(inputs), reference(adapter, inputs))
+    assert runner.stats["items"] == 1
+
+
+def test_failed_budget_is_dropped_from_planning():
+    adapter = one_path(min_budget=16, max_budget=128)
+    runner = EncoderGraphRunner(adapter)
+    runner.failed["default"][32] = "simulated"
+    assert 32 not in runner.planning_ladders["default"]
+    inputs = ToyInputs({"default": torch.randn(20, 6)}, {"default": ((20,),)})
+    assert runner.plan(inputs).batches[0].budgets == {"default": 64}
+    assert CAPTURE_FAILED  # the reason string used in GRAPH mode when every capture of a path failed
+
+
+def test_generic_graphed_module_any_batch_size():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    fast = encgraph.graphed(net, budgets=[1, 2, 4, 8])
+    for b in (1, 3, 8, 9, 21):
+        x = torch.randn(b, 8)
+        torch.testing.assert_close(fast(x), net(x), rtol=1e-6, atol=1e-6)
+    assert fast.stats["items"] == 1 + 3 + 8 + 9 + 21
+    assert fast.runner.limits.max_items == 8
