@@ -7,7 +7,6 @@ path.  Budget ``0`` is never captured: it marks a path that may be empty in a ba
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from encgraph._validate import check_int, check_iterable, check_path, describe
 from encgraph.errors import ConfigError, ConfigTypeError

@@ -43,8 +43,6 @@ def _check_batch(b: Batch) -> None:
         raise _bad(f"{where}(items)", "at least one item index", "()", "A batch holds one item or more.")
     for i, index in enumerate(b.items):
         check_int(f"{where}(items[{i}])", index, minimum=0, hint="Item indices point into the list given to pack().")
-    for field in ("budgets", "tokens", "padded", "eager"):
-        check_mapping(f"{where}({field})", getattr(b, field), hint="Use {path: value}.")
     paths = list(b.budgets)
     for field in ("tokens", "padded"):
         if set(getattr(b, field)) != set(paths):
@@ -104,6 +102,11 @@ class Batch:
         padded: per path, ``budget - tokens`` where a budget is chosen, else 0.
         frames: the items' frames summed.
         eager: only the eager (``None``) paths, each with its :class:`EagerReason`.
+
+    Built by :func:`pack`; the constructor validates a hand-made batch.
+
+    >>> Batch(items=(2, 0), budgets={"default": 512}, tokens={"default": 400}, padded={"default": 112}, frames=2)
+    Batch(items=(2, 0), budgets={'default': 512}, tokens={'default': 400}, padded={'default': 112}, frames=2, eager={})
     """
 
     items: tuple[int, ...] = attrs.field(converter=_as_tuple("Batch(items)"))
