@@ -23,18 +23,21 @@ LADDER = (1, 2, 4)
 def ladder_options() -> dict[str, Any]:
     """Runner options for the test ladder: ``budgets=LADDER`` (items per batch up to its largest size).
 
-    Workaround: while the planner caps ``max_items`` at the smallest budget on every path (right for token
-    budgets, vLLM PR 38040, but a batch-size ladder holds one unit per item), the runner refuses ladder
+    Workaround: while the runner caps ``max_items`` at the smallest budget on item ladders too (the planner's
+    rule for token budgets, vLLM PR 38040; a batch-size ladder holds one unit per item), it refuses ladder
     (1, 2, 4); the tests then run on ladder (2, 4) with 2 items per batch, which still pads odd batches.
     """
+    from encgraph.capture.runner import EncoderGraphRunner
     from encgraph.errors import ConfigError
-    from encgraph.packing import default_limits
+    from encgraph.models.generic import GenericModuleAdapter
 
     try:
-        default_limits(LADDER, max_items=max(LADDER))
+        EncoderGraphRunner(GenericModuleAdapter(torch.nn.Linear(1, 1)), budgets=LADDER, mode=RunMode.STATIC)
     except ConfigError:
         return {"budgets": (2, 4), "max_items": 2}
     return {"budgets": LADDER}
+
+
 TOL = 1e-5
 """Largest relative error (max abs difference over max abs value, per image) between graphed and the tower."""
 
