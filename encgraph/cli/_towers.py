@@ -1,0 +1,168 @@
+"""The towers ``encgraph demo`` ships: tiny random-weight Hugging Face vision towers built from the configs in
+``encgraph/configs/*.json``, and seeded batches shaped as their processors would produce them.
+
+Importing this module is cheap (the command line lists ``--model`` choices from it); building a tower imports
+torch and transformers.  No download: the configs are
+package data and the weights are random (seeded).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from collections.abc import Sequence
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from encgraph.cli.geometry import TOWERS as GEOMETRIES
+from encgraph.cli.geometry import TowerGeometry
+from encgraph.errors import VersionError
+
+if TYPE_CHECKING:  # torch is imported when a tower is built, not when the command line is parsed
+    import torch
+
+__all__ = ["DemoTower", "DemoItem", "DemoBatch", "TOWERS", "build_tower", "make_batch"]
+
+
+@attrs.frozen
+class DemoTower:
+    """One ``--model`` choice.
+
+    Attributes:
+        name: the ``--model`` value; also the config file's stem.
+        budgets: the demo's default ladder (tokens for variable-size towers, images for fixed-size ones).
+        builtin: the ``encgraph.models._builtin_*`` module that registers the tower's adapter.
+        geometry: for a Qwen-VL tower (items of several sizes: pixel rows + ``grid_thw``), the processor
+            geometry in :data:`encgraph.cli.geometry.TOWERS`; ``None`` for a fixed-size tower.
+    """
+
+    name: str
+    budgets: tuple[int, ...]
+    builtin: str
+    geometry: str | None
+
+
+TOWERS: dict[str, DemoTower] = {
+    t.name: t
+    for t in (
+        DemoTower("qwen2_5_vl", (32, 64, 128), "encgraph.models._builtin_qwen", geometry="qwen2_5_vl"),
+        DemoTower("qwen3_vl", (32, 64, 128), "encgraph.models._builtin_qwen", geometry="qwen3_vl"),
+        DemoTower("siglip", (1, 2, 4, 8), "encgraph.models._builtin_fixed", geometry=None),
+    )
+}
+
+
+@attrs.frozen
+class DemoItem:
+    """One item of the demo batch: what it is (for the printout) and the tower's arguments for it alone."""
+
+    kind: str
+    label: str
+    grid: tuple[int, int, int] | None
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@attrs.frozen
+class DemoBatch:
+    """The whole batch: the tower's arguments for all items at once, and the items one by one."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    items: tuple[DemoItem, ...]
+
+
+def load_config(name: str) -> dict[str, Any]:
+    """The shipped config envelope ``encgraph/configs/<name>.json``: description, module, classes, config."""
+    text = resources.files("encgraph").joinpath("configs", f"{name}.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def build_tower(name: str, *, seed: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
+    """Build the shipped tower ``name`` with seeded random weights on ``device`` in ``dtype``, in eval mode.
+
+    Returns the tower and its one-line description.
+
+    Raises:
+        VersionError: transformers is missing or lacks the tower's classes.
+    """
+    import torch
+
+    envelope = load_config(name)
+    try:
+        import transformers
+
+        modeling = importlib.import_module(envelope["module"])
+    except ImportError as exc:
+        raise VersionError(
+            f"--model {name}: needs transformers with {envelope['model_class']} ({exc}); install it with "
+            f"pip install 'encgraph[hf]'."
+        ) from None
+    config_cls = getattr(transformers, envelope["config_class"], None) or getattr(modeling, envelope["config_class"])
+    model_cls = getattr(modeling, envelope["model_class"])
+    config = config_cls(**envelope["config"])
+    torch.manual_seed(seed)
+    tower = model_cls._from_config(config)
+    return tower.to(device=device, dtype=dtype).eval(), envelope["description"]
+
+
+def make_batch(spec: DemoTower, tower: torch.nn.Module, *, seed: int, ladder: Sequence[int]) -> DemoBatch:
+    """A seeded batch for ``tower``: for a Qwen tower, four images of random sizes, a 4-frame video, and one
+    image larger than the largest budget (to show the eager fallback); for a fixed-size tower, enough images
+    for one full largest batch and a padded one."""
+    import torch
+
+    param = next(tower.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    if spec.geometry is None:
+        return _fixed_batch(tower, gen, param, ladder)
+    return _qwen_batch(GEOMETRIES[spec.geometry], np.random.default_rng(seed), gen, param, ladder)
+
+
+def _qwen_batch(
+    g: TowerGeometry, rng: np.random.Generator, gen: torch.Generator, param: torch.Tensor, ladder: Sequence[int]
+) -> DemoBatch:
+    import torch
+
+    # Demo bounds: at least 2x2 merged tokens per image (the processor's `size` option allows it; Qwen3-VL's
+    # default minimum of 256x256 pixels would make every image 64 tokens or more), sides scaled to the ladder so
+    # that the images spread over its budgets.
+    g = attrs.evolve(g, min_pixels=4 * g.factor**2)
+    low, high = 2 * g.factor, g.factor * max(3, math.isqrt(max(ladder) // 2))
+    # (kind, width, height, frames)
+    sizes: list[tuple[str, int, int, int]] = []
+    for _ in range(4):
+        sizes.append(("image", int(rng.integers(low, high)), int(rng.integers(low, high)), 1))
+    sizes.append(("video", int(rng.integers(low, high)), int(rng.integers(low, high)), 2 * g.temporal_patch_size))
+    # One image over the largest budget, to show the eager fallback.
+    side = g.factor * math.ceil(math.sqrt(1.3 * max(ladder)))
+    sizes.append(("image", side, side, 1))
+    items, rows, grids = [], [], []
+    for kind, w, h, frames in sizes:
+        (_, gh, gw), (rw, rh) = g.image_grid(w, h)
+        grid = (-(-frames // g.temporal_patch_size), gh, gw)  # an image fills one temporal patch
+        pixels = torch.randn(math.prod(grid), g.patch_dim, generator=gen).to(param.device, param.dtype)
+        grid_thw = torch.tensor([grid], dtype=torch.int64, device=param.device)
+        label = f"{w}x{h} -> {rw}x{rh}" + (f", {frames} frames" if frames > 1 else "")
+        items.append(DemoItem(kind, label, grid, (pixels,), {"grid_thw": grid_thw}))
+        rows.append(pixels)
+        grids.append(grid_thw)
+    return DemoBatch((torch.cat(rows),), {"grid_thw": torch.cat(grids)}, tuple(items))
+
+
+def _fixed_batch(tower: torch.nn.Module, gen: torch.Generator, param: torch.Tensor, ladder: Sequence[int]) -> DemoBatch:
+    import torch
+
+    c = tower.config
+    size = int(c.image_size)
+    count = max(ladder) + max(1, max(ladder) // 2 - 1)
+    pixels = torch.randn(count, int(c.num_channels), size, size, generator=gen).to(param.device, param.dtype)
+    items = tuple(
+        DemoItem("image", f"{size}x{size}", None, (pixels[i : i + 1],), {}) for i in range(count)
+    )
+    return DemoBatch((pixels,), {}, items)
+
