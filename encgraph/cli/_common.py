@@ -174,7 +174,8 @@ def progress(iterable: Iterable[T], *, desc: str, enabled: bool, total: int | No
         return
     from tqdm.auto import tqdm
 
-    yield from tqdm(iterable, desc=desc, total=total, leave=False, file=sys.stderr)
+    # delay: a bar appears only for a step that runs over a second.
+    yield from tqdm(iterable, desc=desc, total=total, leave=False, file=sys.stderr, delay=1.0)
 
 
 def count(n: int, noun: str) -> str:

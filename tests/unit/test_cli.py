@@ -313,6 +313,20 @@ def test_demo_cuda_without_cuda_exits_2(capsys):
     assert_usage_error(code, err, "CUDA is not available", "--device cpu")
 
 
+def test_relative_error_counts_nan_as_infinite():
+    import torch
+
+    from encgraph.cli.demo import _relative_error
+
+    ref = {"pooler_output": torch.ones(3, 4), "extra": torch.ones(2)}
+    mine = {"pooler_output": torch.ones(3, 4), "other": torch.zeros(1)}
+    assert _relative_error(mine, ref) == (0.0, ["pooler_output"])
+    mine["pooler_output"][1, 2] = float("nan")
+    assert _relative_error(mine, ref)[0] == float("inf")
+    with pytest.raises(RuntimeError, match="no comparable outputs"):
+        _relative_error({"x": torch.ones(1)}, ref)
+
+
 def test_demo_disagreement_exits_1(capsys, monkeypatch):
     pytest.importorskip("transformers")
     from encgraph.cli import demo
@@ -322,3 +336,20 @@ def test_demo_disagreement_exits_1(capsys, monkeypatch):
     assert code == 1
     assert "DO NOT all agree" in out
     assert "differ from the tower's own forward" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["qwen2_5_vl", "qwen3_vl", "siglip"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_demo_on_cuda_replays_graphs(capsys, model, dtype):
+    code, out, err = run_cli(["demo", "--model", model, "--dtype", dtype, "--json", "--quiet", "--repeats", "5"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["mode"] == "graph" and data["device"].startswith("cuda") and data["dtype"] == dtype
+    ladder = data["ladders"]["default"]
+    assert data["capture"]["graphs"] == len(ladder) and not data["capture"]["failed"], data["capture"]
+    assert data["agreement"]["ok"], data["items"]
+    eager = [it for it in data["items"] if it["eager_reason"]]
+    assert data["stats"]["graph_items"] == len(data["items"]) - len(eager)
+    assert data["timings_ms"]["encgraph"] > 0 and data["timings_ms"]["tower_eager"] > 0
