@@ -1,5 +1,6 @@
-"""Tiny random-weight fixed-resolution towers (SigLIP, CLIP, InternVL), tiny VLMs around them, and the checks
-their test files share. Plain functions (not pytest fixtures): the test files import them.
+"""Tiny random-weight fixed-resolution towers (SigLIP, CLIP, InternVL), tiny VLMs around them, and the tests
+their test files share (:class:`FixedTowerTests`, which each file subclasses). Plain functions and a mixin, not
+pytest fixtures: the test files import them.
 
 Every tower: hidden 32, 4 heads, 2 layers, 32x32 images in 8x8 patches (16 patch tokens), fp32, eval mode.
 """
@@ -7,13 +8,14 @@ Every tower: hidden 32, 4 heads, 2 layers, 32x32 images in 8x8 patches (16 patch
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
 import encgraph
 from encgraph.capture.records import RunMode
+from encgraph.errors import EncgraphError, InputError, InputTypeError
 
 HIDDEN, HEADS, LAYERS, SIZE, PATCH = 32, 4, 2, 32, 8
 LADDER = (1, 2, 4)
@@ -127,7 +129,7 @@ def graphed_tower(tower: torch.nn.Module, mode: RunMode = RunMode.STATIC, **adap
     return encgraph.graphed(tower, mode=mode, adapter_options=adapter_options or None, **ladder_options())
 
 
-# -- checks every family runs
+# -- tests every family runs
 def check_batches(tower: torch.nn.Module, mode: RunMode, sizes: range = range(1, 10)) -> None:
     """Batches of 1..9 images (over the ladder's largest size) equal the tower's own forward, per image."""
     fast = graphed_tower(tower, mode)
@@ -143,99 +145,125 @@ def check_batches(tower: torch.nn.Module, mode: RunMode, sizes: range = range(1,
     assert stats["eager_items" if mode is RunMode.EAGER else "graph_items"] == total
 
 
-def check_return_tuple(tower: torch.nn.Module) -> None:
-    x = images(3)
-    with torch.no_grad():
-        assert_outputs_match(graphed_tower(tower)(x, return_dict=False), tower(x, return_dict=False))
+ErrorCase = tuple[Any, dict[str, Any], type, str]
+"""Pixels, call keywords, the error class and a message pattern."""
 
 
-def check_hidden_states(tower: torch.nn.Module) -> None:
-    """Every form of ``output_hidden_states`` the installed transformers reads gives what the tower gives."""
-    x = images(5, seed=1)
-    last = tower.config.num_hidden_layers
-    for value in (True, 1, -2, [1], [0, -1], [last], False):
+class FixedTowerTests:
+    """The tests every fixed-resolution tower passes. A family's test file subclasses it as ``Test<Family>``
+    (pytest collects the inherited methods there) and sets the class attributes."""
+
+    make: ClassVar[Callable[..., torch.nn.Module]]
+    """Builds the tiny tower (keyword overrides go to its config); set with ``staticmethod``."""
+    vlm: ClassVar[str]
+    """The family name :func:`tiny_vlm` takes."""
+    interpolate_kwarg: ClassVar[str | None] = "interpolate_pos_encoding"
+    extra_errors: ClassVar[tuple[ErrorCase, ...]] = ()
+
+    @pytest.mark.parametrize("mode", [RunMode.STATIC, RunMode.EAGER])
+    def test_batches_equal_tower(self, mode: RunMode) -> None:
+        check_batches(self.make(), mode)
+
+    def test_return_tuple(self) -> None:
+        tower, x = self.make(), images(3)
         with torch.no_grad():
-            ref = tower(x, output_hidden_states=value)
-        fast = graphed_tower(tower)  # learns the hidden states from its first call
-        assert_outputs_match(fast(x, output_hidden_states=value), ref)
-        assert_outputs_match(fast(x[:2]), tower(x[:2]))  # asked for nothing: no hidden_states
+            assert_outputs_match(graphed_tower(tower)(x, return_dict=False), tower(x, return_dict=False))
 
+    def test_hidden_states(self) -> None:
+        """Every form of ``output_hidden_states`` the installed transformers reads gives what the tower gives."""
+        tower, x = self.make(), images(5, seed=1)
+        last = tower.config.num_hidden_layers
+        for value in (True, 1, -2, [1], [0, -1], [last], False):
+            with torch.no_grad():
+                ref, plain = tower(x, output_hidden_states=value), tower(x[:2])
+            fast = graphed_tower(tower)  # learns the hidden states from its first call
+            assert_outputs_match(fast(x, output_hidden_states=value), ref)
+            assert_outputs_match(fast(x[:2]), plain)  # asked for nothing: no hidden_states
 
-def check_hidden_states_captured_once(tower: torch.nn.Module) -> None:
-    """After the first call the outputs are fixed; an explicit choice answers "all" with None elsewhere."""
-    from encgraph.errors import InputError
+    def test_hidden_states_captured_once(self) -> None:
+        """After the first call the outputs are fixed; an explicit choice answers "all" with None elsewhere."""
+        tower, x = self.make(), images(3)
+        fast = graphed_tower(tower)
+        fast(x)
+        with pytest.raises(InputError, match=r"hidden_states.*adapter_options"):
+            fast(x, output_hidden_states=True)
+        out = graphed_tower(tower, hidden_states=[-2])(x, output_hidden_states=True)
+        with torch.no_grad():
+            ref = tower(x, output_hidden_states=True)
+        full = len(ref.hidden_states)
+        assert [h is None for h in out.hidden_states] == [i != full - 2 for i in range(full)]
+        assert_items_close(out.hidden_states[-2], ref.hidden_states[-2])
+        assert_items_close(out.last_hidden_state, ref.last_hidden_state)
 
-    x = images(3)
-    fast = graphed_tower(tower)
-    fast(x)
-    with pytest.raises(InputError, match=r"hidden_states.*adapter_options"):
-        fast(x, output_hidden_states=True)
-    chosen = graphed_tower(tower, hidden_states=[-2])
-    out = chosen(x, output_hidden_states=True)
-    with torch.no_grad():
-        ref = tower(x, output_hidden_states=True)
-    full = len(ref.hidden_states)
-    assert [h is None for h in out.hidden_states] == [i != full - 2 for i in range(full)]
-    assert_items_close(out.hidden_states[-2], ref.hidden_states[-2])
-    assert_items_close(out.last_hidden_state, ref.last_hidden_state)
+    def test_no_host_sync(self) -> None:
+        """The static forward runs on the ``meta`` device, where reading any tensor value on the host
+        (``.item()``, ``.tolist()``, ``nonzero``, a data-dependent branch) raises: nothing in it can sync a GPU."""
+        import encgraph.models._builtin_fixed  # noqa: F401
+        from encgraph.models.registry import wrap
 
+        with torch.device("meta"):
+            tower = self.make()
+        adapter = wrap(tower, hidden_states="all")
+        specs = adapter.buffer_specs("default", 4, 4, 4)
+        buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()}
+        out = adapter.forward_static("default", buffers, 4)
+        assert set(out) == set(adapter.config.path("default").outputs)
+        assert all(t.device.type == "meta" and t.shape[0] == 4 for t in out.values())
 
-def check_no_host_sync(make_tower: Callable[..., torch.nn.Module]) -> None:
-    """The static forward runs on the ``meta`` device, where reading any tensor value on the host (``.item()``,
-    ``.tolist()``, ``nonzero``, a data-dependent branch) raises: nothing in it can sync a GPU either."""
-    from encgraph.models.registry import wrap
+    def test_input_errors(self) -> None:
+        """Images and arguments that contradict the tower raise an EncgraphError naming the problem."""
+        fast = graphed_tower(self.make())
+        fast(images(2))  # the graphs exist; later checks must not depend on that
+        cases: list[ErrorCase] = [
+            (images(2)[:, :2], {}, InputError, "3 channels, got 2"),
+            (images(2, size=SIZE + PATCH), {}, InputError, "built for 32x32 images, got 40x40"),
+            (images(2).to(torch.int64), {}, InputTypeError, "floating-point"),
+            (images(2)[0], {}, InputError, "4 dims"),
+            (images(2).numpy(), {}, InputTypeError, "expected a tensor"),
+            (images(2).to("meta"), {}, InputError, "expected a tensor on cpu"),
+            (images(2), {"output_attentions": True}, InputError, "output_attentions"),
+            (images(2), {"foo": 1}, InputTypeError, r"unsupported keyword arguments \['foo'\]"),
+            (images(2), {"output_hidden_states": ["a"]}, InputTypeError, "output_hidden_states"),
+            (None, {}, InputTypeError, "expected pixel_values"),
+            *self.extra_errors,
+        ]
+        for pixels, kwargs, error, message in cases:
+            with pytest.raises(error, match=message) as info:
+                fast(pixels, **kwargs)
+            assert isinstance(info.value, EncgraphError)
+        with pytest.raises(InputTypeError, match="both positionally and as a keyword"):
+            fast(images(1), pixel_values=images(1))
 
-    import encgraph.models._builtin_fixed  # noqa: F401
+    def test_resized_images_interpolate(self) -> None:
+        """``image_size`` other than the config's: position embeddings interpolate as in the tower."""
+        tower, x = self.make(), images(3, size=SIZE + 2 * PATCH)
+        call = {self.interpolate_kwarg: True} if self.interpolate_kwarg else {}
+        fast = graphed_tower(tower, image_size=SIZE + 2 * PATCH)
+        with torch.no_grad():
+            assert_outputs_match(fast(x, **call), tower(x, **call))
+        if self.interpolate_kwarg:
+            with pytest.raises(InputError, match=self.interpolate_kwarg):
+                fast(x)
 
-    with torch.device("meta"):
-        tower = make_tower()
-    adapter = wrap(tower, hidden_states="all")
-    specs = adapter.buffer_specs("default", 4, 4, 4)
-    buffers = {name: torch.zeros(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()}
-    out = adapter.forward_static("default", buffers, 4)
-    assert set(out) == set(adapter.config.path("default").outputs)
-    assert all(t.device.type == "meta" and t.shape[0] == 4 for t in out.values())
-
-
-def check_input_errors(tower: torch.nn.Module, extra: list[tuple[Any, dict[str, Any], type, str]] = ()) -> None:
-    """Images and arguments that contradict the tower raise an EncgraphError naming the problem."""
-    from encgraph.errors import EncgraphError, InputError, InputTypeError
-
-    fast = graphed_tower(tower)
-    fast(images(2))  # the graphs exist; later checks must not depend on that
-    cases = [
-        (images(2)[:, :2], {}, InputError, "3 channels, got 2"),
-        (images(2, size=SIZE + PATCH), {}, InputError, "built for 32x32 images, got 40x40"),
-        (images(2).to(torch.int64), {}, InputTypeError, "floating-point"),
-        (images(2)[0], {}, InputError, "4 dims"),
-        (images(2).numpy(), {}, InputTypeError, "expected a tensor"),
-        (images(2).to("meta"), {}, InputError, "expected a tensor on cpu"),
-        (images(2), {"output_attentions": True}, InputError, "output_attentions"),
-        (images(2), {"foo": 1}, InputTypeError, "unsupported keyword arguments \\['foo'\\]"),
-        (images(2), {"output_hidden_states": ["a"]}, InputTypeError, "output_hidden_states"),
-        (None, {}, InputTypeError, "expected pixel_values"),
-        *extra,
-    ]
-    for pixels, kwargs, error, message in cases:
-        with pytest.raises(error, match=message) as info:
-            fast(pixels, **kwargs)
-        assert isinstance(info.value, EncgraphError)
-    with pytest.raises(InputTypeError, match="both positionally and as a keyword"):
-        fast(images(1), pixel_values=images(1))
-
-
-def check_resized(tower: torch.nn.Module, interpolate_kwarg: str | None) -> None:
-    """``image_size`` other than the config's: position embeddings interpolate as in the tower."""
-    from encgraph.errors import InputError
-
-    x = images(3, size=SIZE + 2 * PATCH)
-    call = {interpolate_kwarg: True} if interpolate_kwarg else {}
-    fast = graphed_tower(tower, image_size=SIZE + 2 * PATCH)
-    with torch.no_grad():
-        assert_outputs_match(fast(x, **call), tower(x, **call))
-    if interpolate_kwarg:
-        with pytest.raises(InputError, match=interpolate_kwarg):
-            fast(x)
+    def test_vlm_drop_in(self) -> None:
+        """Logits and image features of a tiny VLM are the same with its tower replaced by ``graphed(tower)``
+        (LLaVA reads ``hidden_states[-2]``: it asks True on transformers 5.17, the index -2 on 5.24)."""
+        model, per_image = tiny_vlm(self.vlm)
+        n = 6
+        pixels = images(n, seed=3)
+        ids = torch.cat([torch.full((n * per_image,), IMAGE_TOKEN), torch.arange(1, 9)])[None]
+        with torch.no_grad():
+            ref_logits = model(input_ids=ids, pixel_values=pixels).logits
+            ref_features = model.model.get_image_features(pixel_values=pixels).pooler_output
+            tower = model.model.vision_tower
+            model.model.vision_tower = graphed_tower(tower)
+            logits = model(input_ids=ids, pixel_values=pixels).logits
+            features = model.model.get_image_features(pixel_values=pixels).pooler_output
+        assert model.model.vision_tower.stats["graph_items"] == 2 * n
+        for a, b in zip(features, ref_features):
+            assert_items_close(a[None], b[None])
+        assert rel_err(logits, ref_logits) < TOL
+        assert model.model.vision_tower.unwrap() is tower
 
 
 # -- tiny VLMs: the drop-in `model.model.vision_tower = encgraph.graphed(model.model.vision_tower)`
@@ -251,7 +279,7 @@ def tiny_vlm(family: str) -> tuple[torch.nn.Module, int]:
     import transformers as tf
 
     torch.manual_seed(0)
-    vision = {k: v for k, v in _VISION.items()}
+    vision = _VISION
     if family == "clip":
         config = tf.LlavaConfig(
             vision_config=tf.CLIPVisionConfig(**vision, image_size=SIZE, patch_size=PATCH),
@@ -269,22 +297,3 @@ def tiny_vlm(family: str) -> tuple[torch.nn.Module, int]:
         text_config=tf.Qwen2Config(**_TEXT), image_token_id=IMAGE_TOKEN, image_seq_length=4,
     )
     return tf.InternVLForConditionalGeneration(config).eval(), 4
-
-
-def check_vlm_drop_in(family: str, n_images: int = 6) -> None:
-    """Logits and image features of a tiny VLM are the same with its tower replaced by ``graphed(tower)``."""
-    model, per_image = tiny_vlm(family)
-    pixels = images(n_images, seed=3)
-    ids = torch.cat([torch.full((n_images * per_image,), IMAGE_TOKEN), torch.arange(1, 9)])[None]
-    with torch.no_grad():
-        ref_logits = model(input_ids=ids, pixel_values=pixels).logits
-        ref_features = model.model.get_image_features(pixel_values=pixels).pooler_output
-        tower = model.model.vision_tower
-        model.model.vision_tower = graphed_tower(tower)
-        logits = model(input_ids=ids, pixel_values=pixels).logits
-        features = model.model.get_image_features(pixel_values=pixels).pooler_output
-    assert model.model.vision_tower.stats["graph_items"] == 2 * n_images
-    for a, b in zip(features, ref_features):
-        assert_items_close(a[None], b[None])
-    assert rel_err(logits, ref_logits) < TOL
-    assert model.model.vision_tower.unwrap() is tower
