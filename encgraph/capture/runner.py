@@ -226,13 +226,15 @@ class EncoderGraphRunner:
             for record in path_records.values():
                 record.replay_ms = self._time_replay(record)
         seconds = time.perf_counter() - start
-        pool_bytes = torch.cuda.memory_reserved(device) - reserved0
+        pool_bytes = _pool_bytes(device, self._pool)
         graphs = [r for rs in self.records.values() for r in rs.values()]
         info = {
             "mode": self.mode.value,
             "graphs": len(graphs),
             "seconds": round(seconds, 3),
             "pool_bytes": int(pool_bytes),
+            # Memory the warm-up runs left cached outside the pool (freed by torch.cuda.empty_cache()).
+            "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool_bytes),
             "largest_graph_bytes": max((r.memory_bytes for r in graphs), default=0),
             "buffer_bytes": sum(b.nbytes for b in self.buffers.values()),
             "failed": {p: dict(f) for p, f in self.failed.items() if f},
@@ -255,7 +257,7 @@ class EncoderGraphRunner:
                 self._check_outputs(path, budget, self.adapter.forward_static(path, views, budget), budget, "static")
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
-        before = torch.cuda.memory_reserved(device)
+        before = _pool_bytes(device, self._pool)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             outputs = dict(self.adapter.forward_static(path, views, budget))
@@ -268,7 +270,7 @@ class EncoderGraphRunner:
             inputs=views,
             outputs=outputs,
             capture_seconds=time.perf_counter() - t0,
-            memory_bytes=int(torch.cuda.memory_reserved(device) - before),
+            memory_bytes=_pool_bytes(device, self._pool) - before,
         )
 
     def _time_replay(self, record: GraphRecord, repeats: int = 5) -> float:
@@ -412,6 +414,16 @@ class EncoderGraphRunner:
 _ADAPTER_METHODS = (
     "config", "item_specs", "select", "buffer_specs", "replay_values", "forward_static", "forward_eager", "assemble",
 )
+
+
+def _pool_bytes(device: torch.device, pool: Any) -> int:
+    """Bytes of the segments the caching allocator holds for the graphs' private ``pool`` on ``device``
+    (the memory the captured graphs keep; the snapshot is cheap at capture time, never on the hot path)."""
+    total = 0
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool):
+            total += int(seg["total_size"])
+    return total
 
 
 def _check_bool(name: str, value: Any) -> bool:

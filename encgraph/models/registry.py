@@ -20,12 +20,26 @@ __all__ = ["wrap", "register_adapter", "known_configs"]
 _REGISTRY: dict[str, str] = {}
 
 
+_BUILTIN_MODULES = ("encgraph.models._builtin_qwen", "encgraph.models._builtin_fixed")
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+    # On first use, not at import: the built-in modules only fill the table (their adapters load on demand).
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for name in _BUILTIN_MODULES:
+            importlib.import_module(name)
+
+
 def register_adapter(config_class_name: str, factory: str) -> None:
     """Register ``factory`` ("package.module:callable") for towers whose ``config`` class has this name."""
     _REGISTRY[config_class_name] = factory
 
 
 def known_configs() -> tuple[str, ...]:
+    _load_builtins()
     return tuple(sorted(_REGISTRY))
 
 
@@ -34,6 +48,7 @@ def wrap(module: torch.nn.Module, **options: Any) -> Any:
 
     Raises :class:`~encgraph.UnsupportedModelError` (a ``TypeError``) for anything else.
     """
+    _load_builtins()
     config = getattr(module, "config", None)
     name = type(config).__name__ if config is not None else None
     if name not in _REGISTRY:
