@@ -22,24 +22,6 @@ LADDER = (1, 2, 4)
 """Batch sizes of the CPU tests' ladder: batches of 1..9 images need padding, several batches, or both."""
 
 
-def ladder_options() -> dict[str, Any]:
-    """Runner options for the test ladder: ``budgets=LADDER`` (items per batch up to its largest size).
-
-    Workaround: while the runner caps ``max_items`` at the smallest budget on item ladders too (the planner's
-    rule for token budgets, vLLM PR 38040; a batch-size ladder holds one unit per item), it refuses ladder
-    (1, 2, 4); the tests then run on ladder (2, 4) with 2 items per batch, which still pads odd batches.
-    """
-    from encgraph.capture.runner import EncoderGraphRunner
-    from encgraph.errors import ConfigError
-    from encgraph.models.generic import GenericModuleAdapter
-
-    try:
-        EncoderGraphRunner(GenericModuleAdapter(torch.nn.Linear(1, 1)), budgets=LADDER, mode=RunMode.STATIC)
-    except ConfigError:
-        return {"budgets": (2, 4), "max_items": 2}
-    return {"budgets": LADDER}
-
-
 TOL = 1e-5
 """Largest relative error (max abs difference over max abs value, per image) between graphed and the tower."""
 
@@ -126,7 +108,7 @@ def graphed_tower(tower: torch.nn.Module, mode: RunMode = RunMode.STATIC, **adap
     """``encgraph.graphed`` over the tower's registered adapter, on the test ladder."""
     import encgraph.models._builtin_fixed  # noqa: F401  (registers the adapters until the registry imports it)
 
-    return encgraph.graphed(tower, mode=mode, adapter_options=adapter_options or None, **ladder_options())
+    return encgraph.graphed(tower, budgets=LADDER, mode=mode, adapter_options=adapter_options or None)
 
 
 # -- tests every family runs

@@ -9,7 +9,7 @@ import encgraph
 from encgraph.capture.records import RunMode
 from encgraph.errors import ConfigError, EncgraphError, InputError, InputTypeError
 from encgraph.models.generic import GenericModuleAdapter
-from tests.models.fixtures_fixed import assert_items_close, ladder_options
+from tests.models.fixtures_fixed import LADDER, assert_items_close
 
 
 class TwoHeads(torch.nn.Module):
@@ -39,7 +39,7 @@ def inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("mode", [RunMode.STATIC, RunMode.EAGER])
 def test_sequential_any_batch_size(mode):
     net = sequential()
-    fast = encgraph.graphed(net, mode=mode, **ladder_options())
+    fast = encgraph.graphed(net, mode=mode, budgets=LADDER)
     assert isinstance(fast.adapter, GenericModuleAdapter)
     for n in range(1, 10):  # over the largest batch size: several batches
         x = torch.randn(n, 8)
@@ -53,7 +53,7 @@ def test_sequential_any_batch_size(mode):
 def test_structured_outputs_keep_their_type(as_dict):
     torch.manual_seed(0)
     net = TwoHeads(as_dict)
-    fast = encgraph.graphed(net, **ladder_options())
+    fast = encgraph.graphed(net, budgets=LADDER)
     for n in (1, 3, 6):
         x, scale = inputs(n, seed=n)
         out, ref = fast(x, scale), net(x, scale)
@@ -68,15 +68,15 @@ def test_structured_outputs_keep_their_type(as_dict):
 def test_example_allows_capture_before_the_first_call():
     net = sequential()
     with pytest.raises(ConfigError, match="example="):
-        encgraph.graphed(net, **ladder_options()).capture()
-    fast = encgraph.graphed(net, adapter_options={"example": torch.zeros(1, 8)}, **ladder_options())
+        encgraph.graphed(net, budgets=LADDER).capture()
+    fast = encgraph.graphed(net, adapter_options={"example": torch.zeros(1, 8)}, budgets=LADDER)
     fast.capture()
     x = torch.randn(3, 8)
     assert_items_close(fast(x), net(x).detach())
 
 
 def test_bad_calls_raise_clear_errors():
-    fast = encgraph.graphed(TwoHeads(), **ladder_options())
+    fast = encgraph.graphed(TwoHeads(), budgets=LADDER)
     x, scale = inputs(3, seed=0)
     with pytest.raises(InputTypeError, match="keyword arguments"):
         fast(x, scale=scale)
