@@ -37,6 +37,7 @@ class GraphRecord:
     outputs: dict[str, torch.Tensor]
     capture_seconds: float
     memory_bytes: int
+    compile_seconds: float = 0.0
     replay_ms: float | None = None
 
     def summary(self) -> dict[str, object]:
@@ -44,6 +45,7 @@ class GraphRecord:
             "path": self.path,
             "budget": self.budget,
             "capture_seconds": round(self.capture_seconds, 4),
+            "compile_seconds": round(self.compile_seconds, 4),
             "memory_bytes": self.memory_bytes,
             "replay_ms": None if self.replay_ms is None else round(self.replay_ms, 4),
         }

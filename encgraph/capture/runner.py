@@ -13,13 +13,13 @@ Phases, in the order a runner lives through them:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,9 @@ class EncoderGraphRunner:
             graphs' output buffers, **valid only until the next call** of this runner.
         warmup: eager runs of each budget's static forward on the side stream before its capture.
         progress: show a progress bar while capturing; default when stderr is a terminal.
+        compile: before capturing a budget, compile its static forward with ``torch.compile`` (static shapes,
+            inductor kernels, no cudagraphs of its own; one compile per budget) so the graph replays fused
+            kernels. GRAPH mode only; compile seconds are reported with the capture.
 
     Thread safety: calls and ``capture()`` are serialised by a lock (one sub-batch at a time owns the static
     buffers); concurrent callers wait, they never interleave.
@@ -73,6 +76,7 @@ class EncoderGraphRunner:
         copy_outputs: bool = True,
         warmup: int = 2,
         progress: bool | None = None,
+        compile: bool = False,
     ) -> None:
         if not isinstance(adapter, EncoderAdapter):
             missing = [m for m in _ADAPTER_METHODS if not hasattr(adapter, m)]
@@ -99,6 +103,9 @@ class EncoderGraphRunner:
         self.copy_outputs = _check_bool("copy_outputs", copy_outputs)
         self.warmup = check_int("warmup", warmup, minimum=1)
         self.progress = sys.stderr.isatty() if progress is None else _check_bool("progress", progress)
+        self.compile = _check_bool("compile", compile)
+        if self.compile and mode is not RunMode.GRAPH:
+            raise ConfigError(f"compile: only the GRAPH mode compiles its static forwards, the mode is {mode.name}.")
 
         self.ladders = self._resolve_ladders(budgets)
         self.limits = self._resolve_limits(max_items, max_frames)
@@ -232,6 +239,7 @@ class EncoderGraphRunner:
             "mode": self.mode.value,
             "graphs": len(graphs),
             "seconds": round(seconds, 3),
+            "compile_seconds": round(sum(r.compile_seconds for r in graphs), 3),
             "pool_bytes": int(pool_bytes),
             # Memory the warm-up runs left cached outside the pool (freed by torch.cuda.empty_cache()).
             "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool_bytes),
@@ -247,20 +255,38 @@ class EncoderGraphRunner:
         )
         return info
 
+    def _static_forward(self, path: str, budget: int) -> Any:
+        """The callable a budget's graph captures: the adapter's static forward, compiled when asked."""
+
+        def forward(buffers: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+            return self.adapter.forward_static(path, buffers, budget)
+
+        if not self.compile:
+            return forward
+        return torch.compile(forward, dynamic=False)
+
     def _capture_one(self, path: str, budget: int, stream: torch.cuda.Stream) -> GraphRecord:
         device = self.device
         t0 = time.perf_counter()
         views = self.buffers[path].fill(budget, None)
+        forward = self._static_forward(path, budget)
+        compile_seconds = 0.0
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                self._check_outputs(path, budget, self.adapter.forward_static(path, views, budget), budget, "static")
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        before = _pool_bytes(device, self._pool)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            outputs = dict(self.adapter.forward_static(path, views, budget))
+        # Every budget is one more compiled variant of the same closure: let dynamo keep them all, only for as
+        # long as this capture runs (after it, replays never enter dynamo).
+        with torch.cuda.stream(stream), _dynamo_cache_limit(self.compile, 4 * len(self.ladders) * 64):
+            for i in range(self.warmup):
+                t_run = time.perf_counter()
+                self._check_outputs(path, budget, forward(views), budget, "static")
+                if i == 0 and self.compile:
+                    torch.cuda.synchronize(device)
+                    compile_seconds = time.perf_counter() - t_run
+            torch.cuda.current_stream(device).wait_stream(stream)
+            torch.cuda.synchronize(device)
+            before = _pool_bytes(device, self._pool)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                outputs = dict(forward(views))
         torch.cuda.synchronize(device)
         self._check_outputs(path, budget, outputs, budget, "static")
         return GraphRecord(
@@ -271,6 +297,7 @@ class EncoderGraphRunner:
             outputs=outputs,
             capture_seconds=time.perf_counter() - t0,
             memory_bytes=_pool_bytes(device, self._pool) - before,
+            compile_seconds=compile_seconds,
         )
 
     def _time_replay(self, record: GraphRecord, repeats: int = 5) -> float:
@@ -414,6 +441,17 @@ class EncoderGraphRunner:
 _ADAPTER_METHODS = (
     "config", "item_specs", "select", "buffer_specs", "replay_values", "forward_static", "forward_eager", "assemble",
 )
+
+
+@contextlib.contextmanager
+def _dynamo_cache_limit(active: bool, limit: int) -> Iterator[None]:
+    if not active:
+        yield
+        return
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(cache_size_limit=max(limit, torch._dynamo.config.cache_size_limit)):
+        yield
 
 
 def _pool_bytes(device: torch.device, pool: Any) -> int:
