@@ -34,10 +34,6 @@ SIZES = (1, 3, 8, 13, 32, 37)
 WORST: dict[str, float] = {}
 
 
-def _register() -> None:
-    import encgraph.models._builtin_fixed  # noqa: F401
-
-
 def _build(cls_name: str, config_name: str, **config: Any) -> torch.nn.Module:
     import transformers
 
@@ -85,7 +81,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def runners(tower: torch.nn.Module, **options: Any) -> tuple[EncoderGraphRunner, EncoderGraphRunner]:
     """A GRAPH runner (captured here) and a STATIC runner (same plan and padded shapes, run eagerly)."""
-    _register()
     graph = EncoderGraphRunner(wrap(tower, **options))
     info = graph.capture()
     print(
@@ -136,7 +131,6 @@ def test_internvl_replays_equal_eager():
 def test_drop_in_returns_the_tower_output():
     import encgraph
 
-    _register()
     tower = siglip_so400m(layers=2)
     fast = encgraph.graphed(tower)
     x = pixels(tower, 5, torch.Generator(device="cuda").manual_seed(2))
@@ -172,7 +166,6 @@ def test_nan_poisoned_pool_and_buffers_do_not_leak():
 
 @pytest.mark.parametrize("make", [siglip_so400m, small_clip, small_internvl], ids=["siglip", "clip", "internvl"])
 def test_static_forward_never_syncs(make):
-    _register()
     adapter = wrap(make(), hidden_states=[-2])
     specs = adapter.buffer_specs("default", 4, 4, 4)
     buffers = {k: torch.zeros(s.shape, dtype=s.dtype, device="cuda") for k, s in specs.items()}
@@ -189,7 +182,6 @@ def test_siglip_so400m_replay_vs_eager_time():
     """Not a benchmark (issue 5 has those): a sanity print of call time, graphed vs the tower's eager forward."""
     import encgraph
 
-    _register()
     tower = siglip_so400m(layers=27)
     fast = encgraph.graphed(tower, budgets=[1, 8])
     fast.capture()

@@ -106,8 +106,6 @@ def assert_outputs_match(out: Any, ref: Any, tol: float = TOL) -> None:
 
 def graphed_tower(tower: torch.nn.Module, mode: RunMode = RunMode.STATIC, **adapter_options: Any) -> Any:
     """``encgraph.graphed`` over the tower's registered adapter, on the test ladder."""
-    import encgraph.models._builtin_fixed  # noqa: F401  (registers the adapters until the registry imports it)
-
     return encgraph.graphed(tower, budgets=LADDER, mode=mode, adapter_options=adapter_options or None)
 
 
@@ -180,7 +178,6 @@ class FixedTowerTests:
     def test_no_host_sync(self) -> None:
         """The static forward runs on the ``meta`` device, where reading any tensor value on the host
         (``.item()``, ``.tolist()``, ``nonzero``, a data-dependent branch) raises: nothing in it can sync a GPU."""
-        import encgraph.models._builtin_fixed  # noqa: F401
         from encgraph.models.registry import wrap
 
         with torch.device("meta"):
