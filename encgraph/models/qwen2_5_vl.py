@@ -92,8 +92,22 @@ class Qwen25VLAdapter(QwenVisionAdapter):
             ),
         }
 
-    def _extra_metadata(self, grid: np.ndarray, units: UnitGrid) -> dict[str, np.ndarray]:
+    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        # Single frames: the permutation within each frame (local token indices) and its window sizes in rows.
         window_index, bounds = window_layout(units, self.window)
+        tokens = units.height * units.width
+        local = window_index - np.repeat(units.start, tokens)
+        windows = -(-units.height // self.window) * -(-units.width // self.window)
+        return {"window_perm": (local, tokens), "window_rows": (np.diff(bounds), windows)}
+
+    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
+        unit = self.merge**2
+        first_token = cu[:-1] // unit
+        perm = np.concatenate([f["window_perm"] for f in frames])
+        window_index = perm + np.repeat(first_token, np.diff(cu) // unit)
+        sizes = np.concatenate([f["window_rows"] for f in frames])
+        bounds = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bounds[1:])
         return {"window_index": window_index, "cu_window_seqlens": bounds}
 
     def _replay_extras(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:

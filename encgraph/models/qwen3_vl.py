@@ -27,28 +27,46 @@ __all__ = ["Qwen3VLAdapter", "adapter", "interpolation"]
 TAPS = 4  # bilinear: 2 per axis
 
 
-def _axis(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
-    # The same float32 operations, in the same order, as transformers' helper (align_corners=True), so that the
-    # weights match it bit for bit.
+def _axis(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, ...]:
+    """Bilinear taps along one axis (``align_corners=True``): ``(tap0, tap1, weight0, weight1)``, each shaped like
+    ``index``. The same float32 operations, in the same order, as transformers' helper, so that the weights match
+    it bit for bit."""
     src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
     floor = np.floor(src)
-    offsets = np.arange(2)
-    taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
-    distance = np.abs(src[:, None] - floor[:, None] - offsets.astype(np.float32))
-    return taps, np.clip(np.float32(1) - distance, 0, None)
+    low = floor.astype(np.int64)
+    frac = src - floor
+    one = np.float32(1)
+    # Hat kernel max(1 - |src - tap|, 0) at tap = floor and floor + 1; taps clamped to the table.
+    return (
+        np.clip(low, 0, side - 1),
+        np.clip(low + 1, 0, side - 1),
+        np.maximum(one - np.abs(frac), np.float32(0)),
+        np.maximum(one - np.abs(frac - one), np.float32(0)),
+    )
+
+
+def _axis_tables(lengths: np.ndarray, side: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """:func:`_axis` of every position ``0..L-1`` of each axis length ``L``, concatenated, and the offset of each
+    length's first position: the interpolation is separable, so patch rows need only gathers from these."""
+    first = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=first[1:])
+    owner = np.repeat(np.arange(lengths.shape[0]), lengths)
+    return _axis(np.arange(owner.shape[0]) - first[owner], lengths[owner], side), first
 
 
 def interpolation(units: UnitGrid, side: int) -> tuple[np.ndarray, np.ndarray]:
     """Per patch row, the ``TAPS`` rows of the flattened ``side x side`` position table and their bilinear
-    weights: ``(rows, 4)`` int64 and ``(rows, 4)`` float32."""
+    weights: ``(rows, 4)`` int64 and ``(rows, 4)`` float32 (taps ordered (h0, w0), (h0, w1), (h1, w0), (h1, w1))."""
     m = units.merge
     row, col = patch_coords(units)
-    heights = np.repeat(units.height[units.frame] * m, m * m)
-    widths = np.repeat(units.width[units.frame] * m, m * m)
-    h_taps, h_weights = _axis(row, heights, side)
-    w_taps, w_weights = _axis(col, widths, side)
-    indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, TAPS)
-    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, TAPS)
+    frame = np.repeat(units.frame, m * m)
+    h_axis, h_first = _axis_tables(units.height * m, side)
+    w_axis, w_first = _axis_tables(units.width * m, side)
+    h0, h1, hw0, hw1 = (a.take(h_first[frame] + row) for a in h_axis)
+    w0, w1, ww0, ww1 = (a.take(w_first[frame] + col) for a in w_axis)
+    h0, h1 = h0 * side, h1 * side
+    indices = np.stack((h0 + w0, h0 + w1, h1 + w0, h1 + w1), axis=1)
+    weights = np.stack((hw0 * ww0, hw0 * ww1, hw1 * ww0, hw1 * ww1), axis=1)
     return indices, weights
 
 
@@ -89,9 +107,13 @@ class Qwen3VLAdapter(QwenVisionAdapter):
             "interp_weights": BufferSpec((rows, TAPS), torch.float32, FillRule.ZERO),
         }
 
-    def _extra_metadata(self, grid: np.ndarray, units: UnitGrid) -> dict[str, np.ndarray]:
+    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         indices, weights = interpolation(units, self.grid_side)
-        return {"interp_indices": indices, "interp_weights": weights}
+        rows = units.height * units.width * self.merge**2
+        return {"interp_indices": (indices, rows), "interp_weights": (weights, rows)}
+
+    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: np.concatenate([f[name] for f in frames]) for name in ("interp_indices", "interp_weights")}
 
     def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
         return {"interp_indices": buffers["interp_indices"], "interp_weights": buffers["interp_weights"]}

@@ -18,7 +18,9 @@ Every piece of metadata is computed on the host with numpy for the whole batch a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -132,6 +134,38 @@ def rotary_positions(units: UnitGrid) -> np.ndarray:
     return np.stack((row, col), axis=1)
 
 
+class FrameTableCache:
+    """A bounded, thread-safe LRU cache of per-frame-shape metadata tables: ``(h, w) -> {name: array}``.
+
+    Real traffic repeats frame shapes (the frames of a video, images resized to a few sizes), so most batches
+    only concatenate cached tables. Misses of one lookup are computed together by ``compute`` (``(k, 2)``
+    shapes -> ``k`` tables). ``capacity`` bounds the entries (a 896 x 896 px frame's tables are ~0.3 MB).
+    """
+
+    def __init__(self, compute: Callable[[np.ndarray], list[dict[str, np.ndarray]]], capacity: int = 128) -> None:
+        self.compute = compute
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[int, int], dict[str, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def lookup(self, shapes: list[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
+        with self._lock:
+            found = {key: self._entries.get(key) for key in dict.fromkeys(shapes)}
+            missing = [key for key, table in found.items() if table is None]
+            if missing:
+                for key, table in zip(missing, self.compute(np.array(missing, dtype=np.int64).reshape(-1, 2))):
+                    found[key] = table
+                    self._entries[key] = table
+            for key in found:
+                self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+            return [found[key] for key in shapes]  # type: ignore[misc]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class QwenVisionAdapter:
     """The adapter of a Qwen-VL vision tower (one path, ``"default"``, budgets in output tokens).
 
@@ -190,6 +224,8 @@ class QwenVisionAdapter:
         self.hidden = int(weight.shape[0])
         self._dtype, self._device = tower_dtype_device(module)
         self._init_family(module)
+        self._tables = FrameTableCache(self._compute_tables)
+        self._specs: dict[tuple[int, int], ItemSpec] = {}
         # Last: nothing above may leave the tower switched if it raises.
         self._switch = use_packed_attention(module)
 
@@ -320,8 +356,17 @@ class QwenVisionAdapter:
         inputs = self._coerce(inputs)
         g = inputs.grid
         rows = (g[:, 0] * g[:, 1] * g[:, 2]).tolist()
-        unit = self.merge**2
-        return [ItemSpec(r // unit, frames=int(t), input_size=r) for r, t in zip(rows, g[:, 0].tolist())]
+        # ItemSpec validates on construction (a few us each); equal items share one frozen spec.
+        cache = self._specs
+        if len(cache) > 4096:
+            cache.clear()
+        out = []
+        for r, t in zip(rows, g[:, 0].tolist()):
+            spec = cache.get((r, t))
+            if spec is None:
+                spec = cache[(r, t)] = ItemSpec(r // self.merge**2, frames=t, input_size=r)
+            out.append(spec)
+        return out
 
     def select(self, inputs: Any, indices: Sequence[int]) -> QwenVisionInputs:
         """The sub-batch of items ``indices``: a view of the pixel rows when they are one run, else a copy."""
@@ -358,13 +403,40 @@ class QwenVisionAdapter:
 
     def metadata(self, grid: np.ndarray) -> dict[str, np.ndarray]:
         """The host metadata of a batch with ``grid`` (``(n, 3)`` int64): numpy arrays named as the tower's
-        keyword arguments (``cu_seqlens`` as int64 ``[0, ends...]``)."""
-        units = unit_grid(grid, self.merge)
-        meta = {"cu_seqlens": frame_bounds(units), "position_ids": rotary_positions(units)}
-        meta.update(self._extra_metadata(grid, units))
+        keyword arguments (``cu_seqlens`` as int64 ``[0, ends...]``).
+
+        Per frame shape ``(h, w)`` the tables (rotary positions, ...) come from a bounded cache, computed for all
+        missing shapes of the batch in one vectorized pass; the batch is then a concatenation with offsets.
+        """
+        t = grid[:, 0]
+        tables = self._tables.lookup(list(zip(grid[:, 1].tolist(), grid[:, 2].tolist())))
+        frames = [table for table, n in zip(tables, t.tolist()) for _ in range(n)]
+        frame_rows = np.repeat(grid[:, 1] * grid[:, 2], t)
+        cu = np.zeros(frame_rows.shape[0] + 1, dtype=np.int64)
+        np.cumsum(frame_rows, out=cu[1:])
+        meta = {"cu_seqlens": cu, "position_ids": np.concatenate([f["position_ids"] for f in frames])}
+        meta.update(self._assemble(frames, cu))
         return meta
 
-    def _extra_metadata(self, grid: np.ndarray, units: UnitGrid) -> dict[str, np.ndarray]:
+    def _compute_tables(self, shapes: np.ndarray) -> list[dict[str, np.ndarray]]:
+        """Per-frame tables of frames of the given ``(k, 2)`` shapes ``(h, w)``, one vectorized pass."""
+        grid = np.concatenate([np.ones((shapes.shape[0], 1), dtype=np.int64), shapes], axis=1)
+        units = unit_grid(grid, self.merge)
+        rows = shapes[:, 0] * shapes[:, 1]
+        columns = {"position_ids": (rotary_positions(units), rows)}
+        columns.update(self._frame_tables(units))
+        out: list[dict[str, np.ndarray]] = [{} for _ in range(shapes.shape[0])]
+        for name, (array, sizes) in columns.items():
+            for table, part in zip(out, np.split(array, np.cumsum(sizes)[:-1])):
+                table[name] = part
+        return out
+
+    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Family tables of single frames: ``name -> (array, per-frame sizes in dim 0)`` (subclasses)."""
+        return {}
+
+    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
+        """Family metadata of a batch from its frames' tables (in order) and its ``cu_seqlens`` (subclasses)."""
         return {}
 
     def replay_values(self, path: str, inputs: QwenVisionInputs, budget: int) -> dict[str, Any]:

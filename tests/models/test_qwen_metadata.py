@@ -70,3 +70,52 @@ def test_window_slot_bound(make_grid):
             _, bounds = window_layout(units, w)
             windows, tokens, frames = bounds.shape[0] - 1, units.units, int(grid[:, 0].sum())
             assert windows <= min(tokens, tokens // w + frames)
+
+
+def test_adapter_metadata_with_cache_equals_transformers(qwen_towers, make_grid):
+    # What replay_values uses: per-frame-shape tables from the cache, concatenated with offsets. Repeated shapes
+    # (cache hits), new shapes (misses) and videos in one batch must all give transformers' values.
+    import encgraph.models._builtin_qwen  # noqa: F401
+    from encgraph.models import wrap
+
+    torch.manual_seed(0)
+    a25 = wrap(qwen_towers["qwen2_5_vl"]())
+    a3 = wrap(qwen_towers["qwen3_vl"]())
+    gen = np.random.default_rng(5)
+    for case in range(12):
+        grid = make_grid(gen, int(gen.integers(1, 9)), max_side=10, max_t=3)
+        g = torch.from_numpy(grid)
+        meta = a25.metadata(grid)
+        np.testing.assert_array_equal(meta["cu_seqlens"], vision_utils.get_vision_cu_seqlens(g).numpy())
+        np.testing.assert_array_equal(meta["position_ids"], vision_utils.get_vision_position_ids(g, 2).numpy())
+        index, bounds = vision_utils.get_vision_window_index(g, 2, 8, 2)
+        np.testing.assert_array_equal(meta["window_index"], index.numpy(), f"case {case}")
+        np.testing.assert_array_equal(meta["cu_window_seqlens"], bounds.numpy(), f"case {case}")
+        meta3 = a3.metadata(grid)
+        idx, w = vision_utils.get_vision_interpolation_indices_and_weights(
+            g, 4, mode="bilinear", align_corners=True, spatial_merge_size=2
+        )
+        np.testing.assert_array_equal(meta3["interp_indices"], idx.numpy())
+        np.testing.assert_array_equal(meta3["interp_weights"], w.numpy())
+    assert 0 < len(a25._tables) <= a25._tables.capacity
+
+
+def test_frame_table_cache_is_bounded_lru():
+    from encgraph.models.qwen_vl import FrameTableCache
+
+    computed = []
+
+    def compute(shapes):
+        computed.append(shapes.tolist())
+        return [{"v": np.array([h * 100 + w])} for h, w in shapes.tolist()]
+
+    cache = FrameTableCache(compute, capacity=2)
+    out = cache.lookup([(2, 2), (2, 4), (2, 2)])
+    assert [o["v"][0] for o in out] == [202, 204, 202] and computed == [[[2, 2], [2, 4]]]
+    cache.lookup([(2, 2)])  # hit: (2, 2) becomes the most recent
+    cache.lookup([(4, 4)])  # evicts (2, 4)
+    assert len(cache) == 2 and computed[-1] == [[4, 4]]
+    cache.lookup([(2, 2)])
+    assert len(computed) == 2
+    cache.lookup([(2, 4)])
+    assert computed[-1] == [[2, 4]]

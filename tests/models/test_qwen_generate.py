@@ -1,0 +1,81 @@
+"""The Hugging Face drop-in on a whole model: a tiny random Qwen2.5-VL (built locally, no download) gives the same
+logits and generates the same tokens (greedy) with ``model.model.visual = encgraph.graphed(model.model.visual)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import encgraph  # noqa: E402
+import encgraph.models._builtin_qwen  # noqa: E402,F401
+
+IMAGE, VIDEO, START, END = 120, 121, 122, 123
+
+
+def tiny_model():
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=2,
+            temporal_patch_size=2, spatial_merge_size=2, window_size=8, fullatt_block_indexes=[1],
+        ),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def prompt(image_grid, video_grid):
+    """Input ids with one placeholder per merged token of each image, then each video."""
+    ids = [5, 6]
+    for token, grid in ((IMAGE, image_grid), (VIDEO, video_grid)):
+        for n in (grid.prod(-1) // 4).tolist():
+            ids += [START] + [token] * n + [END, 7]
+    return torch.tensor([ids])
+
+
+def model_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    image_grid = torch.tensor([[1, 4, 6], [1, 2, 2], [1, 8, 4]])
+    video_grid = torch.tensor([[2, 4, 4]])
+    ids = prompt(image_grid, video_grid)
+    return dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        pixel_values=torch.randn(int(image_grid.prod(-1).sum()), 24, generator=g),
+        image_grid_thw=image_grid,
+        pixel_values_videos=torch.randn(int(video_grid.prod(-1).sum()), 24, generator=g),
+        video_grid_thw=video_grid,
+    )
+
+
+def test_drop_in_generates_the_same_tokens():
+    model = tiny_model()
+    inputs = model_inputs()
+    with torch.no_grad():
+        ref_logits = model(**inputs).logits
+        ref_tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        other_logits = model(**model_inputs(seed=1)).logits
+    # The images matter to these logits (else the comparison below would prove nothing).
+    assert (other_logits - ref_logits).abs().max() > 1e-3
+
+    visual = model.model.visual
+    before = visual.config._attn_implementation
+    model.model.visual = encgraph.graphed(visual, budgets=[4, 8, 16], max_items=2)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
+    assert tokens.tolist() == ref_tokens.tolist()
+    stats = model.model.visual.stats
+    assert stats["graph_items"] > 0  # the static (padded) forward ran, not only the eager fallback
+
+    model.model.visual = model.model.visual.unwrap()
+    assert model.model.visual is visual and visual.config._attn_implementation == before
