@@ -160,7 +160,8 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         hidden_states: str | Iterable[int] | None = None,
         image_size: int | tuple[int, int] | None = None,
     ) -> None:
-        if not any(c.__name__ in self.tower_class_names for c in type(module).__mro__):
+        tower_class = next((c for c in type(module).__mro__ if c.__name__ in self.tower_class_names), None)
+        if tower_class is None:
             raise UnsupportedModelError(
                 f"module: the {self.family} adapter takes {' or '.join(self.tower_class_names)}, got "
                 f"{describe(module)}; wrap it with encgraph.models.wrap(module) to pick its adapter."
@@ -177,7 +178,7 @@ class FixedResolutionAdapter(GenericModuleAdapter):
                 f"image_size: expected positive multiples of the patch size {self.patch}, got {self.image_size}."
             )
         self.resized = self.image_size != self.config_size
-        self.output_class = getattr(importlib.import_module(type(module).__module__), self.output_class_name)
+        self.output_class = getattr(importlib.import_module(tower_class.__module__), self.output_class_name)
         self.has_pooler = self._has_pooler()
         self.learn_hidden = hidden_states is None
         self.hidden: tuple[int, ...] = () if hidden_states is None else self._resolve_hidden(hidden_states)

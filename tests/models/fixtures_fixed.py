@@ -15,7 +15,7 @@ import torch
 
 import encgraph
 from encgraph.capture.records import RunMode
-from encgraph.errors import EncgraphError, InputError, InputTypeError
+from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError, InputError, InputTypeError
 
 HIDDEN, HEADS, LAYERS, SIZE, PATCH = 32, 4, 2, 32, 8
 LADDER = (1, 2, 4)
@@ -212,6 +212,23 @@ class FixedTowerTests:
             assert isinstance(info.value, EncgraphError)
         with pytest.raises(InputTypeError, match="both positionally and as a keyword"):
             fast(images(1), pixel_values=images(1))
+
+    def test_bad_options(self) -> None:
+        tower = self.make()
+        cases = [
+            ({"image_size": SIZE + 1}, ConfigError, "multiples of the patch size"),
+            ({"image_size": "big"}, ConfigTypeError, "image_size"),
+            ({"hidden_states": [LAYERS + 1]}, ConfigError, r"indices in \[-3, 2\]"),
+            ({"hidden_states": "last"}, ConfigTypeError, "hidden_states"),
+            ({"max_batch": 0}, ConfigError, "max_batch"),
+        ]
+        for options, error, message in cases:
+            with pytest.raises(error, match=message):
+                graphed_tower(tower, **options)
+        subclass = type("MyTower", (type(tower),), {})  # a user's subclass keeps the tower's output class
+        tower.__class__ = subclass
+        with torch.no_grad():
+            assert_outputs_match(graphed_tower(tower)(images(2)), tower(images(2)))
 
     def test_resized_images_interpolate(self) -> None:
         """``image_size`` other than the config's: position embeddings interpolate as in the tower."""
