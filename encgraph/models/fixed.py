@@ -131,8 +131,8 @@ class FixedResolutionAdapter(GenericModuleAdapter):
             captures none). With indices given, a call asking ``output_hidden_states=True`` gets ``None`` in the
             slots not captured (LLaVA on transformers 5.17 asks for all and reads one; ``[-2]`` saves the memory
             of the others). Capturing hidden states keeps them in the graph pool: ``(B, tokens, hidden)`` each.
-        image_size: the image size the graphs are built for, an int or ``(height, width)``, multiple of the
-            patch size; default the config's. Another size than the config's interpolates the position
+        image_size: the image size the graphs are built for, an int or ``(height, width)``, at least one
+            patch per side; default the config's. Another size than the config's interpolates the position
             embeddings as the tower does (calls must then pass ``interpolate_pos_encoding=True`` where the
             tower takes it, as the tower itself requires).
 
@@ -173,9 +173,11 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         self.config_size = _pair("config.image_size", config.image_size)
         self.patch = _pair("config.patch_size", config.patch_size)
         self.image_size = self.config_size if image_size is None else _pair("image_size", image_size)
-        if any(s <= 0 or s % p for s, p in zip(self.image_size, self.patch)):
+        # The patch convolution floors (SigLIP-so400m: 384 px at patch 14 is 27 x 27 patches), so any size of at
+        # least one patch works.
+        if any(s < p for s, p in zip(self.image_size, self.patch)):
             raise ConfigError(
-                f"image_size: expected positive multiples of the patch size {self.patch}, got {self.image_size}."
+                f"image_size: expected at least one patch {self.patch} per side, got {self.image_size}."
             )
         self.resized = self.image_size != self.config_size
         self.output_class = getattr(importlib.import_module(tower_class.__module__), self.output_class_name)

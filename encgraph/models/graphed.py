@@ -64,11 +64,15 @@ def graphed(module: torch.nn.Module, *, adapter_options: dict[str, Any] | None =
     if not isinstance(module, torch.nn.Module):
         raise InputTypeError(f"module: expected a torch.nn.Module, got {describe(module)}.")
     from encgraph.models.generic import GenericModuleAdapter
-    from encgraph.models.registry import wrap
+    from encgraph.models.registry import known_configs, wrap
 
     options = dict(adapter_options or {})
     try:
         adapter = wrap(module, **options)
     except UnsupportedModelError:
+        # A tower whose config an adapter claims, but that adapter refuses (CLIPVisionModelWithProjection shares
+        # CLIPVisionConfig), must not silently become a generic module with another output type.
+        if type(getattr(module, "config", None)).__name__ in known_configs():
+            raise
         adapter = GenericModuleAdapter(module, **options)
     return GraphedModule(adapter, EncoderGraphRunner(adapter, **runner_options))

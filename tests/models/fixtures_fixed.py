@@ -216,7 +216,7 @@ class FixedTowerTests:
     def test_bad_options(self) -> None:
         tower = self.make()
         cases = [
-            ({"image_size": SIZE + 1}, ConfigError, "multiples of the patch size"),
+            ({"image_size": 3}, ConfigError, "at least one patch"),
             ({"image_size": "big"}, ConfigTypeError, "image_size"),
             ({"hidden_states": [LAYERS + 1]}, ConfigError, r"indices in \[-3, 2\]"),
             ({"hidden_states": "last"}, ConfigTypeError, "hidden_states"),
