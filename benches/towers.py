@@ -1,0 +1,305 @@
+"""Fixed cases per tower, every system side by side: median latency of each call (CUDA events, 30 timed runs after
+5 warm-ups), the matmul floor beside it, and the graph's speedups.
+
+Towers (random bf16 weights at real geometry, see ``common.TOWERS``): Qwen2.5-VL-7B, Qwen3-VL-8B, SigLIP-so400m at
+224 and 384 px, InternViT-300M at 448 px. Cases (``common.CASES``): 1 x 224 px, 4 x 224, 8 x 336, 1 x 896, one
+8-frame 448 x 252 video. Qwen-VL towers resize each side to a multiple of patch x merge as their processors do
+(Qwen3-VL: 336 -> 320, 252 -> 256); fixed-resolution towers see tiles of their own side (an image that does not
+fit: min(ceil(h/S) ceil(w/S), 12) tiles plus a thumbnail; a video: one tile per frame).
+
+Two phases, so that the core table is complete before the slow part: (1) every tower through hf_sdpa, hf_varlen,
+adapter_eager and graph; (2) ``torch.compile(mode="reduce-overhead")`` of the static forward, only for
+``--compile-towers`` x ``--compile-cases`` (default Qwen2.5-VL-7B at 1x224 and 4x224: each new budget is a
+recompile of ~30 s), with its compile seconds and recompiles (dynamo counters) recorded.
+
+JSON (``benches/results/towers_<gpu>.json``)::
+
+    {"environment": {...}, "options": {...}, "matmul": {"tflops", "n", "median_ms", ...},
+     "towers": {"<tower>": {"label", "params", "geometry", "build_seconds", "capture": {runner.capture()},
+                "cases": {"<case>": {"items", "patches", "tokens", "grids" | "tiles", "floor_ms", "plan",
+                          "systems": {"<system>": {"median_ms", "mean_ms", "p10_ms", "p90_ms", "min_ms", "runs"}
+                                      | {"skipped": why} | {"error": what}},
+                          "graph_stats": {"padded_share", "eager_items"}, "graph_vs_eager_max_rel_diff",
+                          "compile": {"first_call_seconds", "graphs_compiled", "graph_breaks", ...},
+                          "speedup": {"graph_vs_hf_sdpa", "graph_vs_adapter_eager", ...}}}}}}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import attrs
+
+from benches import common
+from benches.common import ALL_CASES, CASE_NAMES, DEFAULT_CASE_NAMES, TOWERS, System
+
+SCRIPT = "towers"
+PHASE1 = (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER, System.GRAPH)
+TOWER_MIN_SECONDS = 15.0
+"""A tower is not started with less time left than this (building and capturing alone take seconds)."""
+
+
+def build_parser() -> Any:
+    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=190.0)
+    p.add_argument("--towers", type=common.parse_names(TOWERS), default=None,
+                   help=f"comma list out of {','.join(TOWERS)} (default all, in that order; with --cpu-smoke "
+                        f"{','.join(common.SMOKE_TOWERS)})")
+    p.add_argument("--cases", type=common.parse_names(CASE_NAMES), default=None,
+                   help=f"comma list out of {','.join(CASE_NAMES)} (default {','.join(DEFAULT_CASE_NAMES)}; with "
+                        f"--cpu-smoke {','.join(common.SMOKE_CASES)})")
+    p.add_argument("--systems", type=common.parse_systems, default=tuple(System),
+                   help="comma list out of " + ",".join(s.value for s in System) + " (default all)")
+    p.add_argument("--compile-towers", type=common.parse_names(TOWERS), default=("qwen2_5_vl_7b",),
+                   help="towers that get the torch.compile system (default qwen2_5_vl_7b)")
+    p.add_argument("--compile-cases", type=common.parse_names(CASE_NAMES), default=("1x224", "4x224"),
+                   help="cases that get the torch.compile system (default 1x224,4x224)")
+    p.add_argument("--compile-min-seconds", type=float, default=30.0,
+                   help="start a torch.compile case only with this much of the time budget left (default 30)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    common.smoke_defaults(args, towers=tuple(TOWERS), cases=DEFAULT_CASE_NAMES)
+    env = common.make_env(args)
+    deadline = common.Deadline(args.time_budget)
+    results = common.Results(SCRIPT, args, env)
+    data = results.data
+    cases = [c for c in ALL_CASES if c.name in args.cases]
+    with common.inference():
+        data["matmul"] = common.matmul_rate(env)
+        common.log(f"matmul rate {data['matmul']['tflops']} TFLOP/s")
+        data["towers"] = {}
+        results.flush()
+        phase1 = [s for s in args.systems if s in PHASE1]
+        for name in args.towers:
+            run_tower(name, cases, phase1, env, deadline, results)
+        if System.COMPILE in args.systems:
+            for name in args.towers:
+                if name in args.compile_towers:
+                    run_compile(name, [c for c in cases if c.name in args.compile_cases], env, deadline, args,
+                                results)
+        data["seconds"] = round(deadline.elapsed(), 1)
+    results.finish(render(data, args.systems))
+    return data
+
+
+def _case_entry(bench: common.TowerBench, inputs: common.BenchInputs, tflops: float) -> dict[str, Any]:
+    s = inputs.sizes
+    entry: dict[str, Any] = {"items": s.items, "patches": s.patches, "tokens": s.tokens}
+    if s.grids:
+        entry["grids"] = [list(g) for g in s.grids]
+    else:
+        entry["tiles"] = s.tiles
+    entry["floor_ms"] = round(common.floor_ms(bench.params, s.patches, tflops), 4)
+    entry["systems"] = {}
+    return entry
+
+
+def run_tower(name: str, cases: list[common.Case], systems: list[System], env: common.Env,
+              deadline: common.Deadline, results: common.Results) -> None:
+    spec = TOWERS[name]
+    towers = results.data["towers"]
+    if deadline.expired(TOWER_MIN_SECONDS):
+        towers[name] = {"label": spec.label, "skipped": common.SKIPPED_TIME}
+        results.flush()
+        return
+    common.log(f"{name}: building")
+    bench = common.TowerBench(spec, env, systems)
+    entry = towers[name] = {
+        "label": spec.label,
+        "params": bench.params,
+        "geometry": {k: (v.value if hasattr(v, "value") else v) for k, v in attrs.asdict(bench.geom).items()},
+        "build_seconds": round(bench.build_seconds, 2),
+        "unavailable": {s.value: why for s, why in bench.unavailable.items()},
+        "cases": {},
+    }
+    if System.GRAPH in systems and System.GRAPH not in bench.unavailable:
+        try:
+            t0 = time.perf_counter()
+            bench.runner(System.GRAPH)
+            entry["capture"] = bench.capture_info
+            common.log(f"{name}: captured in {time.perf_counter() - t0:.1f} s")
+        except Exception as exc:
+            bench.unavailable[System.GRAPH] = f"error: capture failed ({common.short_error(exc)})"
+    for case in cases:
+        inputs = bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name))
+        c = entry["cases"][case.name] = _case_entry(bench, inputs, results.data["matmul"]["tflops"])
+        if bench.adapter is not None and System.GRAPH not in bench.unavailable:
+            c["plan"] = bench.plan_summary(inputs)
+        for system in systems:
+            c["systems"][system.value] = measure_system(bench, system, inputs, env, deadline, c)
+        check_outputs(bench, inputs, c)
+        c["speedup"] = speedups(c["systems"])
+        results.flush()
+        common.log(f"{name} {case.name}: " + ", ".join(
+            f"{k} {common.fmt(common.median_of(v))}" for k, v in c["systems"].items()))
+    bench.close()
+
+
+def measure_system(bench: common.TowerBench, system: System, inputs: common.BenchInputs, env: common.Env,
+                   deadline: common.Deadline, case: dict[str, Any]) -> dict[str, Any]:
+    if system in bench.unavailable:
+        return {"skipped": bench.unavailable[system]}
+    if deadline.expired():
+        return {"skipped": common.SKIPPED_TIME}
+    try:
+        fn = bench.call(system, inputs)
+    except Exception as exc:
+        return {"error": common.short_error(exc)}
+    graph = bench.runner(System.GRAPH) if system is System.GRAPH else None
+    if graph is not None:
+        graph.reset_stats()
+    out = common.measure(fn, env)
+    if graph is not None and "error" not in out:
+        stats = graph.stats
+        paths = stats["paths"].values()
+        padded = sum(p["padded_tokens"] for p in paths)
+        replayed = sum(b * n for p in paths for b, n in p["replays"].items())
+        case["graph_stats"] = {
+            "padded_share": round(padded / replayed, 4) if replayed else 0.0,
+            "eager_items_per_call": stats["eager_items"] / max(stats["calls"], 1),
+            "eager_reasons": stats["eager_reasons"],
+        }
+    return out
+
+
+def check_outputs(bench: common.TowerBench, inputs: common.BenchInputs, case: dict[str, Any]) -> None:
+    """One call each of the graph and the adapter's eager forward on the case's inputs: their largest relative
+    difference, per item (a benchmark of wrong outputs would be worthless)."""
+    systems = case["systems"]
+    if not all(common.median_of(systems.get(s.value)) is not None for s in (System.GRAPH, System.ADAPTER_EAGER)):
+        return
+    try:
+        got = bench.call(System.GRAPH, inputs)()
+        ref = bench.call(System.ADAPTER_EAGER, inputs)()
+        case["graph_vs_eager_max_rel_diff"] = common.max_rel_diff(got, ref)
+    except Exception as exc:
+        case["graph_vs_eager_max_rel_diff"] = common.short_error(exc)
+
+
+def speedups(systems: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for fast in (System.GRAPH, System.COMPILE):
+        for base in (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER):
+            r = common.ratio(common.median_of(systems.get(base.value)), common.median_of(systems.get(fast.value)))
+            if r is not None:
+                out[f"{fast.value}_vs_{base.value}"] = round(r, 3)
+    return out
+
+
+def run_compile(name: str, cases: list[common.Case], env: common.Env, deadline: common.Deadline, args: Any,
+                results: common.Results) -> None:
+    """Phase 2: the compile system on the chosen cases of one tower (a fresh build with the same seed, so the
+    same weights and inputs as phase 1)."""
+    entry = results.data["towers"].get(name, {})
+    if "cases" not in entry:
+        return
+    todo = [c for c in cases if c.name in entry["cases"]]
+    if not todo:
+        return
+
+    def record(case: common.Case, value: dict[str, Any]) -> None:
+        c = entry["cases"][case.name]
+        c["systems"][System.COMPILE.value] = value
+        c["speedup"] = speedups(c["systems"])
+        results.flush()
+
+    if not env.cuda:
+        for case in todo:
+            record(case, {"skipped": "skipped: torch.compile(mode='reduce-overhead') needs CUDA graphs"})
+        return
+    if deadline.expired(args.compile_min_seconds):
+        for case in todo:
+            record(case, {"skipped": common.SKIPPED_TIME})
+        return
+    common.log(f"{name}: building for torch.compile")
+    bench = common.TowerBench(TOWERS[name], env, (System.ADAPTER_EAGER, System.COMPILE))
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    start = common.dynamo_counters()
+    for case in todo:
+        if System.COMPILE in bench.unavailable:
+            record(case, {"skipped": bench.unavailable[System.COMPILE]})
+            continue
+        if deadline.expired(args.compile_min_seconds):
+            record(case, {"skipped": common.SKIPPED_TIME})
+            continue
+        inputs = bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name))
+        c = entry["cases"][case.name]
+        before = common.dynamo_counters()
+        try:
+            fn = bench.call(System.COMPILE, inputs)
+            first = common.time_once(fn, env) / 1e3  # compiles (and records torch's graphs) on the first call
+        except Exception as exc:
+            traceback.print_exc()
+            record(case, {"error": common.short_error(exc)})
+            continue
+        value = common.measure(fn, env)
+        after = common.dynamo_counters()
+        c["compile"] = {"first_call_seconds": round(first, 2), **common.counter_delta(after, before),
+                        "graphs_compiled_total": after["graphs_compiled"] - start["graphs_compiled"]}
+        with contextlib.suppress(Exception):
+            c["compile_vs_eager_max_rel_diff"] = common.max_rel_diff(fn(), bench.call(System.ADAPTER_EAGER, inputs)())
+        record(case, value)
+        common.log(f"{name} {case.name}: compile {common.fmt(common.median_of(value))} ms "
+                   f"(first call {first:.1f} s)")
+    bench.close()
+
+
+def render(data: dict[str, Any], systems: tuple[System, ...]) -> str:
+    """The markdown table: one row per tower and case, median ms per system, speedups and the floor."""
+    headers = ["tower", "case", "items", "patches"] + [s.label + " ms" for s in systems] + [
+        "graph vs HF sdpa", "graph vs adapter eager", "matmul floor ms", "graph / floor"]
+    rows = []
+    for tower in data.get("towers", {}).values():
+        if "cases" not in tower:
+            rows.append([tower["label"], tower.get("skipped", "-")] + ["-"] * (len(headers) - 2))
+            continue
+        for case_name, c in tower["cases"].items():
+            cells = []
+            for s in systems:
+                entry = c["systems"].get(s.value)
+                m = common.median_of(entry)
+                cells.append(m if m is not None else common.status_of(entry))
+            graph = common.median_of(c["systems"].get(System.GRAPH.value))
+            rows.append([tower["label"], case_name, c["items"], c["patches"], *cells,
+                         c["speedup"].get("graph_vs_hf_sdpa"), c["speedup"].get("graph_vs_adapter_eager"),
+                         c["floor_ms"], common.ratio(graph, c["floor_ms"])])
+    mm = data.get("matmul", {})
+    title = (f"## towers: median latency per call ({data['environment']['gpu']}, {data['environment']['dtype']}, "
+             f"matmul {mm.get('tflops')} TFLOP/s)\n\n")
+    notes = _notes(data)
+    return title + common.markdown_table(headers, rows) + ("\n\n" + notes if notes else "")
+
+
+def _notes(data: dict[str, Any]) -> str:
+    lines = []
+    for name, tower in data.get("towers", {}).items():
+        cap = tower.get("capture")
+        if cap and cap.get("graphs"):
+            lines.append(f"- {tower['label']}: {cap['graphs']} graphs captured in {cap['seconds']} s, pool "
+                         f"{cap['pool_bytes'] / 2**20:.0f} MiB")
+        for case_name, c in tower.get("cases", {}).items():
+            comp = c.get("compile")
+            if comp:
+                lines.append(f"- {tower['label']} {case_name}: torch.compile first call {comp['first_call_seconds']} s, "
+                             f"{comp['graphs_compiled']} graph(s) compiled for this case "
+                             f"({comp['graphs_compiled_total']} in all), {comp['graph_breaks']} graph breaks")
+            diff = c.get("graph_vs_eager_max_rel_diff")
+            if isinstance(diff, (int, float)) and diff > 0.05:
+                lines.append(f"- {tower['label']} {case_name}: graph vs adapter eager max relative diff {diff:.3g}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

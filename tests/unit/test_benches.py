@@ -1,0 +1,266 @@
+"""The benchmark scripts on the CPU: the traffic trace is seeded and follows its documented distribution, the size
+helpers match the processors, and every script's ``--help`` and ``--cpu-smoke`` run (tiny towers, runner STATIC
+mode), so that a script is known to run before it reaches the GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from benches import capture, common, floor, plot, towers, traffic  # noqa: E402
+from benches.common import System, Visual  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = ("towers", "traffic", "capture", "floor", "plot")
+FAST = ["--cpu-smoke", "--runs", "1", "--warmup", "0"]
+
+
+# ---------------------------------------------------------------------------------------------------- the trace
+def test_trace_is_seeded_and_prefix_stable():
+    a = traffic.generate_trace(300, seed=3)
+    assert a == traffic.generate_trace(300, seed=3)
+    assert a != traffic.generate_trace(300, seed=4)
+    assert traffic.generate_trace(40, seed=3) == a[:40]
+
+
+@pytest.fixture(scope="module")
+def big_trace():
+    return traffic.generate_trace(4000, seed=0)
+
+
+def test_trace_follows_documented_shares(big_trace):
+    videos = [r for r in big_trace if r[0].is_video]
+    images = [r for r in big_trace if not r[0].is_video]
+    assert abs(len(videos) / len(big_trace) - traffic.VIDEO_SHARE) < 0.02
+    counts = Counter(len(r) for r in images)
+    assert set(counts) <= set(traffic.ITEMS_PER_REQUEST)
+    for n, p in traffic.ITEMS_PER_REQUEST.items():
+        assert abs(counts[n] / len(images) - p) < 0.025, n
+    mean = np.mean([len(r) for r in images])
+    assert abs(mean - traffic.expected_items_per_image_request()) < 0.1
+    kinds = Counter(v.kind for r in images for v in r)
+    total = sum(kinds.values())
+    for kind, p in traffic.IMAGE_KINDS.items():
+        assert abs(kinds[kind] / total - p) < 0.025, kind
+
+
+def test_trace_sizes_stay_in_documented_ranges(big_trace):
+    portrait = photos = 0
+    for request in big_trace:
+        for v in request:
+            if v.kind == "video":
+                assert len(request) == 1 and v.frames in traffic.VIDEO_FRAMES
+                assert (v.height, v.width) in traffic.VIDEO_SIZES
+                continue
+            assert v.frames == 1
+            if v.kind == "icon":
+                assert v.height == v.width and traffic.ICON_SIDE[0] <= v.width <= traffic.ICON_SIDE[1]
+            elif v.kind == "document":
+                assert traffic.DOCUMENT_WIDTH[0] <= v.width <= traffic.DOCUMENT_WIDTH[1]
+                assert v.height == round(v.width * traffic.DOCUMENT_ASPECT)
+            elif v.kind == "screenshot":
+                assert (v.height, v.width) in traffic.SCREENSHOT_SIZES
+            else:
+                assert v.kind == "photo"
+                lo, hi = traffic.PHOTO_LONG_SIDE
+                assert lo - 1 <= max(v.height, v.width) <= hi + 1
+                ratio = max(v.height, v.width) / min(v.height, v.width)
+                assert min(abs(ratio - a) for a in traffic.PHOTO_ASPECTS) < 0.02
+                if v.height != v.width:  # squares have no orientation
+                    photos += 1
+                    portrait += v.height > v.width
+    assert abs(portrait / photos - traffic.PORTRAIT_SHARE) < 0.04
+
+
+def test_caps_bound_tokens_per_image_and_frame(big_trace):
+    spec = common.TOWERS["qwen2_5_vl_7b"]
+    geom = common.Geometry.of(spec.kind, spec.make_config(False))
+    merge2 = geom.merge**2
+    for request in big_trace[:500]:
+        for v in request:
+            t, h, w = common.packed_grid(v, geom, traffic.VIDEO_FRAME_MAX_TOKENS if v.is_video
+                                         else traffic.IMAGE_MAX_TOKENS)
+            cap = traffic.VIDEO_FRAME_MAX_TOKENS if v.is_video else traffic.IMAGE_MAX_TOKENS
+            assert h % geom.merge == 0 and w % geom.merge == 0
+            assert common.MIN_TOKENS <= h * w // merge2 <= cap
+            assert t == (math.ceil(v.frames / geom.temporal_patch) if v.is_video else 1)
+    summary = traffic.trace_summary(big_trace[:200], geom)
+    assert summary["requests"] == 200 and summary["items"] == sum(len(r) for r in big_trace[:200])
+
+
+# ---------------------------------------------------------------------------------------------------- sizes
+@pytest.mark.parametrize("size, tower, grid", [
+    ((224, 224), "qwen2_5_vl_7b", (1, 16, 16)),
+    ((336, 336), "qwen3_vl_8b", (1, 20, 20)),  # 320 px: Python rounds half to even, as the processors do
+    ((252, 448), "qwen3_vl_8b", (1, 16, 28)),
+    ((10, 10), "qwen2_5_vl_7b", (1, 4, 4)),  # raised to MIN_TOKENS merged tokens
+])
+def test_packed_grid_rounds_like_the_processors(size, tower, grid):
+    spec = common.TOWERS[tower]
+    geom = common.Geometry.of(spec.kind, spec.make_config(False))
+    assert common.packed_grid(Visual(*size), geom) == grid
+
+
+def test_packed_grid_caps_the_area():
+    spec = common.TOWERS["qwen2_5_vl_7b"]
+    geom = common.Geometry.of(spec.kind, spec.make_config(False))
+    t, h, w = common.packed_grid(Visual(3000, 4000), geom, 1280)
+    assert t == 1 and h * w // 4 <= 1280 and abs(w / h - 4 / 3) < 0.1
+
+
+def test_case_sizes_at_real_geometry():
+    q25, siglip, intern = (common.TOWERS[n] for n in ("qwen2_5_vl_7b", "siglip_so400m_384", "internvit_300m"))
+    g = common.Geometry.of(q25.kind, q25.make_config(False))
+    by_name = {c.name: c for c in common.CASES}
+    assert common.sizes_of(by_name["1x224"].visuals, g).patches == 256
+    assert common.sizes_of(by_name["1x896"].visuals, g).tokens == 1024
+    video = common.sizes_of(by_name["video8"].visuals, g)
+    assert video.grids == ((4, 18, 32),)
+    gs = common.Geometry.of(siglip.kind, siglip.make_config(False))
+    assert common.sizes_of(by_name["1x896"].visuals, gs).tiles == 3 * 3 + 1
+    assert common.sizes_of(by_name["video8"].visuals, gs).tiles == 8
+    gi = common.Geometry.of(intern.kind, intern.make_config(False))
+    assert common.sizes_of(by_name["1x896"].visuals, gi).tiles == 2 * 2 + 1
+    assert common.sizes_of(by_name["8x336"].visuals, gi).tiles == 8
+
+
+def test_floor_formula():
+    assert common.floor_ms(10**9, 1000, 1000.0) == pytest.approx(2.0)
+
+
+def test_max_rel_diff():
+    import torch
+
+    a = [{"x": torch.ones(2, 3)}, torch.zeros(1)]
+    assert common.max_rel_diff(a, a) == 0.0
+    b = [{"x": torch.ones(2, 3) * 1.01}, torch.zeros(1)]
+    assert common.max_rel_diff(b, a) == pytest.approx(0.01, rel=1e-3)
+    assert common.max_rel_diff(a[:1], a) == math.inf
+
+
+def test_parse_lists_reject_unknown_names():
+    import argparse
+
+    assert common.parse_systems("graph,adapter_eager") == (System.GRAPH, System.ADAPTER_EAGER)
+    with pytest.raises(argparse.ArgumentTypeError):
+        common.parse_systems("graphs")
+    with pytest.raises(argparse.ArgumentTypeError):
+        common.parse_names(("a", "b"))("a,c")
+
+
+# ---------------------------------------------------------------------------------------------------- scripts
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_runs_as_a_script(script):
+    done = subprocess.run([sys.executable, str(REPO / "benches" / f"{script}.py"), "--help"], capture_output=True,
+                          text=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def smoke_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench_results")
+
+
+def _load(directory: Path, script: str) -> dict:
+    return json.loads((directory / f"{script}_{common.SMOKE_SLUG}.json").read_text())
+
+
+def test_towers_smoke(smoke_dir):
+    towers.main(FAST + ["--results-dir", str(smoke_dir)])
+    data = _load(smoke_dir, "towers")
+    assert (smoke_dir / f"towers_{common.SMOKE_SLUG}.md").exists()
+    assert set(data["towers"]) == set(common.SMOKE_TOWERS)
+    for tower in data["towers"].values():
+        assert set(tower["cases"]) == set(common.SMOKE_CASES)
+        for case in tower["cases"].values():
+            systems = case["systems"]
+            for s in (System.HF_SDPA, System.ADAPTER_EAGER, System.GRAPH):
+                assert common.median_of(systems[s.value]) is not None, (s, systems[s.value])
+            assert case["floor_ms"] > 0 and case["plan"]
+            assert case["graph_vs_eager_max_rel_diff"] < 1e-3
+            assert case["speedup"]["graph_vs_hf_sdpa"] > 0
+    qwen = data["towers"]["qwen2_5_vl_7b"]["cases"]["1x224"]
+    assert "needs CUDA" in qwen["systems"][System.COMPILE.value]["skipped"]  # a default compile case
+    assert common.median_of(qwen["systems"][System.HF_VARLEN.value]) is not None
+    assert qwen["patches"] == 256 and qwen["graph_stats"]["padded_share"] == 0.0
+
+
+def test_towers_time_budget_skips_and_still_writes(tmp_path):
+    data = towers.main(FAST + ["--results-dir", str(tmp_path), "--time-budget", "0"])
+    assert all(t["skipped"] == common.SKIPPED_TIME for t in data["towers"].values())
+    assert _load(tmp_path, "towers")["towers"].keys() == data["towers"].keys()
+
+
+def test_traffic_smoke(smoke_dir):
+    traffic.main(FAST + ["--results-dir", str(smoke_dir), "--requests", "6", "--warmup-requests", "1"])
+    data = _load(smoke_dir, "traffic")
+    assert data["trace"]["completed"] == 6
+    graph = data["systems"][System.GRAPH.value]
+    assert graph["requests"] == 6 and graph["errors"] == 0
+    assert graph["p50_ms"] <= graph["p99_ms"] <= graph["max_ms"]
+    assert "worst_ratio_vs_adapter_eager" in graph and 0 <= graph["slower_than_adapter_eager"] <= 6
+    assert data["systems"][System.ADAPTER_EAGER.value]["requests"] == 6
+    stats = data["graph_stats"]
+    assert stats["items"] == sum(data["per_request"]["items"]) and 0 <= stats["padded_share"] < 1
+    assert all(len(v) == 6 for v in data["per_request"]["latency_ms"].values())
+
+
+def test_capture_smoke(smoke_dir):
+    data = capture.main(FAST + ["--results-dir", str(smoke_dir)])
+    for tower in data["towers"].values():
+        assert tower["mode"] == "static" and tower["ladders"]["default"]
+        assert tower["limits"]["max_items"] >= 1
+
+
+def test_floor_smoke(smoke_dir):
+    data = floor.main(FAST + ["--results-dir", str(smoke_dir)])
+    tflops = data["matmul"]["tflops"]
+    assert tflops > 0
+    for tower in data["towers"].values():
+        for case in tower["cases"].values():
+            assert case["floor_ms"] == pytest.approx(common.floor_ms(tower["params"], case["patches"], tflops),
+                                                     abs=1e-4)
+
+
+def test_plot_reads_the_smoke_results(smoke_dir):
+    towers_json, traffic_json = _load(smoke_dir, "towers"), _load(smoke_dir, "traffic")
+    bars = plot.speedups(towers_json)
+    assert set(bars) == {common.TOWERS[n].label for n in common.SMOKE_TOWERS}
+    lines = plot.cdfs(traffic_json)
+    assert all(y[-1] == 1.0 and np.all(np.diff(x) >= 0) for x, y in lines.values())
+    written = plot.main(["--cpu-smoke", "--results-dir", str(smoke_dir)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert written == []
+    else:
+        assert written and all(p.exists() and p.stat().st_size > 0 for p in written)
+
+
+def test_compiled_static_adapter_runs_the_same_plan(monkeypatch):
+    """The compile system's plumbing (torch.compile itself needs a GPU here): a STATIC runner over
+    ``CompiledStatic`` gives the adapter's eager results."""
+    import argparse
+
+    import torch
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    env = common.make_env(argparse.Namespace(cpu_smoke=True, runs=1, warmup=0, seed=0))
+    with common.inference():
+        bench = common.TowerBench(common.TOWERS["qwen2_5_vl_7b"], env, (System.ADAPTER_EAGER, System.COMPILE))
+        bench.unavailable.pop(System.COMPILE)
+        inputs = bench.inputs([Visual(56, 84), Visual(28, 28)])
+        got = bench.call(System.COMPILE, inputs)()
+        ref = bench.call(System.ADAPTER_EAGER, inputs)()
+    assert common.max_rel_diff(got, ref) < 1e-4
+    assert isinstance(bench.runner(System.COMPILE).adapter, common.CompiledStatic)
