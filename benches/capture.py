@@ -34,7 +34,7 @@ MIB = 2**20
 
 
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=35.0)
+    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=40.0)
     p.add_argument("--towers", type=common.parse_names(TOWERS), default=None,
                    help=f"comma list out of {','.join(TOWERS)} (default all; with --cpu-smoke "
                         f"{','.join(common.SMOKE_TOWERS)})")

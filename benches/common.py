@@ -14,7 +14,10 @@ Systems (:class:`System`), all under ``torch.inference_mode()``:
   batch, the baseline graphs must beat;
 - ``graph``: ``EncoderGraphRunner(adapter, mode=RunMode.GRAPH)`` after ``capture()`` (``STATIC`` on the CPU);
 - ``compile``: the same runner plan and buffers in ``STATIC`` mode, with the adapter's static-shape forward passed
-  through ``torch.compile(mode="reduce-overhead", dynamic=False)`` (CUDA only; one compile per budget, counted).
+  through ``torch.compile(mode="reduce-overhead", dynamic=False)`` (CUDA only; one compile per budget, counted);
+- ``graph_compile``: ``EncoderGraphRunner(adapter, compile=True)``: encgraph's graphs of the compiled (fused)
+  static forward, captured only at the budgets the measured cases use (``TowerBench.compile_budgets``: each
+  budget compiles for tens of seconds).
 
 ``--cpu-smoke`` (alias ``--dry-run``) runs each script's whole code path on tiny towers on the CPU in fp32 (the
 graph system then runs the runner's STATIC mode), with 2 timed runs, writing ``<script>_cpu-smoke.json``: it
@@ -71,6 +74,7 @@ class System(enum.Enum):
     ADAPTER_EAGER = "adapter_eager"
     GRAPH = "graph"
     COMPILE = "compile"
+    GRAPH_COMPILE = "graph_compile"
 
     @property
     def label(self) -> str:
@@ -83,7 +87,10 @@ _SYSTEM_LABELS = {
     System.ADAPTER_EAGER: "adapter eager",
     System.GRAPH: "encgraph graphs",
     System.COMPILE: "torch.compile reduce-overhead",
+    System.GRAPH_COMPILE: "encgraph graphs of compiled forward",
 }
+COMPILED = (System.COMPILE, System.GRAPH_COMPILE)
+"""Systems that compile (tens of seconds per budget): measured last, on chosen cases only."""
 
 
 def parse_systems(text: str) -> tuple[System, ...]:
@@ -620,11 +627,15 @@ class TowerBench:
         self.attention_switch: Any = None
         if self.enc is not None:
             self._wrap()
-        if System.COMPILE in self.systems and not env.cuda:
-            self.unavailable[System.COMPILE] = "skipped: torch.compile(mode='reduce-overhead') needs CUDA graphs"
+        for system in COMPILED:
+            if system in self.systems and not env.cuda:
+                self.unavailable[system] = "skipped: needs CUDA (torch.compile into CUDA graphs)"
         self.build_seconds = time.perf_counter() - t0
         self._runners: dict[System, Any] = {}
         self.capture_info: dict[str, Any] | None = None
+        self.compile_budgets: dict[str, tuple[int, ...]] | None = None
+        """Ladders of the ``graph_compile`` runner (default: the adapter's whole ladders)."""
+        self.compile_capture_info: dict[str, Any] | None = None
 
     def _wrap(self) -> None:
         try:
@@ -634,7 +645,7 @@ class TowerBench:
             self.adapter = wrap(self.enc)
         except Exception as exc:  # the adapter of this family may not exist yet: measure the rest
             reason = f"unavailable: no adapter ({short_error(exc)})"
-            for s in (System.ADAPTER_EAGER, System.GRAPH, System.COMPILE):
+            for s in (System.ADAPTER_EAGER, System.GRAPH, *COMPILED):
                 self.unavailable[s] = reason
         if self.spec.kind is TowerKind.FIXED:
             self.unavailable[System.HF_VARLEN] = "n/a: a fixed-size tower has no packed sequences"
@@ -685,17 +696,31 @@ class TowerBench:
             runner = EncoderGraphRunner(self.adapter, mode=mode, progress=False)
             self.capture_info = _json_ready(runner.capture())
         elif system is System.COMPILE:
-            # The graph runner's ladders and limits (they depend on the adapter only, not on the mode), without
-            # capturing its graphs.
-            ref = self._runners.get(System.GRAPH) or EncoderGraphRunner(self.adapter, mode=RunMode.STATIC)
+            ref = self.reference_runner()
             runner = EncoderGraphRunner(CompiledStatic(self.adapter), budgets=ref.ladders,
                                         max_items=ref.limits.max_items, max_frames=ref.limits.max_frames,
                                         mode=RunMode.STATIC, progress=False)
             runner.capture()
+        elif system is System.GRAPH_COMPILE:
+            ref = self.reference_runner()
+            # Limits follow from the ladders as for the graph runner (a subset of its ladder keeps its smallest
+            # budgets' item cap).
+            runner = EncoderGraphRunner(self.adapter, budgets=self.compile_budgets or ref.ladders, compile=True,
+                                        progress=False)
+            self.compile_capture_info = _json_ready(runner.capture())
         else:
             raise ValueError(f"runner: {system} is not an adapter system")
         self._runners[system] = runner
         return runner
+
+    def reference_runner(self) -> Any:
+        """A runner with the graph runner's ladders and limits (they depend on the adapter, not on the mode),
+        never captured: what the compiled systems plan with."""
+        if System.GRAPH in self._runners:
+            return self._runners[System.GRAPH]
+        from encgraph.capture import EncoderGraphRunner, RunMode
+
+        return EncoderGraphRunner(self.adapter, mode=RunMode.STATIC, progress=False)
 
     def call(self, system: System, inputs: BenchInputs) -> Callable[[], Any]:
         """A no-argument callable running ``inputs`` through ``system`` (raises if the system is unavailable)."""
@@ -712,8 +737,18 @@ class TowerBench:
 
     def plan_summary(self, inputs: BenchInputs) -> list[dict[str, Any]]:
         """The graph runner's plan for ``inputs``: per batch its items and budget per path (None: eager)."""
-        plan = self.runner(System.GRAPH).plan(inputs.adapter)
+        plan = self.reference_runner().plan(inputs.adapter)
         return [{"items": len(b.items), "budgets": dict(b.budgets)} for b in plan.batches]
+
+    def plan_budgets(self, inputs: Iterable[BenchInputs]) -> dict[str, tuple[int, ...]]:
+        """Per path, the budgets the graph runner's plans of ``inputs`` replay (what ``compile_budgets`` needs)."""
+        used: dict[str, set[int]] = {}
+        for batch in (b for i in inputs for b in self.plan_summary(i)):
+            for path, budget in batch["budgets"].items():
+                used.setdefault(path, set())
+                if budget:
+                    used[path].add(int(budget))
+        return {path: tuple(sorted(b)) for path, b in used.items() if b}
 
     def close(self) -> None:
         """Drop towers, runners and graphs, and return their memory to the device."""

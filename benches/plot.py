@@ -25,7 +25,7 @@ from benches.common import System
 
 SCRIPT = "plot"
 BASELINE = System.HF_SDPA
-BAR_SYSTEMS = (System.HF_VARLEN, System.ADAPTER_EAGER, System.GRAPH, System.COMPILE)
+BAR_SYSTEMS = (System.HF_VARLEN, System.ADAPTER_EAGER, System.GRAPH, System.COMPILE, System.GRAPH_COMPILE)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,9 +8,11 @@ Towers (random bf16 weights at real geometry, see ``common.TOWERS``): Qwen2.5-VL
 fit: min(ceil(h/S) ceil(w/S), 12) tiles plus a thumbnail; a video: one tile per frame).
 
 Two phases, so that the core table is complete before the slow part: (1) every tower through hf_sdpa, hf_varlen,
-adapter_eager and graph; (2) ``torch.compile(mode="reduce-overhead")`` of the static forward, only for
-``--compile-towers`` x ``--compile-cases`` (default Qwen2.5-VL-7B at 1x224 and 4x224: each new budget is a
-recompile of ~30 s), with its compile seconds and recompiles (dynamo counters) recorded.
+adapter_eager and graph; (2) the compiled systems, only for ``--compile-towers`` x ``--compile-cases`` (default
+Qwen2.5-VL-7B at 1x224 and 4x224: each new budget is a compile of tens of seconds), in ``--systems`` order while
+the time budget lasts: ``compile`` (``torch.compile(mode="reduce-overhead")`` of the static forward) and
+``graph_compile`` (encgraph's graphs of the compiled forward, captured at the cases' budgets only), with first-call
+seconds and dynamo's counters (graphs compiled: the recompiles; graph breaks) recorded.
 
 JSON (``benches/results/towers_<gpu>.json``)::
 
@@ -20,8 +22,11 @@ JSON (``benches/results/towers_<gpu>.json``)::
                           "systems": {"<system>": {"median_ms", "mean_ms", "p10_ms", "p90_ms", "min_ms", "runs"}
                                       | {"skipped": why} | {"error": what}},
                           "graph_stats": {"padded_share", "eager_items"}, "graph_vs_eager_max_rel_diff",
-                          "compile": {"first_call_seconds", "graphs_compiled", "graph_breaks", ...},
-                          "speedup": {"graph_vs_hf_sdpa", "graph_vs_adapter_eager", ...}}}}}}
+                          "compile_info": {"compile" | "graph_compile": {"first_call_seconds", "graphs_compiled",
+                                           "graphs_compiled_total", "graph_breaks", "frames_ok", "cudagraph_skips",
+                                           "max_rel_diff_vs_adapter_eager"}},
+                          "speedup": {"graph_vs_hf_sdpa", "graph_vs_adapter_eager", ...}}},
+                "graph_compile_capture": {"wall_seconds", runner.capture() of the compiled graphs}}}}
 """
 
 from __future__ import annotations
@@ -43,12 +48,13 @@ from benches.common import ALL_CASES, CASE_NAMES, DEFAULT_CASE_NAMES, TOWERS, Sy
 
 SCRIPT = "towers"
 PHASE1 = (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER, System.GRAPH)
+"""Everything but the compiled systems, measured first for every tower."""
 TOWER_MIN_SECONDS = 15.0
 """A tower is not started with less time left than this (building and capturing alone take seconds)."""
 
 
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=190.0)
+    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=180.0)
     p.add_argument("--towers", type=common.parse_names(TOWERS), default=None,
                    help=f"comma list out of {','.join(TOWERS)} (default all, in that order; with --cpu-smoke "
                         f"{','.join(common.SMOKE_TOWERS)})")
@@ -82,11 +88,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         phase1 = [s for s in args.systems if s in PHASE1]
         for name in args.towers:
             run_tower(name, cases, phase1, env, deadline, results)
-        if System.COMPILE in args.systems:
+        compiled = [s for s in args.systems if s in common.COMPILED]
+        if compiled:
             for name in args.towers:
                 if name in args.compile_towers:
-                    run_compile(name, [c for c in cases if c.name in args.compile_cases], env, deadline, args,
-                                results)
+                    run_compile(name, [c for c in cases if c.name in args.compile_cases], compiled, env, deadline,
+                                args, results)
         data["seconds"] = round(deadline.elapsed(), 1)
     results.finish(render(data, args.systems))
     return data
@@ -188,7 +195,7 @@ def check_outputs(bench: common.TowerBench, inputs: common.BenchInputs, case: di
 
 def speedups(systems: dict[str, Any]) -> dict[str, float]:
     out = {}
-    for fast in (System.GRAPH, System.COMPILE):
+    for fast in (System.GRAPH, *common.COMPILED):
         for base in (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER):
             r = common.ratio(common.median_of(systems.get(base.value)), common.median_of(systems.get(fast.value)))
             if r is not None:
@@ -196,64 +203,86 @@ def speedups(systems: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run_compile(name: str, cases: list[common.Case], env: common.Env, deadline: common.Deadline, args: Any,
-                results: common.Results) -> None:
-    """Phase 2: the compile system on the chosen cases of one tower (a fresh build with the same seed, so the
-    same weights and inputs as phase 1)."""
+def run_compile(name: str, cases: list[common.Case], systems: list[System], env: common.Env,
+                deadline: common.Deadline, args: Any, results: common.Results) -> None:
+    """Phase 2: the compiled systems on the chosen cases of one tower (a fresh build with the same seed: the same
+    weights and inputs as phase 1). ``compile``: the first call of each case compiles; ``graph_compile``: the
+    runner compiles and captures the cases' budgets when it is made. Both record dynamo's counters."""
     entry = results.data["towers"].get(name, {})
-    if "cases" not in entry:
-        return
-    todo = [c for c in cases if c.name in entry["cases"]]
+    todo = [c for c in cases if c.name in entry.get("cases", {})]
     if not todo:
         return
 
-    def record(case: common.Case, value: dict[str, Any]) -> None:
+    def record(case: common.Case, system: System, value: dict[str, Any], info: dict[str, Any] | None = None) -> None:
         c = entry["cases"][case.name]
-        c["systems"][System.COMPILE.value] = value
+        c["systems"][system.value] = value
+        if info is not None:
+            c.setdefault("compile_info", {})[system.value] = info
         c["speedup"] = speedups(c["systems"])
         results.flush()
 
-    if not env.cuda:
-        for case in todo:
-            record(case, {"skipped": "skipped: torch.compile(mode='reduce-overhead') needs CUDA graphs"})
+    if deadline.expired(args.compile_min_seconds) or not env.cuda:
+        why = common.SKIPPED_TIME if env.cuda else "skipped: needs CUDA (torch.compile into CUDA graphs)"
+        for system in systems:
+            for case in todo:
+                record(case, system, {"skipped": why})
         return
-    if deadline.expired(args.compile_min_seconds):
-        for case in todo:
-            record(case, {"skipped": common.SKIPPED_TIME})
-        return
-    common.log(f"{name}: building for torch.compile")
-    bench = common.TowerBench(TOWERS[name], env, (System.ADAPTER_EAGER, System.COMPILE))
-    import torch._dynamo
+    common.log(f"{name}: building for {', '.join(s.value for s in systems)}")
+    bench = common.TowerBench(TOWERS[name], env, (System.ADAPTER_EAGER, *systems))
+    inputs = {case.name: bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name)) for case in todo}
+    for system in systems:
+        import torch._dynamo
 
-    torch._dynamo.reset()
-    start = common.dynamo_counters()
-    for case in todo:
-        if System.COMPILE in bench.unavailable:
-            record(case, {"skipped": bench.unavailable[System.COMPILE]})
-            continue
-        if deadline.expired(args.compile_min_seconds):
-            record(case, {"skipped": common.SKIPPED_TIME})
-            continue
-        inputs = bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name))
-        c = entry["cases"][case.name]
-        before = common.dynamo_counters()
-        try:
-            fn = bench.call(System.COMPILE, inputs)
-            first = common.time_once(fn, env) / 1e3  # compiles (and records torch's graphs) on the first call
-        except Exception as exc:
-            traceback.print_exc()
-            record(case, {"error": common.short_error(exc)})
-            continue
-        value = common.measure(fn, env)
-        after = common.dynamo_counters()
-        c["compile"] = {"first_call_seconds": round(first, 2), **common.counter_delta(after, before),
-                        "graphs_compiled_total": after["graphs_compiled"] - start["graphs_compiled"]}
-        with contextlib.suppress(Exception):
-            c["compile_vs_eager_max_rel_diff"] = common.max_rel_diff(fn(), bench.call(System.ADAPTER_EAGER, inputs)())
-        record(case, value)
-        common.log(f"{name} {case.name}: compile {common.fmt(common.median_of(value))} ms "
-                   f"(first call {first:.1f} s)")
+        torch._dynamo.reset()
+        start = common.dynamo_counters()
+        if system is System.GRAPH_COMPILE and system not in bench.unavailable:
+            prepare_graph_compile(bench, list(inputs.values()), deadline, args, entry)
+        for case in todo:
+            if system in bench.unavailable:
+                record(case, system, {"skipped": bench.unavailable[system]})
+                continue
+            if deadline.expired(args.compile_min_seconds):
+                record(case, system, {"skipped": common.SKIPPED_TIME})
+                continue
+            x = inputs[case.name]
+            before = common.dynamo_counters()
+            try:
+                fn = bench.call(system, x)
+                first = common.time_once(fn, env) / 1e3  # compile: compiles (and records torch's graphs) here
+            except Exception as exc:
+                traceback.print_exc()
+                record(case, system, {"error": common.short_error(exc)})
+                continue
+            value = common.measure(fn, env)
+            after = common.dynamo_counters()
+            info: dict[str, Any] = {"first_call_seconds": round(first, 2), **common.counter_delta(after, before),
+                                    "graphs_compiled_total": after["graphs_compiled"] - start["graphs_compiled"]}
+            with contextlib.suppress(Exception):
+                info["max_rel_diff_vs_adapter_eager"] = common.max_rel_diff(
+                    fn(), bench.call(System.ADAPTER_EAGER, x)())
+            record(case, system, value, info)
+            common.log(f"{name} {case.name}: {system.value} {common.fmt(common.median_of(value))} ms "
+                       f"(first call {first:.1f} s)")
     bench.close()
+
+
+def prepare_graph_compile(bench: common.TowerBench, inputs: list[common.BenchInputs], deadline: common.Deadline,
+                          args: Any, entry: dict[str, Any]) -> None:
+    """Make the ``graph_compile`` runner for the budgets the cases use (compile + capture, timed), if the time
+    budget allows one compile per budget; otherwise mark the system skipped."""
+    bench.compile_budgets = bench.plan_budgets(inputs)
+    count = sum(len(b) for b in bench.compile_budgets.values())
+    if deadline.expired(args.compile_min_seconds * max(count, 1)):
+        bench.unavailable[System.GRAPH_COMPILE] = common.SKIPPED_TIME
+        return
+    try:
+        t0 = time.perf_counter()
+        bench.runner(System.GRAPH_COMPILE)
+        entry["graph_compile_capture"] = {"wall_seconds": round(time.perf_counter() - t0, 2),
+                                          **(bench.compile_capture_info or {})}
+    except Exception as exc:
+        traceback.print_exc()
+        bench.unavailable[System.GRAPH_COMPILE] = f"error: compile or capture failed ({common.short_error(exc)})"
 
 
 def render(data: dict[str, Any], systems: tuple[System, ...]) -> str:
@@ -289,12 +318,16 @@ def _notes(data: dict[str, Any]) -> str:
         if cap and cap.get("graphs"):
             lines.append(f"- {tower['label']}: {cap['graphs']} graphs captured in {cap['seconds']} s, pool "
                          f"{cap['pool_bytes'] / 2**20:.0f} MiB")
+        gc_cap = tower.get("graph_compile_capture")
+        if gc_cap and gc_cap.get("graphs"):
+            lines.append(f"- {tower['label']}: graphs of the compiled forward at budgets "
+                         f"{[g['budget'] for g in gc_cap.get('per_graph', [])]}: compiled and captured in "
+                         f"{gc_cap['wall_seconds']} s")
         for case_name, c in tower.get("cases", {}).items():
-            comp = c.get("compile")
-            if comp:
-                lines.append(f"- {tower['label']} {case_name}: torch.compile first call {comp['first_call_seconds']} s, "
-                             f"{comp['graphs_compiled']} graph(s) compiled for this case "
-                             f"({comp['graphs_compiled_total']} in all), {comp['graph_breaks']} graph breaks")
+            for system, comp in c.get("compile_info", {}).items():
+                lines.append(f"- {tower['label']} {case_name}, {System(system).label}: first call "
+                             f"{comp['first_call_seconds']} s, {comp['graphs_compiled']} graph(s) compiled for this "
+                             f"case ({comp['graphs_compiled_total']} in all), {comp['graph_breaks']} graph breaks")
             diff = c.get("graph_vs_eager_max_rel_diff")
             if isinstance(diff, (int, float)) and diff > 0.05:
                 lines.append(f"- {tower['label']} {case_name}: graph vs adapter eager max relative diff {diff:.3g}")
