@@ -79,3 +79,19 @@ def problems(draw: Any, *, min_paths: int = 1, max_paths: int = 3, max_size: int
 def sizes() -> st.SearchStrategy[list[int]]:
     """Per-item sizes for :func:`balance`, with plenty of ties."""
     return st.lists(st.integers(0, 64) | st.sampled_from([0, 100, 1000]), max_size=60)
+
+
+@st.composite
+def cost_models(draw: Any, paths: tuple[str, ...]) -> Any:
+    """A :class:`CostModel` of ``paths``: a few measured graph budgets and an eager model, some with large fixed
+    costs (eager wins small batches) and some with large per-token costs (graphs win)."""
+    from encgraph.packing.costs import CostModel, EagerCost
+
+    graph, eager = {}, {}
+    for p in paths:
+        budgets = draw(st.lists(st.integers(1, 6000), min_size=1, max_size=5, unique=True))
+        base = draw(st.floats(0.0, 5.0))
+        slope = draw(st.floats(0.0, 0.01))
+        graph[p] = {b: base + slope * b + draw(st.floats(0.0, 0.5)) for b in sorted(budgets)}
+        eager[p] = EagerCost(draw(st.floats(0.0, 10.0)), draw(st.floats(0.0, 0.02)), draw(st.floats(0.0, 1.0)))
+    return CostModel(graph_ms=graph, eager=eager)

@@ -33,3 +33,7 @@ __all__ = [
     "normalize_ladders",
     "pack",
 ]
+
+from encgraph.packing.costs import CostModel, EagerCost  # noqa: E402
+
+__all__ += ["CostModel", "EagerCost"]

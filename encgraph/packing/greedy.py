@@ -8,6 +8,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from encgraph._validate import check_sequence, describe
 from encgraph.errors import ConfigError, ConfigTypeError
+from encgraph.packing.cost_pack import check_costs, cost_batches
+from encgraph.packing.costs import CostModel
 from encgraph.packing.ladder import normalize_ladders
 from encgraph.packing.limits import _fast_limits, check_limits
 from encgraph.packing.plan import Batch, EagerReason, Plan, _fast_batch, _fast_plan
@@ -26,6 +28,7 @@ def pack(
     *,
     max_items: int,
     max_frames: int | None = None,
+    costs: CostModel | None = None,
 ) -> Plan:
     """Split ``items`` into batches, each replayed through one captured budget per path (or run eager).
 
@@ -49,6 +52,9 @@ def pack(
         max_items: most items per batch, >= 1.  The planner does not tie it to the budgets; the capture side
             does (see :func:`default_limits`).
         max_frames: most frames per batch (>= ``max_items``), or ``None`` for no frame limit.
+        costs: a :class:`CostModel` to plan for least expected time instead (dynamic programming over runs
+            of the sorted items, graph or eager per batch per path; see :mod:`encgraph.packing.cost_pack`),
+            or ``None`` (the default) for the greedy plan above.
 
     Returns:
         A :class:`Plan`; no items give a plan with no batches.
@@ -79,6 +85,8 @@ def pack(
     frames = [it.frames for it in items]
     limits = _fast_limits(n_max, f_max if f_max is not None else n_max * max(frames, default=1))
     f_cap = _NO_LIMIT if f_max is None else f_max
+    if costs is not None:
+        return _fast_plan(tuple(_pack_costed(items, frames, paths, key, lad, n_max, f_cap, costs)), n, paths, lad, limits)
     if len(paths) == 1:
         batches = _pack_one(items, frames, paths[0], lad[paths[0]], n_max, f_cap)
     elif len(paths) == 2:
@@ -86,6 +94,26 @@ def pack(
     else:
         batches = _pack_many(items, frames, paths, key, lad, n_max, f_cap)
     return _fast_plan(tuple(batches), n, paths, lad, limits)
+
+
+def _pack_costed(
+    items: Sequence[ItemSpec],
+    frames: list[int],
+    paths: tuple[str, ...],
+    key: tuple[str, ...],
+    lad: dict[str, tuple[int, ...]],
+    n_max: int,
+    f_cap: int,
+    costs: CostModel,
+) -> list[Batch]:
+    check_costs(costs, paths)
+    values = [it._values for it in items]
+    if key != paths:
+        perm = [key.index(p) for p in paths]
+        values = [tuple(v[j] for j in perm) for v in values]
+    totals = [it._total for it in items]
+    batches, _ = cost_batches(values, frames, totals, paths, [lad[p] for p in paths], n_max, f_cap, costs)
+    return batches
 
 
 def _raise_bad_item(items: Sequence[object], paths: tuple[str, ...]) -> None:

@@ -1,0 +1,359 @@
+"""Expected cost of a plan: measured graph replay time per budget and a fitted eager cost per path.
+
+A :class:`CostModel` answers "how long will this batch take?" for the cost-aware planner
+(:func:`encgraph.packing.pack` with ``costs=``) and the ladder tuner (:func:`encgraph.packing.tune_ladder`).
+Times are milliseconds.  Pure Python + numpy (the least-squares fit): importing it never imports torch.
+
+Per path:
+
+- **graph**: ``{budget: ms}``, the replay time of the graph captured for ``budget`` (what the runner measures at
+  capture).  A budget without a measurement (the tuner asks about budgets not captured yet) is read off the
+  piecewise-linear curve through the measured points, extended past the ends with the nearest segment's slope
+  (one point: flat below it, proportional above), never below 0.  Budget ``0`` (an empty path) costs 0.
+- **eager**: ``fixed_ms + per_token_ms * tokens + per_item_ms * items`` for a batch with ``tokens > 0`` real
+  tokens on the path and ``items`` items; 0 when the path has no tokens.
+
+>>> model = CostModel.from_measurements(
+...     {"default": {256: 1.0, 1024: 3.0}},
+...     {"default": [(64, 1, 5.25), (1024, 1, 9.0), (2048, 1, 13.0)]},
+... )
+>>> round(model.eager_cost("default", 512, 1), 3), round(model.graph_cost("default", 512), 3)
+(7.0, 1.667)
+>>> model.batch_cost({"default": 300}, {"default": 1024})
+3.0
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from encgraph._validate import check_int, check_mapping, check_path, check_sequence, describe
+from encgraph.errors import ConfigError, ConfigTypeError
+
+__all__ = ["EagerCost", "CostModel"]
+
+_FORMAT = "encgraph.costs"
+_VERSION = 1
+
+
+def _ms(name: str, value: Any) -> float:
+    """A finite, non-negative time in ms as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigTypeError(f"{name}: expected a number of milliseconds, got {describe(value)}.")
+    out = float(value)
+    if not math.isfinite(out) or out < 0:
+        raise ConfigError(f"{name}: expected a finite time >= 0 ms, got {value!r}. Pass a measured time in ms.")
+    return out
+
+
+def _check_ms(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _ms(f"EagerCost({attribute.name})", value)
+
+
+@attrs.frozen
+class EagerCost:
+    """The eager cost model of one path: ``fixed_ms + per_token_ms * tokens + per_item_ms * items`` (ms).
+
+    >>> EagerCost(2.0, 0.01).cost(100, 1)
+    3.0
+    """
+
+    fixed_ms: float = attrs.field(converter=float, validator=_check_ms)
+    per_token_ms: float = attrs.field(converter=float, validator=_check_ms)
+    per_item_ms: float = attrs.field(default=0.0, converter=float, validator=_check_ms)
+
+    def cost(self, tokens: int, items: int) -> float:
+        """Expected eager time (ms) of ``tokens`` real tokens in ``items`` items; 0.0 for no tokens."""
+        if tokens <= 0:
+            return 0.0
+        return self.fixed_ms + self.per_token_ms * tokens + self.per_item_ms * items
+
+
+def _graph_table(value: Any) -> dict[str, dict[int, float]]:
+    check_mapping("CostModel(graph_ms)", value, hint="Pass {path: {budget: ms}}.")
+    out: dict[str, dict[int, float]] = {}
+    for path, table in value.items():
+        check_path("CostModel(graph_ms) path name", path)
+        check_mapping(f"CostModel(graph_ms[{path!r}])", table, hint="Pass {budget: ms} for the path's captured budgets.")
+        if not table:
+            raise ConfigError(
+                f"CostModel(graph_ms[{path!r}]): expected at least one measured budget, got an empty mapping. "
+                f"Time the replay of at least one captured budget of {path!r}."
+            )
+        row: dict[int, float] = {}
+        for budget in table:
+            b = int(budget) if isinstance(budget, str) and budget.isdigit() else budget  # JSON keys are str
+            b = check_int(f"CostModel(graph_ms[{path!r}]) budget", b, minimum=1, hint="Budgets are token counts >= 1.")
+            row[b] = _ms(f"CostModel(graph_ms[{path!r}][{b}])", table[budget])
+        out[path] = dict(sorted(row.items()))
+    return out
+
+
+def _eager_table(value: Any) -> dict[str, EagerCost]:
+    check_mapping("CostModel(eager)", value, hint="Pass {path: EagerCost(fixed_ms, per_token_ms)}.")
+    out: dict[str, EagerCost] = {}
+    for path, model in value.items():
+        check_path("CostModel(eager) path name", path)
+        if not isinstance(model, EagerCost):
+            raise ConfigTypeError(f"CostModel(eager[{path!r}]): expected an EagerCost, got {describe(model)}.")
+        out[path] = model
+    return out
+
+
+@attrs.frozen
+class CostModel:
+    """Expected times (ms) per path: graph replay per budget and an eager model (see the module docs).
+
+    Attributes:
+        graph_ms: ``{path: {budget: ms}}``, measured replay times, budgets sorted.
+        eager: ``{path: EagerCost}``; the same paths as ``graph_ms``.
+    """
+
+    graph_ms: dict[str, dict[int, float]] = attrs.field(converter=_graph_table, hash=False)
+    eager: dict[str, EagerCost] = attrs.field(converter=_eager_table, hash=False)
+    _curves: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = attrs.field(
+        init=False, eq=False, repr=False, hash=False
+    )
+    # Per (path, ladder) tuple of graph costs, filled on demand: the planner asks for the same ladders again.
+    _ladder_cache: dict[tuple[str, tuple[int, ...]], tuple[float, ...]] = attrs.field(
+        init=False, eq=False, repr=False, hash=False, factory=dict
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if set(self.graph_ms) != set(self.eager):
+            raise ConfigError(
+                f"CostModel: expected the same paths in graph_ms and eager, got graph_ms {sorted(self.graph_ms)} "
+                f"and eager {sorted(self.eager)}. Measure both the graphs and eager runs of every path."
+            )
+        curves = {p: (tuple(t), tuple(t.values())) for p, t in self.graph_ms.items()}
+        object.__setattr__(self, "_curves", curves)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The paths the model covers."""
+        return tuple(self.graph_ms)
+
+    def _path(self, where: str, path: Any) -> str:
+        if path not in self.graph_ms:
+            check_path(f"{where}(path)", path)
+            raise ConfigError(
+                f"{where}(path): expected one of the model's paths {list(self.graph_ms)}, got {path!r}. "
+                f"Measure the path, or plan with a model that covers it."
+            )
+        return path
+
+    # -- costs --------------------------------------------------------------------------------------------
+
+    def graph_cost(self, path: str, budget: int) -> float:
+        """Expected replay time (ms) of ``path``'s graph for ``budget`` (interpolated when not measured)."""
+        budgets, times = self._curves[self._path("CostModel.graph_cost", path)]
+        b = check_int("CostModel.graph_cost(budget)", budget, minimum=0, hint="Budgets are token counts.")
+        if b == 0:
+            return 0.0
+        k = bisect_left(budgets, b)
+        if k < len(budgets) and budgets[k] == b:
+            return times[k]
+        if len(budgets) == 1:
+            return times[0] if b < budgets[0] else times[0] * b / budgets[0]
+        lo = min(max(k - 1, 0), len(budgets) - 2)  # the segment around b, or the nearest one past the ends
+        b0, b1, t0, t1 = budgets[lo], budgets[lo + 1], times[lo], times[lo + 1]
+        return max(0.0, t0 + (t1 - t0) * (b - b0) / (b1 - b0))
+
+    def eager_cost(self, path: str, tokens: int, items: int = 1) -> float:
+        """Expected eager time (ms) of ``tokens`` real tokens in ``items`` items on ``path`` (0.0 for none)."""
+        model = self.eager[self._path("CostModel.eager_cost", path)]
+        return model.cost(
+            check_int("CostModel.eager_cost(tokens)", tokens, minimum=0),
+            check_int("CostModel.eager_cost(items)", items, minimum=0),
+        )
+
+    def batch_cost(
+        self, batch_tokens_per_path: Mapping[str, int], budgets: Mapping[str, int | None], *, items: int = 1
+    ) -> float:
+        """Expected time (ms) of one batch: per path, the graph of its budget, eager where the budget is
+        ``None``, nothing where the path has no tokens; ``items`` counts for the eager per-item term."""
+        check_mapping("CostModel.batch_cost(batch_tokens_per_path)", batch_tokens_per_path)
+        check_mapping("CostModel.batch_cost(budgets)", budgets)
+        total = 0.0
+        for path, tokens in batch_tokens_per_path.items():
+            if path not in budgets:
+                raise ConfigError(
+                    f"CostModel.batch_cost(budgets): missing path {path!r}; expected a budget (or None for eager) "
+                    f"for every path of batch_tokens_per_path {list(batch_tokens_per_path)}."
+                )
+            budget = budgets[path]
+            if not tokens:
+                continue
+            if budget is None:
+                total += self.eager_cost(path, tokens, items)
+            else:
+                if budget < tokens:
+                    raise ConfigError(
+                        f"CostModel.batch_cost(budgets[{path!r}]): expected a budget >= the path's {tokens} tokens "
+                        f"or None (eager), got {budget}."
+                    )
+                total += self.graph_cost(path, budget)
+        return total
+
+    def plan_cost(self, plan: Any) -> float:
+        """Expected time (ms) of every batch of ``plan`` (a :class:`~encgraph.packing.Plan`), summed."""
+        return sum(
+            self.batch_cost(b.tokens, b.budgets, items=len(b.items)) for b in plan.batches
+        )
+
+    def _ladder_costs(self, path: str, ladder: tuple[int, ...]) -> tuple[float, ...]:
+        key = (path, ladder)
+        out = self._ladder_cache.get(key)
+        if out is None:
+            out = self._ladder_cache[key] = tuple(self.graph_cost(path, b) for b in ladder)
+        return out
+
+    # -- fitting ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_measurements(
+        cls,
+        graph_ms: Mapping[str, Mapping[int, float]],
+        eager_samples: Mapping[str, Sequence[tuple[int, int, float]]],
+    ) -> CostModel:
+        """Build a model from replay times and eager samples ``{path: [(tokens, items, ms), ...]}``.
+
+        The eager model of each path is the least-squares fit of ``ms ~ fixed + per_token * tokens + per_item
+        * items`` with every coefficient >= 0 (non-negative least squares, solved exactly by trying every
+        subset of the three terms; a term the samples cannot tell apart from the others, such as ``items``
+        when every sample has one item, is left at 0).  Needs at least two samples per path.
+        """
+        check_mapping("CostModel.from_measurements(eager_samples)", eager_samples, hint="Pass {path: [(tokens, items, ms)]}.")
+        eager = {}
+        for path, samples in eager_samples.items():
+            check_path("CostModel.from_measurements(eager_samples) path name", path)
+            eager[path] = _fit_eager(f"CostModel.from_measurements(eager_samples[{path!r}])", samples)
+        return cls(graph_ms=graph_ms, eager=eager)
+
+    # -- serialisation ------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; :meth:`from_dict` turns it back into an equal model."""
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "paths": {
+                p: {
+                    "graph_ms": {str(b): ms for b, ms in self.graph_ms[p].items()},
+                    "eager": attrs.asdict(self.eager[p]),
+                }
+                for p in self.graph_ms
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
+        """Rebuild a model from :meth:`to_dict`'s output; validates everything."""
+        check_mapping("CostModel.from_dict(data)", data, hint="Pass the dict that CostModel.to_dict() returned.")
+        if data.get("format") != _FORMAT or data.get("version") != _VERSION:
+            raise ConfigError(
+                f"CostModel.from_dict(data): expected format {_FORMAT!r} version {_VERSION}, got format "
+                f"{data.get('format')!r} version {data.get('version')!r}. Pass the dict CostModel.to_dict() returned."
+            )
+        paths = check_mapping("CostModel.from_dict(data['paths'])", data.get("paths"))
+        graph, eager = {}, {}
+        for p, entry in paths.items():
+            check_mapping(f"CostModel.from_dict(data['paths'][{p!r}])", entry)
+            if "graph_ms" not in entry or "eager" not in entry:
+                raise ConfigError(
+                    f"CostModel.from_dict(data['paths'][{p!r}]): expected keys 'graph_ms' and 'eager', got "
+                    f"{sorted(entry)}. Pass the dict CostModel.to_dict() returned."
+                )
+            graph[p] = entry["graph_ms"]
+            fields = check_mapping(f"CostModel.from_dict(data['paths'][{p!r}]['eager'])", entry["eager"])
+            try:
+                eager[p] = EagerCost(**fields)
+            except TypeError as exc:
+                raise ConfigError(f"CostModel.from_dict(data['paths'][{p!r}]['eager']): {exc}.") from None
+        return cls(graph_ms=graph, eager=eager)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the model as JSON to the file ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CostModel:
+        """Read a model that :meth:`save` wrote."""
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"CostModel.load(path): {os.fspath(path)!r} is not JSON ({exc}).") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def linear(
+        cls,
+        paths: Sequence[str],
+        *,
+        graph_fixed_ms: float,
+        graph_per_budget_ms: float,
+        eager_fixed_ms: float,
+        eager_per_token_ms: float,
+    ) -> CostModel:
+        """A model with graph cost ``graph_fixed_ms + graph_per_budget_ms * budget`` and eager cost
+        ``eager_fixed_ms + eager_per_token_ms * tokens`` on every path (two graph points; the curve is exact)."""
+        a = _ms("CostModel.linear(graph_fixed_ms)", graph_fixed_ms)
+        b = _ms("CostModel.linear(graph_per_budget_ms)", graph_per_budget_ms)
+        eager = EagerCost(eager_fixed_ms, eager_per_token_ms)
+        return cls(graph_ms={p: {1: a + b, 1 << 20: a + b * (1 << 20)} for p in paths}, eager={p: eager for p in paths})
+
+
+_TERMS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+
+
+def _fit_eager(where: str, samples: Any) -> EagerCost:
+    check_sequence(where, samples, hint="Pass a list of (tokens, items, ms) tuples.")
+    rows = []
+    for i, s in enumerate(samples):
+        if not isinstance(s, Sequence) or isinstance(s, (str, bytes)) or len(s) != 3:
+            raise ConfigTypeError(f"{where}[{i}]: expected a (tokens, items, ms) tuple, got {describe(s)}.")
+        rows.append(
+            (
+                check_int(f"{where}[{i}] tokens", s[0], minimum=1, hint="Time eager runs of at least one token."),
+                check_int(f"{where}[{i}] items", s[1], minimum=1),
+                _ms(f"{where}[{i}] ms", s[2]),
+            )
+        )
+    if len(rows) < 2:
+        raise ConfigError(
+            f"{where}: expected at least 2 samples (tokens, items, ms), got {len(rows)}. Time eager runs of at "
+            f"least two different sizes."
+        )
+    data = np.asarray(rows, dtype=np.float64)
+    design = np.column_stack([np.ones(len(rows)), data[:, 0], data[:, 1]])
+    y = data[:, 2]
+    best: tuple[float, int, np.ndarray] | None = None
+    scale = float(np.dot(y, y)) or 1.0
+    for order, cols in enumerate(_TERMS):
+        a = design[:, cols]
+        if np.linalg.matrix_rank(a) < len(cols):
+            continue  # a term the samples cannot identify
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        if (coef < 0).any():
+            continue
+        resid = float(np.sum((a @ coef - y) ** 2))
+        key = round(resid / scale, 12)
+        if best is None or key < best[0]:
+            full = np.zeros(3)
+            full[list(cols)] = coef
+            best = (key, order, full)
+    assert best is not None  # the one-term fits of non-negative times always qualify
+    fixed, per_token, per_item = (max(0.0, float(c)) for c in best[2])
+    return EagerCost(fixed, per_token, per_item)

@@ -1,0 +1,129 @@
+"""Properties of the cost-aware ``pack(..., costs=...)`` (hypothesis) and a few worked cases."""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_left
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from tests.strategies import Problem, cost_models, problems
+
+from encgraph.errors import ConfigError, ConfigTypeError
+from encgraph.packing import CostModel, EagerCost, EagerReason, ItemSpec, Plan, pack
+
+
+def run(p: Problem, costs: CostModel | None) -> Plan:
+    return pack(p.items, p.ladders, max_items=p.max_items, max_frames=p.max_frames, costs=costs)
+
+
+def ladder_of(p: Problem, path: str) -> tuple[int, ...]:
+    return tuple(sorted(set(p.ladders[path] if isinstance(p.ladders, dict) else p.ladders)))
+
+
+def lone(p: Problem, i: int) -> bool:
+    item = p.items[i]
+    over_frames = p.max_frames is not None and item.frames > p.max_frames
+    return over_frames or any(item.tokens[q] > max(ladder_of(p, q)) for q in p.paths)
+
+
+@given(problems(), st.data())
+def test_never_costs_more_than_greedy(p: Problem, data: st.DataObject) -> None:
+    model = data.draw(cost_models(p.paths))
+    greedy = model.plan_cost(run(p, None))
+    costed = model.plan_cost(run(p, model))
+    assert costed <= greedy + 1e-9 * (1.0 + greedy)
+
+
+@given(problems(), st.data())
+def test_greedy_invariants_hold(p: Problem, data: st.DataObject) -> None:
+    model = data.draw(cost_models(p.paths))
+    plan = run(p, model)
+    # Plan.from_dict re-validates everything (limits, budgets of the ladders, each item once, padding).
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    placed = sorted(i for b in plan.batches for i in b.items)
+    assert placed == list(range(len(p.items)))
+    for b in plan.batches:
+        assert len(b.items) <= p.max_items
+        assert b.frames == sum(p.items[i].frames for i in b.items)
+        if any(lone(p, i) for i in b.items):
+            assert len(b.items) == 1, "an item over a largest budget or max_frames sits alone"
+        elif p.max_frames is not None:
+            assert b.frames <= p.max_frames
+        for path in p.paths:
+            ladder = ladder_of(p, path)
+            t = b.tokens[path]
+            assert t == sum(p.items[i].tokens[path] for i in b.items)
+            budget = b.budgets[path]
+            if t == 0:
+                assert budget == 0 and path not in b.eager
+            elif budget is not None:
+                assert budget == ladder[bisect_left(ladder, t)], "graph: the smallest fitting budget"
+            else:
+                reason = b.eager[path]
+                fits = t <= ladder[-1] and not (p.max_frames is not None and b.frames > p.max_frames)
+                assert (reason is EagerReason.COST) == fits
+                if reason is EagerReason.COST:
+                    graph = model.graph_cost(path, ladder[bisect_left(ladder, t)])
+                    assert model.eager_cost(path, t, len(b.items)) < graph
+
+
+@given(problems(), st.data())
+def test_deterministic_and_order_restored(p: Problem, data: st.DataObject) -> None:
+    model = data.draw(cost_models(p.paths))
+    plan = run(p, model)
+    assert run(p, model) == plan
+    results = [[("r", i) for i in b.items] for b in plan.batches]
+    assert plan.restore(results) == [("r", i) for i in range(len(p.items))]
+
+
+@given(problems(), st.data())
+def test_batches_are_runs_of_the_sorted_order(p: Problem, data: st.DataObject) -> None:
+    model = data.draw(cost_models(p.paths))
+    order = sorted(range(len(p.items)), key=lambda i: p.items[i].total_tokens)
+    kept = [i for i in order if not lone(p, i)]
+    pos = {i: k for k, i in enumerate(kept)}
+    firsts = []
+    for b in run(p, model).batches:
+        if len(b.items) > 1 or not lone(p, b.items[0]):
+            ks = [pos[i] for i in b.items]
+            assert ks == list(range(ks[0], ks[0] + len(ks)))
+        firsts.append(order.index(b.items[0]))
+    assert firsts == sorted(firsts)
+
+
+def _linear(graph_fixed: float, eager_fixed: float) -> CostModel:
+    return CostModel.linear(
+        ["default"], graph_fixed_ms=graph_fixed, graph_per_budget_ms=0.004, eager_fixed_ms=eager_fixed,
+        eager_per_token_ms=0.0045,
+    )
+
+
+def test_small_item_in_a_huge_budget_goes_eager_by_cost():
+    # vLLM PR 52229: 64 tokens padded to 4096 cost far more than running them eager.
+    plan = pack([ItemSpec(64)], (4096,), max_items=1, costs=_linear(0.5, 1.0))
+    assert plan.batches[0].budgets == {"default": None}
+    assert plan.batches[0].eager == {"default": EagerReason.COST}
+
+
+def test_splits_where_padding_a_shared_budget_costs_more():
+    items = [ItemSpec(200), ItemSpec(200), ItemSpec(300)]
+    model = CostModel(graph_ms={"default": {256: 1.0, 512: 1.5, 1024: 8.0}}, eager={"default": EagerCost(50, 0)})
+    greedy = pack(items, (256, 512, 1024), max_items=4)
+    costed = pack(items, (256, 512, 1024), max_items=4, costs=model)
+    assert [b.items for b in greedy.batches] == [(0, 1, 2)]
+    assert [(b.items, b.budgets["default"]) for b in costed.batches] == [((0,), 256), ((1, 2), 512)]
+    assert model.plan_cost(costed) == 2.5 < model.plan_cost(greedy) == 8.0
+
+
+def test_costs_errors():
+    with pytest.raises(ConfigTypeError, match=r"pack\(costs\)"):
+        pack([ItemSpec(8)], (8,), max_items=1, costs={"default": 1})
+    other = CostModel(graph_ms={"global": {8: 1.0}}, eager={"global": EagerCost(1, 0)})
+    with pytest.raises(ConfigError, match="missing path 'default'"):
+        pack([ItemSpec(8)], (8,), max_items=1, costs=other)
+
+
+def test_no_items():
+    assert pack([], (8,), max_items=1, costs=_linear(1, 1)).batches == ()
