@@ -264,3 +264,30 @@ def test_compiled_static_adapter_runs_the_same_plan(monkeypatch):
         ref = bench.call(System.ADAPTER_EAGER, inputs)()
     assert common.max_rel_diff(got, ref) < 1e-4
     assert isinstance(bench.runner(System.COMPILE).adapter, common.CompiledStatic)
+
+
+def test_compiled_systems_bookkeeping(tmp_path, monkeypatch):
+    """Phase 2 of ``towers.py`` (CUDA only) with the device faked: ``compile`` through a STATIC runner with an
+    identity ``torch.compile``; ``graph_compile`` needs GRAPH mode, so its failure must be recorded per case."""
+    import torch
+
+    args = towers.build_parser().parse_args(FAST + ["--results-dir", str(tmp_path), "--towers", "qwen2_5_vl_7b",
+                                                   "--cases", "1x224", "--systems", "adapter_eager,graph"])
+    common.smoke_defaults(args, towers=tuple(common.TOWERS))
+    env = common.make_env(args)
+    results = common.Results("towers", args, env)
+    results.data.update(towers.main(FAST + ["--results-dir", str(tmp_path), "--towers", "qwen2_5_vl_7b",
+                                            "--cases", "1x224", "--systems", "adapter_eager,graph"]))
+    monkeypatch.setattr(common.Env, "cuda", property(lambda self: True))
+    monkeypatch.setattr(common, "time_once", lambda fn, env: (fn(), 1.0)[1])
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    with common.inference():
+        towers.run_compile("qwen2_5_vl_7b", [common.CASES[0]], [System.COMPILE, System.GRAPH_COMPILE], env,
+                           common.Deadline(600), args, results)
+    case = _load(tmp_path, "towers")["towers"]["qwen2_5_vl_7b"]["cases"]["1x224"]
+    assert case["systems"]["compile"]["median_ms"] == 1.0
+    info = case["compile_info"]["compile"]
+    assert info["graphs_compiled"] == 0 and info["max_rel_diff_vs_adapter_eager"] < 1e-4
+    assert "compile or capture failed" in case["systems"]["graph_compile"]["skipped"]
+    assert case["speedup"]["compile_vs_adapter_eager"] > 0
+    assert "first call" in towers.render(results.data, tuple(System))
