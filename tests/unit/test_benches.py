@@ -166,6 +166,11 @@ def test_help_runs_as_a_script(script):
     assert "usage:" in done.stdout
 
 
+def test_run_all_is_valid_bash():
+    done = subprocess.run(["bash", "-n", str(REPO / "benches" / "run_all.sh")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.fixture(scope="module")
 def smoke_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("bench_results")
@@ -222,8 +227,11 @@ def test_capture_smoke(smoke_dir):
         assert tower["limits"]["max_items"] >= 1
 
 
-def test_floor_smoke(smoke_dir):
-    data = floor.main(FAST + ["--results-dir", str(smoke_dir)])
+def test_floor_smoke(smoke_dir, tmp_path):
+    data = floor.main(FAST + ["--results-dir", str(smoke_dir), "--mirror-dir", str(tmp_path)])
+    for suffix in (".json", ".md"):
+        assert (tmp_path / f"floor_{common.SMOKE_SLUG}{suffix}").read_text() == (
+            smoke_dir / f"floor_{common.SMOKE_SLUG}{suffix}").read_text()
     tflops = data["matmul"]["tflops"]
     assert tflops > 0
     for tower in data["towers"].values():
