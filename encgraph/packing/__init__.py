@@ -37,3 +37,6 @@ __all__ = [
 from encgraph.packing.costs import CostModel, EagerCost  # noqa: E402
 
 __all__ += ["CostModel", "EagerCost"]
+from encgraph.packing.tuning import DEFAULT_COSTS, TunedLadder, default_cost_model, tune_ladder  # noqa: E402
+
+__all__ += ["DEFAULT_COSTS", "TunedLadder", "default_cost_model", "tune_ladder"]

@@ -121,6 +121,53 @@ def cost_batches(
     m = len(keep)
     if not m:
         return [b for _, b in lone_out] if build else [], total
+    if m == 1:
+        # One item (most requests): no split to choose, skip numpy.
+        i = keep[0]
+        total += sum(_choose(costs, path, lad, t, 1)[1] for path, lad, t in zip(paths, ladders, values[i]))
+        runs = [(0, 1)]
+    else:
+        c, runs = _best_runs(values, frames, keep, paths, ladders, caps, n_max, f_cap, costs)
+        total += c
+    if not build:
+        return [], total
+    pos_of = {i: pos for pos, i in enumerate(order)}
+    out: list[tuple[int, Batch]] = []
+    for lo, hi in runs:
+        members = keep[lo:hi]
+        toks = [sum(col) for col in zip(*(values[i] for i in members))]
+        budgets: dict[str, int | None] = {}
+        padded: dict[str, int] = {}
+        eager: dict[str, EagerReason] = {}
+        for path, ladder, t in zip(paths, ladders, toks):
+            b, _ = _choose(costs, path, ladder, t, hi - lo)
+            budgets[path] = b
+            if b is None:
+                eager[path] = _COST
+                padded[path] = 0
+            else:
+                padded[path] = b - t
+        fsum = sum(frames[i] for i in members)
+        out.append((pos_of[members[0]], _fast_batch(tuple(members), budgets, dict(zip(paths, toks)), padded, fsum, eager)))
+    if lone_out:
+        out.extend(lone_out)
+        out.sort(key=lambda pb: pb[0])
+    return [b for _, b in out], total
+
+
+def _best_runs(
+    values: Sequence[Sequence[int]],
+    frames: Sequence[int],
+    keep: list[int],
+    paths: tuple[str, ...],
+    ladders: list[tuple[int, ...]],
+    caps: list[int],
+    n_max: int,
+    f_cap: int,
+    costs: CostModel,
+) -> tuple[float, list[tuple[int, int]]]:
+    """Least total cost of splitting ``keep`` (sorted, none lone) into runs, and the runs ``(lo, hi)``."""
+    m = len(keep)
     n_paths = len(paths)
     vals = np.array([values[i] for i in keep], dtype=np.int64).reshape(m, n_paths)
     cum = np.zeros((m + 1, n_paths), dtype=np.int64)
@@ -165,34 +212,10 @@ def cost_batches(
         best = min(sums)
         dp[j] = best
         arg[j] = sums.index(best) + 1
-    total += dp[m]
-    if not build:
-        return [], total
     runs = []
     j = m
     while j:
         runs.append((j - arg[j], j))
         j -= arg[j]
     runs.reverse()
-    pos_of = {i: pos for pos, i in enumerate(order)}
-    out: list[tuple[int, Batch]] = []
-    for lo, hi in runs:
-        members = keep[lo:hi]
-        toks = (cum[hi] - cum[lo]).tolist()
-        budgets: dict[str, int | None] = {}
-        padded: dict[str, int] = {}
-        eager: dict[str, EagerReason] = {}
-        for path, ladder, t in zip(paths, ladders, toks):
-            b, _ = _choose(costs, path, ladder, t, hi - lo)
-            budgets[path] = b
-            if b is None:
-                eager[path] = _COST
-                padded[path] = 0
-            else:
-                padded[path] = b - t
-        fsum = sum(frames[i] for i in members)
-        out.append((pos_of[members[0]], _fast_batch(tuple(members), budgets, dict(zip(paths, toks)), padded, fsum, eager)))
-    if lone_out:
-        out.extend(lone_out)
-        out.sort(key=lambda pb: pb[0])
-    return [b for _, b in out], total
+    return dp[m], runs
