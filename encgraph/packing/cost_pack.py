@@ -33,7 +33,6 @@ __all__ = ["check_costs", "cost_batches"]
 _COST = EagerReason.COST
 _TOKENS = EagerReason.TOKENS
 _FRAMES = EagerReason.FRAMES
-_INF = float("inf")
 
 
 def check_costs(costs: object, paths: Sequence[str], where: str = "pack") -> CostModel:
@@ -109,15 +108,18 @@ def cost_batches(
     keep: list[int] = []
     lone_out: list[tuple[int, Batch]] = []
     total = 0.0
-    for pos, i in enumerate(order):
-        v = values[i]
-        f = frames[i]
-        if f > f_cap or any(a > c for a, c in zip(v, caps)):
-            batch, c = _lone(i, v, f, paths, ladders, f > f_cap, costs)
-            total += c
-            lone_out.append((pos, batch))
-        else:
-            keep.append(i)
+    if max(frames, default=0) <= f_cap and all(max(col, default=0) <= c for col, c in zip(zip(*values), caps)):
+        keep = order  # the common case: nothing sits alone, checked in bulk
+    else:
+        for pos, i in enumerate(order):
+            v = values[i]
+            f = frames[i]
+            if f > f_cap or any(a > c for a, c in zip(v, caps)):
+                batch, c = _lone(i, v, f, paths, ladders, f > f_cap, costs)
+                total += c
+                lone_out.append((pos, batch))
+            else:
+                keep.append(i)
     m = len(keep)
     if not m:
         return [b for _, b in lone_out] if build else [], total
@@ -201,12 +203,13 @@ def _best_runs(
         e = costs.eager[path]
         eager_cost = e.fixed_ms + e.per_token_ms * t + e.per_item_ms * lens
         cost += np.where(t == 0, 0.0, np.minimum(g, eager_cost))
-    cost[~ok] = _INF
+    # Every limit only tightens as a run grows, so the feasible lengths of each row are a prefix 1..width.
+    widths = ok.sum(axis=1).tolist()
     rows = cost.tolist()
     dp = [0.0] * (m + 1)
     arg = [0] * (m + 1)
     for j in range(1, m + 1):
-        prev = dp[max(0, j - span) : j]
+        prev = dp[j - widths[j - 1] : j]
         prev.reverse()  # prev[k - 1] = dp[j - k]
         sums = list(map(add, prev, rows[j - 1]))
         best = min(sums)
