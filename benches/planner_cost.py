@@ -1,0 +1,119 @@
+"""Cost-aware planner on the CPU: median time of ``pack(..., costs=...)`` against greedy ``pack`` for 8/64/512 items.
+
+Run from the repository root::
+
+    python benches/planner_cost.py       # prints a table, writes benches/results/planner_cost.json
+
+Same items, ladders and limits as ``benches/planner.py`` (one path: 64-2048-token images over
+``budget_ladder(64, 16384)``; two paths: a global view plus 0-40 tiles), same sampling (loops of about 2 ms,
+cases in turn, median wall and thread-CPU time).  The cost model is the tuner's default linear model
+(:data:`encgraph.packing.tuning.DEFAULT_COSTS`); the table also gives each plan's expected cost, greedy vs costed.
+Target: 64 items <= 200 us median (the machine is shared: read the CPU-time median too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benches"))
+
+import encgraph  # noqa: E402
+from encgraph.packing import default_limits, pack  # noqa: E402
+from encgraph.packing.tuning import default_cost_model  # noqa: E402
+from planner import SIZES, one_path, sample, summarize, two_paths  # noqa: E402
+
+TARGET_ITEMS, TARGET_US = 64, 200.0
+
+
+def prepare(items, ladders, costs) -> dict:
+    limits = default_limits(ladders)
+
+    def call():
+        return pack(items, ladders, max_items=limits.max_items, max_frames=limits.max_frames, costs=costs)
+
+    plan = call()
+    inner = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            call()
+        if time.perf_counter() - t0 > 2e-3 or inner >= 1 << 16:
+            break
+        inner *= 2
+    return {"call": call, "inner": inner, "batches": len(plan.batches), "max_items": limits.max_items, "plan": plan}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=101, help="timed samples per case (default 101)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benches" / "results" / "planner_cost.json")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    load_before = round(os.getloadavg()[0], 2)
+    rows, cases = [], []
+    for name, make in (("one path", one_path), ("two paths", two_paths)):
+        for n in SIZES:
+            items, ladders = make(n, random.Random(args.seed + n))
+            model = default_cost_model(ladders if isinstance(ladders, dict) else ["default"])
+            for planner, costs in (("greedy", None), ("costed", model)):
+                rows.append({"case": name, "planner": planner, "paths": 1 if make is one_path else 2, "items": n})
+                case = prepare(items, ladders, costs)
+                case["expected_ms"] = round(model.plan_cost(case.pop("plan")), 3)
+                cases.append(case)
+    walls: list[list[float]] = [[] for _ in cases]
+    cpus: list[list[float]] = [[] for _ in cases]
+    for _ in range(args.samples):
+        for k, case in enumerate(cases):
+            wall, cpu = sample(case)
+            walls[k].append(wall)
+            cpus[k].append(cpu)
+    results = [
+        dict(row, **summarize(case, w, c), expected_ms=case["expected_ms"])
+        for row, case, w, c in zip(rows, cases, walls, cpus)
+    ]
+    target = [r for r in results if r["items"] == TARGET_ITEMS and r["planner"] == "costed"]
+    report = {
+        "benchmark": "encgraph.packing.pack(costs=default_cost_model), median wall time per call, against greedy",
+        "encgraph": encgraph.__version__,
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "load_average_1m_before": load_before,
+            "load_average_1m_after": round(os.getloadavg()[0], 2),
+        },
+        "target": {
+            "items": TARGET_ITEMS,
+            "median_us_at_most": TARGET_US,
+            "met": all(r["median_us"] <= TARGET_US for r in target),
+            "met_cpu": all(r["cpu_median_us"] <= TARGET_US for r in target),
+        },
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    m = report["machine"]
+    print(f"machine: {m['platform']}, {m['cpu_count']} CPUs, load {load_before} -> {m['load_average_1m_after']}; wrote {args.out}")
+    print(f"target: costed, {TARGET_ITEMS} items <= {TARGET_US:.0f} us median: wall {report['target']['met']}, cpu {report['target']['met_cpu']}")
+    header = f"{'case':<10} {'planner':<7} {'items':>5} {'batches':>7} {'median us':>10} {'p10 us':>8} {'cpu us':>8} {'exp. ms':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r['case']:<10} {r['planner']:<7} {r['items']:>5} {r['batches']:>7} {r['median_us']:>10.1f} "
+            f"{r['p10_us']:>8.1f} {r['cpu_median_us']:>8.1f} {r['expected_ms']:>9.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
