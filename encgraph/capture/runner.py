@@ -13,7 +13,9 @@ Phases, in the order a runner lives through them:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 import logging
 import statistics
 import sys
@@ -30,7 +32,18 @@ from encgraph.capture.protocol import AdapterConfig, BudgetUnit, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
 from encgraph.capture.stats import RunStats
 from encgraph.errors import CaptureError, ConfigError, ConfigTypeError, EncgraphError, InputError
-from encgraph.packing import Limits, Plan, budget_ladder, default_limits, normalize_ladders, pack
+from encgraph.packing import (
+    CostModel,
+    ItemSpec,
+    Limits,
+    Plan,
+    TunedLadder,
+    budget_ladder,
+    default_limits,
+    normalize_ladders,
+    pack,
+    tune_ladder,
+)
 
 __all__ = ["EncoderGraphRunner", "CAPTURE_FAILED", "EAGER_MODE"]
 
@@ -58,6 +71,10 @@ class EncoderGraphRunner:
         compile: before capturing a budget, compile its static forward with ``torch.compile`` (static shapes,
             inductor kernels, no cudagraphs of its own; one compile per budget) so the graph replays fused
             kernels. GRAPH mode only; compile seconds are reported with the capture.
+        costs: a :class:`~encgraph.packing.CostModel` (or the path of one saved as JSON): plan each call with
+            the cost-aware packer (batch splits and graph-vs-eager that minimise expected time). Measure one
+            with ``measure_costs(samples)``; default: the greedy planner.
+        record: keep the item specs of the last ``record`` calls (``observed``), for ``tune()``.
 
     Thread safety: calls and ``capture()`` are serialised by a lock (one sub-batch at a time owns the static
     buffers); concurrent callers wait, they never interleave.
@@ -77,6 +94,8 @@ class EncoderGraphRunner:
         warmup: int = 2,
         progress: bool | None = None,
         compile: bool = False,
+        costs: CostModel | str | os.PathLike[str] | None = None,
+        record: int = 0,
     ) -> None:
         if not isinstance(adapter, EncoderAdapter):
             missing = [m for m in _ADAPTER_METHODS if not hasattr(adapter, m)]
@@ -104,6 +123,15 @@ class EncoderGraphRunner:
         self.warmup = check_int("warmup", warmup, minimum=1)
         self.progress = sys.stderr.isatty() if progress is None else _check_bool("progress", progress)
         self.compile = _check_bool("compile", compile)
+        if isinstance(costs, (str, os.PathLike)):
+            costs = CostModel.load(costs)
+        if costs is not None and not isinstance(costs, CostModel):
+            raise ConfigTypeError(f"costs: expected a CostModel or the path of a saved one, got {describe(costs)}.")
+        self.costs: CostModel | None = costs
+        self.observed: collections.deque[tuple[ItemSpec, ...]] = collections.deque(
+            maxlen=check_int("record", record, minimum=0) or None
+        )
+        self._record = record > 0
         if self.compile and mode is not RunMode.GRAPH:
             raise ConfigError(f"compile: only the GRAPH mode compiles its static forwards, the mode is {mode.name}.")
 
@@ -168,7 +196,13 @@ class EncoderGraphRunner:
         specs = self.adapter.item_specs(inputs)
         if not specs:
             raise InputError("inputs: expected at least one item, got an empty batch.")
-        return pack(specs, self.planning_ladders, max_items=self.limits.max_items, max_frames=self.limits.max_frames)
+        return self._pack(specs)
+
+    def _pack(self, specs: Sequence[ItemSpec]) -> Plan:
+        return pack(
+            specs, self.planning_ladders, max_items=self.limits.max_items, max_frames=self.limits.max_frames,
+            costs=self.costs,
+        )
 
     # ------------------------------------------------------------------ buffers and capture
     def _allocate(self) -> None:
@@ -330,9 +364,9 @@ class EncoderGraphRunner:
                 if self.mode is RunMode.GRAPH and not self.lazy:
                     raise CaptureError("runner: call capture() before the first call, or pass lazy=True.")
                 self.capture()
-            plan = pack(
-                specs, self.planning_ladders, max_items=self.limits.max_items, max_frames=self.limits.max_frames
-            )
+            if self._record:
+                self.observed.append(tuple(specs))
+            plan = self._pack(specs)
             batch_results = [self._run_batch(inputs, specs, batch) for batch in plan.batches]
             self._stats.add_call(len(specs))
             if log.isEnabledFor(logging.DEBUG):
@@ -411,6 +445,87 @@ class EncoderGraphRunner:
                     f"forward_{kind}({path!r}) at budget {budget}: output {name!r} must have {rows} rows in dim 0, "
                     f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else describe(t)}."
                 )
+
+    # ------------------------------------------------------------------ costs and tuning
+    def measure_costs(self, samples: Sequence[Any], *, repeats: int = 3) -> CostModel:
+        """Measure a :class:`~encgraph.packing.CostModel` and plan with it from now on.
+
+        Graph costs: each captured budget's replay time (GRAPH mode, timed at capture), or the static forward's
+        time on padding (other modes). Eager costs: the adapter's eager forward timed on each sample input
+        (``samples``: inputs as for a call, of varied sizes; at least two per path), fitted as fixed + per token
+        + per item. Keep it with ``runner.costs.save(path)``; pass it back as ``costs=path``.
+        """
+        with self._lock:
+            self.capture()
+            graph_ms: dict[str, dict[int, float]] = {}
+            for path, ladder in self.ladders.items():
+                graph_ms[path] = {}
+                for budget in (b for b in ladder if b > 0):
+                    record = self.records[path].get(budget)
+                    if record is not None and record.replay_ms is not None:
+                        graph_ms[path][budget] = record.replay_ms
+                    elif self.mode is not RunMode.GRAPH:
+                        views = self.buffers[path].fill(budget, None)
+                        graph_ms[path][budget] = self._time_host(
+                            lambda: self.adapter.forward_static(path, views, budget), repeats
+                        )
+            eager: dict[str, list[tuple[int, int, float]]] = {p: [] for p in self.ladders}
+            for inputs in samples:
+                specs = self.adapter.item_specs(inputs)
+                for path in self.ladders:
+                    tokens = sum(s.tokens[path] for s in specs)
+                    if tokens:
+                        ms = self._time_host(lambda: self.adapter.forward_eager(path, inputs), repeats)
+                        eager[path].append((tokens, sum(1 for s in specs if s.tokens[path]), ms))
+            self.costs = CostModel.from_measurements(graph_ms, eager)
+            return self.costs
+
+    def _time_host(self, fn: Any, repeats: int) -> float:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        with torch.inference_mode():
+            fn()
+            times = []
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return float(statistics.median(times))
+
+    def tune(self, *, max_budgets: int, memory_cap_tokens: int | None = None, granularity: int = 64) -> TunedLadder:
+        """The ladder that minimises expected cost on the calls recorded so far (``record=N``), under the
+        runner's cost model (or the planner's default one). Apply it with ``recapture(**tuned.to_runner_options())``."""
+        if not self.observed:
+            raise ConfigError("tune: no calls recorded; construct the runner with record=N and serve traffic first.")
+        return tune_ladder(
+            list(self.observed), max_budgets=max_budgets, max_items=self.limits.max_items,
+            memory_cap_tokens=memory_cap_tokens, costs=self.costs, granularity=granularity, baseline=self.ladders,
+        )
+
+    def recapture(self, *, budgets: Any, max_items: int | None = None, max_frames: int | None = None) -> dict[str, Any]:
+        """Drop every graph and buffer, take the new ladders and limits, and capture again (GRAPH mode).
+
+        A measured cost model is dropped too (its budgets are gone): measure again for the new ladder.
+        """
+        with self._lock:
+            ladders = self._resolve_ladders(budgets)
+            old = (self.ladders, self.limits)
+            self.ladders = ladders
+            try:
+                self.limits = self._resolve_limits(max_items, max_frames)
+            except EncgraphError:
+                self.ladders, self.limits = old
+                raise
+            self.records = {p: {} for p in self.config.path_names}
+            self.failed = {p: {} for p in self.config.path_names}
+            self.buffers = {}
+            self._pool = None
+            self.costs = None
+            self.captured = False
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return self.capture()
 
     # ------------------------------------------------------------------ reporting
     @property

@@ -192,3 +192,30 @@ def test_generic_graphed_module_any_batch_size():
         torch.testing.assert_close(fast(x), net(x), rtol=1e-6, atol=1e-6)
     assert fast.stats["items"] == 1 + 3 + 8 + 9 + 21
     assert fast.runner.limits.max_items == 8
+
+
+def test_measured_costs_tuning_and_recapture():
+    from encgraph.packing import CostModel
+
+    adapter = one_path(min_budget=16, max_budget=256)
+    runner = EncoderGraphRunner(adapter, record=50)
+    gen = np.random.default_rng(5)
+    samples = [random_inputs(gen, adapter, n, max_len=40, max_frames=1) for n in (1, 2, 4, 8)]
+    costs = runner.measure_costs(samples, repeats=1)
+    assert isinstance(costs, CostModel) and runner.costs is costs
+    assert set(costs.graph_ms["default"]) == {16, 32, 64, 128, 256}
+    for _ in range(10):  # cost-aware plans still give eager-equal outputs
+        inputs = random_inputs(gen, adapter, int(gen.integers(1, 12)), max_len=60, max_frames=2)
+        assert_same(runner(inputs), reference(adapter, inputs))
+    assert len(runner.observed) == 10
+    tuned = runner.tune(max_budgets=3)
+    assert len([b for b in tuned.ladders["default"] if b]) <= 3
+    runner.recapture(**tuned.to_runner_options())
+    assert runner.ladders["default"] == tuned.ladders["default"] and runner.costs is None
+    inputs = random_inputs(gen, adapter, 7, max_len=60, max_frames=2)
+    assert_same(runner(inputs), reference(adapter, inputs))
+
+
+def test_tune_without_records_raises():
+    with pytest.raises(ConfigError, match="record"):
+        EncoderGraphRunner(one_path()).tune(max_budgets=2)
