@@ -1,0 +1,218 @@
+"""``encgraph tune`` on the CPU through ``encgraph.cli.main``: the tuned ladder against the default one, the log
+formats, ``--json``, ``--costs``, and exit 2 with a one-line error for bad arguments and logs."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from encgraph.cli import main
+from encgraph.cli.geometry import TOWERS
+from encgraph.cli.tune import parse_log
+from encgraph.packing import CostModel, budget_ladder
+
+DEFAULT_LADDER = list(budget_ladder(64, 4096))  # what `encgraph plan` and the runner use by default
+SIZES = ["640x480", "1024x768", "448x448", "1280x720", "300x200", "1920x1080"]
+
+
+def traffic_log(seed: int = 0, requests: int = 120) -> str:
+    """A seeded log in the blank-line format: 1-4 items per request, mostly a few common image sizes, some
+    short videos."""
+    rng = np.random.default_rng(seed)
+    blocks = []
+    for _ in range(requests):
+        lines = []
+        for _ in range(int(rng.integers(1, 5))):
+            if rng.random() < 0.15:
+                lines.append(f"{int(rng.integers(2, 5))},{2 * int(rng.integers(4, 12))},{2 * int(rng.integers(4, 12))}")
+            else:
+                lines.append(SIZES[int(rng.choice(len(SIZES), p=[0.35, 0.2, 0.2, 0.1, 0.1, 0.05]))])
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def run_cli(argv, capsys, monkeypatch, stdin=""):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tune_json(argv, capsys, monkeypatch, stdin):
+    code, out, err = run_cli(["tune", "--json", *argv], capsys, monkeypatch, stdin)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def log():
+    return traffic_log()
+
+
+@pytest.mark.parametrize("max_budgets", [2, 4, 6, 7])
+def test_known_traffic_never_worse_than_the_default(capsys, monkeypatch, log, max_budgets):
+    report = tune_json(["--max-budgets", str(max_budgets)], capsys, monkeypatch, log)
+    tuned, default = report["tuned"], report["default"]
+    assert default["budgets"] == DEFAULT_LADDER
+    assert 1 <= len(tuned["budgets"]) <= max_budgets
+    assert tuned["budgets"] == sorted(tuned["budgets"]) and all(b % 64 == 0 for b in tuned["budgets"])
+    if max_budgets >= 4:  # this traffic needs few graphs: with 4 or more the search beats the 7-graph default
+        assert tuned["cost_ms"] <= default["cost_ms"]
+        assert report["notes"] == []
+    assert report["traffic"]["requests"] == 120
+    assert report["runner_options"]["budgets"] == tuned["budgets"]
+    assert report["runner_line"] == (
+        f"EncoderGraphRunner(adapter, budgets={tuple(tuned['budgets'])!r}, max_items=64, max_frames=128)"
+    )
+
+
+def test_text_output(capsys, monkeypatch, log):
+    code, out, err = run_cli(["tune"], capsys, monkeypatch, log)
+    assert code == 0, err
+    assert out.startswith("tower qwen2_5_vl: patch 14 px")
+    assert "traffic: 120 requests" in out
+    assert "limits: at most 64 items and 128 frames per batch; cost model: default linear model (no --costs)" in out
+    assert re.search(r"default\s+64, 128, 256, 512, 1024, 2048, 4096 \(7 graphs, 8128 tokens\)", out)
+    tuned = re.search(r"tuned\s+([\d, ]+) \((\d) graphs?", out)
+    assert tuned and int(tuned.group(2)) <= 6
+    costs = [float(m) for m in re.findall(r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+%", out, flags=re.MULTILINE)]
+    assert len(costs) == 2 and costs[1] <= costs[0]
+    assert re.search(r"expected cost change: [-+]\d+\.\d%", out)
+    runner = f"  EncoderGraphRunner(adapter, budgets=({tuned.group(1)}), max_items=64, max_frames=128)"
+    assert out.rstrip().splitlines()[-1] == runner
+
+
+def test_limits_memory_cap_granularity_and_a_file(capsys, monkeypatch, log, tmp_path):
+    path = tmp_path / "sizes.log"
+    path.write_text(log)
+    report = tune_json(
+        [str(path), "--memory-cap-tokens", "3000", "--granularity", "128", "--max-items", "4", "--tower", "qwen3_vl"],
+        capsys,
+        monkeypatch,
+        "",
+    )
+    budgets = report["tuned"]["budgets"]
+    assert sum(budgets) <= 3000 and all(b % 128 == 0 for b in budgets) and min(budgets) >= 4
+    assert report["limits"] == {"max_items": 4, "max_frames": 8}
+    assert report["tower"] == "qwen3_vl"
+
+
+def test_measured_costs_file(capsys, monkeypatch, log, tmp_path):
+    # A model that differs from the default one (graphs nearly free, eager costly): loaded and used, and the
+    # tuned ladder is still no worse than the default under it.
+    costs = CostModel.linear(["default"], graph_fixed_ms=0.01, graph_per_budget_ms=0.0001, eager_fixed_ms=50.0,
+                             eager_per_token_ms=0.01)
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    report = tune_json(["--costs", str(path)], capsys, monkeypatch, log)
+    assert report["cost_model"] == str(path)
+    assert report["tuned"]["cost_ms"] <= report["default"]["cost_ms"]
+    code, out, _ = run_cli(["tune", "--costs", str(path)], capsys, monkeypatch, log)
+    assert code == 0 and f"cost model: measured ({path})" in out
+
+
+def test_log_formats_group_requests():
+    geometry = TOWERS["qwen2_5_vl"]
+    lines = [
+        "# header comment",
+        "640x480",
+        "# a comment inside a request",
+        "2,16,24",
+        "",
+        "",
+        '{"items": ["300x200", {"grid": [1, 16, 16]}, {"width": 64, "height": 64}]}',
+        "1,4,4",
+        '{"width": 640, "height": 480}',
+        '{"items": []}',
+        "",
+        "# only comments",
+        "",
+    ]
+    requests = parse_log(lines, geometry)
+    assert [[it.grid for it in r] for r in requests] == [
+        [(1, 34, 46), (2, 16, 24)],
+        [(1, 14, 22), (1, 16, 16), (1, 4, 4)],
+        [(1, 4, 4), (1, 34, 46)],
+    ]
+    assert requests[0][1].source == "<stdin>:4"  # line numbers of the file, not of the request
+    assert requests[1][1].source == "<stdin>:7: items[1]"
+
+
+def test_json_lines_log_gives_the_same_ladder_as_blank_lines(capsys, monkeypatch, log):
+    as_json = "\n".join(json.dumps({"items": block.split("\n")}) for block in log.strip().split("\n\n")) + "\n"
+    assert tune_json([], capsys, monkeypatch, as_json) == tune_json([], capsys, monkeypatch, log)
+
+
+@pytest.mark.parametrize(
+    "argv, stdin, words",
+    [
+        (["tune", "--max-budgets", "0"], "64x64\n", ["--max-budgets", "positive int"]),
+        (["tune", "--granularity", "x"], "64x64\n", ["--granularity", "'x'"]),
+        (["tune", "--memory-cap-tokens", "-5"], "64x64\n", ["--memory-cap-tokens"]),
+        (["tune", "--tower", "llava"], "64x64\n", ["--tower", "invalid choice"]),
+        (["tune", "--memory-cap-tokens", "10"], "64x64\n", ["memory_cap_tokens", "10"]),
+        (["tune", "--max-budget", "100", "--min-budget", "200"], "64x64\n", ["max_budget"]),
+        (["tune", "--max-items", "4", "--max-frames", "2"], "64x64\n", ["max_frames"]),
+        (["tune"], "640x480\n\nfoo\n", ["<stdin>:3", "'WxH'", "'foo'"]),
+        (["tune"], '64x64\n{"items": ["64x64", 5]}\n', ["<stdin>:2: items[1]", "got int 5"]),
+        (["tune"], '{"items": ["1,3,4"]}\n', ["<stdin>:1: items[0]", "merge size 2"]),
+        (["tune"], '{"items": "64x64"}\n', ["<stdin>:1", '"items" must be a list']),
+        (["tune", "/nonexistent/sizes.log"], "", ["cannot read the log", "No such file"]),
+        (["tune", "--costs", "/nonexistent/costs.json"], "64x64\n", ["cannot read --costs", "No such file"]),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(capsys, monkeypatch, argv, stdin, words):
+    code, out, err = run_cli(argv, capsys, monkeypatch, stdin)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "error" in lines[0], err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_bad_costs_file_exits_2(capsys, monkeypatch, tmp_path):
+    bad = tmp_path / "costs.json"
+    bad.write_text("{not json")
+    code, _, err = run_cli(["tune", "--costs", str(bad)], capsys, monkeypatch, "64x64\n")
+    assert code == 2 and err.count("\n") == 1 and "is not JSON" in err
+    other = tmp_path / "other.json"
+    CostModel.linear(["global"], graph_fixed_ms=1, graph_per_budget_ms=0.1, eager_fixed_ms=1,
+                     eager_per_token_ms=0.1).save(other)
+    code, _, err = run_cli(["tune", "--costs", str(other)], capsys, monkeypatch, "64x64\n")
+    assert code == 2 and err.count("\n") == 1 and "missing path 'default'" in err
+
+
+@pytest.mark.parametrize("stdin", ["", "\n\n", "# only comments\n\n# here\n", '{"items": []}\n'])
+def test_empty_log_exits_2_with_a_clear_message(capsys, monkeypatch, stdin):
+    code, out, err = run_cli(["tune"], capsys, monkeypatch, stdin)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("encgraph tune: error: no requests in <stdin>; give one item size per line")
+
+
+def test_help_lists_tune_and_its_formats(capsys):
+    assert main(["--help"]) == 0
+    assert "tune" in capsys.readouterr().out
+    assert main(["tune", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert '{"items": [' in out and "blank lines" in out and "runner.costs.save" in out
+
+
+def test_tune_does_not_import_torch():
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys, io; sys.stdin = io.StringIO('640x480\\n\\n2,16,24\\n'); from encgraph.cli import main; "
+        "rc = main(['tune', '--json']); assert 'torch' not in sys.modules, 'tune imported torch'; sys.exit(rc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tuned"]["budgets"]
