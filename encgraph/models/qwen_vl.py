@@ -13,7 +13,10 @@ whose name contains "flash" they run one packed attention per layer. So the stat
 ``forward``, given static buffers, ``grid_thw=None`` (a version that read it would fail loudly, not silently) and
 per-layer ``max_seqlen`` fixed by the budget: nothing in it syncs the host.
 
-Every piece of metadata is computed on the host with numpy for the whole batch at once (no per-item Python loop).
+All metadata is computed on the host with numpy, never by per-image computation loops: per frame shape ``(h, w)``
+the tables (rotary positions, window permutation, interpolation taps) come from a bounded LRU cache, the shapes a
+call misses computed together in one vectorized pass; a batch is then a concatenation of its frames' tables with
+offsets (about 0.02 ms for 8 images on a CPU when the shapes repeat; see benches/host_overhead.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,17 @@ from encgraph.models.attention import MIN_TRANSFORMERS, use_packed_attention
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.packing import ItemSpec
 
-__all__ = ["QwenVisionInputs", "QwenVisionAdapter", "UnitGrid", "unit_grid", "frame_bounds", "patch_coords", "rotary_positions", "check_window"]
+__all__ = [
+    "QwenVisionInputs",
+    "QwenVisionAdapter",
+    "FrameTableCache",
+    "UnitGrid",
+    "unit_grid",
+    "frame_bounds",
+    "patch_coords",
+    "rotary_positions",
+    "check_window",
+]
 
 PATH = "default"
 
@@ -119,7 +132,10 @@ def frame_bounds(units: UnitGrid) -> np.ndarray:
 
 
 def patch_coords(units: UnitGrid) -> tuple[np.ndarray, np.ndarray]:
-    # Patch rows come in merge-block order: unit (y, x), then (i, j) within the merge x merge block.
+    """``(row, col)`` of every patch row (``(units * merge^2,)`` int64 each) in its frame's patch grid.
+
+    Patch rows come in merge-block order: token ``(y, x)``, then ``(i, j)`` within its ``merge x merge`` block.
+    """
     m = units.merge
     inner = np.arange(m * m)
     row = (units.y[:, None] * m + inner[None, :] // m).reshape(-1)
