@@ -45,15 +45,12 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 
 from encgraph.cli.geometry import smart_resize
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benches" / "results"
@@ -274,7 +271,6 @@ def matmul_rate(env: Env, n: int | None = None) -> dict[str, Any]:
     out = torch.empty(n, n, device=env.device, dtype=env.dtype)
     timing = time_call(lambda: torch.matmul(a, b, out=out), env)
     tflops = 2 * n**3 / (timing.median * 1e-3) / 1e12
-    del a, b, out
     return {"n": n, "dtype": str(env.dtype).replace("torch.", ""), "tflops": round(tflops, 3), **timing.summary()}
 
 
@@ -531,7 +527,7 @@ class BenchInputs:
 def load_builtin_adapters() -> list[str]:
     """Import every ``encgraph.models._builtin_*`` module (each registers its adapters), so that ``wrap`` knows
     them even before the registry imports them itself; returns the module names."""
-    import encgraph.models as models
+    from encgraph import models
 
     names = sorted(m.name for m in pkgutil.iter_modules(models.__path__) if m.name.startswith("_builtin_"))
     for name in names:
@@ -835,7 +831,7 @@ def environment(env: Env) -> dict[str, Any]:
     commit = None
     with contextlib.suppress(Exception):
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=5).stdout.strip() or None
+                                timeout=5, check=False).stdout.strip() or None
     return {
         "gpu": gpu_name(env),
         "device": str(env.device),
@@ -846,7 +842,7 @@ def environment(env: Env) -> dict[str, Any]:
         "transformers": tf_version,
         "python": platform.python_version(),
         "commit": commit,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "argv": sys.argv[1:],
     }
 

@@ -313,7 +313,7 @@ def render(data: dict[str, Any], systems: tuple[System, ...]) -> str:
 
 def _notes(data: dict[str, Any]) -> str:
     lines = []
-    for name, tower in data.get("towers", {}).items():
+    for tower in data.get("towers", {}).values():
         cap = tower.get("capture")
         if cap and cap.get("graphs"):
             lines.append(f"- {tower['label']}: {cap['graphs']} graphs captured in {cap['seconds']} s, pool "

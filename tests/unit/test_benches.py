@@ -4,6 +4,7 @@ mode), so that a script is known to run before it reaches the GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -161,13 +162,14 @@ def test_parse_lists_reject_unknown_names():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_runs_as_a_script(script):
     done = subprocess.run([sys.executable, str(REPO / "benches" / f"{script}.py"), "--help"], capture_output=True,
-                          text=True, timeout=60, cwd="/")
+                          text=True, timeout=60, cwd="/", check=False)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
 
 
 def test_run_all_is_valid_bash():
-    done = subprocess.run(["bash", "-n", str(REPO / "benches" / "run_all.sh")], capture_output=True, text=True)
+    done = subprocess.run(["bash", "-n", str(REPO / "benches" / "run_all.sh")], capture_output=True, text=True,
+                          check=False)
     assert done.returncode == 0, done.stderr
 
 
@@ -247,9 +249,7 @@ def test_plot_reads_the_smoke_results(smoke_dir):
     lines = plot.cdfs(traffic_json)
     assert all(y[-1] == 1.0 and np.all(np.diff(x) >= 0) for x, y in lines.values())
     written = plot.main(["--cpu-smoke", "--results-dir", str(smoke_dir)])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         assert written == []
     else:
         assert written and all(p.exists() and p.stat().st_size > 0 for p in written)
