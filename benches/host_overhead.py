@@ -88,7 +88,6 @@ def measure(family: str, tower, side: int, n: int, samples: int, distinct: bool)
     import numpy as np
     import torch
 
-    import encgraph.models._builtin_qwen  # noqa: F401  (registers the Qwen adapters)
     from encgraph.capture.buffers import PathBuffers
     from encgraph.capture.runner import EncoderGraphRunner
     from encgraph.models import wrap
@@ -206,8 +205,8 @@ def main() -> None:
     print(header + "   (ms)")
     print("-" * len(header))
     for r in results:
-        print(f"{r['family']:<11} {r['shapes']:<8} {r['images']:>6} {r['tokens']:>6} {r['batches']:>7} {r['plan_ms']:>7.3f} "
-              f"{r['metadata_ms']:>8.3f} {r['copy_meta_ms']:>9.3f} {r['host_ms']:>7.3f} {r['host_p90_ms']:>8.3f} "
+        print(f"{r['family']:<11} {r['shapes']:<8} {r['images']:>6} {r['tokens']:>6} {r['batches']:>7} "
+              f"{r['plan_ms']:>7.3f} {r['metadata_ms']:>8.3f} {r['copy_meta_ms']:>9.3f} {r['host_ms']:>7.3f} {r['host_p90_ms']:>8.3f} "
               f"{r['select_ms']:>7.3f} {r['copy_pixels_ms']:>7.3f} {r['hf_helpers_ms']:>10.3f}")
 
 

@@ -17,11 +17,11 @@ import torch
 from encgraph.errors import VersionError
 
 __all__ = [
-    "transformers_version",
-    "require_transformers",
     "AttentionSwitch",
+    "require_transformers",
     "switch_attention",
     "tower_dtype_device",
+    "transformers_version",
 ]
 
 

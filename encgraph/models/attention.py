@@ -40,9 +40,9 @@ __all__ = [
     "ATTENTION_NAME",
     "MIN_TRANSFORMERS",
     "AttentionBackend",
-    "pick_backend",
-    "packed_attention",
     "hf_attention_forward",
+    "packed_attention",
+    "pick_backend",
     "register_attention",
     "use_packed_attention",
 ]

@@ -93,7 +93,9 @@ class Qwen3VLAdapter(QwenVisionAdapter):
         tower_module = importlib.import_module(type(module).__module__)
         self._output_class = getattr(tower_module, "BaseModelOutputWithDeepstackFeatures", None)
         if self._output_class is None:
-            from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+            from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+                BaseModelOutputWithDeepstackFeatures,
+            )
 
             self._output_class = BaseModelOutputWithDeepstackFeatures
 
@@ -125,7 +127,9 @@ class Qwen3VLAdapter(QwenVisionAdapter):
         """``BaseModelOutputWithDeepstackFeatures``: ``pooler_output`` and ``deepstack_features`` (a list,
         one ``(tokens, out_hidden)`` tensor per deepstack layer), as the tower returns them."""
         deepstack = [cat[name] for name in self._extra_outputs()]
-        return self._output_class(last_hidden_state=last, pooler_output=cat["pooler_output"], deepstack_features=deepstack)
+        return self._output_class(
+            last_hidden_state=last, pooler_output=cat["pooler_output"], deepstack_features=deepstack
+        )
 
 
 def adapter(module: torch.nn.Module, **options: Any) -> Qwen3VLAdapter:

@@ -38,15 +38,15 @@ from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSp
 from encgraph.packing import ItemSpec
 
 __all__ = [
-    "QwenVisionInputs",
-    "QwenVisionAdapter",
     "FrameTableCache",
+    "QwenVisionAdapter",
+    "QwenVisionInputs",
     "UnitGrid",
-    "unit_grid",
+    "check_window",
     "frame_bounds",
     "patch_coords",
     "rotary_positions",
-    "check_window",
+    "unit_grid",
 ]
 
 PATH = "default"
@@ -277,7 +277,9 @@ class QwenVisionAdapter:
         Reads ``grid_thw`` on the host (a device tensor is copied once, as the tower itself does).
         """
         if not isinstance(pixel_values, torch.Tensor):
-            raise InputTypeError(f"pixel_values: expected a torch.Tensor (rows, {self.channels}), got {describe(pixel_values)}.")
+            raise InputTypeError(
+                f"pixel_values: expected a torch.Tensor (rows, {self.channels}), got {describe(pixel_values)}."
+            )
         if not pixel_values.is_floating_point():
             raise InputTypeError(
                 f"pixel_values: expected a floating-point tensor (the processor's normalised patches), got "
@@ -333,7 +335,9 @@ class QwenVisionAdapter:
         """
         names = ("hidden_states", "grid_thw")
         if len(args) > 2:
-            raise InputTypeError(f"{self.tower_class}.forward: expected (hidden_states, grid_thw), got {len(args)} positional arguments.")
+            raise InputTypeError(
+                f"{self.tower_class}.forward: expected (hidden_states, grid_thw), got {len(args)} positional arguments."
+            )
         values = dict(zip(names, args))
         for name in names:
             if name in kwargs:

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import encgraph
-import encgraph.models._builtin_qwen  # noqa: F401  (registers the Qwen adapters)
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import wrap

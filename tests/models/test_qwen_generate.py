@@ -9,7 +9,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import encgraph  # noqa: E402
-import encgraph.models._builtin_qwen  # noqa: E402,F401
 
 IMAGE, VIDEO, START, END = 120, 121, 122, 123
 

@@ -29,7 +29,8 @@ def test_cu_seqlens_and_positions(make_grid, merge):
     for case, grid in grids(make_grid, merge):
         g = torch.from_numpy(grid)
         units = unit_grid(grid, merge)
-        np.testing.assert_array_equal(frame_bounds(units), vision_utils.get_vision_cu_seqlens(g).numpy(), f"case {case}")
+        cu = vision_utils.get_vision_cu_seqlens(g).numpy()
+        np.testing.assert_array_equal(frame_bounds(units), cu, f"case {case}")
         np.testing.assert_array_equal(
             rotary_positions(units), vision_utils.get_vision_position_ids(g, merge).numpy(), f"case {case}"
         )
@@ -75,7 +76,6 @@ def test_window_slot_bound(make_grid):
 def test_adapter_metadata_with_cache_equals_transformers(qwen_towers, make_grid):
     # What replay_values uses: per-frame-shape tables from the cache, concatenated with offsets. Repeated shapes
     # (cache hits), new shapes (misses) and videos in one batch must all give transformers' values.
-    import encgraph.models._builtin_qwen  # noqa: F401
     from encgraph.models import wrap
 
     torch.manual_seed(0)
