@@ -114,6 +114,12 @@ def parse_names(choices: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def _tag(text: str) -> str:
+    if not text or not all(c.isalnum() or c == "-" for c in text):
+        raise argparse.ArgumentTypeError(f"expected letters, digits and '-', got {text!r}")
+    return text
+
+
 def base_parser(script: str, description: str, *, time_budget: float) -> argparse.ArgumentParser:
     """The options every script shares; each adds its own."""
     parser = argparse.ArgumentParser(
@@ -132,6 +138,11 @@ def base_parser(script: str, description: str, *, time_budget: float) -> argpars
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, pixels and traces (default 0)")
     parser.add_argument(
         "--results-dir", type=Path, default=RESULTS_DIR, help=f"where JSON and tables go (default {RESULTS_DIR})"
+    )
+    parser.add_argument(
+        "--tag", type=_tag, default=None,
+        help="appended to the result file names (<script>_<gpu>_<tag>.json), so that a partial or special run "
+             "does not overwrite the main one",
     )
     parser.add_argument(
         "--mirror-dir", type=Path, default=None,
@@ -872,7 +883,7 @@ class Results:
 
     def __init__(self, script: str, args: argparse.Namespace, env: Env) -> None:
         self.script = script
-        self.slug = gpu_slug(env)
+        self.slug = gpu_slug(env) + (f"_{args.tag}" if getattr(args, "tag", None) else "")
         mirror = args.mirror_dir
         if mirror is None and os.environ.get("OUT") and not env.tiny:
             mirror = Path(os.environ["OUT"]) / "results"

@@ -40,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def find_slug(results_dir: Path) -> str | None:
-    """The slug of the newest ``towers_*.json`` or ``traffic_*.json`` that is not the CPU smoke's."""
+    """The slug of the newest ``towers_*.json`` or ``traffic_*.json`` that is neither the CPU smoke's nor a tagged
+    run's (``<script>_<gpu>_<tag>``: pass ``--slug <gpu>_<tag>`` for those)."""
     found = [p for pattern in ("towers_*.json", "traffic_*.json") for p in results_dir.glob(pattern)
-             if not p.stem.endswith(common.SMOKE_SLUG)]
+             if not p.stem.endswith(common.SMOKE_SLUG) and "_" not in p.stem.split("_", 1)[1]]
     if not found:
         return None
     newest = max(found, key=lambda p: p.stat().st_mtime)

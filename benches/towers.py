@@ -54,7 +54,7 @@ TOWER_MIN_SECONDS = 15.0
 
 
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=180.0)
+    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=150.0)
     p.add_argument("--towers", type=common.parse_names(TOWERS), default=None,
                    help=f"comma list out of {','.join(TOWERS)} (default all, in that order; with --cpu-smoke "
                         f"{','.join(common.SMOKE_TOWERS)})")

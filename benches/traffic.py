@@ -180,7 +180,7 @@ def trace_summary(trace: Sequence[tuple[Visual, ...]], geom: common.Geometry, ca
 
 # ---------------------------------------------------------------------------------------------------- replay
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=140.0)
+    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=185.0)
     p.add_argument("--tower", choices=tuple(TOWERS), default="qwen2_5_vl_7b", help="the tower (default qwen2_5_vl_7b)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests in the trace (default 1000; 12 with --cpu-smoke)")

@@ -203,9 +203,11 @@ def test_towers_smoke(smoke_dir):
 
 
 def test_towers_time_budget_skips_and_still_writes(tmp_path):
-    data = towers.main(FAST + ["--results-dir", str(tmp_path), "--time-budget", "0"])
+    data = towers.main(FAST + ["--results-dir", str(tmp_path), "--time-budget", "0", "--tag", "cut-1"])
     assert all(t["skipped"] == common.SKIPPED_TIME for t in data["towers"].values())
-    assert _load(tmp_path, "towers")["towers"].keys() == data["towers"].keys()
+    written = json.loads((tmp_path / f"towers_{common.SMOKE_SLUG}_cut-1.json").read_text())
+    assert written["towers"].keys() == data["towers"].keys()
+    assert plot.find_slug(tmp_path) is None  # tagged and smoke runs are never picked by default
 
 
 def test_traffic_smoke(smoke_dir):
