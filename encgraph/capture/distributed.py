@@ -209,7 +209,9 @@ class DataParallelEncoder:
             )
         self.runner = runner
         self.adapter = adapter
-        self.group = group if group is not None else dist.group.WORLD
+        # None stays None (the default group, looked up at each collective): holding the world group object
+        # would keep it alive past destroy_process_group().
+        self.group = group
         self.rank = dist.get_rank(self.group)
         if self.rank < 0:
             raise ConfigError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group.")
@@ -217,7 +219,9 @@ class DataParallelEncoder:
         self.backend = str(dist.get_backend(self.group)).lower()
         self.device, self.comm_device = self._devices(device)
         if local_stats is None and hasattr(type(runner), "stats"):
-            local_stats = lambda: runner.stats  # noqa: E731
+            def local_stats() -> Mapping[str, Any]:
+                return runner.stats  # type: ignore[attr-defined]
+
         self._local_stats = local_stats
         self._structures: list[ResultStructure] = []  # id - 1 -> structure; identical on every rank
         self._ids: dict[ResultStructure, int] = {}
@@ -290,7 +294,7 @@ class DataParallelEncoder:
                 structure, leaves = flatten_result(r, f"result of item {i}")
                 local.append(_Local(structure, leaves, self._ids.get(structure)))
             return local, None
-        except Exception as exc:  # reported to every rank, so that none waits in a collective that never comes
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, so that none waits in a collective that never comes
             return [], exc
 
     def _exchange_meta(
