@@ -36,7 +36,6 @@ import importlib
 import json
 import math
 import os
-import pkgutil
 import platform
 import statistics
 import subprocess
@@ -535,17 +534,6 @@ class BenchInputs:
 
 
 # ---------------------------------------------------------------------------------------------------- systems
-def load_builtin_adapters() -> list[str]:
-    """Import every ``encgraph.models._builtin_*`` module (each registers its adapters), so that ``wrap`` knows
-    them even before the registry imports them itself; returns the module names."""
-    from encgraph import models
-
-    names = sorted(m.name for m in pkgutil.iter_modules(models.__path__) if m.name.startswith("_builtin_"))
-    for name in names:
-        importlib.import_module(f"encgraph.models.{name}")
-    return names
-
-
 def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
 
@@ -646,7 +634,6 @@ class TowerBench:
 
     def _wrap(self) -> None:
         try:
-            load_builtin_adapters()
             from encgraph.models import wrap
 
             self.adapter = wrap(self.enc)
