@@ -433,9 +433,11 @@ class DataParallelEncoder:
         return out
 
     def global_stats(self) -> dict[str, Any]:
-        """A collective (every rank must call it): the local runners' counters summed over the ranks, so each
-        item counts once (``items``, ``graph_items``, ``eager_items``, ``eager_reasons``, per path ``replays``,
-        tokens...), with ``calls`` the data-parallel calls and ``per_rank`` every rank's :attr:`stats`."""
+        """A collective (every rank must call it): the local runners' counters summed over the ranks (``items``,
+        ``graph_items``, ``eager_items``, ``eager_reasons``, per path ``replays`` and tokens). Each item ran on
+        one rank, so each counts once; calls made to a runner directly (not through this encoder) count too.
+        ``calls`` and ``dp_items`` are this encoder's calls and their items; ``per_rank`` every rank's
+        :attr:`stats`. Without local stats, ``items`` is ``dp_items``."""
         with self._lock:
             everyone: list[Any] = [None] * self.world_size
             dist.all_gather_object(everyone, self.stats, group=self.group)
@@ -444,14 +446,21 @@ class DataParallelEncoder:
         out = _sum_counters(locals_) if locals_ else {}
         for p in out.get("paths", {}).values():
             total = p.get("real_tokens", 0) + p.get("padded_tokens", 0)
-            if "padded_share" in p:
+            if "padded_share" in p:  # a share does not sum: recompute it from the summed tokens
                 p["padded_share"] = p["padded_tokens"] / total if total else 0.0
         out.pop("capture", None)
         out["calls"] = self._counts["calls"]
-        out["items"] = self._counts["items"]
+        out["dp_items"] = self._counts["items"]
+        out.setdefault("items", self._counts["items"])
         out["world_size"] = self.world_size
         out["per_rank"] = everyone
         return out
+
+    def reset_stats(self) -> None:
+        """Zero this encoder's counters (not the runner's: call ``runner.reset_stats()`` for those)."""
+        with self._lock:
+            self._counts = dict.fromkeys(self._counts, 0)
+            self._items_per_rank = [0] * self.world_size
 
     def __repr__(self) -> str:
         return (

@@ -211,11 +211,14 @@ def make_scenarios(rank: int, world: int) -> list[Callable[[Report], None]]:
                      f"collectives {s['tensor_collectives']} tensor, {s['object_collectives']} object "
                      "(2 per call, plus one object and one meta gather for the first structure)")
         g = dp.global_stats()
-        report.check(g["items"] == total_items and g["calls"] == 5, f"global items/calls {g['items']}/{g['calls']}")
+        report.check(g["items"] == g["dp_items"] == total_items and g["calls"] == 5,
+                     f"global items/calls {g['items']}/{g['calls']}")
         report.check(g["graph_items"] + g["eager_items"] == total_items, f"global graph+eager items {g}")
         report.check(sum(p["local_items"] for p in g["per_rank"]) == total_items, "local items sum to the items")
         report.check(g["paths"]["default"]["real_tokens"] == total_tokens, "real tokens counted once")
         report.info["items_per_rank"] = s["items_per_rank"]
+        dp.reset_stats()
+        report.check(dp.stats["items"] == 0 and dp.stats["items_per_rank"] == [0] * world, "reset_stats")
 
     def two_path_calls(report: Report) -> None:
         adapter = two_path()
@@ -290,7 +293,7 @@ def test_world_of_one_in_process(tmp_path):
         with pytest.raises(InputError, match="empty batch"):
             dp(adapter.select(inputs, []))
         g = dp.global_stats()
-        assert g["items"] == 6 and g["calls"] == 1 and runner.stats["items"] == 12
+        assert g["dp_items"] == 6 and g["calls"] == 1 and g["items"] == runner.stats["items"] == 12  # + the direct call
         assert DataParallelEncoder(runner, device="cpu").device == torch.device("cpu")
         with pytest.raises(ConfigTypeError, match="device"):
             DataParallelEncoder(runner, device=3.5)
