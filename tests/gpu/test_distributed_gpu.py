@@ -26,11 +26,10 @@ from encgraph.packing import balance
 from tests.toy_models import ToyAdapter, ToyTower, reference
 from tests.unit.test_distributed import (
     Report,
+    check_structured_calls,
     make_inputs,
     run_scenarios,
-    same_structured,
     spawn_ranks,
-    structured,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -103,13 +102,7 @@ def gpu_scenarios(rank: int, world: int, device: torch.device) -> list:
             report.info.setdefault("stats", []).append({k: g[k] for k in ("items", "graph_items", "eager_items")})
 
     def structures(report: Report) -> None:
-        adapter = make(("default",), (), device)
-        dp = DataParallelEncoder(structured, adapter=adapter)
-        for n, seed in [(6, 21), (1, 22), (world + 3, 23)]:
-            inputs = make_inputs(adapter, n, seed)
-            out, ref = dp(inputs), structured(inputs)
-            for i in range(n):
-                report.check(same_structured(out[i], ref[i]), f"structured item {i} of {n} not rebuilt exactly")
+        check_structured_calls(report, make(("default",), (), device), [(6, 21), (1, 22), (world + 3, 23)])
 
     def failure(report: Report) -> None:
         adapter = make(("default",), (), device)

@@ -188,6 +188,17 @@ def same_structured(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(same_structured(x, y) for x, y in zip(a, b))
 
 
+def check_structured_calls(report: Report, adapter: ToyAdapter, calls: list[tuple[int, int]]) -> DataParallelEncoder:
+    """Data-parallel calls of :func:`structured` (``(items, seed)`` each): every item rebuilt exactly."""
+    dp = DataParallelEncoder(structured, adapter=adapter)
+    for n, seed in calls:
+        inputs = make_inputs(adapter, n, seed)
+        out, ref = dp(inputs), structured(inputs)
+        for i in range(n):
+            report.check(same_structured(out[i], ref[i]), f"structured item {i} of {n} not rebuilt exactly")
+    return dp
+
+
 # ---------------------------------------------------------------------------------------------- scenarios (every rank)
 def make_scenarios(rank: int, world: int) -> list[Callable[[Report], None]]:
     def toy_calls(report: Report) -> None:
@@ -228,13 +239,7 @@ def make_scenarios(rank: int, world: int) -> list[Callable[[Report], None]]:
             check_against_single_process(report, adapter, inputs, dp(inputs), world, f"two paths, {n} items")
 
     def structures(report: Report) -> None:
-        adapter = one_path()
-        dp = DataParallelEncoder(structured, adapter=adapter)
-        for n, seed in [(5, 21), (1, 22), (world + 2, 23)]:
-            inputs = make_inputs(adapter, n, seed)
-            out, ref = dp(inputs), structured(inputs)
-            for i in range(n):
-                report.check(same_structured(out[i], ref[i]), f"structured item {i} of {n} not rebuilt exactly")
+        dp = check_structured_calls(report, one_path(), [(5, 21), (1, 22), (world + 2, 23)])
         report.check(dp.stats["structures"] == 2, f"{dp.stats['structures']} structures registered, expected 2")
 
     def failures(report: Report) -> None:
