@@ -401,7 +401,9 @@ class DataParallelEncoder:
         pieces = []
         for x in local:
             for t in x.leaves:
-                raw = t.detach().to(self.comm_device).contiguous().reshape(-1).view(torch.uint8)
+                # resolve_*: a lazily conjugated or negated view has no plain bytes to reinterpret.
+                raw = t.detach().resolve_conj().resolve_neg().to(self.comm_device).contiguous().reshape(-1)
+                raw = raw.view(torch.uint8)
                 pieces.append(raw)
                 if raw.numel() % _ALIGN:
                     pieces.append(pad[: _ALIGN - raw.numel() % _ALIGN])
