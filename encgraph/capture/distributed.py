@@ -180,6 +180,8 @@ class DataParallelEncoder:
 
     >>> # on every rank, after torch.distributed.init_process_group(...):
     >>> # dp = DataParallelEncoder(EncoderGraphRunner(adapter)); results = dp(inputs)
+    Results come back on the communication device (the rank's CUDA device with NCCL, the CPU with gloo), also
+    for a leaf the local runner produced on another device.
     """
 
     def __init__(

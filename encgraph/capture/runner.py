@@ -75,6 +75,10 @@ class EncoderGraphRunner:
             the cost-aware packer (batch splits and graph-vs-eager that minimise expected time). Measure one
             with ``measure_costs(samples)``; default: the greedy planner.
         record: keep the item specs of the last ``record`` calls (``observed``), for ``tune()``.
+        process_group: a ``torch.distributed`` group (``torch.distributed.group.WORLD`` for all ranks): spread
+            each call's items over its ranks (balanced by size), every rank returns every item in the caller's
+            order (:class:`~encgraph.capture.distributed.DataParallelEncoder`). Every rank must get the same
+            inputs and call ``capture()`` before its first call; ``global_stats()`` counts each item once.
 
     Thread safety: calls and ``capture()`` are serialised by a lock (one sub-batch at a time owns the static
     buffers); concurrent callers wait, they never interleave.
@@ -96,6 +100,7 @@ class EncoderGraphRunner:
         compile: bool = False,
         costs: CostModel | str | os.PathLike[str] | None = None,
         record: int = 0,
+        process_group: Any = None,
     ) -> None:
         if not isinstance(adapter, EncoderAdapter):
             missing = [m for m in _ADAPTER_METHODS if not hasattr(adapter, m)]
@@ -145,6 +150,14 @@ class EncoderGraphRunner:
         self._stats = RunStats(config.path_names)
         self._lock = threading.RLock()
         self._pool: Any = None
+        self._dp: Any = None
+        if process_group is not None:
+            from encgraph.capture.distributed import DataParallelEncoder
+
+            self._dp = DataParallelEncoder(
+                self._call_local, process_group, adapter=adapter, device=self.device,
+                local_stats=lambda: self._stats.as_dict(),
+            )
 
     # ------------------------------------------------------------------ configuration
     def _resolve_ladders(self, budgets: Any) -> dict[str, tuple[int, ...]]:
@@ -354,8 +367,20 @@ class EncoderGraphRunner:
     def __call__(self, inputs: Any) -> list[Any]:
         """Encode ``inputs``; return one result per item, in the caller's order (see the adapter for types).
 
-        Results are fresh tensors unless ``copy_outputs=False`` (then views valid until the next call).
+        Results are fresh tensors unless ``copy_outputs=False`` (then views valid until the next call). With a
+        ``process_group``, this rank encodes its share and every rank returns every item.
         """
+        if self._dp is not None:
+            return self._dp(inputs)
+        return self._call_local(inputs)
+
+    def global_stats(self) -> dict[str, Any]:
+        """With a ``process_group``: the counters summed over ranks (a collective: call it on every rank)."""
+        if self._dp is None:
+            return self.stats
+        return self._dp.global_stats()
+
+    def _call_local(self, inputs: Any) -> list[Any]:
         with self._lock:
             specs = self.adapter.item_specs(inputs)
             if not specs:
@@ -538,6 +563,8 @@ class EncoderGraphRunner:
         ``padded_tokens``), ``capture`` (the capture summary). ``graph_items + eager_items == items``.
         """
         out = self._stats.as_dict()
+        if self._dp is not None:
+            out["data_parallel"] = self._dp.stats
         out["mode"] = self.mode.value
         out["capture"] = dict(self.capture_info)
         return out

@@ -66,6 +66,7 @@ def gpu_scenarios(rank: int, world: int, device: torch.device) -> list:
             runner = EncoderGraphRunner(adapter)
             report.check(runner.mode is RunMode.GRAPH, f"runner mode {runner.mode}")
             runner.capture()
+            plain = EncoderGraphRunner(adapter)  # the single-GPU reference, with counters of its own
             ran: list[torch.Tensor] = []
 
             def local_call(sub: Any, runner: EncoderGraphRunner = runner, ran: list = ran) -> list:
@@ -82,7 +83,7 @@ def gpu_scenarios(rank: int, world: int, device: torch.device) -> list:
                 ran.clear()
                 out = dp(inputs)
                 total += n
-                single, eager = runner(inputs), reference(adapter, inputs)  # the single-GPU run, here
+                single, eager = plain(inputs), reference(adapter, inputs)  # the single-GPU run, here
                 tag = f"{'+'.join(paths)}, {n} items"
                 report.check(len(out) == n and all(o.device == device for o in out), f"{tag}: count or device")
                 for i in range(n):

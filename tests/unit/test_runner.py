@@ -138,7 +138,7 @@ def test_concurrent_calls_are_serialised():
         ({"budgets": {"nope": [16]}}, ConfigError, "nope"),
         ({"mode": "graph"}, ConfigTypeError, "RunMode"),
         ({"mode": RunMode.GRAPH}, ConfigError, "CUDA"),
-        ({"device": "cuda"}, ConfigError, "CUDA"),
+        ({"device": "cuda"}, ConfigError, "(?i)cuda"),  # no CUDA here, or a tower on the CPU
         ({"device": 3.5}, ConfigTypeError, "device"),
         ({"lazy": 1}, ConfigTypeError, "lazy"),
         ({"warmup": 0}, ConfigError, "warmup"),
@@ -219,3 +219,18 @@ def test_measured_costs_tuning_and_recapture():
 def test_tune_without_records_raises():
     with pytest.raises(ConfigError, match="record"):
         EncoderGraphRunner(one_path()).tune(max_budgets=2)
+
+
+def test_process_group_option_world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        adapter = two_path(min_budget=16, max_budget=128)
+        runner = EncoderGraphRunner(adapter, process_group=dist.group.WORLD)
+        inputs = random_inputs(np.random.default_rng(6), adapter, 9)
+        assert_same(runner(inputs), reference(adapter, inputs))
+        assert runner.global_stats()["items"] == 9
+        assert runner.stats["data_parallel"]["items"] == 9
+    finally:
+        dist.destroy_process_group()
