@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError
+from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import balance
 from tests.strategies import sizes
+from tests.unit._helpers import check_bad_argument
 
 
 def loads(sizes_: list[int], shards) -> list[int]:
@@ -71,7 +72,4 @@ BAD = [
 
 @pytest.mark.parametrize("call, exc, match", BAD)
 def test_bad_arguments(call, exc, match) -> None:
-    with pytest.raises(exc, match=match) as info:
-        call()
-    assert isinstance(info.value, EncgraphError)
-    assert isinstance(info.value, ValueError if exc is ConfigError else TypeError)
+    check_bad_argument(call, exc, match)

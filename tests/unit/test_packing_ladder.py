@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError
+from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import budget_ladder, normalize_ladder, normalize_ladders
+from tests.unit._helpers import check_bad_argument
 
 
 @pytest.mark.parametrize(
@@ -96,7 +97,4 @@ BAD = [
 
 @pytest.mark.parametrize("call, exc, match", BAD)
 def test_bad_arguments(call, exc, match) -> None:
-    with pytest.raises(exc, match=match) as info:
-        call()
-    assert isinstance(info.value, EncgraphError)
-    assert isinstance(info.value, ValueError if exc is ConfigError else TypeError)
+    check_bad_argument(call, exc, match)

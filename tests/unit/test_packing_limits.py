@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError
+from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import Limits, budget_ladder, default_limits
 from tests.strategies import path_ladders
+from tests.unit._helpers import check_bad_argument
 
 TWO = {"global": budget_ladder(272, 13824), "local": budget_ladder(100, 4000, allow_zero=True)}
 
@@ -92,7 +93,4 @@ BAD = [
 
 @pytest.mark.parametrize("call, exc, match", BAD)
 def test_bad_arguments(call, exc, match) -> None:
-    with pytest.raises(exc, match=match) as info:
-        call()
-    assert isinstance(info.value, EncgraphError)
-    assert isinstance(info.value, ValueError if exc is ConfigError else TypeError)
+    check_bad_argument(call, exc, match)

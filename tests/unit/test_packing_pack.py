@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError
+from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import EagerReason, ItemSpec, Limits, Plan, budget_ladder, default_limits, pack
+from tests.unit._helpers import check_bad_argument
 
 LADDER = (2048, 4096, 8192)
 GLOBAL = budget_ladder(272, 13824)
@@ -181,8 +182,4 @@ BAD = [
 
 @pytest.mark.parametrize("call, exc, match", BAD)
 def test_bad_arguments(call, exc, match) -> None:
-    with pytest.raises(exc, match=match) as info:
-        call()
-    if exc is not TypeError:
-        assert isinstance(info.value, EncgraphError)
-        assert isinstance(info.value, ValueError if exc is ConfigError else TypeError)
+    check_bad_argument(call, exc, match)

@@ -8,8 +8,9 @@ import json
 import attrs
 import pytest
 
-from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError
+from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import Batch, EagerReason, ItemSpec, Limits, Plan, budget_ladder, pack
+from tests.unit._helpers import check_bad_argument
 
 TWO = {"global": budget_ladder(272, 13824), "local": budget_ladder(100, 4000, allow_zero=True)}
 
@@ -155,7 +156,4 @@ BAD = [
 
 @pytest.mark.parametrize("call, exc, match", BAD)
 def test_bad_arguments(call, exc, match) -> None:
-    with pytest.raises(exc, match=match) as info:
-        call()
-    assert isinstance(info.value, EncgraphError)
-    assert isinstance(info.value, ValueError if exc is ConfigError else TypeError)
+    check_bad_argument(call, exc, match)

@@ -6,8 +6,9 @@ import attrs
 import numpy as np
 import pytest
 
-from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError
+from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import ItemSpec
+from tests.unit._helpers import check_bad_argument
 
 
 def test_int_tokens_are_the_default_path() -> None:
@@ -71,8 +72,4 @@ BAD = [
 
 @pytest.mark.parametrize("call, exc, match", BAD)
 def test_bad_arguments(call, exc, match) -> None:
-    with pytest.raises(exc, match=match) as info:
-        call()
-    if exc is not TypeError:
-        assert isinstance(info.value, EncgraphError)
-        assert isinstance(info.value, ValueError if exc is ConfigError else TypeError)
+    check_bad_argument(call, exc, match)
