@@ -206,10 +206,13 @@ class EncoderGraphRunner:
 
     def plan(self, inputs: Any) -> Plan:
         """The plan a call with ``inputs`` would run (no device work beyond the adapter's validation)."""
+        return self._pack(self._specs(inputs))
+
+    def _specs(self, inputs: Any) -> list[ItemSpec]:
         specs = self.adapter.item_specs(inputs)
         if not specs:
             raise InputError("inputs: expected at least one item, got an empty batch.")
-        return self._pack(specs)
+        return specs
 
     def _pack(self, specs: Sequence[ItemSpec]) -> Plan:
         return pack(
@@ -321,7 +324,7 @@ class EncoderGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(device))
         # Every budget is one more compiled variant of the same closure: let dynamo keep them all, only for as
         # long as this capture runs (after it, replays never enter dynamo).
-        with torch.cuda.stream(stream), _dynamo_cache_limit(self.compile, 4 * len(self.ladders) * 64):
+        with torch.cuda.stream(stream), _dynamo_cache_limit(self.compile, 8 + sum(len(l) for l in self.ladders.values())):
             for i in range(self.warmup):
                 t_run = time.perf_counter()
                 self._check_outputs(path, budget, forward(views), budget, "static")
@@ -353,15 +356,7 @@ class EncoderGraphRunner:
         for t in record.inputs.values():
             if t.is_floating_point():
                 t.normal_()
-        times = []
-        for _ in range(repeats):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            record.graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        return float(statistics.median(times))
+        return self._time_host(record.graph.replay, repeats)
 
     # ------------------------------------------------------------------ running
     def __call__(self, inputs: Any) -> list[Any]:
@@ -382,9 +377,7 @@ class EncoderGraphRunner:
 
     def _call_local(self, inputs: Any) -> list[Any]:
         with self._lock:
-            specs = self.adapter.item_specs(inputs)
-            if not specs:
-                raise InputError("inputs: expected at least one item, got an empty batch.")
+            specs = self._specs(inputs)
             if not self.captured:
                 if self.mode is RunMode.GRAPH and not self.lazy:
                     raise CaptureError("runner: call capture() before the first call, or pass lazy=True.")
@@ -393,7 +386,7 @@ class EncoderGraphRunner:
                 self.observed.append(tuple(specs))
             plan = self._pack(specs)
             batch_results = [self._run_batch(inputs, specs, batch) for batch in plan.batches]
-            self._stats.add_call(len(specs))
+            self._stats.add_call()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("encgraph: call of %d items, %d batches; stats %s", len(specs), len(plan.batches), self.stats)
             return plan.restore(batch_results)
@@ -506,6 +499,8 @@ class EncoderGraphRunner:
             return self.costs
 
     def _time_host(self, fn: Any, repeats: int) -> float:
+        """Median ms of ``fn`` as the host sees it (device synchronised before and after): graph replays and
+        eager forwards are measured alike, so the cost model compares like with like."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         with torch.inference_mode():
             fn()

@@ -22,7 +22,7 @@ class RunStats:
         self.real_tokens = dict.fromkeys(paths, 0)
         self.padded_tokens = dict.fromkeys(paths, 0)
 
-    def add_call(self, items: int) -> None:
+    def add_call(self) -> None:
         self.calls += 1
 
     def add_items(self, *, eager: int, total: int) -> None:
