@@ -44,11 +44,13 @@ def two_paths(n: int, rng: random.Random):
     return [ItemSpec({"global": 256, "local": 144 * rng.randint(0, 40)}) for _ in range(n)], ladders
 
 
-def prepare(items, ladders) -> dict:
+def prepare(items, ladders, costs=None) -> dict:
+    """A timed case: ``pack`` of ``items`` over ``ladders`` with ``default_limits`` (and ``costs``, a CostModel or
+    None for the greedy plan), its loop length, and the plan it gives (``"plan"``, for the caller to read)."""
     limits = default_limits(ladders)
 
     def call():
-        return pack(items, ladders, max_items=limits.max_items, max_frames=limits.max_frames)
+        return pack(items, ladders, max_items=limits.max_items, max_frames=limits.max_frames, costs=costs)
 
     plan = call()
     # Calibrate the loop so that one sample takes about 2 ms (timer resolution and noise stay small).
@@ -60,7 +62,7 @@ def prepare(items, ladders) -> dict:
         if time.perf_counter() - t0 > 2e-3 or inner >= 1 << 16:
             break
         inner *= 2
-    return {"call": call, "inner": inner, "batches": len(plan.batches), "max_items": limits.max_items}
+    return {"call": call, "inner": inner, "batches": len(plan.batches), "max_items": limits.max_items, "plan": plan}
 
 
 def sample(case: dict) -> tuple[float, float]:
@@ -90,6 +92,34 @@ def summarize(case: dict, walls: list[float], cpus: list[float]) -> dict:
     }
 
 
+def measure(cases: list[dict], samples: int) -> list[dict]:
+    """``samples`` samples of every case, taken in turn, summarized per case (see :func:`summarize`)."""
+    # Round-robin sampling: a burst of other work on the machine hits every case alike.
+    walls: list[list[float]] = [[] for _ in cases]
+    cpus: list[list[float]] = [[] for _ in cases]
+    for _ in range(samples):
+        for k, case in enumerate(cases):
+            wall, cpu = sample(case)
+            walls[k].append(wall)
+            cpus[k].append(cpu)
+    return [summarize(case, w, c) for case, w, c in zip(cases, walls, cpus)]
+
+
+def machine(load_before: float) -> dict:
+    """The machine a report ran on, with the 1-minute load average before (given) and after (now)."""
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "cpu_count": os.cpu_count(),
+        # Other work on the machine inflates the tail (p90); the median and p10 are the planner's own cost.
+        "load_average_1m_before": load_before,
+        "load_average_1m_after": round(os.getloadavg()[0], 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=101, help="timed samples per case (default 101)")
@@ -104,31 +134,13 @@ def main() -> None:
             items, ladders = make(n, random.Random(args.seed + n))
             rows.append({"case": name, "paths": 1 if make is one_path else 2, "items": n})
             cases.append(prepare(items, ladders))
-    # Round-robin sampling: a burst of other work on the machine hits every case alike.
-    walls: list[list[float]] = [[] for _ in cases]
-    cpus: list[list[float]] = [[] for _ in cases]
-    for _ in range(args.samples):
-        for k, case in enumerate(cases):
-            wall, cpu = sample(case)
-            walls[k].append(wall)
-            cpus[k].append(cpu)
-    results = [dict(row, **summarize(case, w, c)) for row, case, w, c in zip(rows, cases, walls, cpus)]
+    results = [dict(row, **s) for row, s in zip(rows, measure(cases, args.samples))]
 
     target = [r for r in results if r["items"] == TARGET_ITEMS]
     report = {
         "benchmark": "encgraph.packing.pack, median wall time per call",
         "encgraph": encgraph.__version__,
-        "machine": {
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "processor": platform.processor() or None,
-            "python": platform.python_version(),
-            "implementation": platform.python_implementation(),
-            "cpu_count": os.cpu_count(),
-            # Other work on the machine inflates the tail (p90); the median and p10 are the planner's own cost.
-            "load_average_1m_before": load_before,
-            "load_average_1m_after": round(os.getloadavg()[0], 2),
-        },
+        "machine": machine(load_before),
         "target": {
             "items": TARGET_ITEMS,
             "median_us_at_most": TARGET_US,

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,29 +25,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benches"))
 
 import encgraph  # noqa: E402
-from encgraph.packing import default_limits, pack  # noqa: E402
 from encgraph.packing.tuning import default_cost_model  # noqa: E402
-from planner import SIZES, one_path, sample, summarize, two_paths  # noqa: E402
+from planner import SIZES, machine, measure, one_path, prepare, two_paths  # noqa: E402
 
 TARGET_ITEMS, TARGET_US = 64, 200.0
-
-
-def prepare(items, ladders, costs) -> dict:
-    limits = default_limits(ladders)
-
-    def call():
-        return pack(items, ladders, max_items=limits.max_items, max_frames=limits.max_frames, costs=costs)
-
-    plan = call()
-    inner = 1
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            call()
-        if time.perf_counter() - t0 > 2e-3 or inner >= 1 << 16:
-            break
-        inner *= 2
-    return {"call": call, "inner": inner, "batches": len(plan.batches), "max_items": limits.max_items, "plan": plan}
 
 
 def main() -> None:
@@ -70,28 +49,15 @@ def main() -> None:
                 case = prepare(items, ladders, costs)
                 case["expected_ms"] = round(model.plan_cost(case.pop("plan")), 3)
                 cases.append(case)
-    walls: list[list[float]] = [[] for _ in cases]
-    cpus: list[list[float]] = [[] for _ in cases]
-    for _ in range(args.samples):
-        for k, case in enumerate(cases):
-            wall, cpu = sample(case)
-            walls[k].append(wall)
-            cpus[k].append(cpu)
     results = [
-        dict(row, **summarize(case, w, c), expected_ms=case["expected_ms"])
-        for row, case, w, c in zip(rows, cases, walls, cpus)
+        dict(row, **summary, expected_ms=case["expected_ms"])
+        for row, case, summary in zip(rows, cases, measure(cases, args.samples))
     ]
     target = [r for r in results if r["items"] == TARGET_ITEMS and r["planner"] == "costed"]
     report = {
         "benchmark": "encgraph.packing.pack(costs=default_cost_model), median wall time per call, against greedy",
         "encgraph": encgraph.__version__,
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "load_average_1m_before": load_before,
-            "load_average_1m_after": round(os.getloadavg()[0], 2),
-        },
+        "machine": machine(load_before),
         "target": {
             "items": TARGET_ITEMS,
             "median_us_at_most": TARGET_US,
