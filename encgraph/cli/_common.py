@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any, TypeVar
 
 from encgraph.packing import Plan
@@ -18,7 +18,10 @@ __all__ = [
     "Parser",
     "budget_list",
     "positive_int",
+    "add_subcommand",
     "add_output_args",
+    "add_pixel_args",
+    "read_text",
     "table",
     "emit_json",
     "plan_lines",
@@ -66,6 +69,39 @@ def budget_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive ints such as 64,128,256, got {text!r}")
     return tuple(sorted(set(values)))
+
+
+def add_subcommand(
+    subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], *, help: str, description: str,
+    epilog: str | None = None,
+) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` (``run`` called with its parsed arguments); an ``epilog`` keeps its
+    line breaks (the log and item formats are laid out by hand)."""
+    kwargs: dict[str, Any] = {"help": help, "description": description}
+    if epilog is not None:
+        kwargs.update(epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(name, **kwargs)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_pixel_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min-pixels", type=positive_int, help="override the processor's min_pixels")
+    parser.add_argument("--max-pixels", type=positive_int, help="override the processor's max_pixels")
+
+
+def read_text(path: str, what: str, *, command: str, stdin: bool = True) -> tuple[str, str]:
+    """The UTF-8 text of the file ``path`` (``'-'``: standard input, when ``stdin``) and the name to quote in
+    messages; a one-line :class:`UsageError` of ``encgraph {command}`` naming ``what`` when unreadable."""
+    if stdin and path == "-":
+        return sys.stdin.read(), "<stdin>"
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    except OSError as exc:
+        raise UsageError(f"encgraph {command}: error: cannot read {what} {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"encgraph {command}: error: {what} {path!r} is not UTF-8 text") from None
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ import attrs
 from encgraph.cli._common import (
     UsageError,
     add_output_args,
+    add_subcommand,
     budget_list,
     budget_text,
     count,
@@ -55,8 +56,10 @@ _NOTE_CPU = (
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
+    p = add_subcommand(
+        subparsers,
         "demo",
+        run,
         help="run a tiny random-weight tower through encgraph and check it against the tower's own forward",
         description="Build a small random-weight vision tower from a config shipped with encgraph (no download), "
         "send it a seeded mixed batch, and print the ladder, the plan, per-item agreement with the tower's own "
@@ -74,7 +77,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default 0)")
     p.add_argument("--repeats", type=positive_int, help="timed calls per measurement (default 3 on CPU, 20 on CUDA)")
     add_output_args(p)
-    p.set_defaults(run=run)
     return p
 
 

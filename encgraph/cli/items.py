@@ -21,7 +21,7 @@ from encgraph.cli.geometry import TowerGeometry
 from encgraph.errors import InputError
 from encgraph.packing import ItemSpec
 
-__all__ = ["SizedItem", "parse_items"]
+__all__ = ["SizedItem", "parse_item", "parse_items"]
 
 _IMAGE = re.compile(r"^(\d+)\s*[xX]\s*(\d+)$")
 _GRID = re.compile(r"^(\d+)\s*,\s*(\d+)\s*,\s*(\d+)$")
@@ -87,11 +87,17 @@ def parse_items(lines: Iterable[str], geometry: TowerGeometry, *, name: str = "<
         if not text or text.startswith("#"):
             continue
         where = f"{name}:{number}"
-        items.append(_parse_line(text, geometry, where))
+        items.append(parse_item(text, geometry, where))
     return items
 
 
-def _parse_line(text: str, geometry: TowerGeometry, where: str) -> SizedItem:
+def parse_item(text: str, geometry: TowerGeometry, where: str) -> SizedItem:
+    """One item (a stripped, non-comment line or a JSON request's entry) for ``geometry``.
+
+    Raises:
+        InputError: ``text`` is in none of the accepted forms, or gives an impossible size; the message starts
+            with ``where``.
+    """
     if text.startswith("{"):
         return _parse_json(text, geometry, where)
     if m := _IMAGE.match(text):

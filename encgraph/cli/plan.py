@@ -7,18 +7,20 @@ geometry, and prints the plan the runner would make with the same ladder and lim
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from encgraph.cli._common import (
     UsageError,
     add_output_args,
+    add_pixel_args,
+    add_subcommand,
     budget_list,
     count,
     emit_json,
     plan_json,
     plan_lines,
     positive_int,
+    read_text,
     table,
 )
 from encgraph.cli.geometry import TOWERS
@@ -43,13 +45,14 @@ example:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
+    p = add_subcommand(
+        subparsers,
         "plan",
+        run,
         help="plan batches and budgets for a list of image/video sizes (no model, no GPU)",
         description="Print how the runner would split items into sub-batches, which budget each replays (or why "
         "it runs eager), and the padded share.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("items", nargs="?", default="-", help="file with one item size per line; '-' or none: stdin")
     p.add_argument("--tower", choices=sorted(TOWERS), default="qwen2_5_vl", help="tower geometry (default qwen2_5_vl)")
@@ -63,10 +66,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-items", type=positive_int, help="most items per batch (default: the runner's)")
     p.add_argument("--max-frames", type=positive_int, help="most frames per batch (default: the runner's)")
-    p.add_argument("--min-pixels", type=positive_int, help="override the processor's min_pixels")
-    p.add_argument("--max-pixels", type=positive_int, help="override the processor's max_pixels")
+    add_pixel_args(p)
     add_output_args(p)
-    p.set_defaults(run=run)
     return p
 
 
@@ -82,18 +83,6 @@ def _ladder(args: argparse.Namespace) -> tuple[int, ...]:
     return budget_ladder(lo, hi)
 
 
-def _read_lines(path: str) -> tuple[list[str], str]:
-    if path == "-":
-        return sys.stdin.read().splitlines(), "<stdin>"
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().splitlines(), path
-    except OSError as exc:
-        raise UsageError(f"encgraph plan: error: cannot read the items file {path!r}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"encgraph plan: error: the items file {path!r} is not UTF-8 text") from None
-
-
 def make_plan(items: list[SizedItem], ladder: tuple[int, ...], limits: Limits) -> Plan:
     return pack([it.spec() for it in items], ladder, max_items=limits.max_items, max_frames=limits.max_frames)
 
@@ -101,8 +90,8 @@ def make_plan(items: list[SizedItem], ladder: tuple[int, ...], limits: Limits) -
 def run(args: argparse.Namespace) -> int:
     geometry = TOWERS[args.tower].with_pixels(args.min_pixels, args.max_pixels)
     ladder = _ladder(args)
-    lines, name = _read_lines(args.items)
-    items = parse_items(lines, geometry, name=name)
+    text, name = read_text(args.items, "the items file", command="plan")
+    items = parse_items(text.splitlines(), geometry, name=name)
     if not items:
         raise UsageError(f"encgraph plan: error: no items in {name}; give one size per line (see 'encgraph plan --help')")
     # The same limits the runner derives for this ladder (or the user's).

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from encgraph.cli._common import (
     UsageError,
     add_output_args,
+    add_pixel_args,
+    add_subcommand,
     count,
     emit_json,
     positive_int,
+    read_text,
     table,
 )
 from encgraph.cli.geometry import TOWERS, TowerGeometry
-from encgraph.cli.items import SizedItem, _parse_line, parse_items
+from encgraph.cli.items import SizedItem, parse_item, parse_items
 from encgraph.cli.plan import DEFAULT_MAX_BUDGET, DEFAULT_MIN_BUDGET
 from encgraph.errors import ConfigError, InputError
 from encgraph.packing import (
@@ -60,14 +61,15 @@ example:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
+    p = add_subcommand(
+        subparsers,
         "tune",
+        run,
         help="choose the ladder that minimises the expected cost of a log of observed sizes (no model, no GPU)",
         description="Print the ladder (at most --max-budgets graphs, within --memory-cap-tokens) that minimises "
         "the expected cost of the logged requests, compared with the default ladder, and the runner options to "
         "paste.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("log", nargs="?", default="-", help="the log of observed requests; '-' or none: stdin")
     p.add_argument("--tower", choices=sorted(TOWERS), default="qwen2_5_vl", help="tower geometry (default qwen2_5_vl)")
@@ -92,10 +94,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-frames", type=positive_int, help="most frames per batch (default: the runner's)")
     p.add_argument("--costs", metavar="COSTS_JSON", help="a saved CostModel (runner.costs.save(path)) to plan with")
-    p.add_argument("--min-pixels", type=positive_int, help="override the processor's min_pixels")
-    p.add_argument("--max-pixels", type=positive_int, help="override the processor's max_pixels")
+    add_pixel_args(p)
     add_output_args(p)
-    p.set_defaults(run=run)
     return p
 
 
@@ -162,18 +162,8 @@ def _json_request(text: str, geometry: TowerGeometry, where: str) -> list[SizedI
                 f'{where}: items[{k}]: expected a string such as "640x480" or "2,16,24", or an object '
                 f'{{"width":..,"height":..}} / {{"grid":[t,h,w]}}, got {type(value).__name__} {value!r}.'
             )
-        out.append(_parse_line(item_text, geometry, f"{where}: items[{k}]"))
+        out.append(parse_item(item_text, geometry, f"{where}: items[{k}]"))
     return out
-
-
-def _read_text(path: str, what: str) -> str:
-    """The UTF-8 text of the file ``path``; a one-line :class:`UsageError` naming ``what`` when unreadable."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"encgraph tune: error: cannot read {what} {path!r}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"encgraph tune: error: {what} {path!r} is not UTF-8 text") from None
 
 
 def _load_costs(path: str | None) -> CostModel | None:
@@ -181,7 +171,7 @@ def _load_costs(path: str | None) -> CostModel | None:
     if path is None:
         return None
     try:
-        data = json.loads(_read_text(path, "--costs"))
+        data = json.loads(read_text(path, "--costs", command="tune", stdin=False)[0])
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"--costs: {path!r} is not JSON ({exc.msg} at line {exc.lineno}); pass the file that "
@@ -203,11 +193,8 @@ def _ladder_text(ladder: tuple[int, ...]) -> str:
 def run(args: argparse.Namespace) -> int:
     geometry = TOWERS[args.tower].with_pixels(args.min_pixels, args.max_pixels)
     costs = _load_costs(args.costs)
-    if args.log == "-":
-        lines, name = sys.stdin.read().splitlines(), "<stdin>"
-    else:
-        lines, name = _read_text(args.log, "the log").splitlines(), args.log
-    requests = parse_log(lines, geometry, name=name)
+    text, name = read_text(args.log, "the log", command="tune")
+    requests = parse_log(text.splitlines(), geometry, name=name)
     if not requests:
         raise UsageError(
             f"encgraph tune: error: no requests in {name}; give one item size per line with a blank line between "
