@@ -20,7 +20,11 @@ __all__ = ["wrap", "register_adapter", "known_configs"]
 _REGISTRY: dict[str, str] = {}
 
 
-_BUILTIN_MODULES = ("encgraph.models._builtin_qwen", "encgraph.models._builtin_fixed")
+_BUILTIN_MODULES = (
+    "encgraph.models._builtin_qwen",
+    "encgraph.models._builtin_fixed",
+    "encgraph.models._builtin_deepseek",
+)
 _builtins_loaded = False
 
 
