@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
+from itertools import accumulate
 from operator import add
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,38 +53,71 @@ def check_costs(costs: object, paths: Sequence[str], where: str = "pack") -> Cos
     return costs
 
 
-def _choose(costs: CostModel, path: str, ladder: tuple[int, ...], t: int, items: int) -> tuple[int | None, float]:
+class _PathTable(NamedTuple):
+    """One path's costs under one ladder, as the planner reads them (built once per model, path and ladder)."""
+
+    ladder: tuple[int, ...]
+    graph: tuple[float, ...]  # graph replay ms per budget of ``ladder``
+    ladder_np: np.ndarray  # (L,) int64, ``ladder``
+    graph_np: np.ndarray  # (L,) float64, ``graph``
+    fixed_ms: float
+    per_token_ms: float
+    per_item_ms: float
+
+
+def _table(costs: CostModel, path: str, ladder: tuple[int, ...]) -> _PathTable:
+    key = (path, ladder)
+    out = costs._table_cache.get(key)
+    if out is None:
+        graph = costs._ladder_costs(path, ladder)
+        e = costs.eager[path]
+        out = costs._table_cache[key] = _PathTable(
+            ladder, graph, np.asarray(ladder, dtype=np.int64), np.asarray(graph, dtype=np.float64),
+            e.fixed_ms, e.per_token_ms, e.per_item_ms,
+        )
+    return out
+
+
+def _choose(tab: _PathTable, t: int, items: int) -> tuple[int | None, float]:
     """One path of one batch (tokens fit the ladder): (budget or None for eager-by-cost, cost)."""
     if t == 0:
         return 0, 0.0
-    k = bisect_left(ladder, t)
-    g = costs._ladder_costs(path, ladder)[k]
-    e = costs.eager[path].cost(t, items)
-    return (None, e) if e < g else (ladder[k], g)
+    k = bisect_left(tab.ladder, t)
+    g = tab.graph[k]
+    # The same sum, in the same order, as EagerCost.cost and the vectorised costs of _best_runs.
+    e = tab.fixed_ms + tab.per_token_ms * t + tab.per_item_ms * items
+    return (None, e) if e < g else (tab.ladder[k], g)
 
 
 def _lone(
-    i: int, v: Sequence[int], f: int, paths: tuple[str, ...], ladders: list[tuple[int, ...]], frames_over: bool,
-    costs: CostModel,
+    i: int, v: Sequence[int], f: int, paths: tuple[str, ...], tables: list[_PathTable], frames_over: bool
 ) -> tuple[Batch, float]:
+    """Item ``i`` alone (over some path's largest budget, or over the frame limit) and its cost."""
     budgets: dict[str, int | None] = {}
     padded: dict[str, int] = {}
     eager: dict[str, EagerReason] = {}
     total = 0.0
-    for path, ladder, t in zip(paths, ladders, v):
+    for path, tab, t in zip(paths, tables, v):
         padded[path] = 0
-        if t and (frames_over or t > ladder[-1]):
+        if not t:
+            budgets[path] = 0
+            continue
+        e = tab.fixed_ms + tab.per_token_ms * t + tab.per_item_ms  # EagerCost.cost(t, 1)
+        if frames_over or t > tab.ladder[-1]:
             budgets[path] = None
             eager[path] = _FRAMES if frames_over else _TOKENS
-            total += costs.eager[path].cost(t, 1)
+            total += e
             continue
-        b, c = _choose(costs, path, ladder, t, 1)
-        total += c
-        budgets[path] = b
-        if b is None:
+        k = bisect_left(tab.ladder, t)
+        g = tab.graph[k]
+        if e < g:
+            budgets[path] = None
             eager[path] = _COST
+            total += e
         else:
+            b = budgets[path] = tab.ladder[k]
             padded[path] = b - t
+            total += g
     return _fast_batch((i,), budgets, dict(zip(paths, v)), padded, f, eager), total
 
 
@@ -104,18 +139,23 @@ def cost_batches(
     ``build=False`` only the cost is computed (the batches list is empty): the ladder tuner's inner loop.
     """
     caps = [lad[-1] for lad in ladders]
+    tables = [_table(costs, path, lad) for path, lad in zip(paths, ladders)]
     order = sorted(range(len(totals)), key=totals.__getitem__)
-    keep: list[int] = []
     lone_out: list[tuple[int, Batch]] = []
     total = 0.0
-    if max(frames, default=0) <= f_cap and all(max(col, default=0) <= c for col, c in zip(zip(*values), caps)):
-        keep = order  # the common case: nothing sits alone, checked in bulk
+    # Which items sit alone, checked per path in bulk: over this path's largest budget, or too many frames.
+    over = [f > f_cap for f in frames] if max(frames, default=0) > f_cap else None
+    for col, cap in zip(zip(*values), caps):
+        if max(col) > cap:
+            over = [a > cap for a in col] if over is None else [o or a > cap for o, a in zip(over, col)]
+    if over is None:
+        keep = order  # the common case: nothing sits alone
     else:
+        keep = []
         for pos, i in enumerate(order):
-            v = values[i]
-            f = frames[i]
-            if f > f_cap or any(a > c for a, c in zip(v, caps)):
-                batch, c = _lone(i, v, f, paths, ladders, f > f_cap, costs)
+            if over[i]:
+                f = frames[i]
+                batch, c = _lone(i, values[i], f, paths, tables, f > f_cap)
                 total += c
                 lone_out.append((pos, batch))
             else:
@@ -125,32 +165,41 @@ def cost_batches(
         return [b for _, b in lone_out] if build else [], total
     if m == 1:
         # One item (most requests): no split to choose, skip numpy.
-        i = keep[0]
-        total += sum(_choose(costs, path, lad, t, 1)[1] for path, lad, t in zip(paths, ladders, values[i]))
+        total += sum(_choose(tab, t, 1)[1] for tab, t in zip(tables, values[keep[0]]))
         runs = [(0, 1)]
+        cum = [[0] * len(paths), list(values[keep[0]])]
     else:
-        c, runs = _best_runs(values, frames, keep, paths, ladders, caps, n_max, f_cap, costs)
+        c, runs, cum = _best_runs(values, frames, keep, tables, caps, n_max, f_cap)
         total += c
     if not build:
         return [], total
-    pos_of = {i: pos for pos, i in enumerate(order)}
     out: list[tuple[int, Batch]] = []
+    if lone_out:
+        pos_of = {i: pos for pos, i in enumerate(order)}
+    cum_f = list(accumulate([frames[i] for i in keep], initial=0))
     for lo, hi in runs:
-        members = keep[lo:hi]
-        toks = [sum(col) for col in zip(*(values[i] for i in members))]
+        n_run = hi - lo
         budgets: dict[str, int | None] = {}
+        tokens: dict[str, int] = {}
         padded: dict[str, int] = {}
         eager: dict[str, EagerReason] = {}
-        for path, ladder, t in zip(paths, ladders, toks):
-            b, _ = _choose(costs, path, ladder, t, hi - lo)
-            budgets[path] = b
-            if b is None:
+        # _choose inlined (this loop runs once per batch and path).
+        for path, tab, t_lo, t_hi in zip(paths, tables, cum[lo], cum[hi]):
+            t = tokens[path] = t_hi - t_lo
+            if t == 0:
+                budgets[path] = padded[path] = 0
+                continue
+            k = bisect_left(tab.ladder, t)
+            if tab.fixed_ms + tab.per_token_ms * t + tab.per_item_ms * n_run < tab.graph[k]:
+                budgets[path] = None
                 eager[path] = _COST
                 padded[path] = 0
             else:
+                b = budgets[path] = tab.ladder[k]
                 padded[path] = b - t
-        fsum = sum(frames[i] for i in members)
-        out.append((pos_of[members[0]], _fast_batch(tuple(members), budgets, dict(zip(paths, toks)), padded, fsum, eager)))
+        members = tuple(keep[lo:hi])
+        batch = _fast_batch(members, budgets, tokens, padded, cum_f[hi] - cum_f[lo], eager)
+        out.append((pos_of[members[0]] if lone_out else 0, batch))
     if lone_out:
         out.extend(lone_out)
         out.sort(key=lambda pb: pb[0])
@@ -161,16 +210,15 @@ def _best_runs(
     values: Sequence[Sequence[int]],
     frames: Sequence[int],
     keep: list[int],
-    paths: tuple[str, ...],
-    ladders: list[tuple[int, ...]],
+    tables: list[_PathTable],
     caps: list[int],
     n_max: int,
     f_cap: int,
-    costs: CostModel,
-) -> tuple[float, list[tuple[int, int]]]:
-    """Least total cost of splitting ``keep`` (sorted, none lone) into runs, and the runs ``(lo, hi)``."""
+) -> tuple[float, list[tuple[int, int]], list[list[int]]]:
+    """Least total cost of splitting ``keep`` (sorted, none lone) into runs, the runs ``(lo, hi)``, and the
+    cumulative tokens per path (``cum[j][p]``: path ``p``'s tokens of the first ``j`` kept items)."""
     m = len(keep)
-    n_paths = len(paths)
+    n_paths = len(tables)
     vals = np.array([values[i] for i in keep], dtype=np.int64).reshape(m, n_paths)
     cum = np.zeros((m + 1, n_paths), dtype=np.int64)
     np.cumsum(vals, axis=0, out=cum[1:])
@@ -178,10 +226,11 @@ def _best_runs(
     span = min(n_max, m)
     for p in range(n_paths):
         span = min(span, int(np.searchsorted(np.cumsum(np.sort(vals[:, p])), caps[p], side="right")))
-    fr = np.array([frames[i] for i in keep], dtype=np.int64)
-    limit_frames = f_cap < m * int(fr.max())
+    fr = [frames[i] for i in keep]
+    limit_frames = f_cap < m * max(fr)
     if limit_frames:
-        span = min(span, int(np.searchsorted(np.cumsum(np.sort(fr)), f_cap, side="right")))
+        fr_np = np.array(fr, dtype=np.int64)
+        span = min(span, int(np.searchsorted(np.cumsum(np.sort(fr_np)), f_cap, side="right")))
     span = max(span, 1)
     ends = np.arange(1, m + 1)[:, None]
     lens = np.arange(1, span + 1)[None, :]
@@ -191,34 +240,40 @@ def _best_runs(
     tok = cum[ends] - cum[starts]  # (m, span, paths): tokens of the run of lens items ending before ends
     if limit_frames:
         cumf = np.zeros(m + 1, dtype=np.int64)
-        np.cumsum(fr, out=cumf[1:])
+        np.cumsum(fr_np, out=cumf[1:])
         ok &= (cumf[ends] - cumf[starts]) <= f_cap
-    cost = np.zeros((m, span))
-    for p, (path, ladder) in enumerate(zip(paths, ladders)):
+    cost = None
+    for p, tab in enumerate(tables):
         t = tok[:, :, p]
         ok &= t <= caps[p]
-        idx = np.searchsorted(np.asarray(ladder), t)
-        np.minimum(idx, len(ladder) - 1, out=idx)
-        g = np.asarray(costs._ladder_costs(path, ladder))[idx]
-        e = costs.eager[path]
-        eager_cost = e.fixed_ms + e.per_token_ms * t + e.per_item_ms * lens
-        cost += np.where(t == 0, 0.0, np.minimum(g, eager_cost))
+        idx = np.searchsorted(tab.ladder_np, t)
+        np.minimum(idx, len(tab.ladder) - 1, out=idx)
+        c = tab.fixed_ms + tab.per_token_ms * t + tab.per_item_ms * lens  # eager
+        np.minimum(tab.graph_np[idx], c, out=c)
+        c[t == 0] = 0.0
+        if cost is None:
+            cost = c
+        else:
+            cost += c
     # Every limit only tightens as a run grows, so the feasible lengths of each row are a prefix 1..width.
     widths = ok.sum(axis=1).tolist()
-    rows = cost.tolist()
-    dp = [0.0] * (m + 1)
-    arg = [0] * (m + 1)
+    rows = cost.tolist()  # rows[j - 1][k - 1]: the run of k items ending before j
+    # dpp[s + 1] is the least cost of the first s items; dpp[j : j - w : -1] are dp[j - 1], ..., dp[j - w], lined
+    # up with rows[j - 1] (map stops at the shorter, so lengths past the width are never read).
+    dpp = [0.0, 0.0]
+    append = dpp.append
     for j in range(1, m + 1):
-        prev = dp[j - widths[j - 1] : j]
-        prev.reverse()  # prev[k - 1] = dp[j - k]
-        sums = list(map(add, prev, rows[j - 1]))
-        best = min(sums)
-        dp[j] = best
-        arg[j] = sums.index(best) + 1
+        append(min(map(add, dpp[j : j - widths[j - 1] : -1], rows[j - 1])))
+    # Walk back: the shortest last run that reaches the optimum (the same sums as above, so == is exact).
     runs = []
     j = m
     while j:
-        runs.append((j - arg[j], j))
-        j -= arg[j]
+        row = rows[j - 1]
+        best = dpp[j + 1]
+        k = 1
+        while dpp[j - k + 1] + row[k - 1] != best:
+            k += 1
+        runs.append((j - k, j))
+        j -= k
     runs.reverse()
-    return dp[m], runs
+    return dpp[m + 1], runs, cum.tolist()

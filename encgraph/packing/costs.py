@@ -127,6 +127,10 @@ class CostModel:
     _ladder_cache: dict[tuple[str, tuple[int, ...]], tuple[float, ...]] = attrs.field(
         init=False, eq=False, repr=False, hash=False, factory=dict
     )
+    # The cost-aware planner's per-(path, ladder) lookup tables (cost_pack._PathTable), built once per model.
+    _table_cache: dict[tuple[str, tuple[int, ...]], Any] = attrs.field(
+        init=False, eq=False, repr=False, hash=False, factory=dict
+    )
 
     def __attrs_post_init__(self) -> None:
         if set(self.graph_ms) != set(self.eager):
