@@ -120,20 +120,30 @@ def machine(load_before: float) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(doc: str, out_name: str) -> argparse.Namespace:
+    """The command line of a planner bench (``doc``: its module docstring; ``out_name``: its default JSON)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--samples", type=int, default=101, help="timed samples per case (default 101)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benches" / "results" / "planner.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benches" / "results" / out_name)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    load_before = round(os.getloadavg()[0], 2)
-    rows, cases = [], []
+
+def problems(seed: int):
+    """Every bench problem: ``(row, items, ladders)``, row = ``{"case", "paths", "items"}``, one and two paths."""
     for name, make in (("one path", one_path), ("two paths", two_paths)):
         for n in SIZES:
-            items, ladders = make(n, random.Random(args.seed + n))
-            rows.append({"case": name, "paths": 1 if make is one_path else 2, "items": n})
-            cases.append(prepare(items, ladders))
+            items, ladders = make(n, random.Random(seed + n))
+            yield {"case": name, "paths": 1 if make is one_path else 2, "items": n}, items, ladders
+
+
+def main() -> None:
+    args = parse_args(__doc__, "planner.json")
+    load_before = round(os.getloadavg()[0], 2)
+    rows, cases = [], []
+    for row, items, ladders in problems(args.seed):
+        rows.append(row)
+        cases.append(prepare(items, ladders))
     results = [dict(row, **s) for row, s in zip(rows, measure(cases, args.samples))]
 
     target = [r for r in results if r["items"] == TARGET_ITEMS]

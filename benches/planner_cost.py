@@ -13,10 +13,8 @@ Target: 64 items <= 200 us median (the machine is shared: read the CPU-time medi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -26,29 +24,23 @@ sys.path.insert(0, str(ROOT / "benches"))
 
 import encgraph  # noqa: E402
 from encgraph.packing.tuning import default_cost_model  # noqa: E402
-from planner import SIZES, machine, measure, one_path, prepare, two_paths  # noqa: E402
+from planner import machine, measure, parse_args, prepare, problems  # noqa: E402
 
 TARGET_ITEMS, TARGET_US = 64, 200.0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=101, help="timed samples per case (default 101)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benches" / "results" / "planner_cost.json")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-
+    args = parse_args(__doc__, "planner_cost.json")
     load_before = round(os.getloadavg()[0], 2)
     rows, cases = [], []
-    for name, make in (("one path", one_path), ("two paths", two_paths)):
-        for n in SIZES:
-            items, ladders = make(n, random.Random(args.seed + n))
-            model = default_cost_model(ladders if isinstance(ladders, dict) else ["default"])
-            for planner, costs in (("greedy", None), ("costed", model)):
-                rows.append({"case": name, "planner": planner, "paths": 1 if make is one_path else 2, "items": n})
-                case = prepare(items, ladders, costs)
-                case["expected_ms"] = round(model.plan_cost(case.pop("plan")), 3)
-                cases.append(case)
+    for row, items, ladders in problems(args.seed):
+        model = default_cost_model(ladders if isinstance(ladders, dict) else ["default"])
+        for planner, costs in (("greedy", None), ("costed", model)):
+            # Key order as before: case, planner, paths, items.
+            rows.append({"case": row["case"], "planner": planner, "paths": row["paths"], "items": row["items"]})
+            case = prepare(items, ladders, costs)
+            case["expected_ms"] = round(model.plan_cost(case.pop("plan")), 3)
+            cases.append(case)
     results = [
         dict(row, **summary, expected_ms=case["expected_ms"])
         for row, case, summary in zip(rows, cases, measure(cases, args.samples))
