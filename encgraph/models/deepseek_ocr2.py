@@ -57,7 +57,12 @@ import torch
 
 from encgraph._validate import check_int, describe
 from encgraph.capture.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
-from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
+from encgraph.errors import (
+    ConfigError,
+    InputError,
+    InputTypeError,
+    UnsupportedModelError,
+)
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.packing import ItemSpec
 
@@ -159,15 +164,18 @@ class DeepseekOcr2Adapter:
         self.max_images = check_int("max_images", max_images, minimum=1)
         self.max_tiles = check_int("max_tiles", max_tiles, minimum=1)
         self.channels = int(self.tower.config.sam_config.num_channels)
-        large = self.tower.query_1024_resolution.num_embeddings
-        small = self.tower.query_768_resolution.num_embeddings
+        queries = {
+            GLOBAL: self.tower.query_1024_resolution.num_embeddings,
+            LOCAL: self.tower.query_768_resolution.num_embeddings,
+        }
+        given = {GLOBAL: global_size, LOCAL: local_size}
         self.sizes = {
-            GLOBAL: _default_side(self.tower, large) if global_size is None else check_int("global_size", global_size, minimum=1),
-            LOCAL: _default_side(self.tower, small) if local_size is None else check_int("local_size", local_size, minimum=1),
+            path: _default_side(self.tower, queries[path]) if size is None else check_int(f"{path}_size", size, minimum=1)
+            for path, size in given.items()
         }
         self.tokens = {path: view_tokens(self.tower, side) for path, side in self.sizes.items()}
         self._dtype, self._device = tower_dtype_device(self.tower)
-        self._output_class = getattr(importlib.import_module(type(base).__module__), "DeepseekOcr2ModelOutputWithPooling")
+        self._output_class = importlib.import_module(type(base).__module__).DeepseekOcr2ModelOutputWithPooling
         g, t = self.tokens[GLOBAL], self.tokens[LOCAL]
         self._config = AdapterConfig(
             paths=(
@@ -224,9 +232,8 @@ class DeepseekOcr2Adapter:
                     "num_local_patches: expected the tiles of each image when pixel_values_local is given, got None."
                 )
             num_local_patches = [0] * (pixel_values.shape[0] if isinstance(pixel_values, torch.Tensor) else 0)
-        return OcrImages(
-            pixel_values, pixel_values_local, tuple(num_local_patches), True if return_dict is None else bool(return_dict)
-        )
+        return_dict = True if return_dict is None else bool(return_dict)
+        return OcrImages(pixel_values, pixel_values_local, tuple(num_local_patches), return_dict)
 
     def _check_views(self, name: str, views: Any, path: str) -> int:
         side = self.sizes[path]
@@ -301,7 +308,8 @@ class DeepseekOcr2Adapter:
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:
         """``pixels``: ``(budget // tokens_per_view, 3, side, side)`` in the tower's dtype, zero-padded views."""
         side = self.sizes[path]
-        return {"pixels": BufferSpec((self._views(path, budget), self.channels, side, side), self._dtype, FillRule.ZERO)}
+        shape = (self._views(path, budget), self.channels, side, side)
+        return {"pixels": BufferSpec(shape, self._dtype, FillRule.ZERO)}
 
     def _pixels(self, path: str, inputs: OcrImages) -> torch.Tensor | None:
         return inputs.pixel_values if path == GLOBAL else inputs.pixel_values_local

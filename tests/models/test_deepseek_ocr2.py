@@ -16,38 +16,44 @@ import torch
 
 pytest.importorskip("transformers")
 
-from encgraph.capture.records import RunMode  # noqa: E402
-from encgraph.capture.runner import EncoderGraphRunner  # noqa: E402
-from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError  # noqa: E402
-from encgraph.models.deepseek_ocr2 import DeepseekOcr2Adapter, OcrImages, view_tokens  # noqa: E402
-from encgraph.models.registry import wrap  # noqa: E402
+from encgraph.capture.records import RunMode
+from encgraph.capture.runner import EncoderGraphRunner
+from encgraph.errors import (
+    ConfigError,
+    InputError,
+    InputTypeError,
+    UnsupportedModelError,
+)
+from encgraph.models.deepseek_ocr2 import DeepseekOcr2Adapter, OcrImages, view_tokens
+from encgraph.models.registry import wrap
 
 GLOBAL_SIZE = 104
 LOCAL_SIZE = 32
 TOL = 1e-5
 
 
-def tiny_config(**sam: Any) -> Any:
+def deepseek_config(
+    *, sam_hidden: int = 16, encoder_hidden: int = 16, text_hidden: int = 24, patch_size: int = 2,
+    image_size: int = GLOBAL_SIZE, window_size: int = 4,
+) -> Any:
+    """A small ``DeepseekOcr2Config`` (two SAM layers, one of them global; two query-encoder layers with grouped
+    KV heads; a one-layer dense text model); the GPU tests use it with real view sizes."""
     from transformers import DeepseekOcr2Config
 
-    sam_config = dict(
-        hidden_size=16, output_channels=8, num_hidden_layers=2, num_attention_heads=2, image_size=GLOBAL_SIZE,
-        patch_size=2, window_size=4, global_attn_indexes=[1], downsample_channels=[8, 16], mlp_dim=32,
-    )
-    sam_config.update(sam)
-    return DeepseekOcr2Config(
-        vision_config=dict(
-            sam_config=sam_config,
-            encoder_config=dict(
-                hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=32, max_position_embeddings=1024,
-            ),
-        ),
-        text_config=dict(
-            hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, vocab_size=64, mlp_layer_types=["dense"],
-        ),
-    )
+    sam = {
+        "hidden_size": sam_hidden, "output_channels": sam_hidden // 2, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "image_size": image_size, "patch_size": patch_size, "window_size": window_size,
+        "global_attn_indexes": [1], "downsample_channels": [encoder_hidden // 2, encoder_hidden], "mlp_dim": 2 * sam_hidden,
+    }
+    encoder = {
+        "hidden_size": encoder_hidden, "intermediate_size": 2 * encoder_hidden, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 32, "max_position_embeddings": 1024,
+    }
+    text = {
+        "hidden_size": text_hidden, "intermediate_size": text_hidden, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "mlp_layer_types": ["dense"],
+    }
+    return DeepseekOcr2Config(vision_config={"sam_config": sam, "encoder_config": encoder}, text_config=text)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +61,7 @@ def model() -> torch.nn.Module:
     from transformers import DeepseekOcr2ForConditionalGeneration
 
     torch.manual_seed(0)
-    m = DeepseekOcr2ForConditionalGeneration(tiny_config()).eval()
+    m = DeepseekOcr2ForConditionalGeneration(deepseek_config()).eval()
     with torch.no_grad():
         m.model.view_separator.normal_()  # a recognisable separator row
     return m
@@ -155,7 +161,7 @@ def test_no_host_sync(model: torch.nn.Module) -> None:
     from transformers import DeepseekOcr2Model
 
     with torch.device("meta"):
-        meta_model = DeepseekOcr2Model(tiny_config())
+        meta_model = DeepseekOcr2Model(deepseek_config())
     adapter = make_adapter(meta_model)
     for path, budget in (("global", 512), ("local", 288)):
         specs = adapter.buffer_specs(path, budget, 4, 4)
