@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 from benches import common, traffic
 from benches.common import TOWERS, System
 
-SYSTEMS = ("adapter eager", "graphs, greedy plan", "graphs, cost-aware plan")
+SYSTEMS = ("adapter eager", "graphs, greedy plan", "graphs, cost-aware plan", "graphs, tuned ladder, cost-aware")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -32,10 +32,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tower", choices=tuple(TOWERS), default="qwen2_5_vl_7b")
     parser.add_argument("--requests", type=int, default=300, help="trace requests timed (default 300)")
     parser.add_argument("--samples", type=int, default=16, help="requests timed to fit the eager cost model")
+    parser.add_argument("--tune-requests", type=int, default=300,
+                        help="requests of another seed the ladder is tuned on (default 300)")
+    parser.add_argument("--max-budgets", type=int, default=8, help="budgets of the tuned ladder (default 8)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         common.smoke_defaults(args, towers=(args.tower,))
         args.requests, args.samples = min(args.requests, 6), min(args.samples, 4)
+        args.tune_requests = min(args.tune_requests, 8)
     env = common.make_env(args)
     deadline = common.Deadline(args.time_budget)
     from encgraph.capture import EncoderGraphRunner
@@ -49,17 +53,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     samples = [caps.inputs(bench, r, seed=10_000 + i).adapter
                for i, r in enumerate(traffic.generate_trace(args.samples, seed=args.seed + 1))]
     model = costed.measure_costs(samples)
-    runners = dict(zip(SYSTEMS, (eager, greedy, costed)))
+    # Ladder tuning (issue 6, point 4): sizes of another seed's requests, the measured model, then a new capture
+    # and a cost model measured for the tuned budgets.
+    from encgraph.packing import tune_ladder
+
+    observed = [bench.adapter.item_specs(caps.inputs(bench, r, seed=20_000 + i).adapter)
+                for i, r in enumerate(traffic.generate_trace(args.tune_requests, seed=args.seed + 2))]
+    tuned = tune_ladder(observed, max_budgets=args.max_budgets, max_items=greedy.limits.max_items,
+                        baseline=greedy.ladders, costs=model)
+    tuned_runner = EncoderGraphRunner(bench.adapter, mode=greedy.mode, progress=False, **tuned.to_runner_options())
+    tuned_runner.capture()
+    tuned_model = tuned_runner.measure_costs(samples)
+    runners = dict(zip(SYSTEMS, (eager, greedy, costed, tuned_runner)))
     latencies: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     trace = traffic.generate_trace(args.requests, seed=args.seed)
     for i, request in enumerate(trace):
         if deadline.expired():
             break
         inputs = caps.inputs(bench, request, seed=i).adapter
-        for name in (SYSTEMS[i % 3:] + SYSTEMS[: i % 3]):  # rotate the order: no system always goes first
+        for name in (SYSTEMS[i % len(SYSTEMS):] + SYSTEMS[: i % len(SYSTEMS)]):  # rotate the order: no system always goes first
             runners[name](inputs)  # one untimed call (allocator growth on new shapes)
             latencies[name].append(common.time_once(lambda r=runners[name]: r(inputs), env))
     done = len(latencies[SYSTEMS[0]])
+    if not done:
+        raise SystemExit(f"planning: the {args.time_budget:g} s budget was spent before the first request; raise "
+                         "--time-budget")
     base = np.asarray(latencies["adapter eager"])
     rows = []
     for name in SYSTEMS:
@@ -80,6 +98,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
     data = {"tower": args.tower, "gpu": env.gpu_name if hasattr(env, "gpu_name") else None,
             "requests": done, "cost_model": model.to_dict(), "rows": rows,
+            "ladders": {"default": greedy.ladders, "tuned": tuned.ladders},
+            "tuned": {"expected_ms_before": tuned.cost_before_ms, "expected_ms_after": tuned.cost_after_ms,
+                      "padded_share_before": tuned.padded_share_before, "padded_share_after": tuned.padded_share_after,
+                      "capture": tuned_runner.capture_info, "cost_model": tuned_model.to_dict()},
             "median_request_ms": {n: statistics.median(latencies[n]) for n in SYSTEMS if latencies[n]}}
     lines = [f"## planning: {args.tower}, {done} trace requests, greedy vs cost-aware plans", "",
              "| system | mean ms | P50 ms | P99 ms | mean speedup vs eager | P99 speedup | worst ratio | slower than eager "
@@ -90,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  f"{r['slower_than_eager']} | {r['padded_share']:.2f} | {r['items'] - r['graph_items']} "
                  f"({r['eager_reasons']})")
         lines.append(f"| {r['system']} | {r['mean_ms']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {extra} |")
+    lines += ["", f"- default ladder {dict(greedy.ladders)}; tuned on {len(observed)} other requests: "
+              f"{dict(tuned.ladders)} (expected {tuned.cost_before_ms:.0f} -> {tuned.cost_after_ms:.0f} ms on them)"]
     table = "\n".join(lines)
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
