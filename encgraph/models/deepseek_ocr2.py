@@ -48,7 +48,8 @@ function's own arguments and builds its own output class)::
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -88,13 +89,23 @@ class OcrImages:
 
     pixel_values: torch.Tensor
     pixel_values_local: torch.Tensor | None = None
-    num_local_patches: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    num_local_patches: tuple[int, ...] = attrs.field(default=(), converter=lambda v: _counts(v))
     return_dict: bool = True
 
     @property
     def tile_starts(self) -> np.ndarray:
         """``B + 1`` offsets of each image's first tile in ``pixel_values_local`` (host)."""
         return np.concatenate([[0], np.cumsum(np.asarray(self.num_local_patches, dtype=np.int64))]).astype(np.int64)
+
+
+def _counts(value: Any) -> tuple[Any, ...]:
+    # A tensor or array of counts (the processor returns a tensor with return_tensors="pt") is read on the host
+    # once, as get_image_features does; the values are checked by item_specs.
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        value = (value,)  # item_specs then names the expected counts and what was given
+    return tuple(int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v for v in value)
 
 
 def _sam_grid(side: int, patch: int) -> int:
@@ -224,8 +235,6 @@ class DeepseekOcr2Adapter:
             )
         if pixel_values is None:
             raise InputTypeError("pixel_values: expected the global views (B, 3, H, W), got None.")
-        if isinstance(num_local_patches, torch.Tensor):
-            num_local_patches = num_local_patches.tolist()
         if num_local_patches is None:
             if pixel_values_local is not None:
                 raise InputError(
@@ -233,7 +242,7 @@ class DeepseekOcr2Adapter:
                 )
             num_local_patches = [0] * (pixel_values.shape[0] if isinstance(pixel_values, torch.Tensor) else 0)
         return_dict = True if return_dict is None else bool(return_dict)
-        return OcrImages(pixel_values, pixel_values_local, tuple(num_local_patches), return_dict)
+        return OcrImages(pixel_values, pixel_values_local, num_local_patches, return_dict)
 
     def _check_views(self, name: str, views: Any, path: str) -> int:
         side = self.sizes[path]

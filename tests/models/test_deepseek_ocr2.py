@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,4 +203,6 @@ def test_bad_inputs(model: torch.nn.Module) -> None:
         EncoderGraphRunner(adapter, budgets={"global": [256], "local": [100]}, mode=RunMode.STATIC).capture()
     with pytest.raises(UnsupportedModelError, match="DeepseekOcr2Model"):
         DeepseekOcr2Adapter(model.model.vision_tower)
-    assert isinstance(OcrImages(pv).num_local_patches, tuple)
+    assert OcrImages(pv, local, np.array([1, 2])).num_local_patches == (1, 2)
+    with pytest.raises(InputError, match="expected 2 ints"):
+        runner(OcrImages(pv, local, 3))
