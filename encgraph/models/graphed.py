@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from encgraph._validate import describe
+from encgraph.capture.protocol import ModuleAdapter
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import InputTypeError, UnsupportedModelError
 
@@ -75,4 +76,10 @@ def graphed(module: torch.nn.Module, *, adapter_options: dict[str, Any] | None =
         if type(getattr(module, "config", None)).__name__ in known_configs():
             raise
         adapter = GenericModuleAdapter(module, **options)
+    if not isinstance(adapter, ModuleAdapter):
+        raise UnsupportedModelError(
+            f"module: the {type(adapter).__name__} adapter cannot stand in for {type(module).__name__}'s forward; "
+            f"build EncoderGraphRunner(encgraph.models.wrap(module)) and call it from a shim (see "
+            f"{type(adapter).__module__})."
+        )
     return GraphedModule(adapter, EncoderGraphRunner(adapter, **runner_options))

@@ -206,3 +206,11 @@ def test_bad_inputs(model: torch.nn.Module) -> None:
     assert OcrImages(pv, local, np.array([1, 2])).num_local_patches == (1, 2)
     with pytest.raises(InputError, match="expected 2 ints"):
         runner(OcrImages(pv, local, 3))
+
+
+def test_graphed_refuses_the_full_model_with_a_pointer_to_the_shim(model):
+    import encgraph
+    from encgraph.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="shim"):
+        encgraph.graphed(model)
