@@ -186,6 +186,7 @@ class DeepseekOcr2Adapter:
         }
         self.tokens = {path: view_tokens(self.tower, side) for path, side in self.sizes.items()}
         self._dtype, self._device = tower_dtype_device(self.tower)
+        _graph_safe_rel_pos(self.tower)
         self._output_class = importlib.import_module(type(base).__module__).DeepseekOcr2ModelOutputWithPooling
         g, t = self.tokens[GLOBAL], self.tokens[LOCAL]
         self._config = AdapterConfig(
@@ -365,3 +366,34 @@ class DeepseekOcr2Adapter:
 def adapter(module: torch.nn.Module, **options: Any) -> DeepseekOcr2Adapter:
     """Registry factory: ``DeepseekOcr2Adapter(module, **options)``."""
     return DeepseekOcr2Adapter(module, **options)
+
+
+def _graph_safe_rel_pos(tower: torch.nn.Module) -> None:
+    """Make the SAM attention layers' relative-position lookup capturable.
+
+    transformers' ``get_rel_pos`` indexes the (device) table with coordinates built by ``torch.arange`` on the
+    host, a host-to-device copy that a CUDA graph capture refuses. This instance-level override computes the same
+    lookup with the coordinates cached on the table's device (built on the first, uncaptured warm-up call; one
+    per query/key size). Idempotent; the class's own method is untouched.
+    """
+    for module in tower.modules():
+        original = getattr(type(module), "get_rel_pos", None)
+        if original is None or "get_rel_pos" in vars(module):
+            continue
+        cache: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+        def get_rel_pos(q_size: int, k_size: int, rel_pos: torch.Tensor, _cache: dict = cache) -> torch.Tensor:
+            max_rel_dist = int(2 * max(q_size, k_size) - 1)
+            resized = torch.nn.functional.interpolate(
+                rel_pos.reshape(1, rel_pos.shape[0], -1).transpose(1, 2), size=max_rel_dist, mode="linear"
+            ).reshape(-1, max_rel_dist).permute(1, 0)
+            key = (q_size, k_size, rel_pos.device)
+            index = _cache.get(key)
+            if index is None:
+                q = torch.arange(q_size)[:, None] * max(k_size / q_size, 1.0)
+                k = torch.arange(k_size)[None, :] * max(q_size / k_size, 1.0)
+                index = _cache[key] = ((q - k) + (k_size - 1) * max(q_size / k_size, 1.0)).long().to(rel_pos.device)
+            return resized[index]
+
+        module.get_rel_pos = get_rel_pos
+
