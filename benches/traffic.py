@@ -15,19 +15,23 @@ The trace (``generate_trace(n, seed)``; tower-agnostic pixel sizes) draws each r
 Each request is one call of each system (the systems take turns, the first one rotating from request to request,
 so that drift hits all alike); its latency is CUDA events around the call. Reported per system: mean, P50, P99
 latency, speedups against the adapter's eager forward, the worst per-request ratio against it and how many
-requests were slower; for the graph runner the padded share of replayed tokens and the items that ran eagerly.
+requests were slower; for the graph runners (``graph``, and ``graph_compile``: graphs of the compiled forward, the
+whole ladder compiled) the padded share of replayed tokens and the items that ran eagerly. Graph runners plan
+greedily (the runner's default) or, with ``--cost-samples N``, with a cost model measured on N requests of
+another seed (``runner.measure_costs``).
 Warm-up: ``--warmup-requests`` requests of another seed through every system first, not recorded. When the
 warm-up latencies say the optional systems (all but graph and adapter_eager) would not fit the time budget, they
 are dropped (recorded), so that the trace itself completes.
 
 JSON (``benches/results/traffic_<gpu>.json``)::
 
-    {"environment", "options", "tower", "capture": {...},
+    {"environment", "options", "tower", "capture": {"<graph system>": {...}}, "planning", "costs"?,
      "trace": {"seed", "requests", "completed", "distribution": {...}, "summary": {"items", "tokens", ...}},
      "systems": {"<system>": {"requests", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "errors",
                  "speedup_mean_vs_adapter_eager", "speedup_p50_vs_adapter_eager", "speedup_p99_vs_adapter_eager",
                  "worst_ratio_vs_adapter_eager", "worst_request", "slower_than_adapter_eager"}},
-     "graph_stats": {"padded_share", "runner_padded_share", "eager_items", "items", "eager_reasons", "replays"},
+     "graph_stats": {"<graph system>": {"padded_share", "runner_padded_share", "eager_items", "items",
+                     "eager_reasons", "replays"}},
      "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}}}
 """
 
@@ -72,7 +76,9 @@ VIDEO_FRAME_MAX_TOKENS = 256
 SMOKE_REQUESTS = 12
 SMOKE_MAX_TOKENS = 16
 
-REQUIRED = (System.GRAPH, System.ADAPTER_EAGER)
+GRAPH_SYSTEMS = (System.GRAPH, System.GRAPH_COMPILE)
+"""Systems that replay captured graphs (padding and eager items reported)."""
+REQUIRED = (System.GRAPH, System.GRAPH_COMPILE, System.ADAPTER_EAGER)
 """Systems never dropped for time: the ratios the project's targets are about."""
 MAX_ERRORS = 3
 """A system that fails on this many requests is dropped from the rest of the replay."""
@@ -190,6 +196,10 @@ def build_parser() -> Any:
                         "per shape)")
     p.add_argument("--warmup-requests", type=int, default=8, help="untimed requests first (default 8; 2 with "
                    "--cpu-smoke)")
+    p.add_argument("--cost-samples", type=int, default=0,
+                   help="plan the graph systems with a measured cost model (runner.measure_costs on this many "
+                        "requests of another seed, so the planner sends a batch eagerly where that is cheaper); "
+                        "default 0: the runner's default greedy plan")
     p.add_argument("--image-max-tokens", type=int, default=None,
                    help=f"merged tokens per image at most (default {IMAGE_MAX_TOKENS}; {SMOKE_MAX_TOKENS} with --cpu-smoke)")
     p.add_argument("--video-frame-max-tokens", type=int, default=None,
@@ -247,14 +257,21 @@ def replay(args: Any, env: common.Env, deadline: common.Deadline, results: commo
                      "summary": trace_summary(trace, bench.geom, caps)}
     systems = [s for s in args.systems if s not in bench.unavailable]
     data["unavailable"] = {s.value: why for s, why in bench.unavailable.items() if s in args.systems}
-    if System.GRAPH in systems:
+    for s in [s for s in systems if s in GRAPH_SYSTEMS]:
         try:
-            bench.runner(System.GRAPH)
-            data["capture"] = bench.capture_info
+            runner = bench.runner(s)
+            data.setdefault("capture", {})[s.value] = (
+                bench.capture_info if s is System.GRAPH else bench.compile_capture_info)
+            if args.cost_samples > 0:
+                samples = [caps.inputs(bench, r, 300_000 + i).adapter
+                           for i, r in enumerate(generate_trace(args.cost_samples, args.seed + 2))]
+                data.setdefault("costs", {})[s.value] = runner.measure_costs(samples).to_dict()
         except Exception as exc:
             traceback.print_exc()
-            data["unavailable"][System.GRAPH.value] = f"error: capture failed ({common.short_error(exc)})"
-            systems.remove(System.GRAPH)
+            data["unavailable"][s.value] = f"error: capture failed ({common.short_error(exc)})"
+            systems.remove(s)
+    data["planning"] = (f"cost-aware ({args.cost_samples} sample requests, seed {args.seed + 2})"
+                        if args.cost_samples > 0 else "greedy (the runner's default)")
     results.flush()
     if not systems:
         return
@@ -264,7 +281,7 @@ def replay(args: Any, env: common.Env, deadline: common.Deadline, results: commo
     errors: dict[System, int] = {s: 0 for s in systems}
     per_request: dict[str, Any] = {"items": [], "tokens": []}
     for s in systems:
-        if s in (System.GRAPH, System.ADAPTER_EAGER):
+        if s in (*GRAPH_SYSTEMS, System.ADAPTER_EAGER):
             bench.runner(s).reset_stats()
     completed = 0
     for index, request in enumerate(trace):
@@ -294,8 +311,8 @@ def replay(args: Any, env: common.Env, deadline: common.Deadline, results: commo
                                  for s, v in latencies.items()}
     data["per_request"] = per_request
     data["systems"] = summarize(latencies, errors)
-    if System.GRAPH in systems:
-        data["graph_stats"] = graph_stats(bench.runner(System.GRAPH).stats)
+    for s in (s for s in systems if s in GRAPH_SYSTEMS):
+        data.setdefault("graph_stats", {})[s.value] = graph_stats(bench.runner(s).stats)
     data["seconds"] = round(deadline.elapsed(), 1)
     bench.close()
 
@@ -390,9 +407,12 @@ def render(data: dict[str, Any]) -> str:
                "P99 speedup vs adapter eager", "worst request ratio vs adapter eager", "requests slower than eager",
                "padded share", "eager items"]
     rows = []
-    gs = data.get("graph_stats", {})
+    all_stats = data.get("graph_stats", {})
+    if "padded_share" in all_stats:  # results of before graph_compile was offered: one graph system
+        all_stats = {System.GRAPH.value: all_stats}
     for name, e in data.get("systems", {}).items():
-        graph = name == System.GRAPH.value
+        gs = all_stats.get(name, {})
+        graph = name in all_stats
         rows.append([System(name).label, e["requests"], e["errors"], e.get("mean_ms"), e.get("p50_ms"), e.get("p99_ms"),
                      e.get("speedup_mean_vs_adapter_eager"), e.get("speedup_p99_vs_adapter_eager"),
                      e.get("worst_ratio_vs_adapter_eager"), e.get("slower_than_adapter_eager"),

@@ -13,12 +13,13 @@ slower than eager).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from encgraph.models.layout import LayoutPatch, align_gated_mlp
 from encgraph.models.protocol import BufferSpec, FillRule
 from encgraph.models.qwen_vl import QwenVisionAdapter, UnitGrid, check_window
 
@@ -79,6 +80,12 @@ class Qwen25VLAdapter(QwenVisionAdapter):
     def _init_family(self, module: torch.nn.Module) -> None:
         self.window = check_window(module.window_size, self.merge, int(module.patch_size))
         self.window_rows = self.window**2 * self.merge**2
+
+    def _layout_rewrites(self, module: torch.nn.Module) -> list[Callable[[], LayoutPatch | None]]:
+        # Intermediate size 3420 in every released Qwen2.5-VL tower: misaligned rows (see encgraph.models.layout).
+        return super()._layout_rewrites(module) + [
+            (lambda block=block: align_gated_mlp(block.mlp)) for block in module.blocks
+        ]
 
     def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
         frames = min(max_frames, budget)

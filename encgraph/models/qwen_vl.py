@@ -34,6 +34,7 @@ from encgraph._validate import check_int, describe
 from encgraph.errors import ConfigError, InputError, InputTypeError
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import MIN_TRANSFORMERS, use_packed_attention
+from encgraph.models.layout import LayoutPatch, apply_all, describe_patches, linear_patch_embed, restore_all
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.packing import ItemSpec
 
@@ -199,6 +200,10 @@ class QwenVisionAdapter:
             are split over batches or run eagerly.
         last_hidden_state: also return the tower's pre-merger hidden states (``(rows, hidden)``, in the tower's
             own row order); off by default (it costs an extra output buffer and copy).
+        fast_layout: rewrite layers whose layout keeps the GPU off its fast matmul kernels, exactly and
+            reversibly (:mod:`encgraph.models.layout`): the ``Conv3d`` patch embedding as one matmul, and (Qwen2.5-VL)
+            the gated MLP padded to an intermediate size that is a multiple of 8. On by default; ``unwrap()``
+            undoes it. Off, the tower's layers run as they are.
 
     Buffers per budget ``B`` (``U = merge^2`` rows per token, ``R = B * U``): ``pixels`` ``(R, C*T*P*P)`` tower
     dtype (ZERO), ``position_ids`` ``(R, 2)`` int64 (ZERO), ``cu_seqlens`` ``(min(max_frames, B) + 2,)`` int32
@@ -216,6 +221,7 @@ class QwenVisionAdapter:
         max_budget: int = 4096,
         max_frames_per_item: int = 2,
         last_hidden_state: bool = False,
+        fast_layout: bool = True,
     ) -> None:
         require_transformers(MIN_TRANSFORMERS, f"the {self.family} adapter")
         if not isinstance(module, torch.nn.Module):
@@ -226,8 +232,9 @@ class QwenVisionAdapter:
                 f"module: expected a {self.family} vision tower ({self.tower_class}), got {type(module).__name__} "
                 f"without {missing}."
             )
-        if not isinstance(last_hidden_state, bool):
-            raise InputTypeError(f"last_hidden_state: expected True or False, got {describe(last_hidden_state)}.")
+        for name, flag in (("last_hidden_state", last_hidden_state), ("fast_layout", fast_layout)):
+            if not isinstance(flag, bool):
+                raise InputTypeError(f"{name}: expected True or False, got {describe(flag)}.")
         self._module = module
         self.min_budget = check_int("min_budget", min_budget, minimum=1)
         self.max_budget = check_int("max_budget", max_budget, minimum=self.min_budget)
@@ -242,8 +249,23 @@ class QwenVisionAdapter:
         self._init_family(module)
         self._tables = FrameTableCache(self._compute_tables)
         self._specs: dict[tuple[int, int], ItemSpec] = {}
-        # Last: nothing above may leave the tower switched if it raises.
-        self._switch = use_packed_attention(module)
+        # Last: nothing above may leave the tower changed if it raises.
+        layout = apply_all(self._layout_rewrites(module)) if fast_layout else []
+        try:
+            self._switch = use_packed_attention(module)
+        except BaseException:
+            restore_all(layout)
+            raise
+        self._layout = layout
+
+    def _layout_rewrites(self, module: torch.nn.Module) -> list[Callable[[], LayoutPatch | None]]:
+        """The :mod:`~encgraph.models.layout` rewrites of this family's tower (subclasses add theirs)."""
+        return [lambda: linear_patch_embed(module.patch_embed)]
+
+    @property
+    def layout(self) -> list[str]:
+        """The layout rewrites in force, one line each (empty with ``fast_layout=False`` or after ``unwrap()``)."""
+        return describe_patches([p for p in self._layout if not p.restored])
 
     def _init_family(self, module: torch.nn.Module) -> None:
         """Read family-specific geometry from the tower (subclasses)."""
@@ -541,8 +563,9 @@ class QwenVisionAdapter:
         return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=cat["pooler_output"])
 
     def unwrap(self) -> torch.nn.Module:
-        """Restore the tower's attention implementation and return the tower."""
+        """Restore the tower's attention implementation and layer layout, and return the tower."""
         self._switch.restore()
+        restore_all(self._layout)
         return self._module
 
     def __repr__(self) -> str:

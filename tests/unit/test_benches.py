@@ -211,7 +211,8 @@ def test_towers_time_budget_skips_and_still_writes(tmp_path):
 
 
 def test_traffic_smoke(smoke_dir):
-    traffic.main(FAST + ["--results-dir", str(smoke_dir), "--requests", "6", "--warmup-requests", "1"])
+    traffic.main(FAST + ["--results-dir", str(smoke_dir), "--requests", "6", "--warmup-requests", "1",
+                         "--cost-samples", "3"])
     data = _load(smoke_dir, "traffic")
     assert data["trace"]["completed"] == 6
     graph = data["systems"][System.GRAPH.value]
@@ -219,7 +220,9 @@ def test_traffic_smoke(smoke_dir):
     assert graph["p50_ms"] <= graph["p99_ms"] <= graph["max_ms"]
     assert "worst_ratio_vs_adapter_eager" in graph and 0 <= graph["slower_than_adapter_eager"] <= 6
     assert data["systems"][System.ADAPTER_EAGER.value]["requests"] == 6
-    stats = data["graph_stats"]
+    assert data["planning"].startswith("cost-aware (3 sample")
+    assert data["costs"][System.GRAPH.value]["paths"]["default"]["graph_ms"]
+    stats = data["graph_stats"][System.GRAPH.value]
     assert stats["items"] == sum(data["per_request"]["items"]) and 0 <= stats["padded_share"] < 1
     assert all(len(v) == 6 for v in data["per_request"]["latency_ms"].values())
 
