@@ -23,7 +23,6 @@ names, and otherwise split on ``cu_seqlens.tolist()``, which cannot be captured.
 from __future__ import annotations
 
 import enum
-import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -66,18 +65,29 @@ class AttentionBackend(enum.Enum):
     """SDPA with a block-diagonal boolean mask from ``cu_seqlens``: any device and dtype, tokens^2 memory."""
 
 
-@functools.cache
+_VARLEN: tuple[Callable[..., torch.Tensor] | None, bool] | None = None
+
+
 def _varlen() -> tuple[Callable[..., torch.Tensor] | None, bool]:
-    """``(varlen_attn, takes_scale)``; ``(None, False)`` where this torch build lacks it (older than 2.10)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None, False
-    try:
-        takes_scale = "scale" in inspect.signature(varlen_attn).parameters
-    except (TypeError, ValueError):
-        takes_scale = False
-    return varlen_attn, takes_scale
+    """``(varlen_attn, takes_scale)``; ``(None, False)`` where this torch build lacks it (older than 2.10).
+
+    Memoised in a module global rather than ``functools.cache``: under ``torch.compile`` dynamo reads the global
+    as a constant, whereas it warns about, and traces through, an lru_cache wrapper (the import and the
+    signature inspection) at every compile.
+    """
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _VARLEN = (None, False)
+        else:
+            try:
+                takes_scale = "scale" in inspect.signature(varlen_attn).parameters
+            except (TypeError, ValueError):
+                takes_scale = False
+            _VARLEN = (varlen_attn, takes_scale)
+    return _VARLEN
 
 
 def pick_backend(query: torch.Tensor) -> AttentionBackend:
@@ -256,6 +266,7 @@ def register_attention() -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, hf_attention_forward)
+    _varlen()  # resolved here, eagerly, so that a compiled forward only reads the memo
     return ATTENTION_NAME
 
 
