@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benches import capture, common, floor, plot, towers, traffic  # noqa: E402
+from benches import capture, common, floor, kernel_profile, plot, towers, traffic  # noqa: E402
 from benches.common import System, Visual  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = ("towers", "traffic", "capture", "floor", "plot")
+SCRIPTS = ("towers", "traffic", "capture", "floor", "plot", "kernel_profile")
 FAST = ["--cpu-smoke", "--runs", "1", "--warmup", "0"]
 
 
@@ -304,3 +304,51 @@ def test_compiled_systems_bookkeeping(tmp_path, monkeypatch):
     assert "compile or capture failed" in case["systems"]["graph_compile"]["skipped"]
     assert case["speedup"]["compile_vs_adapter_eager"] > 0
     assert "first call" in towers.render(results.data, tuple(System))
+
+
+# ---------------------------------------------------------------------------------------------------- kernel profile
+@pytest.mark.parametrize("name, kind", [
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_256x128_64x3_tn_align2>", "matmul"),
+    ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN", "matmul"),
+    ("void implicit_convolveNd_sgemm<__nv_bfloat16, 3, 128>", "convolution"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<96, 128>>", "attention"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_9", "fused (triton)"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "copy / cast"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps>>", "reduction / norm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "element-wise"),
+    ("Memcpy HtoD (Pinned -> Device)", "copy / cast"),
+    ("some_custom_kernel", "other"),
+])
+def test_kernel_categories(name, kind):
+    assert kernel_profile.category(name) == kind
+
+
+def test_kernel_profile_summary_and_table():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "dur": 300.0},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "dur": 50.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 10.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0},  # host ops are not device time
+        {"ph": "i", "cat": "kernel", "name": "marker"},
+    ]}
+    records = kernel_profile.device_records(trace)
+    assert len(records) == 4
+    s = kernel_profile.summarize(records, calls=2, median_ms=0.5)
+    assert s["kernel_ms"] == pytest.approx(0.23) and s["idle_ms"] == pytest.approx(0.27)
+    assert s["kernels"] == 2.0
+    assert list(s["categories"]) == ["matmul", "attention", "copy / cast"]
+    assert s["categories"]["matmul"] == {"ms": 0.2, "kernels": 1.0}
+    assert s["top"][0] == {"name": "nvjet_sm90_gemm", "ms": 0.2, "calls": 1.0}
+    data = {"tower": {"label": "T"}, "environment": {"gpu": "G"},
+            "cases": {"1x224": {"floor_ms": 0.25, "systems": {"graph": s, "graph_compile": {"skipped": "skipped: x"}},
+                                "patch_embed": {"rows": 256, "conv_ms": 0.2, "linear_ms": 0.03, "max_abs_diff": 0.0}}}}
+    table = kernel_profile.render(data)
+    assert "| 1x224 | graph | 0.50 | 0.23 | 0.27 | 2.00 | matmul 0.20, attention 0.03, copy / cast 0.01 | 2.00 |" in table
+    assert "| 1x224 | graph_compile | skipped |" in table
+    assert "| 1x224 | 256 | 0.20 | 0.03 | 0 |" in table
+
+
+def test_kernel_profile_refuses_the_cpu_smoke():
+    with pytest.raises(SystemExit, match="no CPU smoke"):
+        kernel_profile.main(["--cpu-smoke"])
