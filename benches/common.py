@@ -628,8 +628,10 @@ class TowerBench:
         self.build_seconds = time.perf_counter() - t0
         self._runners: dict[System, Any] = {}
         self.capture_info: dict[str, Any] | None = None
+        self.graph_budgets: dict[str, tuple[int, ...]] | None = None
+        """Ladders of the ``graph`` runner (default: the adapter's)."""
         self.compile_budgets: dict[str, tuple[int, ...]] | None = None
-        """Ladders of the ``graph_compile`` runner (default: the adapter's whole ladders)."""
+        """Ladders of the ``graph_compile`` runner (default: the ``graph`` runner's)."""
         self.compile_capture_info: dict[str, Any] | None = None
 
     def _wrap(self) -> None:
@@ -687,7 +689,7 @@ class TowerBench:
             runner = EncoderGraphRunner(self.adapter, mode=RunMode.EAGER, progress=False)
         elif system is System.GRAPH:
             mode = RunMode.GRAPH if self.env.cuda else RunMode.STATIC
-            runner = EncoderGraphRunner(self.adapter, mode=mode, progress=False)
+            runner = EncoderGraphRunner(self.adapter, mode=mode, budgets=self.graph_budgets, progress=False)
             self.capture_info = _json_ready(runner.capture())
         elif system is System.COMPILE:
             ref = self.reference_runner()

@@ -185,6 +185,19 @@ def trace_summary(trace: Sequence[tuple[Visual, ...]], geom: common.Geometry, ca
 
 
 # ---------------------------------------------------------------------------------------------------- replay
+def _budgets(text: str) -> tuple[int, ...]:
+    """``"64,448,2048"`` -> ``(64, 448, 2048)`` (argparse ``type``)."""
+    import argparse
+
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected budgets >= 1, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
 def build_parser() -> Any:
     p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=185.0)
     p.add_argument("--tower", choices=tuple(TOWERS), default="qwen2_5_vl_7b", help="the tower (default qwen2_5_vl_7b)")
@@ -200,6 +213,9 @@ def build_parser() -> Any:
                    help="plan the graph systems with a measured cost model (runner.measure_costs on this many "
                         "requests of another seed, so the planner sends a batch eagerly where that is cheaper); "
                         "default 0: the runner's default greedy plan")
+    p.add_argument("--budgets", type=_budgets, default=None,
+                   help="the graph runners' ladder, e.g. 64,448,704,960,1280,1536,2048 (a ladder from "
+                        "encgraph tune / tune_ladder; default: the adapter's)")
     p.add_argument("--image-max-tokens", type=int, default=None,
                    help=f"merged tokens per image at most (default {IMAGE_MAX_TOKENS}; {SMOKE_MAX_TOKENS} with --cpu-smoke)")
     p.add_argument("--video-frame-max-tokens", type=int, default=None,
@@ -250,6 +266,8 @@ def replay(args: Any, env: common.Env, deadline: common.Deadline, results: commo
     spec = TOWERS[args.tower]
     common.log(f"{args.tower}: building")
     bench = common.TowerBench(spec, env, args.systems)
+    if args.budgets is not None:
+        bench.graph_budgets = bench.compile_budgets = {"default": args.budgets}
     trace = generate_trace(args.requests, args.seed)
     caps = Caps(args.image_max_tokens, args.video_frame_max_tokens)
     data["tower"] = {"name": spec.name, "label": spec.label, "params": bench.params}
