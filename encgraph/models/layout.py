@@ -20,7 +20,8 @@ Each rewrite sets an instance ``forward`` on the submodule (the class is untouch
 at views of the padded storage (``param.data``: the same ``Parameter`` objects, no second copy of the weights),
 so the module's original forward and ``state_dict`` keep working while it is wrapped; ``restore()`` gives them
 compact storage again. While wrapped, copy new values into the parameters (``load_state_dict``, ``copy_``) rather
-than rebinding them, and do not move the tower (``.to``): the padded forward reads the storage it was given.
+than rebinding them, and do not move (``.to``) or copy (``copy.deepcopy``) the tower: the padded forward reads
+the storage it was given, and a copy's forward would still read the original's. Unwrap first.
 """
 
 from __future__ import annotations
