@@ -948,6 +948,20 @@ def status_of(entry: Mapping[str, Any] | None) -> str:
     return str(entry.get("skipped") or "-").split(":")[0]
 
 
+def run_script(script: str, args: argparse.Namespace,
+               body: Callable[[argparse.Namespace, Env, Deadline, Results], None],
+               render: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """The skeleton of a script's ``main``: the :class:`Env` and :class:`Deadline` of ``args``, ``body`` filling a
+    :class:`Results` under inference mode, then the table printed last; returns the JSON document."""
+    env = make_env(args)
+    deadline = Deadline(args.time_budget)
+    results = Results(script, args, env)
+    with inference():
+        body(args, env, deadline, results)
+    results.finish(render(results.data))
+    return results.data
+
+
 @contextlib.contextmanager
 def inference() -> Iterator[None]:
     import torch

@@ -158,13 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("kernel_profile.py reads CUDA kernel records; it has no CPU smoke (run it on a GPU)")
     if System.COMPILE in args.systems:
         raise SystemExit("--systems: compile is not offered (a recompile per shape); graph_compile is")
-    env = common.make_env(args)
-    deadline = common.Deadline(args.time_budget)
-    results = common.Results(SCRIPT, args, env)
-    with common.inference():
-        run(args, env, deadline, results)
-    results.finish(render(results.data))
-    return results.data
+    return common.run_script(SCRIPT, args, run, render)
 
 
 def run(args: Any, env: common.Env, deadline: common.Deadline, results: common.Results) -> None:
@@ -216,8 +210,8 @@ def _rows(data: Mapping[str, Any]) -> Iterable[list[Any]]:
                 yield [case, system, common.status_of(s)] + ["-"] * 5
                 continue
             cats = s["categories"]
-            top3 = ", ".join(f"{k} {v['ms']:.2f}" for k, v in list(cats.items())[:4])
-            yield [case, system, s["median_ms"], s["kernel_ms"], s["idle_ms"], s["kernels"], top3,
+            largest = ", ".join(f"{k} {v['ms']:.2f}" for k, v in list(cats.items())[:4])
+            yield [case, system, s["median_ms"], s["kernel_ms"], s["idle_ms"], s["kernels"], largest,
                    round(s["median_ms"] / entry["floor_ms"], 2) if entry["floor_ms"] else None]
 
 

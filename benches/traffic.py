@@ -247,13 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if System.COMPILE in args.systems:
         raise SystemExit("--systems: compile is not offered on traffic (a recompile per request shape)")
     resolve_defaults(args)
-    env = common.make_env(args)
-    deadline = common.Deadline(args.time_budget)
-    results = common.Results(SCRIPT, args, env)
-    with common.inference():
-        replay(args, env, deadline, results)
-    results.finish(render(results.data))
-    return results.data
+    return common.run_script(SCRIPT, args, replay, render)
 
 
 def _order(systems: Sequence[System], index: int) -> list[System]:
