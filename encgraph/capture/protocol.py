@@ -15,6 +15,22 @@ tokens for a token path, items for a batch ladder); the items of the sub-batch o
 order (item ``j`` has ``spec.tokens[path]`` rows), and for the static forward rows past the real tokens are
 padding, which the runner never hands out.
 
+Optional adapter methods (:data:`OPTIONAL_METHODS`; the runner and the serving front use them where present and
+say so in ``stats`` / a log line where absent):
+
+- ``sample_inputs(path, tokens) -> inputs``: synthetic inputs, as a call would pass them (random values, never
+  zeros, on the tower's device and dtype), whose items put about ``tokens`` (the path's budget unit) on ``path``
+  and as little as the adapter allows on other paths; one item where one item can hold ``tokens``. ``capture()``
+  times the eager forward on them for the default cost model, and the self-check compares forwards on them.
+- ``concat(parts) -> inputs``: one inputs object holding the items of every part in order (part 0's first);
+  every part was already validated by ``item_specs``. The serving front coalesces requests with it.
+
+A :class:`ModuleAdapter`'s ``inputs_from_call`` may return :class:`StockCall` for a valid call that the graphs
+cannot answer exactly as the module would (per-layer hidden states or attentions asked for, autograd asked for):
+:func:`encgraph.graphed` then runs the module's own forward (inside the adapter's optional ``stock_context()``,
+which puts back what wrapping changed, e.g. the attention implementation) and counts the reason in
+``stats["eager_reasons"]``.
+
 ``encgraph.models.protocol`` re-exports these names for adapter authors; they live here so that the runner
 (``capture``) does not import the adapter layer (``models``).
 """
@@ -32,7 +48,10 @@ from encgraph._validate import check_int, check_str, describe
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import ItemSpec
 
-__all__ = ["BudgetUnit", "FillRule", "BufferSpec", "PathSpec", "AdapterConfig", "EncoderAdapter", "ModuleAdapter"]
+__all__ = [
+    "BudgetUnit", "FillRule", "BufferSpec", "PathSpec", "AdapterConfig", "EncoderAdapter", "ModuleAdapter", "StockCall",
+    "OPTIONAL_METHODS",
+]
 
 
 class BudgetUnit(enum.Enum):
@@ -156,6 +175,18 @@ class AdapterConfig:
             if p.name == name:
                 return p
         raise ConfigError(f"path: expected one of {list(self.path_names)}, got {name!r}.")
+
+
+@attrs.frozen
+class StockCall:
+    """What ``inputs_from_call`` returns for a call to answer with the module's own forward, and why
+    (``reason``: a short phrase counted in ``stats["eager_reasons"]``, e.g. "output_hidden_states requested")."""
+
+    reason: str = attrs.field(validator=lambda i, a, v: check_str("StockCall.reason", v))
+
+
+OPTIONAL_METHODS = ("sample_inputs", "concat")
+"""Adapter methods the runner and serving use where an adapter has them (see the module docs)."""
 
 
 @runtime_checkable

@@ -13,6 +13,7 @@ from encgraph.capture.protocol import (
     FillRule,
     ModuleAdapter,
     PathSpec,
+    StockCall,
 )
 
-__all__ = ["AdapterConfig", "BudgetUnit", "BufferSpec", "EncoderAdapter", "FillRule", "ModuleAdapter", "PathSpec"]
+__all__ = ["AdapterConfig", "BudgetUnit", "BufferSpec", "EncoderAdapter", "FillRule", "ModuleAdapter", "PathSpec", "StockCall"]
