@@ -89,7 +89,7 @@ class Qwen3VLAdapter(QwenVisionAdapter):
                 f"tower uses {mode!r} with align_corners={corners!r}."
             )
         self.grid_side = int(module.num_grid_per_side)
-        self.deepstack = len(module.deepstack_visual_indexes)
+        self.deepstack = len(getattr(module, "deepstack_visual_indexes", ()))  # Qwen3.5's tower has none
         tower_module = importlib.import_module(type(module).__module__)
         self._output_class = getattr(tower_module, "BaseModelOutputWithDeepstackFeatures", None)
         if self._output_class is None:

@@ -21,6 +21,7 @@ offsets (about 0.02 ms for 8 images on a CPU when the shapes repeat; see benches
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -212,6 +213,17 @@ class QwenVisionAdapter:
 
     family: ClassVar[str] = "Qwen2-VL"
     tower_class: ClassVar[str] = "Qwen2VisionTransformerPretrainedModel"
+    # Per-family facts that the packed-grid families built on this class (encgraph.models.grid_families) set.
+    required_attributes: ClassVar[tuple[str, ...]] = ("patch_embed", "blocks", "merger", "spatial_merge_size")
+    """Attributes a tower of this family has (checked at wrap time)."""
+    call_names: ClassVar[tuple[str, str]] = ("hidden_states", "grid_thw")
+    """The tower forward's two positional parameters: the pixel rows and the grid."""
+    extra_precomputed: ClassVar[frozenset[str]] = frozenset()
+    """Family metadata keywords a caller may pass precomputed (accepted and not used, as ``_PRECOMPUTED``)."""
+    flat_rows: ClassVar[bool] = True
+    """Pixel rows are ``(rows, C*T*P*P)`` (the patch weight's trailing dims flattened); else ``(rows, *dims)``."""
+    clip_attention: ClassVar[bool] = False
+    """The full-attention layers attend over a whole item (all its frames: one sequence), not per frame."""
 
     def __init__(
         self,
@@ -226,7 +238,7 @@ class QwenVisionAdapter:
         require_transformers(MIN_TRANSFORMERS, f"the {self.family} adapter")
         if not isinstance(module, torch.nn.Module):
             raise InputTypeError(f"module: expected a {self.tower_class}, got {describe(module)}.")
-        missing = [a for a in ("patch_embed", "blocks", "merger", "spatial_merge_size") if not hasattr(module, a)]
+        missing = [a for a in self.required_attributes if not hasattr(module, a)]
         if missing:
             raise InputTypeError(
                 f"module: expected a {self.family} vision tower ({self.tower_class}), got {type(module).__name__} "
@@ -240,11 +252,11 @@ class QwenVisionAdapter:
         self.max_budget = check_int("max_budget", max_budget, minimum=self.min_budget)
         self.max_frames_per_item = check_int("max_frames_per_item", max_frames_per_item, minimum=1)
         self.with_last_hidden_state = last_hidden_state
-        self.merge = int(module.spatial_merge_size)
-        weight = module.patch_embed.proj.weight  # (hidden, C, T, P, P)
+        self.merge, weight = self._geometry(module)  # weight: (hidden, C, T, P, P) for the Qwen towers
         self.channels = int(np.prod(weight.shape[1:]))
         self.patch_shape = tuple(int(d) for d in weight.shape[1:])
-        self.hidden = int(weight.shape[0])
+        self.row_shape = (self.channels,) if self.flat_rows else self.patch_shape
+        self.hidden = int(weight.shape[0])  # the width of last_hidden_state (families may change it)
         self._dtype, self._device = tower_dtype_device(module)
         self._init_family(module)
         self._tables = FrameTableCache(self._compute_tables)
@@ -269,6 +281,11 @@ class QwenVisionAdapter:
 
     def _init_family(self, module: torch.nn.Module) -> None:
         """Read family-specific geometry from the tower (subclasses)."""
+
+    def _geometry(self, module: torch.nn.Module) -> tuple[int, torch.Tensor]:
+        """``(spatial merge, patch-embedding weight)``: the weight's dim 0 is the hidden size, its other dims one
+        pixel row (families whose tower keeps them elsewhere override this)."""
+        return int(module.spatial_merge_size), module.patch_embed.proj.weight
 
     # ------------------------------------------------------------------ description
     @property
@@ -307,11 +324,10 @@ class QwenVisionAdapter:
                 f"pixel_values: expected a floating-point tensor (the processor's normalised patches), got "
                 f"{pixel_values.dtype}."
             )
-        c, t, p, q = self.patch_shape
-        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.channels:
+        if tuple(pixel_values.shape[1:]) != self.row_shape:
             raise InputError(
-                f"pixel_values: expected shape (rows, {self.channels}) = (rows, channels {c} * temporal patch {t} * "
-                f"patch {p} * {q}), got {tuple(pixel_values.shape)}; pass the processor's flattened patches."
+                f"pixel_values: expected shape (rows, {', '.join(map(str, self.row_shape))}){self._row_hint()}, got "
+                f"{tuple(pixel_values.shape)}; pass the processor's patches."
             )
         if pixel_values.device != self._device:
             raise InputError(
@@ -338,6 +354,12 @@ class QwenVisionAdapter:
             raise InputTypeError(f"return_dict: expected True or False, got {describe(return_dict)}.")
         return QwenVisionInputs(pixel_values, grid, return_dict)
 
+    def _row_hint(self) -> str:
+        if len(self.patch_shape) == 4 and self.flat_rows:
+            c, t, p, q = self.patch_shape
+            return f" = (rows, channels {c} * temporal patch {t} * patch {p} * {q}), flattened"
+        return ""
+
     def _coerce(self, inputs: Any) -> QwenVisionInputs:
         if isinstance(inputs, QwenVisionInputs):
             return inputs
@@ -355,10 +377,10 @@ class QwenVisionAdapter:
         no per-layer outputs); metadata keywords precomputed from ``grid_thw`` (``cu_seqlens``, ...) are ignored,
         encgraph computes its own. Anything else raises ``InputTypeError``.
         """
-        names = ("hidden_states", "grid_thw")
+        names = self.call_names
         if len(args) > 2:
             raise InputTypeError(
-                f"{self.tower_class}.forward: expected (hidden_states, grid_thw), got {len(args)} positional arguments."
+                f"{self.tower_class}.forward: expected ({', '.join(names)}), got {len(args)} positional arguments."
             )
         values = dict(zip(names, args))
         for name in names:
@@ -366,9 +388,9 @@ class QwenVisionAdapter:
                 if name in values:
                     raise InputTypeError(f"{self.tower_class}.forward: got {name!r} both positionally and by keyword.")
                 values[name] = kwargs.pop(name)
-        if values.get("hidden_states") is None or values.get("grid_thw") is None:
+        if values.get(names[0]) is None or values.get(names[1]) is None:
             raise InputTypeError(
-                f"{self.tower_class}.forward: expected hidden_states (pixel rows) and grid_thw, got "
+                f"{self.tower_class}.forward: expected {names[0]} (pixel rows) and {names[1]}, got "
                 f"{sorted(k for k, v in values.items() if v is not None)}; a graphed tower derives all its metadata "
                 "from grid_thw."
             )
@@ -380,7 +402,7 @@ class QwenVisionAdapter:
                     f"{name}=True: a graphed {self.family} tower records no per-layer outputs; call "
                     "graphed_module.unwrap() (or the original tower) for them."
                 )
-        unknown = sorted(k for k in kwargs if k not in _PRECOMPUTED)
+        unknown = sorted(k for k in kwargs if k not in _PRECOMPUTED and k not in self.extra_precomputed)
         if unknown:
             raise InputTypeError(
                 f"{self.tower_class}.forward: unsupported keyword arguments {unknown} for a graphed tower; expected "
@@ -391,7 +413,7 @@ class QwenVisionAdapter:
                 "return_dict=False: the tower's tuple starts with last_hidden_state, which this adapter does not "
                 "compute; wrap with adapter_options={'last_hidden_state': True}, or use return_dict=True."
             )
-        return self.inputs(values["hidden_states"], values["grid_thw"], return_dict=return_dict)
+        return self.inputs(values[names[0]], values[names[1]], return_dict=return_dict)
 
     def item_specs(self, inputs: Any) -> list[ItemSpec]:
         """One spec per item: ``t*h*w / merge^2`` tokens, ``t`` frames, ``t*h*w`` input rows."""
@@ -406,7 +428,7 @@ class QwenVisionAdapter:
         for r, t in zip(rows, g[:, 0].tolist()):
             spec = cache.get((r, t))
             if spec is None:
-                spec = cache[(r, t)] = ItemSpec(r // self.merge**2, frames=t, input_size=r)
+                spec = cache[(r, t)] = ItemSpec(r // self.merge**2, frames=1 if self.clip_attention else t, input_size=r)
             out.append(spec)
         return out
 
@@ -422,6 +444,25 @@ class QwenVisionAdapter:
             pixels = torch.cat([inputs.pixel_values[int(starts[i]) : int(starts[i + 1])] for i in idx])
         return QwenVisionInputs(pixels, inputs.grid[idx], inputs.return_dict)
 
+    def concat(self, parts: Sequence[Any]) -> QwenVisionInputs:
+        """One inputs object with the items of every part in order (part 0's first; each already validated);
+        ``return_dict`` is part 0's."""
+        items = [self._coerce(part) for part in parts]
+        if not items:
+            raise InputError("parts: expected at least one inputs object, got none.")
+        pixels = torch.cat([part.pixel_values for part in items])
+        return QwenVisionInputs(pixels, np.concatenate([part.grid for part in items]), items[0].return_dict)
+
+    def sample_inputs(self, path: str, tokens: int) -> QwenVisionInputs:
+        """One image of ``a * b`` output tokens, ``a = isqrt(tokens)``, ``b = tokens // a`` (at most ``tokens``, at
+        least ``tokens - a``): standard-normal pixel rows in the tower's dtype on its device."""
+        tokens = check_int("tokens", tokens, minimum=1)
+        a = math.isqrt(tokens)
+        b = tokens // a
+        grid = np.array([[1, a * self.merge, b * self.merge]], dtype=np.int64)
+        pixels = torch.randn(a * b * self.merge**2, *self.row_shape, device=self._device, dtype=self._dtype)
+        return QwenVisionInputs(pixels, grid)
+
     # ------------------------------------------------------------------ buffers and metadata
     def _rows(self, budget: int) -> int:
         return budget * self.merge**2
@@ -429,7 +470,7 @@ class QwenVisionAdapter:
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:
         rows = self._rows(budget)
         specs = {
-            "pixels": BufferSpec((rows, self.channels), self._dtype, FillRule.ZERO),
+            "pixels": BufferSpec((rows, *self.row_shape), self._dtype, FillRule.ZERO),
             "position_ids": BufferSpec((rows, 2), torch.int64, FillRule.ZERO),
             # A frame has at least one token, so a budget holds at most ``budget`` frames; +1 for the leading 0
             # and +1 for the padding sequence (one, of up to ``rows`` rows: the full-attention max_seqlen).
@@ -453,7 +494,8 @@ class QwenVisionAdapter:
         t = grid[:, 0]
         tables = self._tables.lookup(list(zip(grid[:, 1].tolist(), grid[:, 2].tolist())))
         frames = [table for table, n in zip(tables, t.tolist()) for _ in range(n)]
-        frame_rows = np.repeat(grid[:, 1] * grid[:, 2], t)
+        # One attention sequence per frame (per item where the family attends over whole clips).
+        frame_rows = grid.prod(1) if self.clip_attention else np.repeat(grid[:, 1] * grid[:, 2], t)
         cu = np.zeros(frame_rows.shape[0] + 1, dtype=np.int64)
         np.cumsum(frame_rows, out=cu[1:])
         meta = {"cu_seqlens": cu, "position_ids": np.concatenate([f["position_ids"] for f in frames])}
@@ -465,13 +507,17 @@ class QwenVisionAdapter:
         grid = np.concatenate([np.ones((shapes.shape[0], 1), dtype=np.int64), shapes], axis=1)
         units = unit_grid(grid, self.merge)
         rows = shapes[:, 0] * shapes[:, 1]
-        columns = {"position_ids": (rotary_positions(units), rows)}
+        columns = {"position_ids": (self._positions(units), rows)}
         columns.update(self._frame_tables(units))
         out: list[dict[str, np.ndarray]] = [{} for _ in range(shapes.shape[0])]
         for name, (array, sizes) in columns.items():
             for table, part in zip(out, np.split(array, np.cumsum(sizes)[:-1])):
                 table[name] = part
         return out
+
+    def _positions(self, units: UnitGrid) -> np.ndarray:
+        """The rotary ``position_ids`` of single frames, concatenated (patch rows in merge-block order)."""
+        return rotary_positions(units)
 
     def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Family tables of single frames: ``name -> (array, per-frame sizes in dim 0)`` (subclasses)."""
@@ -532,7 +578,8 @@ class QwenVisionAdapter:
 
     def _run(self, pixels: torch.Tensor, tokens: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            out = self._module(pixels, grid_thw=None, return_dict=True, **kwargs)
+            # grid_thw stays None (a tower that read it would fail loudly) unless the family passes a static one.
+            out = self._module(pixels, grid_thw=kwargs.pop("grid_thw", None), return_dict=True, **kwargs)
         named = {"pooler_output": out.pooler_output}
         named.update(self._extra_named(out))
         if self.with_last_hidden_state:
@@ -575,21 +622,24 @@ class QwenVisionAdapter:
         )
 
 
-def _grid_array(grid_thw: Any) -> np.ndarray:
+def _grid_array(grid_thw: Any, name: str = "grid_thw", columns: str = "t, h, w") -> np.ndarray:
+    """``grid_thw`` (or another per-item integer table, ``name`` with ``columns``) as an ``(n, k)`` int64 host
+    array; a device tensor is copied once."""
+    width = len(columns.split(","))
     if isinstance(grid_thw, torch.Tensor):
         if grid_thw.is_floating_point() or grid_thw.is_complex() or grid_thw.dtype == torch.bool:
-            raise InputTypeError(f"grid_thw: expected an integer tensor, got {grid_thw.dtype}.")
+            raise InputTypeError(f"{name}: expected an integer tensor, got {grid_thw.dtype}.")
         grid = grid_thw.detach().to("cpu", torch.int64).numpy()
     elif isinstance(grid_thw, (np.ndarray, list, tuple)):
         grid = np.asarray(grid_thw)
         if grid.dtype.kind not in "iu":
-            raise InputTypeError(f"grid_thw: expected integers, got an array of {grid.dtype}.")
+            raise InputTypeError(f"{name}: expected integers, got an array of {grid.dtype}.")
         grid = grid.astype(np.int64)
     else:
-        raise InputTypeError(f"grid_thw: expected an integer tensor (n, 3), got {describe(grid_thw)}.")
-    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
+        raise InputTypeError(f"{name}: expected an integer tensor (n, {width}), got {describe(grid_thw)}.")
+    if grid.ndim != 2 or grid.shape[1] != width or grid.shape[0] == 0:
         raise InputError(
-            f"grid_thw: expected shape (n, 3) with n >= 1 (t, h, w per image or video), got {tuple(grid.shape)}."
+            f"{name}: expected shape (n, {width}) with n >= 1 ({columns} per image or video), got {tuple(grid.shape)}."
         )
     return grid
 

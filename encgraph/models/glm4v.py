@@ -1,0 +1,76 @@
+"""The GLM-4V vision tower (``Glm4vVisionModel``, config ``Glm4vVisionConfig``: GLM-4.1V and GLM-4.6V; the
+identical ``Glm4vMoeVisionModel`` of GLM-4.5V, config ``Glm4vMoeVisionConfig``).
+
+The Qwen-VL pattern (patch rows in merge-block order, 2-D rotary positions, full attention per frame) with two
+differences:
+
+- **Position embedding.** Each patch adds a learned ``S x S`` table resampled by ``F.grid_sample`` (bicubic) at
+  its coordinates normalised by its frame's ``(h, w)``; the tower finds the frame of each row on the device from
+  ``cu_seqlens`` and reads that frame's shape from ``grid_thw[frame]``. So ``grid_thw`` is not metadata the
+  tower can skip but a device tensor indexed per attention sequence: the static forward passes a per-frame grid
+  buffer (``grid_thw``, ``(frames + 1, 3)`` int64): row ``k`` is ``(1, h, w)`` of sequence ``k``, then one row
+  ``(1, 1, 1)`` for the padding sequence (whose rows sit at coordinate 0: a finite embedding), then zeros (the
+  zero-length sequences past it, which no row belongs to).
+- **Outputs.** After the layers a ``merge x merge`` convolution downsamples to one row per token:
+  ``last_hidden_state`` is ``(tokens, out_hidden)``, ``pooler_output`` the merger's ``(tokens, out_hidden)``;
+  both come back, in ``BaseModelOutputWithPooling``.
+
+Videos: the model flattens a video's ``(t, h, w)`` into ``t`` rows ``(1, h, w)`` before calling the tower
+(``Glm4vModel.get_video_features``), and the tower itself cannot take ``t > 1`` (its frame lookup would read
+the next item's shape, or past the end). The adapter takes either: a row ``(t, h, w)`` is one item of ``t``
+frames, each attending on its own, exactly as the model's flattened call computes it (and packed as one item).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from encgraph.models.protocol import BufferSpec, FillRule
+from encgraph.models.qwen_vl import QwenVisionAdapter, UnitGrid
+
+__all__ = ["Glm4vAdapter", "adapter"]
+
+_PADDING_GRID = np.array([[1, 1, 1]], dtype=np.int64)
+
+
+class Glm4vAdapter(QwenVisionAdapter):
+    """Adapter of a GLM-4V vision tower; see :class:`~encgraph.models.qwen_vl.QwenVisionAdapter` (options and
+    the shared buffers). ``last_hidden_state`` is always returned (one row per token, as ``pooler_output``).
+
+    Extra buffer per budget: ``grid_thw`` ``(min(max_frames, budget) + 1, 3)`` int64, ZERO past the rows the
+    adapter writes (the frames' ``(1, h, w)`` and the padding row).
+    """
+
+    family = "GLM-4V"
+    tower_class = "Glm4vVisionModel"
+    required_attributes = ("patch_embed", "embeddings", "blocks", "downsample", "merger", "spatial_merge_size")
+
+    def _init_family(self, module: torch.nn.Module) -> None:
+        self.with_last_hidden_state = True  # per token after the downsample: as cheap as pooler_output
+        self.hidden = int(module.config.out_hidden_size)
+
+    def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
+        return {"grid_thw": BufferSpec((min(max_frames, budget) + 1, 3), torch.int64, FillRule.ZERO)}
+
+    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        m = self.merge
+        shapes = np.stack((np.ones_like(units.height), units.height * m, units.width * m), axis=1)
+        return {"grid_thw": (shapes, np.ones_like(units.height))}
+
+    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
+        return {"grid_thw": np.concatenate([f["grid_thw"] for f in frames])}
+
+    def _replay_extras(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:
+        return {"grid_thw": torch.from_numpy(np.concatenate((meta.pop("grid_thw"), _PADDING_GRID)))}
+
+    def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
+        return {"grid_thw": buffers["grid_thw"]}
+
+
+def adapter(module: torch.nn.Module, **options: Any) -> Glm4vAdapter:
+    """The registry factory: ``options`` are :class:`Glm4vAdapter`'s keyword arguments."""
+    return Glm4vAdapter(module, **options)
