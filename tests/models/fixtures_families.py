@@ -1,0 +1,251 @@
+"""Tiny random-weight towers and full models of the packed-grid families added after the seed (GLM-4V and
+GLM-4.5V, Qwen3.5 and Qwen3.5-MoE, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V 4.6), built locally (no downloads), and
+one table :data:`FAMILIES` of what their tests need to know about each: how to call the tower, how its output
+fields split into items, whether it has video. Plain functions and records: the test files import them.
+
+Geometry: patch 2, merge 2 (so an item of ``h x w`` patches is ``h*w / 4`` tokens), hidden 32, 2 heads, 2-3
+layers, fp32, eval mode; learned position tables of 4 x 4 (GLM-4V, Qwen3.5, Kimi) or 8 x 8 (MiniCPM), filled with
+random values so that resampling them matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+PATCH = 2
+HIDDEN = 32
+_TEXT = dict(hidden_size=24, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, vocab_size=64, head_dim=12)
+
+
+def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    module = build().eval()
+    with torch.no_grad():  # zero- or constant-initialised tables: random values, so that the lookups matter
+        for name, param in module.named_parameters():
+            if "position_embedding" in name or "pos_embed" in name or name.endswith("class_embedding"):
+                param.normal_()
+    return module
+
+
+# -- vision configs (dicts: the full models take them as sub-configs)
+GLM_VISION = dict(depth=2, hidden_size=HIDDEN, num_heads=2, out_hidden_size=24, intermediate_size=40, patch_size=PATCH,
+                  image_size=8, temporal_patch_size=2, spatial_merge_size=2)
+QWEN35_VISION = dict(depth=2, hidden_size=HIDDEN, intermediate_size=64, num_heads=2, out_hidden_size=24,
+                     patch_size=PATCH, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+ERNIE_VISION = dict(depth=2, hidden_size=HIDDEN, intermediate_size=64, num_heads=2, patch_size=PATCH,
+                    spatial_merge_size=2)
+KIMI_VISION = dict(patch_size=PATCH, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, num_attention_heads=2,
+                   num_hidden_layers=2, hidden_size=HIDDEN, intermediate_size=64)
+MINICPM_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                      image_size=16, patch_size=PATCH, insert_layer_id=1)
+
+
+def glm4v_tower() -> torch.nn.Module:
+    from transformers.models.glm4v.configuration_glm4v import Glm4vVisionConfig
+    from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
+
+    return _seeded(lambda: Glm4vVisionModel._from_config(Glm4vVisionConfig(**GLM_VISION)))
+
+
+def glm4v_moe_tower() -> torch.nn.Module:
+    from transformers.models.glm4v_moe.configuration_glm4v_moe import Glm4vMoeVisionConfig
+    from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeVisionModel
+
+    return _seeded(lambda: Glm4vMoeVisionModel._from_config(Glm4vMoeVisionConfig(**GLM_VISION)))
+
+
+def qwen3_5_tower() -> torch.nn.Module:
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    return _seeded(lambda: Qwen3_5VisionModel._from_config(Qwen3_5VisionConfig(**QWEN35_VISION)))
+
+
+def qwen3_5_moe_tower() -> torch.nn.Module:
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+    return _seeded(lambda: Qwen3_5MoeVisionModel._from_config(Qwen3_5MoeVisionConfig(**QWEN35_VISION)))
+
+
+def ernie_tower() -> torch.nn.Module:
+    from transformers.models.ernie4_5_vl_moe.configuration_ernie4_5_vl_moe import Ernie4_5_VLMoeVisionConfig
+    from transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeVisionTransformerPretrainedModel,
+    )
+
+    config = Ernie4_5_VLMoeVisionConfig(**ERNIE_VISION)
+    return _seeded(lambda: Ernie4_5_VLMoeVisionTransformerPretrainedModel._from_config(config))
+
+
+def kimi_tower() -> torch.nn.Module:
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25VisionModel
+
+    return _seeded(lambda: Kimi_K25VisionModel._from_config(Kimi_K25VisionConfig(**KIMI_VISION)))
+
+
+def minicpm_tower() -> torch.nn.Module:
+    from transformers.models.minicpmv4_6.configuration_minicpmv4_6 import MiniCPMV4_6VisionConfig
+    from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import MiniCPMV4_6VisionModel
+
+    return _seeded(lambda: MiniCPMV4_6VisionModel._from_config(MiniCPMV4_6VisionConfig(**MINICPM_VISION)))
+
+
+# -- full models (a one-layer text model each: only their feature functions run)
+def glm4v_model() -> torch.nn.Module:
+    import transformers as tf
+
+    return _seeded(lambda: tf.Glm4vForConditionalGeneration(tf.Glm4vConfig(vision_config=GLM_VISION, text_config=_TEXT)))
+
+
+def qwen3_5_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(_TEXT, layer_types=["full_attention"])
+    return _seeded(lambda: tf.Qwen3_5ForConditionalGeneration(
+        tf.Qwen3_5Config(vision_config=QWEN35_VISION, text_config=text)))
+
+
+def ernie_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(_TEXT, hidden_size=32, head_dim=16, moe_num_experts=2, moe_k=1, moe_intermediate_size=[16, 16],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]})
+    return _seeded(lambda: tf.Ernie4_5_VLMoeForConditionalGeneration(
+        tf.Ernie4_5_VLMoeConfig(vision_config=ERNIE_VISION, text_config=text)))
+
+
+def kimi_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(model_type="deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=64, n_routed_experts=2,
+                num_experts_per_tok=1, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8,
+                qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1)
+    return _seeded(lambda: tf.Kimi_K25ForConditionalGeneration(
+        tf.Kimi_K25Config(vision_config=KIMI_VISION, projection_hidden_size=HIDDEN, text_config=text)))
+
+
+def minicpm_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(_TEXT, model_type="qwen3_5_text", layer_types=["full_attention"])
+    return _seeded(lambda: tf.MiniCPMV4_6ForConditionalGeneration(
+        tf.MiniCPMV4_6Config(vision_config=MINICPM_VISION, text_config=text)))
+
+
+# -- calling conventions
+def strip(rows: torch.Tensor) -> torch.Tensor:
+    """Patch rows ``(L, C, P, P)`` as MiniCPM's packed strip ``(1, C, P, L*P)``."""
+    return rows.permute(1, 2, 0, 3).reshape(1, rows.shape[1], rows.shape[2], -1)
+
+
+def frames_grid(grid: np.ndarray) -> np.ndarray:
+    """``(t, h, w)`` rows as ``t`` rows ``(1, h, w)``: how GLM-4V's model hands a video to its tower."""
+    return np.repeat(np.concatenate((np.ones((grid.shape[0], 1), np.int64), grid[:, 1:]), axis=1), grid[:, 0], 0)
+
+
+@attrs.frozen
+class Family:
+    """What the family tests need to know about one family.
+
+    ``fields``: per output field, the dim that counts items and what an item has there: ``"rows"`` (``t*h*w``),
+    ``"tokens"`` (``t*h*w / 4``) or ``"frame_tokens"`` (``h*w / 4``: Kimi's pooled output).
+    """
+
+    name: str
+    adapter: str
+    tower: Callable[[], torch.nn.Module]
+    row_shape: tuple[int, ...]
+    fields: dict[str, tuple[int, str]]
+    model: Callable[[], torch.nn.Module] | None = None
+    tower_attr: str = "visual"
+    max_t: int = 1
+    """Frames of the longest video item (1: the tower takes no video, or takes a video as its frames)."""
+    video_t: int = 2
+    """Frames of the video the full model's ``get_video_features`` test sends (0: none)."""
+    call_style: str = "grid"
+    """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
+    ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM)."""
+
+    def pixels(self, grid: np.ndarray, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows = int(grid.prod(1).sum())
+        return torch.randn(rows, *self.row_shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+    def call(self, module: torch.nn.Module, rows: torch.Tensor, grid: np.ndarray, reference: bool = False,
+             **kwargs: Any) -> Any:
+        """Run ``module`` (the tower, or its graphed drop-in) on ``rows`` / ``grid`` in the family's convention;
+        ``reference``: the tower itself (GLM-4V's takes videos as their frames)."""
+        if self.call_style == "strip":
+            return module(strip(rows), target_sizes=torch.from_numpy(grid[:, 1:]), **kwargs)
+        if self.call_style == "glm" and reference:
+            grid = frames_grid(grid)
+        return module(rows, torch.from_numpy(grid), **kwargs)
+
+    def feature_calls(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """``(name, args)`` of the full model's feature functions to test: four images (one over the test
+        ladder's largest budget) and, where the family has video, two videos (MiniCPM: one video of 2 frames,
+        in its video processor's layout ``(frames, C, P, h*w*P)``)."""
+        images = np.array([[1, 4, 8], [1, 12, 12], [1, 4, 4], [1, 8, 4]])  # MiniCPM's merger: multiples of 4
+        calls: list[tuple[str, tuple[Any, ...]]] = []
+        if self.call_style == "strip":
+            calls.append(("get_image_features", (strip(self.pixels(images)), torch.from_numpy(images[:, 1:]))))
+            video = np.array([[1, 4, 8]] * self.video_t)
+            frames = self.pixels(video, seed=1).reshape(self.video_t, 32, *self.row_shape)
+            calls.append(("get_video_features", (torch.cat([strip(f) for f in frames]), torch.from_numpy(video[:1, 1:]))))
+            return calls
+        calls.append(("get_image_features", (self.pixels(images), torch.from_numpy(images))))
+        if self.video_t:
+            videos = np.array([[self.video_t, 4, 4], [self.video_t, 2, 4]])
+            calls.append(("get_video_features", (self.pixels(videos, seed=1), torch.from_numpy(videos))))
+        return calls
+
+    def counts(self, grid: np.ndarray, kind: str) -> list[int]:
+        t, hw = grid[:, 0], grid[:, 1] * grid[:, 2]
+        return {"rows": t * hw, "tokens": t * hw // 4, "frame_tokens": hw // 4}[kind].tolist()
+
+    def split(self, out: Any, grid: np.ndarray) -> list[dict[str, torch.Tensor]]:
+        """Per item, every field of ``out`` (which must be exactly :attr:`fields`)."""
+        assert sorted(k for k, v in out.items() if v is not None) == sorted(self.fields), list(out.keys())
+        parts = {name: torch.split(out[name], self.counts(grid, kind), dim=dim)
+                 for name, (dim, kind) in self.fields.items()}
+        return [{name: p[i] for name, p in parts.items()} for i in range(grid.shape[0])]
+
+
+_QWEN_FIELDS = {"last_hidden_state": (0, "rows"), "pooler_output": (0, "tokens")}
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("glm4v", "Glm4vAdapter", glm4v_tower, (24,), {"last_hidden_state": (0, "tokens"),
+           "pooler_output": (0, "tokens")}, glm4v_model, max_t=3, call_style="glm"),
+    Family("glm4v_moe", "Glm4vAdapter", glm4v_moe_tower, (24,), {"last_hidden_state": (0, "tokens"),
+           "pooler_output": (0, "tokens")}, max_t=3, call_style="glm"),
+    Family("qwen3_5", "Qwen35VLAdapter", qwen3_5_tower, (24,), _QWEN_FIELDS, qwen3_5_model, max_t=3),
+    Family("qwen3_5_moe", "Qwen35VLAdapter", qwen3_5_moe_tower, (24,), _QWEN_FIELDS, max_t=3),
+    Family("ernie4_5_vl", "Ernie45VLAdapter", ernie_tower, (12,), {"last_hidden_state": (0, "rows")}, ernie_model,
+           tower_attr="vision_tower", max_t=4),
+    Family("kimi_k25", "KimiK25Adapter", kimi_tower, (3, PATCH, PATCH), {"last_hidden_state": (0, "rows"),
+           "pooler_output": (0, "frame_tokens")}, kimi_model, tower_attr="vision_tower", max_t=4),
+    Family("minicpmv4_6", "MiniCPMVAdapter", minicpm_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "tokens")},
+           minicpm_model, tower_attr="vision_tower", call_style="strip"),
+)}
+
+
+def random_grid(gen: np.random.Generator, n: int, family: Family, max_side: int = 12) -> np.ndarray:
+    """``n`` items of ``h, w`` in ``2..max_side`` patches (even); where the family takes videos, about a third
+    of them videos of ``2..max_t`` frames."""
+    t = np.where(gen.random(n) < 0.35, gen.integers(2, family.max_t + 1, n), 1) if family.max_t > 1 else np.ones(n)
+    hw = gen.integers(1, max_side // 2 + 1, (n, 2)) * 2
+    return np.concatenate([t[:, None], hw], axis=1).astype(np.int64)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))

@@ -1,0 +1,187 @@
+"""The packed-grid families (GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V 4.6; tiny random towers, CPU,
+fp32): ``graphed(tower)`` (the padded static forward, STATIC mode, and eager for what no budget holds) equals the
+tower's own forward per item, every field, in every grad mode; the full model's feature functions are unchanged
+with the tower replaced by ``graphed(tower)``; the static forward never reads the host (meta device).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import encgraph  # noqa: E402
+from encgraph.capture.records import RunMode  # noqa: E402
+from encgraph.errors import EncgraphError, InputError, InputTypeError  # noqa: E402
+from encgraph.models import known_configs, wrap  # noqa: E402
+from tests.models.fixtures_families import FAMILIES, random_grid, rel_err, strip  # noqa: E402
+
+BUDGETS = [8, 16, 32]  # an item of 12 x 12 patches (36 tokens) runs eagerly
+RTOL = 1e-5
+NAMES = sorted(FAMILIES)
+WITH_MODEL = [name for name in NAMES if FAMILIES[name].model is not None]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny tensors: on a shared 2-core machine two OpenMP threads spin against each other (30x slower, measured).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(params=NAMES)
+def family(request):
+    return FAMILIES[request.param]
+
+
+def per_item(family, tower, rows, grid):
+    starts = np.concatenate(([0], np.cumsum(grid.prod(1))))
+    with torch.no_grad():
+        return [family.split(family.call(tower, rows[starts[i]:starts[i + 1]], grid[i:i + 1], reference=True),
+                             grid[i:i + 1])[0] for i in range(grid.shape[0])]
+
+
+def assert_items_equal(family, out, refs, grid, what=""):
+    for i, (got, ref) in enumerate(zip(family.split(out, grid), refs)):
+        for name in ref:
+            err = rel_err(got[name], ref[name])
+            assert err < RTOL, (what, i, grid[i].tolist(), name, err)
+
+
+def test_registered(family):
+    tower = family.tower()
+    assert type(tower.config).__name__ in known_configs()
+    assert type(wrap(tower)).__name__ == family.adapter
+    assert type(encgraph.graphed(tower).adapter).__name__ == family.adapter
+
+
+def test_graphed_equals_tower_per_item(family):
+    """Random mixes (videos where the family has them), more items than a batch holds and items over the largest
+    budget; one call under no_grad, one plain (a frozen tower), one under inference_mode; each item against the
+    tower's own forward on that item alone."""
+    tower = family.tower()
+    reference = copy.deepcopy(tower)  # its own config: it keeps the original attention while the tower is wrapped
+    tower.requires_grad_(False)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4)
+    gen = np.random.default_rng(3)
+    for case, mode in enumerate((torch.no_grad, torch.enable_grad, torch.inference_mode)):
+        grid = random_grid(gen, 7, family)
+        grid[case] = [1, 12, 12]  # over the largest budget: eager
+        rows = family.pixels(grid, seed=case)
+        with mode():
+            out = family.call(fast, rows, grid)
+        assert type(out) is type(family.call(reference, rows[:16], np.array([[1, 4, 4]]), reference=True))
+        assert all(not t.requires_grad for t in out.values() if t is not None)
+        assert_items_equal(family, out, per_item(family, reference, rows, grid), grid, mode.__name__)
+    stats = fast.stats
+    assert stats["graph_items"] > 0 and stats["eager_items"] > 0
+    assert stats["paths"]["default"]["padded_tokens"] > 0
+
+
+def test_return_tuple(family):
+    tower = family.tower()
+    reference = copy.deepcopy(tower)
+    grid = np.array([[1, 4, 6], [1, 2, 2]])
+    rows = family.pixels(grid)
+    with torch.no_grad():
+        want = family.call(reference, rows, grid, reference=True, return_dict=False)
+        got = family.call(encgraph.graphed(tower, budgets=BUDGETS), rows, grid, return_dict=False)
+    assert isinstance(got, tuple) and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < RTOL
+
+
+@pytest.mark.parametrize("name", WITH_MODEL)
+def test_model_features_unchanged(name):
+    """The model's ``get_image_features`` (and ``get_video_features``), every field, with its tower replaced by
+    ``graphed(tower)``: what the README's one-line drop-in changes."""
+    family = FAMILIES[name]
+    model = family.model()
+    inputs = family.feature_calls()
+    base = model.model
+    with torch.no_grad():
+        want = [getattr(base, fn)(*args) for fn, args in inputs]
+        tower = getattr(base, family.tower_attr)
+        setattr(base, family.tower_attr, encgraph.graphed(tower, budgets=BUDGETS, max_items=2))
+        got = [getattr(base, fn)(*args) for fn, args in inputs]
+    assert getattr(base, family.tower_attr).stats["graph_items"] > 0
+    for (fn, _), a, b in zip(inputs, got, want):
+        assert list(a.keys()) == list(b.keys()), (fn, list(a.keys()), list(b.keys()))
+        for key in b.keys():
+            x, y = (a[key], b[key]) if isinstance(b[key], (tuple, list)) else ((a[key],), (b[key],))
+            assert len(x) == len(y), (fn, key)
+            for i, (p, q) in enumerate(zip(x, y)):
+                assert rel_err(p, q) < RTOL, (fn, key, i)
+    assert getattr(base, family.tower_attr).unwrap() is tower
+
+
+def test_static_forward_reads_nothing_on_the_host(family):
+    """On the meta device every tensor is data-free: ``.item()``, ``.tolist()``, ``nonzero()``, a data-dependent
+    shape or printing a tensor would raise. What runs here is exactly what a CUDA graph captures."""
+    with torch.device("meta"):
+        tower = family.tower()
+    adapter = wrap(tower, min_budget=8, max_budget=32)
+    for budget in (8, 32):
+        specs = adapter.buffer_specs("default", budget, 4, 8)
+        buffers = {n: torch.zeros(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
+        out = adapter.forward_static("default", buffers, budget)
+        assert set(out) == set(adapter.config.path("default").outputs)
+        assert all(t.device.type == "meta" and t.shape[0] == budget for t in out.values())
+
+
+def test_sample_inputs_and_concat(family):
+    tower = family.tower()
+    adapter = wrap(tower)
+    runner = encgraph.EncoderGraphRunner(adapter, budgets=BUDGETS, max_items=4, mode=RunMode.STATIC)
+    for tokens in (8, 21, 32):
+        sample = adapter.sample_inputs("default", tokens)
+        (spec,) = adapter.item_specs(sample)
+        assert tokens - np.sqrt(tokens) <= spec.tokens["default"] <= tokens
+        assert sample.pixel_values.dtype == adapter.config.dtype and sample.pixel_values.abs().sum() > 0
+    grid_a, grid_b = np.array([[1, 4, 6], [1, 2, 2]]), np.array([[1, 6, 6]])
+    parts = [adapter.inputs(strip(family.pixels(g, seed=i)), g[:, 1:]) if family.call_style == "strip"
+             else adapter.inputs(family.pixels(g, seed=i), g) for i, g in enumerate((grid_a, grid_b))]
+    both = adapter.concat(parts)
+    assert adapter.item_specs(both) == adapter.item_specs(parts[0]) + adapter.item_specs(parts[1])
+    with torch.no_grad():
+        separate = runner(parts[0]) + runner(parts[1])
+        together = runner(both)
+    for a, b in zip(together, separate):
+        for name in b:
+            assert rel_err(a[name], b[name]) < RTOL
+
+
+def test_unwrap_restores_the_tower(family):
+    tower = family.tower()
+    before = {id(c): c._attn_implementation for c in _configs(tower)}
+    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    assert fast.unwrap() is tower
+    assert {id(c): c._attn_implementation for c in _configs(tower)} == before
+    assert all("forward" not in m.__dict__ for m in tower.modules())
+
+
+def _configs(tower):
+    return list({id(m.config): m.config for m in tower.modules() if hasattr(m, "config")}.values())
+
+
+def test_bad_inputs(family):
+    fast = encgraph.graphed(family.tower(), budgets=BUDGETS)
+    grid = np.array([[1, 4, 4]])
+    rows = family.pixels(grid)
+    with pytest.raises(InputError, match="patches|rows|strip|sum"):
+        family.call(fast, rows[:-4], grid)
+    with pytest.raises(InputError, match="multiples"):
+        family.call(fast, family.pixels(np.array([[1, 3, 4]])), np.array([[1, 3, 4]]))
+    with pytest.raises(EncgraphError):
+        family.call(fast, rows.to(torch.int64), grid)
+    if family.call_style != "strip":
+        with pytest.raises(InputError, match=r"expected shape \(rows, "):
+            fast(rows.reshape(rows.shape[0], -1)[:, :5], torch.from_numpy(grid))
+        with pytest.raises(InputTypeError, match="foo"):
+            fast(rows, torch.from_numpy(grid), foo=1)
