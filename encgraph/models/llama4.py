@@ -1,4 +1,5 @@
-"""Llama 4 vision towers (``Llama4VisionModel``, config ``Llama4VisionConfig``): fixed 336 px tiles, batch-first,
+"""Llama 4 vision towers (``Llama4VisionModel``, config ``Llama4VisionConfig``): fixed-size tiles (336 px in the
+released models), batch-first,
 on the fixed-resolution batch ladder of :mod:`encgraph.models.fixed`.
 
 The processor cuts each image into tiles of ``image_size`` px (plus a global view) and stacks them as
@@ -15,10 +16,12 @@ The tower reads ``output_hidden_states`` as a flag: any truthy value means the w
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, ClassVar
 
 import torch
 
+from encgraph.errors import ConfigError
 from encgraph.models._hf import require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
 from encgraph.models.fixed import FixedResolutionAdapter
@@ -41,17 +44,31 @@ class Llama4VisionAdapter(FixedResolutionAdapter):
     def __init__(self, module: torch.nn.Module, **options: Any) -> None:
         require_transformers(MIN_TRANSFORMERS, f"the {self.family} adapter")
         super().__init__(module, **options)
+        if self.resized:
+            raise ConfigError(
+                f"image_size: the {self.family} tower's position and rotary tables are built for its config's "
+                f"{self.config_size[0]}x{self.config_size[1]} tiles, got {self.image_size}; leave image_size unset."
+            )
 
     def _has_pooler(self) -> bool:
         return False
 
     def inputs_from_call(self, *args: Any, **kwargs: Any) -> Any:
         slot = self.positional.index("output_hidden_states")
-        if len(args) > slot and args[slot] is not None:
-            args = (*args[:slot], bool(args[slot]), *args[slot + 1 :])
-        if kwargs.get("output_hidden_states") is not None:
-            kwargs["output_hidden_states"] = bool(kwargs["output_hidden_states"])
+        if len(args) > slot:
+            args = (*args[:slot], _as_flag(args[slot]), *args[slot + 1 :])
+        if "output_hidden_states" in kwargs:
+            kwargs["output_hidden_states"] = _as_flag(kwargs["output_hidden_states"])
         return super().inputs_from_call(*args, **kwargs)
+
+
+def _as_flag(value: Any) -> Any:
+    # The tower tests the value's truth only, so an index or a list of indices (valid for other towers) means all;
+    # anything else is left for the shared check to reject.
+    ints = (numbers.Integral,)
+    if isinstance(value, ints) or (isinstance(value, (list, tuple)) and all(isinstance(v, ints) for v in value)):
+        return bool(value)
+    return value
 
 
 def adapter(module: torch.nn.Module, **options: Any) -> Llama4VisionAdapter:

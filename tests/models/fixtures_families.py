@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import pytest
 import torch
 
 PATCH = 2
@@ -31,6 +32,16 @@ def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
             if "position_embedding" in name or "pos_embed" in name or name.endswith("class_embedding"):
                 param.normal_()
     return module
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread while a module's tests run (import it into the test module to use it): with tensors
+    this small, two OpenMP threads on a shared 2-core machine spin against each other (30x slower, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # -- vision configs (dicts: the full models take them as sub-configs)

@@ -18,21 +18,12 @@ import encgraph  # noqa: E402
 from encgraph.capture.records import RunMode  # noqa: E402
 from encgraph.errors import EncgraphError, InputError, InputTypeError  # noqa: E402
 from encgraph.models import known_configs, wrap  # noqa: E402
-from tests.models.fixtures_families import FAMILIES, random_grid, rel_err, strip  # noqa: E402
+from tests.models.fixtures_families import FAMILIES, one_thread, random_grid, rel_err, strip  # noqa: E402, F401
 
 BUDGETS = [8, 16, 32]  # an item of 12 x 12 patches (36 tokens) runs eagerly
 RTOL = 1e-5
 NAMES = sorted(FAMILIES)
 WITH_MODEL = [name for name in NAMES if FAMILIES[name].model is not None]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: on a shared 2-core machine two OpenMP threads spin against each other (30x slower, measured).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(params=NAMES)
