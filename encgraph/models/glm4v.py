@@ -8,9 +8,9 @@ differences:
   its coordinates normalised by its frame's ``(h, w)``; the tower finds the frame of each row on the device from
   ``cu_seqlens`` and reads that frame's shape from ``grid_thw[frame]``. So ``grid_thw`` is not metadata the
   tower can skip but a device tensor indexed per attention sequence: the static forward passes a per-frame grid
-  buffer (``grid_thw``, ``(frames + 1, 3)`` int64): row ``k`` is ``(1, h, w)`` of sequence ``k``, then one row
-  ``(1, 1, 1)`` for the padding sequence (whose rows sit at coordinate 0: a finite embedding), then zeros (the
-  zero-length sequences past it, which no row belongs to).
+  buffer (``grid_thw``, ``(frames + 1, 3)`` int64): row ``k`` is ``(1, h, w)`` of sequence ``k``, the rows past
+  the frames zero, read through ``clamp(min=1)`` (one small device op): the padding sequence's rows, at
+  coordinate 0, get a finite embedding of a 1 x 1 grid, also in the all-padding batch of the capture.
 - **Outputs.** After the layers a ``merge x merge`` convolution downsamples to one row per token:
   ``last_hidden_state`` is ``(tokens, out_hidden)``, ``pooler_output`` the merger's ``(tokens, out_hidden)``;
   both come back, in ``BaseModelOutputWithPooling``.
@@ -34,15 +34,12 @@ from encgraph.models.qwen_vl import QwenVisionAdapter, UnitGrid
 
 __all__ = ["Glm4vAdapter", "adapter"]
 
-_PADDING_GRID = np.array([[1, 1, 1]], dtype=np.int64)
-
-
 class Glm4vAdapter(QwenVisionAdapter):
     """Adapter of a GLM-4V vision tower; see :class:`~encgraph.models.qwen_vl.QwenVisionAdapter` (options and
     the shared buffers). ``last_hidden_state`` is always returned (one row per token, as ``pooler_output``).
 
-    Extra buffer per budget: ``grid_thw`` ``(min(max_frames, budget) + 1, 3)`` int64, ZERO past the rows the
-    adapter writes (the frames' ``(1, h, w)`` and the padding row).
+    Extra buffer per budget: ``grid_thw`` ``(min(max_frames, budget) + 1, 3)`` int64: the frames' ``(1, h, w)``,
+    then ZERO (read as 1: see the module notes).
     """
 
     family = "GLM-4V"
@@ -64,11 +61,8 @@ class Glm4vAdapter(QwenVisionAdapter):
     def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
         return {"grid_thw": np.concatenate([f["grid_thw"] for f in frames])}
 
-    def _replay_extras(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:
-        return {"grid_thw": torch.from_numpy(np.concatenate((meta.pop("grid_thw"), _PADDING_GRID)))}
-
     def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
-        return {"grid_thw": buffers["grid_thw"]}
+        return {"grid_thw": buffers["grid_thw"].clamp(min=1)}
 
 
 def adapter(module: torch.nn.Module, **options: Any) -> Glm4vAdapter:

@@ -126,6 +126,18 @@ def test_static_forward_reads_nothing_on_the_host(family):
         assert all(t.device.type == "meta" and t.shape[0] == budget for t in out.values())
 
 
+def test_all_padding_batch_is_finite(family):
+    """The batch a capture runs (every buffer at its fill rule, no item) gives finite outputs: padding rows never
+    divide by a zero grid or index past a table (NaN there would reach the shared pool)."""
+    from encgraph.capture.buffers import PathBuffers
+
+    adapter = wrap(family.tower())
+    buffers = PathBuffers("default", {16: adapter.buffer_specs("default", 16, 4, 8)}, torch.device("cpu"))
+    with torch.no_grad():
+        out = adapter.forward_static("default", buffers.fill(16, None), 16)
+    assert all(torch.isfinite(t).all() for t in out.values())
+
+
 def test_sample_inputs_and_concat(family):
     tower = family.tower()
     adapter = wrap(tower)
