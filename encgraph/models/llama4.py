@@ -17,14 +17,16 @@ The tower reads ``output_hidden_states`` as a flag: any truthy value means the w
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from encgraph.errors import ConfigError
+from encgraph._validate import check_int
+from encgraph.errors import ConfigError, InputError
 from encgraph.models._hf import require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
-from encgraph.models.fixed import FixedResolutionAdapter
+from encgraph.models.fixed import FixedResolutionAdapter, PixelBatch
 
 __all__ = ["Llama4VisionAdapter", "adapter"]
 
@@ -52,6 +54,18 @@ class Llama4VisionAdapter(FixedResolutionAdapter):
 
     def _has_pooler(self) -> bool:
         return False
+
+    def sample_inputs(self, path: str, tokens: int) -> PixelBatch:
+        """``tokens`` tiles (the budget unit) of standard-normal pixels in the tower's dtype, on its device."""
+        count = check_int("tokens", tokens, minimum=1)
+        pixels = torch.randn(count, self.channels, *self.image_size, device=self._device, dtype=self._dtype)
+        return PixelBatch(pixels)
+
+    def concat(self, parts: Sequence[PixelBatch]) -> PixelBatch:
+        """One batch with the tiles of every part in order; the call options are part 0's."""
+        if not parts:
+            raise InputError("parts: expected at least one PixelBatch, got none.")
+        return PixelBatch(torch.cat([part.pixel_values for part in parts]), parts[0].request)
 
     def inputs_from_call(self, *args: Any, **kwargs: Any) -> Any:
         slot = self.positional.index("output_hidden_states")

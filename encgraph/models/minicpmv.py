@@ -23,6 +23,7 @@ tower's own forward (:class:`~encgraph.models.protocol.StockCall`), as are per-l
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -136,18 +137,14 @@ class MiniCPMVAdapter(QwenVisionAdapter):
         them); ``return_dict`` is honoured; every other keyword is accepted and ignored, as the tower's ``**kwargs``
         does (precomputed metadata included: the adapter computes its own).
         """
-        names = ("pixel_values", "target_sizes", "use_vit_merger")
-        if len(args) > len(names):
+        try:
+            bound = inspect.signature(self._module.forward).bind(*args, **kwargs)
+        except TypeError as error:
             raise InputTypeError(
-                f"{self.tower_class}.forward: expected at most {len(names)} positional arguments "
-                f"({', '.join(names)}), got {len(args)}."
-            )
-        values = dict(zip(names, args))
-        for name in names:
-            if name in kwargs:
-                if name in values:
-                    raise InputTypeError(f"{self.tower_class}.forward: got {name!r} both positionally and by keyword.")
-                values[name] = kwargs.pop(name)
+                f"{self.tower_class}.forward(pixel_values, target_sizes, use_vit_merger=True, **kwargs): {error}."
+            ) from None
+        values = dict(bound.arguments)
+        kwargs = values.pop("kwargs", {})
         if values.get("pixel_values") is None or values.get("target_sizes") is None:
             raise InputTypeError(
                 f"{self.tower_class}.forward: expected pixel_values and target_sizes, got "

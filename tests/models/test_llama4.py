@@ -89,3 +89,18 @@ def test_hidden_states_flag_as_the_tower_reads_it():
     assert len(out.hidden_states) == len(ref.hidden_states) == LAYERS + 1
     for a, b in zip(out.hidden_states, ref.hidden_states):
         assert_items_close(a, b)
+
+
+def test_sample_inputs_and_concat():
+    fast = graphed_tower(tiny_llama4())
+    adapter = fast.adapter
+    sample = adapter.sample_inputs("default", 3)
+    assert adapter.item_specs(sample) == [adapter.item_specs(sample)[0]] * 3
+    assert sample.pixel_values.shape == (3, 3, SIZE, SIZE) and sample.pixel_values.abs().sum() > 0
+    both = adapter.concat([sample, adapter.sample_inputs("default", 2)])
+    with torch.no_grad():
+        got = fast.runner(both)
+        want = fast.inner(both.pixel_values).last_hidden_state
+    assert len(got) == 5
+    for i, item in enumerate(got):
+        assert_items_close(item["last_hidden_state"], want[i : i + 1])
