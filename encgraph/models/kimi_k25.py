@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from encgraph.errors import ConfigError, InputError
+from encgraph.models._hf import require_transformers
 from encgraph.models.protocol import BufferSpec, FillRule
 from encgraph.models.qwen_vl import QwenVisionAdapter, QwenVisionInputs, UnitGrid
 
@@ -129,8 +130,6 @@ class KimiK25Adapter(QwenVisionAdapter):
         return kernel[0], module.patch_embed.proj.weight
 
     def _init_family(self, module: torch.nn.Module) -> None:
-        from encgraph.models._hf import require_transformers
-
         require_transformers(MIN_TRANSFORMERS, f"the {self.family} adapter")
         config = module.config
         if int(config.pos_emb_height) != int(config.pos_emb_width):

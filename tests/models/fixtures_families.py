@@ -182,9 +182,18 @@ class Family:
     """Frames of the longest video item (1: the tower takes no video, or takes a video as its frames)."""
     video_t: int = 2
     """Frames of the video the full model's ``get_video_features`` test sends (0: none)."""
+    min_transformers: str = "5.15"
+    """The lowest transformers the adapter takes (the tests skip below it)."""
     call_style: str = "grid"
     """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
     ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM)."""
+
+    def skip_if_unsupported(self) -> None:
+        from encgraph.models._hf import _parse, transformers_version
+
+        installed = transformers_version() or "0"
+        if _parse(installed) < _parse(self.min_transformers):
+            pytest.skip(f"the {self.name} adapter needs transformers>={self.min_transformers}, found {installed}")
 
     def pixels(self, grid: np.ndarray, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows = int(grid.prod(1).sum())
@@ -242,9 +251,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("ernie4_5_vl", "Ernie45VLAdapter", ernie_tower, (12,), {"last_hidden_state": (0, "rows")}, ernie_model,
            tower_attr="vision_tower", max_t=4),
     Family("kimi_k25", "KimiK25Adapter", kimi_tower, (3, PATCH, PATCH), {"last_hidden_state": (0, "rows"),
-           "pooler_output": (0, "frame_tokens")}, kimi_model, tower_attr="vision_tower", max_t=4),
+           "pooler_output": (0, "frame_tokens")}, kimi_model, tower_attr="vision_tower", max_t=4,
+           min_transformers="5.24"),
     Family("minicpmv4_6", "MiniCPMVAdapter", minicpm_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "tokens")},
-           minicpm_model, tower_attr="vision_tower", call_style="strip"),
+           minicpm_model, tower_attr="vision_tower", min_transformers="5.24", call_style="strip"),
 )}
 
 

@@ -28,6 +28,7 @@ WITH_MODEL = [name for name in NAMES if FAMILIES[name].model is not None]
 
 @pytest.fixture(params=NAMES)
 def family(request):
+    FAMILIES[request.param].skip_if_unsupported()
     return FAMILIES[request.param]
 
 
@@ -93,6 +94,7 @@ def test_model_features_unchanged(name):
     """The model's ``get_image_features`` (and ``get_video_features``), every field, with its tower replaced by
     ``graphed(tower)``: what the README's one-line drop-in changes."""
     family = FAMILIES[name]
+    family.skip_if_unsupported()
     model = family.model()
     inputs = family.feature_calls()
     base = model.model

@@ -20,6 +20,11 @@ from tests.models.fixtures_families import FAMILIES, one_thread, random_grid  # 
 KIMI = FAMILIES["kimi_k25"]
 
 
+@pytest.fixture(autouse=True)
+def supported():
+    KIMI.skip_if_unsupported()
+
+
 def grids(count=25):
     gen = np.random.default_rng(7)
     for case in range(count):
@@ -80,3 +85,12 @@ def test_runner_results_hold_the_pooled_tokens_first():
     assert video["pooler_output"].shape[0] == 12 and video["last_hidden_state"].shape[0] == 12  # t*h*w/4 units
     assert video["pooler_output"][4:].abs().max() == 0 and video["pooler_output"][:4].abs().min() > 0
     torch.testing.assert_close(out.pooler_output, torch.cat([video["pooler_output"][:4], image["pooler_output"]]))
+
+
+def test_older_transformers_is_refused(monkeypatch):
+    import transformers
+
+    tower = KIMI.tower()
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(encgraph.VersionError, match=r"Kimi-K2.5 adapter needs transformers>=5.24, found 5.17.0"):
+        wrap(tower)

@@ -21,6 +21,11 @@ from tests.models.fixtures_families import FAMILIES, MINICPM_VISION, one_thread,
 MINICPM = FAMILIES["minicpmv4_6"]
 
 
+@pytest.fixture(autouse=True)
+def supported():
+    MINICPM.skip_if_unsupported()
+
+
 def sizes(count=25):
     gen = np.random.default_rng(5)
     for case in range(count):
@@ -86,3 +91,12 @@ def test_bad_strips(pixels, sizes_, error, match):
     fast = encgraph.graphed(MINICPM.tower(), budgets=[8, 16])
     with pytest.raises(error, match=match):
         fast(pixels, target_sizes=sizes_)
+
+
+def test_older_transformers_is_refused(monkeypatch):
+    import transformers
+
+    tower = MINICPM.tower()
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(encgraph.VersionError, match=r"MiniCPM-V 4.6 adapter needs transformers>=5.24, found 5.17.0"):
+        wrap(tower)
