@@ -48,6 +48,9 @@ CASES = 12
 HF_CASES = 3  # the HF forward per item is slow (launch-bound, one call per item)
 HF_RTOL = 2e-2  # bf16, 8 layers, packed varlen attention vs the tower's own SDPA, per item (norm-relative)
 STATIC_RTOL = 1e-3  # where replay and the eager static forward are not bit-exact (max-relative)
+STATIC_RTOL_FOR = {("kimi_k25", "pooler_output"): 1e-2}
+"""Kimi-K2.5 pools a video's frames with ``index_add_``, float32 atomics on CUDA: their order differs between any
+two runs, so a pooled value near a bf16 rounding boundary can differ by one bf16 step (up to 2^-8 relative)."""
 NEEDS_524 = {"kimi_k25", "minicpmv4_6"}
 PACKED = ("glm4v", "qwen3_5", "ernie4_5_vl", "kimi_k25", "minicpmv4_6")
 
@@ -139,6 +142,7 @@ def check_packed(name: str, run: Run) -> dict[str, Any]:
     poison.pixel_values.fill_(float("nan"))
     with torch.inference_mode():
         assert torch.isnan(graph(poison)[0][adapter.output_names[0]]).all()
+    assert graph.stats["eager_items"] == 0  # it ran on the largest graph (or its static forward)
 
     gen = np.random.default_rng(0)
     exact = total = 0
@@ -158,7 +162,7 @@ def check_packed(name: str, run: Run) -> dict[str, Any]:
                 else:
                     err = rel(g[key], w[key], "max")
                     worst_static = max(worst_static, err)
-                    assert err < STATIC_RTOL, (name, case, i, grid[i].tolist(), key, err)
+                    assert err < STATIC_RTOL_FOR.get((name, key), STATIC_RTOL), (name, case, i, grid[i].tolist(), key, err)
         if case < HF_CASES:
             refs = hf_per_item(name, reference, rows, grid)
             for i, (g, ref) in enumerate(zip(got, refs)):
@@ -216,6 +220,7 @@ def check_llama4(run: Run) -> dict[str, Any]:
 
     with torch.inference_mode():
         assert torch.isnan(graph(PixelBatch(tiles(ladder[-1]).fill_(float("nan"))))[0]["last_hidden_state"]).all()
+    assert graph.stats["eager_items"] == 0
     exact = total = 0
     worst_static = worst_hf = 0.0
     for n in (1, 3, 8, 13, 16, 21) if run.mode is RunMode.GRAPH else (1, 3):
