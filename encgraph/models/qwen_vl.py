@@ -1,5 +1,7 @@
 """What the Qwen-VL vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) share: inputs, host-side metadata, buffers,
-forwards and the Hugging Face output type.
+forwards and the Hugging Face output type; the base, too, of the packed-grid families that follow the same
+pattern (Qwen3.5, GLM-4V, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V), which set its per-family facts (class attributes)
+and hooks.
 
 The towers take ``(pixel_values, grid_thw)``: ``pixel_values`` is ``(rows, C*T*P*P)``, one row per patch (``T``
 frames of ``P x P`` pixels of ``C`` channels), items concatenated; ``grid_thw`` is ``(n, 3)``, per item its
@@ -213,7 +215,8 @@ class QwenVisionAdapter:
 
     family: ClassVar[str] = "Qwen2-VL"
     tower_class: ClassVar[str] = "Qwen2VisionTransformerPretrainedModel"
-    # Per-family facts that the packed-grid families built on this class (encgraph.models.grid_families) set.
+    # Per-family facts, set by the families built on this class that differ from the Qwen-VL towers (GLM-4V,
+    # ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V; the table of all families is encgraph.models._builtin_families).
     required_attributes: ClassVar[tuple[str, ...]] = ("patch_embed", "blocks", "merger", "spatial_merge_size")
     """Attributes a tower of this family has (checked at wrap time)."""
     call_names: ClassVar[tuple[str, str]] = ("hidden_states", "grid_thw")
