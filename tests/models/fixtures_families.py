@@ -116,6 +116,14 @@ def glm4v_model() -> torch.nn.Module:
     return _seeded(lambda: tf.Glm4vForConditionalGeneration(tf.Glm4vConfig(vision_config=GLM_VISION, text_config=_TEXT)))
 
 
+def glm46v_model() -> torch.nn.Module:
+    import transformers as tf
+
+    config = tf.Glm46VConfig(vision_config=dict(GLM_VISION, model_type="glm4v_vision"),
+                             text_config=dict(_TEXT, model_type="glm4v_text"))
+    return _seeded(lambda: tf.Glm46VForConditionalGeneration(config))
+
+
 def qwen3_5_model() -> torch.nn.Module:
     import transformers as tf
 
@@ -182,6 +190,8 @@ class Family:
     """Frames of the longest video item (1: the tower takes no video, or takes a video as its frames)."""
     video_t: int = 2
     """Frames of the video the full model's ``get_video_features`` test sends (0: none)."""
+    tower_tests: bool = True
+    """False: the family's tower is another family's (GLM-4.6V's is GLM-4.1V's): only its model is tested."""
     min_transformers: str = "5.15"
     """The lowest transformers the adapter takes (the tests skip below it)."""
     call_style: str = "grid"
@@ -246,6 +256,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "pooler_output": (0, "tokens")}, glm4v_model, max_t=3, call_style="glm"),
     Family("glm4v_moe", "Glm4vAdapter", glm4v_moe_tower, (24,), {"last_hidden_state": (0, "tokens"),
            "pooler_output": (0, "tokens")}, max_t=3, call_style="glm"),
+    Family("glm46v", "Glm4vAdapter", glm4v_tower, (24,), {"last_hidden_state": (0, "tokens"),
+           "pooler_output": (0, "tokens")}, glm46v_model, max_t=3, call_style="glm", tower_tests=False),
     Family("qwen3_5", "Qwen35VLAdapter", qwen3_5_tower, (24,), _QWEN_FIELDS, qwen3_5_model, max_t=3),
     Family("qwen3_5_moe", "Qwen35VLAdapter", qwen3_5_moe_tower, (24,), _QWEN_FIELDS, max_t=3),
     Family("ernie4_5_vl", "Ernie45VLAdapter", ernie_tower, (12,), {"last_hidden_state": (0, "rows")}, ernie_model,
