@@ -33,24 +33,12 @@ import torch
 from encgraph.errors import ConfigError, InputError
 from encgraph.models._hf import require_transformers
 from encgraph.models.protocol import BufferSpec, FillRule
-from encgraph.models.qwen_vl import QwenVisionAdapter, QwenVisionInputs, UnitGrid
+from encgraph.models.qwen_vl import QwenVisionAdapter, QwenVisionInputs, UnitGrid, raster_positions
 
-__all__ = ["KimiK25Adapter", "adapter", "bicubic_taps", "merge_layout", "raster_positions"]
+__all__ = ["KimiK25Adapter", "adapter", "bicubic_taps", "merge_layout"]
 
 MIN_TRANSFORMERS = "5.24"  # 5.17's tower pools through a (tokens, t, 4) gather index that cannot mix frame counts
 TAPS = 16  # bicubic: 4 per axis
-
-
-def raster_positions(units: UnitGrid) -> np.ndarray:
-    """``(rows, 2)`` int64 ``(row, col)`` of every patch of the frames of ``units``, raster order within each."""
-    m = units.merge
-    height, width = units.height * m, units.width * m
-    frame = np.repeat(np.arange(height.shape[0]), height * width)
-    start = np.zeros(height.shape[0], dtype=np.int64)
-    np.cumsum((height * width)[:-1], out=start[1:])
-    within = np.arange(frame.shape[0]) - start[frame]
-    row = within // width[frame]
-    return np.stack((row, within - row * width[frame]), axis=1)
 
 
 def _bicubic_axis(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:

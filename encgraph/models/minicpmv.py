@@ -36,7 +36,15 @@ from encgraph.errors import ConfigError, InputError, InputTypeError
 from encgraph.models._hf import require_transformers
 from encgraph.models.protocol import BufferSpec, FillRule, StockCall
 from encgraph.models.qwen2_5_vl import window_layout
-from encgraph.models.qwen_vl import _RECORDING, QwenVisionAdapter, QwenVisionInputs, UnitGrid, _grid_array, unit_grid
+from encgraph.models.qwen_vl import (
+    _RECORDING,
+    QwenVisionAdapter,
+    QwenVisionInputs,
+    UnitGrid,
+    _grid_array,
+    raster_positions,
+    unit_grid,
+)
 
 __all__ = ["MiniCPMVAdapter", "adapter", "nearest_positions"]
 
@@ -44,15 +52,16 @@ MIN_TRANSFORMERS = "5.24"  # 5.17's merger assumes every image of a call has the
 WINDOW = 2  # the merger's window side, in patches (the tower halves target_sizes after it: it must be 2)
 
 
-def nearest_positions(height: np.ndarray, width: np.ndarray, boundaries: np.ndarray, side: int) -> np.ndarray:
-    """Flat rows of the ``side x side`` position table, per patch of frames ``(height[k], width[k])`` in raster
-    order: the bucket of ``i / h`` among ``boundaries`` (float32), as ``get_vision_nearest_position_ids``."""
-    out = []
-    for h, w in zip(height.tolist(), width.tolist()):
-        rows = np.searchsorted(boundaries, np.arange(h, dtype=np.float32) / np.float32(h), side="right")
-        cols = np.searchsorted(boundaries, np.arange(w, dtype=np.float32) / np.float32(w), side="right")
-        out.append((rows[:, None] * side + cols[None, :]).reshape(-1))
-    return np.concatenate(out).astype(np.int64)
+def nearest_positions(units: UnitGrid, boundaries: np.ndarray, side: int) -> np.ndarray:
+    """Per patch of the frames of ``units`` (raster order), its row of the flattened ``side x side`` position
+    table: the bucket among ``boundaries`` (float32) of ``row / h`` and of ``col / w``, as
+    ``transformers.vision_utils.get_vision_nearest_position_ids`` computes them (``(rows,)`` int64)."""
+    positions = raster_positions(units)
+    m = units.merge
+    frame = np.repeat(np.arange(units.height.shape[0]), units.height * units.width * m * m)
+    shape = np.stack((units.height * m, units.width * m), axis=1)[frame].astype(np.float32)
+    buckets = np.searchsorted(boundaries, positions.astype(np.float32) / shape, side="right")
+    return (buckets[:, 0] * side + buckets[:, 1]).astype(np.int64)
 
 
 class MiniCPMVAdapter(QwenVisionAdapter):
@@ -162,8 +171,7 @@ class MiniCPMVAdapter(QwenVisionAdapter):
 
     # -- metadata
     def _positions(self, units: UnitGrid) -> np.ndarray:
-        m = units.merge
-        return nearest_positions(units.height * m, units.width * m, self.boundaries, self.table_side)
+        return nearest_positions(units, self.boundaries, self.table_side)
 
     def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         if not self.merges:

@@ -49,6 +49,7 @@ __all__ = [
     "check_window",
     "frame_bounds",
     "patch_coords",
+    "raster_positions",
     "rotary_positions",
     "unit_grid",
 ]
@@ -152,6 +153,18 @@ def rotary_positions(units: UnitGrid) -> np.ndarray:
     ``transformers.vision_utils.get_vision_position_ids`` lays them out."""
     row, col = patch_coords(units)
     return np.stack((row, col), axis=1)
+
+
+def raster_positions(units: UnitGrid) -> np.ndarray:
+    """``(rows, 2)`` int64 ``(row, col)`` of every patch of the frames of ``units``, raster order within each."""
+    m = units.merge
+    height, width = units.height * m, units.width * m
+    frame = np.repeat(np.arange(height.shape[0]), height * width)
+    start = np.zeros(height.shape[0], dtype=np.int64)
+    np.cumsum((height * width)[:-1], out=start[1:])
+    within = np.arange(frame.shape[0]) - start[frame]
+    row = within // width[frame]
+    return np.stack((row, within - row * width[frame]), axis=1)
 
 
 class FrameTableCache:

@@ -13,8 +13,8 @@ vision_utils = pytest.importorskip("transformers.vision_utils")
 import encgraph  # noqa: E402
 from encgraph.errors import InputError  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
-from encgraph.models.kimi_k25 import bicubic_taps, merge_layout, raster_positions  # noqa: E402
-from encgraph.models.qwen_vl import unit_grid  # noqa: E402
+from encgraph.models.kimi_k25 import bicubic_taps, merge_layout  # noqa: E402
+from encgraph.models.qwen_vl import raster_positions, unit_grid  # noqa: E402
 from tests.models.fixtures_families import FAMILIES, one_thread, random_grid  # noqa: E402, F401
 
 KIMI = FAMILIES["kimi_k25"]
