@@ -193,3 +193,15 @@ def test_bad_inputs(family):
             fast(rows.reshape(rows.shape[0], -1)[:, :5], torch.from_numpy(grid))
         with pytest.raises(InputTypeError, match="foo"):
             fast(rows, torch.from_numpy(grid), foo=1)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.items() if f.min_transformers != "5.15"))
+def test_older_transformers_is_refused(name, monkeypatch):
+    """Kimi-K2.5 and MiniCPM-V (whose towers exist, and differ, in older releases) refuse them at wrap time."""
+    import transformers
+
+    family = FAMILIES[name]
+    tower = family.tower()
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(encgraph.VersionError, match=rf"adapter needs transformers>={family.min_transformers}, found 5\.17"):
+        wrap(tower)

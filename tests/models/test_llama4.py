@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -61,12 +62,14 @@ class TestLlama4(FixedTowerTests):
             tf.Llama4Config(vision_config=_VISION, text_config=text, image_token_index=IMAGE_TOKEN)
         ).eval()
         pixels = images(5, seed=3)
+        # transformers 5.17 requires (and ignores) a feature-selection strategy; 5.24 dropped the parameter.
+        extra = ("default",) if "vision_feature_select_strategy" in inspect.signature(model.get_image_features).parameters else ()
         with torch.no_grad():
-            ref = model.get_image_features(pixels)
+            ref = model.get_image_features(pixels, *extra)
             ref_projected = model.multi_modal_projector(ref.last_hidden_state)
             tower = model.vision_model
             model.vision_model = graphed_tower(tower)
-            features = model.get_image_features(pixels)
+            features = model.get_image_features(pixels, *extra)
             projected = model.multi_modal_projector(features.last_hidden_state)
         assert model.vision_model.stats["graph_items"] == 5
         assert_outputs_match(features, ref)
