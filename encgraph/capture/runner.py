@@ -14,14 +14,13 @@ Phases, in the order a runner lives through them:
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import logging
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
