@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EncoderGraphRunner",
+    "RunMode",
     "graphed",
     "EncgraphError",
     "ConfigError",
@@ -36,11 +37,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from encgraph.capture.records import RunMode
     from encgraph.capture.runner import EncoderGraphRunner
     from encgraph.models.graphed import graphed
 
 _LAZY = {
     "EncoderGraphRunner": ("encgraph.capture.runner", "EncoderGraphRunner"),
+    "RunMode": ("encgraph.capture.records", "RunMode"),
     "graphed": ("encgraph.models.graphed", "graphed"),
 }
 

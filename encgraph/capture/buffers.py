@@ -12,10 +12,11 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import BufferSpec, FillRule
 from encgraph.errors import ConfigError, InputError
 
-__all__ = ["PathBuffers", "sequence_bounds"]
+__all__ = ["PathBuffers", "PathOutputs", "sequence_bounds"]
 
 
 def sequence_bounds(values: np.ndarray, slots: int, total: int, chunk: int) -> np.ndarray:
@@ -66,6 +67,10 @@ class PathBuffers:
                     f"{sorted(names)} at budget {budgets[0]}; every budget of a path must declare the same buffers."
                 )
         self.storage: dict[str, torch.Tensor] = {}
+        with persistent():  # never inference tensors: later calls in any grad mode write them (rule 12)
+            self._allocate(path, budgets, names)
+
+    def _allocate(self, path: str, budgets: list[int], names: set[str]) -> None:
         for name in sorted(names):
             ref = self.specs[budgets[0]][name]
             rows = 0
@@ -78,8 +83,8 @@ class PathBuffers:
                         f"{ref.dtype} {ref.fill.name}."
                     )
                 rows = max(rows, spec.shape[0])
-            self.storage[name] = torch.zeros((rows, *ref.shape[1:]), dtype=ref.dtype, device=device)
-        self._arange = torch.arange(max((t.shape[0] for t in self.storage.values()), default=0), device=device)
+            self.storage[name] = torch.zeros((rows, *ref.shape[1:]), dtype=ref.dtype, device=self.device)
+        self._arange = torch.arange(max((t.shape[0] for t in self.storage.values()), default=0), device=self.device)
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +107,38 @@ class PathBuffers:
             spec = self.specs[budget][name]
             _fill_one(name, view, values.get(name), spec, self._arange)
         return views
+
+
+class PathOutputs:
+    """The output buffers every captured graph of one path writes: ``name -> (largest budget, ...)`` tensors,
+    allocated outside the graph pool at the first capture of the path, from that forward's outputs.
+
+    A budget's graph copies its outputs into ``view(budget)`` (the leading ``budget`` rows) as its last kernels,
+    so the graphs hold no outputs of their own in the pool (whose memory then stays that of the largest graph,
+    however many budgets the ladder has). Lifetime: valid until the next replay of any graph of the path; the
+    runner copies the used rows out unless ``copy_outputs=False``.
+    """
+
+    def __init__(self, path: str, device: torch.device) -> None:
+        self.path = path
+        self.device = device
+        self.storage: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.storage.values())
+
+    def ensure(self, outputs: Mapping[str, torch.Tensor], ladder: tuple[int, ...]) -> None:
+        """Allocate the buffers (``max(ladder)`` rows, the trailing shape and dtype of ``outputs``) once."""
+        if self.storage:
+            return
+        rows = max(ladder)
+        with persistent():
+            for name, t in outputs.items():
+                self.storage[name] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=self.device)
+
+    def view(self, budget: int) -> dict[str, torch.Tensor]:
+        return {name: t[:budget] for name, t in self.storage.items()}
 
 
 def _fill_one(

@@ -14,20 +14,21 @@ Phases, in the order a runner lives through them:
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import logging
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from encgraph._validate import check_int, describe
-from encgraph.capture.buffers import PathBuffers
+from encgraph.capture.buffers import PathBuffers, PathOutputs
+from encgraph.capture.compiling import CompileMode, resolve_compile
+from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import AdapterConfig, BudgetUnit, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
 from encgraph.capture.stats import RunStats
@@ -38,8 +39,8 @@ from encgraph.packing import (
     Limits,
     Plan,
     TunedLadder,
-    budget_ladder,
     default_limits,
+    dense_ladder,
     normalize_ladders,
     pack,
     tune_ladder,
@@ -50,6 +51,11 @@ __all__ = ["EncoderGraphRunner", "CAPTURE_FAILED", "EAGER_MODE"]
 log = logging.getLogger("encgraph")
 
 CAPTURE_FAILED = "capture failed at that budget"
+TOKEN_RATIO = 1.2
+"""Default ladder spacing of token paths: a single item pads by at most ~20%, ~9% on average (log-uniform
+sizes), which the cost-aware planner then trims further by packing items together."""
+ITEM_RATIO = 1.25
+"""Default ladder spacing of item paths (batch sizes 1, 2, 3, 4, 5, 6, 8, 10, ...)."""
 EAGER_MODE = "runner in eager mode"
 
 
@@ -59,7 +65,8 @@ class EncoderGraphRunner:
     Args:
         adapter: an :class:`~encgraph.capture.protocol.EncoderAdapter` (see ``encgraph.models.wrap``).
         budgets: the ladder of one path (an iterable of ints) or ``{path: ladder}``; default: per path,
-            ``budget_ladder(min_budget, max_budget, allow_zero=allow_empty)`` from the adapter.
+            ``dense_ladder(min_budget, max_budget, allow_zero=allow_empty)`` from the adapter (neighbours about
+            1.2x apart above a few multiples of the smallest, so a single item pads by at most ~20%).
         max_items, max_frames: per-batch limits; defaults from :func:`encgraph.packing.default_limits`.
         device: must be where the adapter's tower lives; default the adapter's device.
         mode: :class:`RunMode`; default ``GRAPH`` on CUDA, ``STATIC`` on CPU.
@@ -68,17 +75,28 @@ class EncoderGraphRunner:
             graphs' output buffers, **valid only until the next call** of this runner.
         warmup: eager runs of each budget's static forward on the side stream before its capture.
         progress: show a progress bar while capturing; default when stderr is a terminal.
-        compile: before capturing a budget, compile its static forward with ``torch.compile`` (static shapes,
-            inductor kernels, no cudagraphs of its own; one compile per budget) so the graph replays fused
-            kernels. GRAPH mode only; compile seconds are reported with the capture.
-        costs: a :class:`~encgraph.packing.CostModel` (or the path of one saved as JSON): plan each call with
-            the cost-aware packer (batch splits and graph-vs-eager that minimise expected time). Measure one
-            with ``measure_costs(samples)``; default: the greedy planner.
+        compile: ``"auto"`` (default): in GRAPH mode, compile the static forward of each path once with
+            ``torch.compile`` (a symbolic token dimension: one compilation serves every budget) and capture the
+            compiled kernels; if compiling fails, log it once, capture the plain forward and record why in
+            ``capture_info["compile"]``. ``True``: compile, failures are errors. ``False``: never compile.
+            Outside GRAPH mode nothing is compiled.
+        cache_dir: where torch's compile caches persist across processes (default
+            :func:`encgraph.capture.compiling.default_cache_dir`; a user's ``TORCHINDUCTOR_CACHE_DIR`` wins).
+        costs: ``None`` (default): in GRAPH mode, ``capture()`` measures a :class:`~encgraph.packing.CostModel`
+            (replay times and eager timings on the adapter's ``sample_inputs``) and every call is planned by the
+            cost-aware packer (batch splits and graph-vs-eager of least expected time); other modes plan
+            greedily. ``False``: the greedy planner always. A ``CostModel`` (or the path of one saved as JSON):
+            plan with it. ``measure_costs(samples)`` measures one on real inputs.
+        verify: at capture, run each budget's padded static forward and the eager forward on the same sample
+            items and drop a budget that disagrees (logged; its batches run eagerly). Default on.
         record: keep the item specs of the last ``record`` calls (``observed``), for ``tune()``.
         process_group: a ``torch.distributed`` group (``torch.distributed.group.WORLD`` for all ranks): spread
             each call's items over its ranks (balanced by size), every rank returns every item in the caller's
             order (:class:`~encgraph.capture.distributed.DataParallelEncoder`). Every rank must get the same
             inputs and call ``capture()`` before its first call; ``global_stats()`` counts each item once.
+
+    Grad modes: calls work under ``torch.inference_mode()``, ``torch.no_grad()`` or neither, in any order; results
+    never carry autograd history (``encgraph.graphed`` runs the module's own forward when autograd is asked for).
 
     Thread safety: calls and ``capture()`` are serialised by a lock (one sub-batch at a time owns the static
     buffers); concurrent callers wait, they never interleave.
@@ -97,8 +115,10 @@ class EncoderGraphRunner:
         copy_outputs: bool = True,
         warmup: int = 2,
         progress: bool | None = None,
-        compile: bool = False,
-        costs: CostModel | str | os.PathLike[str] | None = None,
+        compile: bool | str | CompileMode = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
+        costs: CostModel | str | os.PathLike[str] | bool | None = None,
+        verify: bool = True,
         record: int = 0,
         process_group: Any = None,
     ) -> None:
@@ -127,24 +147,32 @@ class EncoderGraphRunner:
         self.copy_outputs = _check_bool("copy_outputs", copy_outputs)
         self.warmup = check_int("warmup", warmup, minimum=1)
         self.progress = sys.stderr.isatty() if progress is None else _check_bool("progress", progress)
-        self.compile = _check_bool("compile", compile)
+        self.compile_mode = resolve_compile(compile, graph_mode=mode is RunMode.GRAPH)
+        self.cache_dir = cache_dir
+        self.verify = _check_bool("verify", verify)
         if isinstance(costs, (str, os.PathLike)):
             costs = CostModel.load(costs)
-        if costs is not None and not isinstance(costs, CostModel):
-            raise ConfigTypeError(f"costs: expected a CostModel or the path of a saved one, got {describe(costs)}.")
-        self.costs: CostModel | None = costs
+        if costs is not None and not isinstance(costs, (CostModel, bool)):
+            raise ConfigTypeError(
+                f"costs: expected None (measured at capture), False (greedy), a CostModel or the path of a saved "
+                f"one, got {describe(costs)}."
+            )
+        if costs is True:
+            raise ConfigTypeError("costs: expected None (measured at capture), False (greedy) or a CostModel, got True.")
+        # None: measured at capture in GRAPH mode (the default); False: greedy; a model: given.
+        self._measure_costs = costs is None and mode is RunMode.GRAPH
+        self.costs: CostModel | None = costs if isinstance(costs, CostModel) else None
         self.observed: collections.deque[tuple[ItemSpec, ...]] = collections.deque(
             maxlen=check_int("record", record, minimum=0) or None
         )
         self._record = record > 0
-        if self.compile and mode is not RunMode.GRAPH:
-            raise ConfigError(f"compile: only the GRAPH mode compiles its static forwards, the mode is {mode.name}.")
 
         self.ladders = self._resolve_ladders(budgets)
         self.limits = self._resolve_limits(max_items, max_frames)
         self.records: dict[str, dict[int, GraphRecord]] = {p: {} for p in config.path_names}
         self.failed: dict[str, dict[int, str]] = {p: {} for p in config.path_names}
         self.buffers: dict[str, PathBuffers] = {}
+        self.outputs: dict[str, PathOutputs] = {p: PathOutputs(p, self.device) for p in config.path_names}
         self.captured = False
         self.capture_info: dict[str, Any] = {}
         self._stats = RunStats(config.path_names)
@@ -163,7 +191,13 @@ class EncoderGraphRunner:
     def _resolve_ladders(self, budgets: Any) -> dict[str, tuple[int, ...]]:
         paths = self.config.paths
         if budgets is None:
-            return {p.name: budget_ladder(p.min_budget, p.max_budget, allow_zero=p.allow_empty) for p in paths}
+            return {
+                p.name: dense_ladder(
+                    p.min_budget, p.max_budget, allow_zero=p.allow_empty,
+                    ratio=ITEM_RATIO if p.unit is BudgetUnit.ITEMS else TOKEN_RATIO,
+                )
+                for p in paths
+            }
         if not isinstance(budgets, Mapping) and len(paths) > 1:
             raise ConfigError(
                 f"budgets: this adapter has paths {list(self.config.path_names)}; give {{path: ladder}}, got "
@@ -232,131 +266,53 @@ class EncoderGraphRunner:
             self.buffers[path] = PathBuffers(path, specs, self.device)
 
     def capture(self) -> dict[str, Any]:
-        """Capture every budget of every path (GRAPH mode); in other modes only allocate the buffers.
+        """Capture every budget of every path (GRAPH mode; other modes only allocate the buffers), then run the
+        self-check and measure the default cost model on the adapter's sample inputs
+        (:mod:`encgraph.capture.selfcheck`).
 
-        Returns (and keeps in ``capture_info``) a summary: graphs, seconds, pool bytes, failures, per graph.
+        Returns (and keeps in ``capture_info``) a summary: graphs, seconds, pool bytes, compile status,
+        failures (with the self-check's reasons), per graph, and ``selfcheck``.
         """
-        with self._lock:
+        with self._lock, persistent():
             if self.captured:
                 return self.capture_info
+            t0 = time.perf_counter()
             self._allocate()
-            if self.mode is not RunMode.GRAPH:
-                self.captured = True
-                self.capture_info = {"graphs": 0, "seconds": 0.0, "mode": self.mode.value}
-                return self.capture_info
-            self.capture_info = self._capture_all()
+            if self.mode is RunMode.GRAPH:
+                from encgraph.capture.capture import capture_graphs
+
+                info = capture_graphs(self)
+            else:
+                info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
             self.captured = True
-            return self.capture_info
+            from encgraph.capture.selfcheck import check_and_measure
 
-    def _capture_all(self) -> dict[str, Any]:
-        from tqdm.auto import tqdm
-
-        device = self.device
-        todo = sorted(
-            ((path, b) for path, ladder in self.ladders.items() for b in ladder if b > 0),
-            key=lambda pb: (-pb[1], pb[0]),
-        )
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        reserved0 = torch.cuda.memory_reserved(device)
-        stream = torch.cuda.Stream(device)
-        self._pool = torch.cuda.graph_pool_handle()
-        bar = tqdm(todo, desc="encgraph: capture", unit="graph", disable=not self.progress, leave=False)
-        for path, budget in bar:
-            bar.set_postfix_str(f"{path}@{budget}")
             try:
-                record = self._capture_one(path, budget, stream)
-            except EncgraphError:
+                info["selfcheck"] = check_and_measure(self, verify=self.verify, measure=self._measure_costs)
+            except BaseException:
+                self.captured = False
                 raise
-            except Exception as exc:  # OOM or a kernel that cannot be captured: drop this budget only
-                torch.cuda.synchronize(device)
-                self.failed[path][budget] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-                log.warning(
-                    "encgraph: capture of path %r at budget %d failed (%s); batches planned there move to the "
-                    "next budget, or run eagerly.", path, budget, self.failed[path][budget]
-                )
-                continue
-            self.records[path][budget] = record
-        bar.close()
-        torch.cuda.synchronize(device)
-        for path_records in self.records.values():
-            for record in path_records.values():
-                record.replay_ms = self._time_replay(record)
-        seconds = time.perf_counter() - start
-        pool_bytes = _pool_bytes(device, self._pool)
-        graphs = [r for rs in self.records.values() for r in rs.values()]
-        info = {
-            "mode": self.mode.value,
-            "graphs": len(graphs),
-            "seconds": round(seconds, 3),
-            "compile_seconds": round(sum(r.compile_seconds for r in graphs), 3),
-            "pool_bytes": int(pool_bytes),
-            # Memory the warm-up runs left cached outside the pool (freed by torch.cuda.empty_cache()).
-            "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool_bytes),
-            "largest_graph_bytes": max((r.memory_bytes for r in graphs), default=0),
-            "buffer_bytes": sum(b.nbytes for b in self.buffers.values()),
-            "failed": {p: dict(f) for p, f in self.failed.items() if f},
-            "per_graph": [r.summary() for r in sorted(graphs, key=lambda r: (r.path, r.budget))],
-        }
-        log.info(
-            "encgraph: captured %d graphs in %.2f s; pool %.1f MiB, static buffers %.1f MiB%s",
-            info["graphs"], seconds, pool_bytes / 2**20, info["buffer_bytes"] / 2**20,
-            f"; {sum(len(f) for f in self.failed.values())} failed" if info["failed"] else "",
-        )
-        return info
+            info["failed"] = {p: dict(f) for p, f in self.failed.items() if f}
+            info["costs"] = "cost-aware (measured at capture)" if self._measure_costs and self.costs is not None else (
+                "cost-aware (given)" if self.costs is not None else "greedy"
+            )
+            info["seconds"] = round(time.perf_counter() - t0, 3)
+            self.capture_info = info
+            return info
 
-    def _static_forward(self, path: str, budget: int) -> Any:
-        """The callable a budget's graph captures: the adapter's static forward, compiled when asked."""
-
-        def forward(buffers: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-            return self.adapter.forward_static(path, buffers, budget)
-
-        if not self.compile:
-            return forward
-        return torch.compile(forward, dynamic=False)
-
-    def _capture_one(self, path: str, budget: int, stream: torch.cuda.Stream) -> GraphRecord:
-        device = self.device
-        t0 = time.perf_counter()
-        views = self.buffers[path].fill(budget, None)
-        forward = self._static_forward(path, budget)
-        compile_seconds = 0.0
-        stream.wait_stream(torch.cuda.current_stream(device))
-        # Every budget is one more compiled variant of the same closure: let dynamo keep them all, only for as
-        # long as this capture runs (after it, replays never enter dynamo).
-        with torch.cuda.stream(stream), _dynamo_cache_limit(self.compile, 8 + sum(len(l) for l in self.ladders.values())):
-            for i in range(self.warmup):
-                t_run = time.perf_counter()
-                self._check_outputs(path, budget, forward(views), budget, "static")
-                if i == 0 and self.compile:
-                    torch.cuda.synchronize(device)
-                    compile_seconds = time.perf_counter() - t_run
-            torch.cuda.current_stream(device).wait_stream(stream)
-            torch.cuda.synchronize(device)
-            before = _pool_bytes(device, self._pool)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                outputs = dict(forward(views))
-        torch.cuda.synchronize(device)
-        self._check_outputs(path, budget, outputs, budget, "static")
-        return GraphRecord(
-            path=path,
-            budget=budget,
-            graph=graph,
-            inputs=views,
-            outputs=outputs,
-            capture_seconds=time.perf_counter() - t0,
-            memory_bytes=_pool_bytes(device, self._pool) - before,
-            compile_seconds=compile_seconds,
-        )
+    def prepare(self, inputs: Any) -> None:
+        """Validate ``inputs`` and capture if that has not happened (as the first call would, ``lazy`` allowing):
+        an adapter that learns its shapes from a call (the generic one) can then be captured and self-checked
+        before that call is planned."""
+        with self._lock:
+            self._specs(inputs)
+            if not self.captured and (self.lazy or self.mode is not RunMode.GRAPH):
+                self.capture()
 
     def _time_replay(self, record: GraphRecord, repeats: int = 5) -> float:
-        # Time on random floats: zeros can run faster than real data.
-        self.buffers[record.path].fill(record.budget, None)
-        for t in record.inputs.values():
-            if t.is_floating_point():
-                t.normal_()
-        return self._time_host(record.graph.replay, repeats)
+        from encgraph.capture.capture import _time_replay
+
+        return _time_replay(self, record, repeats)
 
     # ------------------------------------------------------------------ running
     def __call__(self, inputs: Any) -> list[Any]:
@@ -376,7 +332,7 @@ class EncoderGraphRunner:
         return self._dp.global_stats()
 
     def _call_local(self, inputs: Any) -> list[Any]:
-        with self._lock:
+        with self._lock, torch.no_grad():
             specs = self._specs(inputs)
             if not self.captured:
                 if self.mode is RunMode.GRAPH and not self.lazy:
@@ -427,7 +383,7 @@ class EncoderGraphRunner:
         if self.mode is RunMode.GRAPH:
             record = self.records[path][budget]
             record.graph.replay()
-            outputs = record.outputs
+            outputs = record.outputs  # views of the path's shared output buffers
             if self.copy_outputs:
                 return {name: t[:used].clone() for name, t in outputs.items()}
             return {name: t[:used] for name, t in outputs.items()}
@@ -488,14 +444,17 @@ class EncoderGraphRunner:
                             lambda: self.adapter.forward_static(path, views, budget), repeats
                         )
             eager: dict[str, list[tuple[int, int, float]]] = {p: [] for p in self.ladders}
-            for inputs in samples:
-                specs = self.adapter.item_specs(inputs)
+            for sample in samples:
+                specs = self._specs(sample)
+                # select() gives the adapter's own inputs type, whatever form a call accepted (a raw tuple too).
+                inputs = self.adapter.select(sample, list(range(len(specs))))
                 for path in self.ladders:
                     tokens = sum(s.tokens[path] for s in specs)
                     if tokens:
                         ms = self._time_host(lambda: self.adapter.forward_eager(path, inputs), repeats)
                         eager[path].append((tokens, sum(1 for s in specs if s.tokens[path]), ms))
             self.costs = CostModel.from_measurements(graph_ms, eager)
+            self._measure_costs = False
             return self.costs
 
     def _time_host(self, fn: Any, repeats: int) -> float:
@@ -540,7 +499,11 @@ class EncoderGraphRunner:
             self.records = {p: {} for p in self.config.path_names}
             self.failed = {p: {} for p in self.config.path_names}
             self.buffers = {}
+            self.outputs = {p: PathOutputs(p, self.device) for p in self.config.path_names}
             self._pool = None
+            if self.costs is not None and not self._measure_costs:
+                log.info("encgraph: recapture drops the cost model (its budgets are gone); planning greedily until "
+                         "measure_costs() is called again.")
             self.costs = None
             self.captured = False
             if self.device.type == "cuda":
@@ -578,27 +541,6 @@ class EncoderGraphRunner:
 _ADAPTER_METHODS = (
     "config", "item_specs", "select", "buffer_specs", "replay_values", "forward_static", "forward_eager", "assemble",
 )
-
-
-@contextlib.contextmanager
-def _dynamo_cache_limit(active: bool, limit: int) -> Iterator[None]:
-    if not active:
-        yield
-        return
-    import torch._dynamo
-
-    with torch._dynamo.config.patch(cache_size_limit=max(limit, torch._dynamo.config.cache_size_limit)):
-        yield
-
-
-def _pool_bytes(device: torch.device, pool: Any) -> int:
-    """Bytes of the segments the caching allocator holds for the graphs' private ``pool`` on ``device``
-    (the memory the captured graphs keep; the snapshot is cheap at capture time, never on the hot path)."""
-    total = 0
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool):
-            total += int(seg["total_size"])
-    return total
 
 
 def _check_bool(name: str, value: Any) -> bool:

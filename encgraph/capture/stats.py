@@ -21,6 +21,7 @@ class RunStats:
         self.path_eager_items = dict.fromkeys(paths, 0)
         self.real_tokens = dict.fromkeys(paths, 0)
         self.padded_tokens = dict.fromkeys(paths, 0)
+        self.stock_calls = 0
 
     def add_call(self) -> None:
         self.calls += 1
@@ -40,9 +41,15 @@ class RunStats:
         self.eager_reasons[reason] += items
         self.real_tokens[path] += used
 
+    def add_stock(self, reason: str) -> None:
+        """A call answered by the module's own forward (``encgraph.graphed``): counted once per call."""
+        self.stock_calls += 1
+        self.eager_reasons[reason] += 1
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "calls": self.calls,
+            "stock_calls": self.stock_calls,
             "items": self.items,
             "graph_items": self.items - self.eager_items,
             "eager_items": self.eager_items,

@@ -4,4 +4,4 @@ the adapter needs the projector and view separator besides the vision tower). Th
 
 from encgraph.models.registry import register_adapter
 
-register_adapter("DeepseekOcr2Config", "encgraph.models.deepseek_ocr2:adapter")
+register_adapter("DeepseekOcr2Config", "encgraph.models.deepseek_ocr2:adapter", "DeepSeek-OCR2")

@@ -7,10 +7,10 @@ tower is wrapped.
 from encgraph.models.registry import register_adapter
 
 FIXED_ADAPTERS = {
-    "SiglipVisionConfig": "encgraph.models.siglip:siglip_adapter",
-    "CLIPVisionConfig": "encgraph.models.clip:clip_adapter",
-    "InternVLVisionConfig": "encgraph.models.internvl:internvl_adapter",
+    "SiglipVisionConfig": ("encgraph.models.siglip:siglip_adapter", "SigLIP"),
+    "CLIPVisionConfig": ("encgraph.models.clip:clip_adapter", "CLIP"),
+    "InternVLVisionConfig": ("encgraph.models.internvl:internvl_adapter", "InternVL"),
 }
 
-for _config, _factory in FIXED_ADAPTERS.items():
-    register_adapter(_config, _factory)
+for _config, (_factory, _family) in FIXED_ADAPTERS.items():
+    register_adapter(_config, _factory, _family)

@@ -205,13 +205,15 @@ def _segment_attention(
         key, value = _repeat_heads(key, value, query.shape[1])
     bounds = cu_seqlens.tolist()  # the CPU only: a host read costs nothing and nothing is captured
     out = query.new_empty(query.shape)
-    q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (heads, tokens, head_dim)
+    # (1, heads, tokens, head_dim): the 4-D layout torch's CPU flash kernel takes (3-D inputs fall back to the
+    # math kernel, whose (tokens, tokens) scores a long padding sequence cannot afford).
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     ends = sorted({min(max(int(e), 0), tokens) for e in bounds} | {0, tokens})
     for start, end in zip(ends[:-1], ends[1:]):
         # Rows past cu[-1] (none in encgraph's layouts) form one more sequence, as in the masked backend.
         out[start:end] = F.scaled_dot_product_attention(
-            q[:, start:end], k[:, start:end], v[:, start:end], scale=scale
-        ).transpose(0, 1)
+            q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], scale=scale
+        )[0].transpose(0, 1)
     return out
 
 

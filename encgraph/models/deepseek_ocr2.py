@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from encgraph._validate import check_int, describe
+from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.errors import (
     ConfigError,
@@ -390,9 +391,11 @@ def _graph_safe_rel_pos(tower: torch.nn.Module) -> None:
             key = (q_size, k_size, rel_pos.device)
             index = _cache.get(key)
             if index is None:
-                q = torch.arange(q_size)[:, None] * max(k_size / q_size, 1.0)
-                k = torch.arange(k_size)[None, :] * max(q_size / k_size, 1.0)
-                index = _cache[key] = ((q - k) + (k_size - 1) * max(q_size / k_size, 1.0)).long().to(rel_pos.device)
+                with persistent():  # cached across calls: never an inference tensor
+                    q = torch.arange(q_size)[:, None] * max(k_size / q_size, 1.0)
+                    k = torch.arange(k_size)[None, :] * max(q_size / k_size, 1.0)
+                    index = (q - k) + (k_size - 1) * max(q_size / k_size, 1.0)
+                    index = _cache[key] = index.long().to(rel_pos.device)
             return resized[index]
 
         module.get_rel_pos = get_rel_pos

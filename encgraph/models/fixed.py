@@ -26,6 +26,7 @@ or its ``to_tuple()`` when the call passes ``return_dict=False``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -33,9 +34,11 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from encgraph._validate import describe
-from encgraph.capture.protocol import BufferSpec
+from encgraph._validate import check_int, describe
+from encgraph.capture.protocol import BufferSpec, StockCall
 from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError, UnsupportedModelError
+from encgraph.models._hf import require_transformers
+from encgraph.models.attention import MIN_TRANSFORMERS
 from encgraph.models.generic import GenericModuleAdapter, _Signature
 from encgraph.packing import ItemSpec
 
@@ -137,7 +140,8 @@ class FixedResolutionAdapter(GenericModuleAdapter):
             tower takes it, as the tower itself requires).
 
     Outputs carry no autograd history: both forwards run under ``torch.no_grad()`` (a captured graph cannot
-    replay a backward pass).
+    replay a backward pass); ``encgraph.graphed`` answers calls that ask for autograd with the tower's own
+    forward.
     """
 
     family: ClassVar[str] = "vision tower"
@@ -160,6 +164,7 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         hidden_states: str | Iterable[int] | None = None,
         image_size: int | tuple[int, int] | None = None,
     ) -> None:
+        require_transformers(MIN_TRANSFORMERS, f"the {self.family} adapter")
         tower_class = next((c for c in type(module).__mro__ if c.__name__ in self.tower_class_names), None)
         if tower_class is None:
             raise UnsupportedModelError(
@@ -187,6 +192,9 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         self.frozen = False
         self._signature = _Signature(
             ((self.channels, *self.image_size),), (self._dtype,), "dict", self._output_names()
+        )
+        self._takes_any_keyword = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(module.forward).parameters.values()
         )
 
     # -- family hooks
@@ -218,9 +226,13 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         return tuple(names + [f"{HIDDEN}{i}" for i in self.hidden])
 
     # -- inputs
-    def inputs_from_call(self, *args: Any, **kwargs: Any) -> PixelBatch:
+    def inputs_from_call(self, *args: Any, **kwargs: Any) -> PixelBatch | StockCall:
         """Parse the tower forward's own arguments into a :class:`PixelBatch`; learns the hidden states a call
-        asks for while the adapter may still grow its outputs (before the runner allocates its buffers)."""
+        asks for while the adapter may still grow its outputs (before the runner allocates its buffers).
+
+        A valid call the graphs cannot answer (attentions, hidden states not captured, a per-call option of
+        :attr:`none_only`) gets a :class:`StockCall`: the tower's own forward answers it. Keywords the tower's
+        ``**kwargs`` would swallow are ignored, as the tower ignores them."""
         name = type(self._module).__name__
         if len(args) > len(self.positional):
             raise InputTypeError(
@@ -237,11 +249,9 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         return_dict = getattr(config, "return_dict", True) if return_dict is None else bool(return_dict)
         want = kwargs.pop("output_hidden_states", None)
         want = getattr(config, "output_hidden_states", False) if want is None else want
-        if kwargs.pop("output_attentions", None):
-            raise InputError(
-                f"graphed {name}: output_attentions is not supported (attention weights are not captured); "
-                "call the unwrapped tower (graphed.unwrap()) for them."
-            )
+        attentions = kwargs.pop("output_attentions", None)
+        if attentions or (attentions is None and getattr(config, "output_attentions", False)):
+            return StockCall("output_attentions requested")
         interpolate = kwargs.pop(self.interpolate_kwarg, None) if self.interpolate_kwarg else None
         if self.interpolate_kwarg and self.resized and not interpolate:
             raise InputError(
@@ -251,8 +261,8 @@ class FixedResolutionAdapter(GenericModuleAdapter):
             )
         for key in self.none_only:
             if kwargs.pop(key, None) is not None:
-                raise InputError(f"graphed {name}: {key} is not supported by the graphs; pass None or leave it out.")
-        if kwargs:
+                return StockCall(f"{key} given")
+        if kwargs and not self._takes_any_keyword:
             raise InputTypeError(
                 f"graphed {name}: unsupported keyword arguments {sorted(kwargs)}; supported: "
                 f"{sorted({*self.positional, 'return_dict', 'output_hidden_states', 'output_attentions'})}."
@@ -260,25 +270,23 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         if pixel_values is None:
             raise InputTypeError(f"graphed {name}: expected pixel_values (B, C, H, W), got none.")
         layout = hidden_states_layout(want, self.num_layers)
-        self._take_hidden(layout)
+        if not self._take_hidden(layout):
+            return StockCall("output_hidden_states not captured")
         return PixelBatch(pixel_values, CallRequest(return_dict=return_dict, hidden_layout=layout))
 
-    def _take_hidden(self, layout: tuple[int | None, ...] | None) -> None:
+    def _take_hidden(self, layout: tuple[int | None, ...] | None) -> bool:
+        """Whether the graphs can answer ``layout``; learns it while the outputs may still grow."""
         if layout is None:
-            return
+            return True
         asked = {i for i in layout if i is not None}
         missing = asked - set(self.hidden)
         if not missing or (not self.learn_hidden and layout == tuple(range(self.num_layers + 1))):
-            return  # an explicit choice answers "all" with None in the slots it left out
+            return True  # an explicit choice answers "all" with None in the slots it left out
         if self.learn_hidden and not self.frozen:
             self.hidden = tuple(sorted(set(self.hidden) | missing))
             self._signature = attrs.evolve(self._signature, names=self._output_names())
-            return
-        raise InputError(
-            f"output_hidden_states: this call asks for hidden states {sorted(missing)}, which the graphs do not "
-            f"hold (captured: {list(self.hidden)}); pass adapter_options={{'hidden_states': {sorted(asked)}}} (or "
-            "'all') to encgraph.graphed so that they are captured."
-        )
+            return True
+        return False
 
     def item_specs(self, inputs: PixelBatch) -> list[ItemSpec]:
         """One spec (one item) per image; checks the images against the tower."""
@@ -317,6 +325,21 @@ class FixedResolutionAdapter(GenericModuleAdapter):
     def select(self, inputs: PixelBatch, indices: Sequence[int]) -> PixelBatch:
         (pixels,) = super().select((inputs.pixel_values,), indices)
         return PixelBatch(pixels, inputs.request)
+
+    def sample_inputs(self, path: str, tokens: int) -> PixelBatch:
+        """``tokens`` random normal images at the graphs' size, in the tower's dtype on its device."""
+        n = check_int("tokens", tokens, minimum=1)
+        pixels = torch.randn(n, self.channels, *self.image_size, device=self._device).to(self._dtype)
+        return PixelBatch(pixels)
+
+    def concat(self, parts: Sequence[PixelBatch]) -> PixelBatch:
+        """The images of every part in order; the first part's request (each caller's own request still
+        shapes its output in ``output_for_call``)."""
+        if not parts:
+            raise InputError("parts: expected at least one input to concatenate, got none.")
+        if len(parts) == 1:
+            return parts[0]
+        return PixelBatch(torch.cat([p.pixel_values for p in parts]), parts[0].request)
 
     # -- static buffers and forwards
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:

@@ -2,9 +2,14 @@
 tensor (or a tuple, list or dict of them): the budget unit is items, the ladder is one of batch sizes, padding
 rows are zeros.
 
-The adapter learns the trailing shapes and dtypes of the inputs, and the structure of the output, from the
-first call (or from ``example``); later calls must match them (a different trailing shape would need other
-graphs: wrap that module once per shape).
+The adapter learns the trailing shapes and dtypes of the inputs, and the structure and type of the output, from
+the first call (or from ``example``); later calls must match them (a different trailing shape would need other
+graphs: wrap that module once per shape). The output comes back as the module's own type: a tensor, a tuple or
+list (a named tuple stays one), a dict or a mapping class such as transformers' ``ModelOutput``.
+
+The adapter cannot know whether a module really is batch-first (rows never mix across the batch); the runner's
+self-check at capture finds out (``verify=True``): it compares each budget's padded forward with the eager one
+on sample items drawn from the first call, and drops budgets that disagree.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import attrs
 import torch
 
 from encgraph._validate import check_int, describe
+from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec
 from encgraph.errors import ConfigError, InputError, InputTypeError
 from encgraph.packing import ItemSpec
@@ -34,6 +40,7 @@ class _Signature:
     dtypes: tuple[torch.dtype, ...]
     kind: str
     names: tuple[str, ...]
+    cls: type | None = None
 
 
 class GenericModuleAdapter:
@@ -54,6 +61,8 @@ class GenericModuleAdapter:
         self._device = param.device if param is not None else torch.device("cpu")
         self._dtype = param.dtype if param is not None else torch.float32
         self._signature: _Signature | None = None
+        self._example: tuple[torch.Tensor, ...] | None = None  # one item of the first call, for sample_inputs
+        self._not_batch_first: str | None = None
         if example is not None:
             self.item_specs(self.inputs_from_call(*(example if isinstance(example, tuple) else (example,))))
 
@@ -71,6 +80,18 @@ class GenericModuleAdapter:
         )
 
     # -- inputs
+    @property
+    def stock_reason(self) -> str | None:
+        """Why every call is answered by the module's own forward (the self-check found rows mixing), or None."""
+        return self._not_batch_first
+
+    def selfcheck_failed(self, path: str, budget: int, reason: str) -> bool:
+        """The runner's self-check found the padded forward off the eager one: this module mixes rows across
+        the batch, so no split or padded batch can stand in for it; every budget goes (returns True) and
+        ``encgraph.graphed`` answers every call with the module's own forward."""
+        self._not_batch_first = "module mixes rows across the batch (self-check)"
+        return True
+
     def inputs_from_call(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         if kwargs:
             raise InputTypeError(
@@ -101,6 +122,8 @@ class GenericModuleAdapter:
             if batch == 0:
                 raise InputError("inputs: expected at least one item, got an empty batch.")
             self._signature = self._probe(inputs, shapes, dtypes)
+            with persistent():
+                self._example = tuple(t[:1].detach().clone() for t in inputs)
         elif (shapes, dtypes) != (self._signature.shapes, self._signature.dtypes):
             raise InputError(
                 f"inputs: the graphs were built for trailing shapes {list(self._signature.shapes)} and dtypes "
@@ -116,13 +139,36 @@ class GenericModuleAdapter:
             return _Signature(shapes, dtypes, "tensor", ("out",))
         if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
             kind = "tuple" if isinstance(out, tuple) else "list"
-            return _Signature(shapes, dtypes, kind, tuple(str(i) for i in range(len(out))))
+            return _Signature(shapes, dtypes, kind, tuple(str(i) for i in range(len(out))), type(out))
         if isinstance(out, Mapping) and out and all(isinstance(o, torch.Tensor) for o in out.values()):
-            return _Signature(shapes, dtypes, "dict", tuple(str(k) for k in out))
+            return _Signature(shapes, dtypes, "dict", tuple(str(k) for k in out), type(out))
         raise InputTypeError(
             f"module output: the generic adapter needs a batch-first tensor, or a tuple, list or dict of them, got "
             f"{describe(out)}."
         )
+
+    def sample_inputs(self, path: str, tokens: int) -> tuple[torch.Tensor, ...]:
+        """``tokens`` items like the first call's first item: floating inputs with noise of its scale added
+        (so the items differ), other dtypes repeated as they were."""
+        n = check_int("tokens", tokens, minimum=1)
+        if self._example is None:
+            raise ConfigError("generic adapter: no sample before the first call; call the module once first.")
+        out = []
+        for t in self._example:
+            rows = t.expand(n, *t.shape[1:]).clone()
+            if rows.is_floating_point():
+                scale = float(t.float().std()) if t.numel() > 1 else 1.0
+                rows = rows + torch.randn_like(rows) * (scale if scale > 0 else 1.0)
+            out.append(rows)
+        return tuple(out)
+
+    def concat(self, parts: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """The items of every part in order: each positional input concatenated along dim 0."""
+        if not parts:
+            raise InputError("parts: expected at least one input to concatenate, got none.")
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(column) for column in zip(*parts))
 
     def select(self, inputs: tuple[torch.Tensor, ...], indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
         if list(indices) == list(range(indices[0], indices[0] + len(indices))):
@@ -165,9 +211,11 @@ class GenericModuleAdapter:
         if sig.kind == "tensor":
             return cat["out"]
         if sig.kind == "dict":
-            return dict(cat)
+            return _rebuild_mapping(sig.cls, cat)
         seq = [cat[name] for name in sig.names]
-        return tuple(seq) if sig.kind == "tuple" else seq
+        if sig.kind == "tuple":
+            return _rebuild_tuple(sig.cls, seq)
+        return seq if sig.cls in (None, list) else _try(lambda: sig.cls(seq), seq)
 
     def unwrap(self) -> torch.nn.Module:
         return self._module
@@ -179,3 +227,25 @@ class GenericModuleAdapter:
                 "example=(tensors...) to capture ahead."
             )
         return self._signature
+
+
+def _try(build: Any, fallback: Any) -> Any:
+    try:
+        return build()
+    except Exception:  # a container class that cannot be rebuilt from its items: its plain equivalent
+        return fallback
+
+
+def _rebuild_mapping(cls: type | None, values: dict[str, torch.Tensor]) -> Any:
+    """``values`` as the module's own mapping type (a transformers ``ModelOutput`` takes its fields as keywords)."""
+    if cls in (None, dict):
+        return dict(values)
+    return _try(lambda: cls(**values), None) or _try(lambda: cls(values), dict(values))
+
+
+def _rebuild_tuple(cls: type | None, items: list[torch.Tensor]) -> Any:
+    if cls in (None, tuple):
+        return tuple(items)
+    if hasattr(cls, "_fields"):  # a named tuple
+        return _try(lambda: cls(*items), tuple(items))
+    return _try(lambda: cls(items), tuple(items))

@@ -107,7 +107,6 @@ class KimiK25Adapter(QwenVisionAdapter):
     tower_class = "Kimi_K25VisionModel"
     required_attributes = ("patch_embed", "layers", "final_layernorm", "merge_kernel_size")
     call_names = ("pixel_values", "grid_thw")
-    extra_precomputed = frozenset({"frame_index", "temporal_merge_index"})
     flat_rows = False
     clip_attention = True
 

@@ -17,16 +17,12 @@ The tower reads ``output_hidden_states`` as a flag: any truthy value means the w
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from encgraph._validate import check_int
-from encgraph.errors import ConfigError, InputError
-from encgraph.models._hf import require_transformers
-from encgraph.models.attention import MIN_TRANSFORMERS
-from encgraph.models.fixed import FixedResolutionAdapter, PixelBatch
+from encgraph.errors import ConfigError
+from encgraph.models.fixed import FixedResolutionAdapter
 
 __all__ = ["Llama4VisionAdapter", "adapter"]
 
@@ -44,7 +40,6 @@ class Llama4VisionAdapter(FixedResolutionAdapter):
     none_only: ClassVar[tuple[str, ...]] = ("attention_mask",)
 
     def __init__(self, module: torch.nn.Module, **options: Any) -> None:
-        require_transformers(MIN_TRANSFORMERS, f"the {self.family} adapter")
         super().__init__(module, **options)
         if self.resized:
             raise ConfigError(
@@ -54,18 +49,6 @@ class Llama4VisionAdapter(FixedResolutionAdapter):
 
     def _has_pooler(self) -> bool:
         return False
-
-    def sample_inputs(self, path: str, tokens: int) -> PixelBatch:
-        """``tokens`` tiles (the budget unit) of standard-normal pixels in the tower's dtype, on its device."""
-        count = check_int("tokens", tokens, minimum=1)
-        pixels = torch.randn(count, self.channels, *self.image_size, device=self._device, dtype=self._dtype)
-        return PixelBatch(pixels)
-
-    def concat(self, parts: Sequence[PixelBatch]) -> PixelBatch:
-        """One batch with the tiles of every part in order; the call options are part 0's."""
-        if not parts:
-            raise InputError("parts: expected at least one PixelBatch, got none.")
-        return PixelBatch(torch.cat([part.pixel_values for part in parts]), parts[0].request)
 
     def inputs_from_call(self, *args: Any, **kwargs: Any) -> Any:
         slot = self.positional.index("output_hidden_states")

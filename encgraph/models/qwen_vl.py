@@ -23,10 +23,11 @@ offsets (about 0.02 ms for 8 images on a CPU when the shapes repeat; see benches
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -34,11 +35,12 @@ import numpy as np
 import torch
 
 from encgraph._validate import check_int, describe
+from encgraph.capture.grad import persistent
 from encgraph.errors import ConfigError, InputError, InputTypeError
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import MIN_TRANSFORMERS, use_packed_attention
 from encgraph.models.layout import LayoutPatch, apply_all, describe_patches, linear_patch_embed, restore_all
-from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
+from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.packing import ItemSpec
 
 __all__ = [
@@ -56,13 +58,8 @@ __all__ = [
 
 PATH = "default"
 
-# Keywords a caller (a Hugging Face model) may pass with the metadata precomputed from ``grid_thw``: encgraph
-# computes the same from ``grid_thw`` itself, so they are accepted and not used.
-_PRECOMPUTED = frozenset({
-    "cu_seqlens", "max_seqlen", "position_ids", "window_index", "cu_window_seqlens", "max_window_seqlen",
-    "interp_indices", "interp_weights", "bilinear_indices", "bilinear_weights",
-})
-# Output-recording switches: only their off values can be honoured (graphs record nothing per layer).
+# Output-recording switches: the graphs record nothing per layer, so a call that turns one on (or whose config
+# does) is answered by the tower's own forward (a StockCall).
 _RECORDING = ("output_hidden_states", "output_attentions")
 
 
@@ -214,8 +211,9 @@ class QwenVisionAdapter:
             ``max_items * max_frames_per_item``, and it sizes the ``cu_seqlens`` buffers. Every slot costs the
             full-attention kernels ``max_seqlen / 128`` empty blocks per head, so keep it small; longer videos
             are split over batches or run eagerly.
-        last_hidden_state: also return the tower's pre-merger hidden states (``(rows, hidden)``, in the tower's
-            own row order); off by default (it costs an extra output buffer and copy).
+        last_hidden_state: return the tower's pre-merger hidden states too (``(rows, hidden)``, in the tower's
+            own row order), as the tower does (default). ``False`` saves their output buffer and copy; the
+            output's ``last_hidden_state`` is then ``None`` and ``return_dict=False`` calls are refused.
         fast_layout: rewrite layers whose layout keeps the GPU off its fast matmul kernels, exactly and
             reversibly (:mod:`encgraph.models.layout`): the ``Conv3d`` patch embedding as one matmul, and (Qwen2.5-VL)
             the gated MLP padded to an intermediate size that is a multiple of 8. On by default; ``unwrap()``
@@ -234,8 +232,6 @@ class QwenVisionAdapter:
     """Attributes a tower of this family has (checked at wrap time)."""
     call_names: ClassVar[tuple[str, str]] = ("hidden_states", "grid_thw")
     """The tower forward's two positional parameters: the pixel rows and the grid."""
-    extra_precomputed: ClassVar[frozenset[str]] = frozenset()
-    """Family metadata keywords a caller may pass precomputed (accepted and not used, as ``_PRECOMPUTED``)."""
     flat_rows: ClassVar[bool] = True
     """Pixel rows are ``(rows, C*T*P*P)`` (the patch weight's trailing dims flattened); else ``(rows, *dims)``."""
     clip_attention: ClassVar[bool] = False
@@ -248,7 +244,7 @@ class QwenVisionAdapter:
         min_budget: int = 64,
         max_budget: int = 4096,
         max_frames_per_item: int = 2,
-        last_hidden_state: bool = False,
+        last_hidden_state: bool = True,
         fast_layout: bool = True,
     ) -> None:
         require_transformers(MIN_TRANSFORMERS, f"the {self.family} adapter")
@@ -277,8 +273,10 @@ class QwenVisionAdapter:
         self._init_family(module)
         self._tables = FrameTableCache(self._compute_tables)
         self._specs: dict[tuple[int, int], ItemSpec] = {}
-        # Last: nothing above may leave the tower changed if it raises.
-        layout = apply_all(self._layout_rewrites(module)) if fast_layout else []
+        # Last: nothing above may leave the tower changed if it raises. The rewritten weights live as long as the
+        # tower: never inference tensors, whatever mode the caller wraps in.
+        with persistent():
+            layout = apply_all(self._layout_rewrites(module)) if fast_layout else []
         try:
             self._switch = use_packed_attention(module)
         except BaseException:
@@ -386,12 +384,14 @@ class QwenVisionAdapter:
             f"(pixel_values, grid_thw), got {describe(inputs)}."
         )
 
-    def inputs_from_call(self, *args: Any, **kwargs: Any) -> QwenVisionInputs:
+    def inputs_from_call(self, *args: Any, **kwargs: Any) -> QwenVisionInputs | StockCall:
         """The tower's ``forward(hidden_states, grid_thw, **kwargs)`` arguments as inputs.
 
-        Accepts ``return_dict``; ``output_hidden_states`` / ``output_attentions`` only when off (a graph records
-        no per-layer outputs); metadata keywords precomputed from ``grid_thw`` (``cu_seqlens``, ...) are ignored,
-        encgraph computes its own. Anything else raises ``InputTypeError``.
+        ``return_dict`` (default: the config's) is honoured. A call asking for per-layer outputs
+        (``output_hidden_states`` / ``output_attentions`` true, or the config's defaults true) gets a
+        :class:`StockCall`: the tower's own forward answers it. Every other keyword is accepted and ignored, as
+        the tower's ``**kwargs`` swallows it (``use_cache`` from ``generate()``; the metadata a model precomputes
+        from ``grid_thw``, which encgraph computes itself).
         """
         names = self.call_names
         if len(args) > 2:
@@ -410,26 +410,56 @@ class QwenVisionAdapter:
                 f"{sorted(k for k, v in values.items() if v is not None)}; a graphed tower derives all its metadata "
                 "from grid_thw."
             )
-        return_dict = kwargs.pop("return_dict", None)
-        return_dict = True if return_dict is None else return_dict
+        config = getattr(self._module, "config", None)
         for name in _RECORDING:
-            if kwargs.pop(name, None):
-                raise InputError(
-                    f"{name}=True: a graphed {self.family} tower records no per-layer outputs; call "
-                    "graphed_module.unwrap() (or the original tower) for them."
-                )
-        unknown = sorted(k for k in kwargs if k not in _PRECOMPUTED and k not in self.extra_precomputed)
-        if unknown:
-            raise InputTypeError(
-                f"{self.tower_class}.forward: unsupported keyword arguments {unknown} for a graphed tower; expected "
-                f"only return_dict, {list(_RECORDING)} (off) or precomputed metadata {sorted(_PRECOMPUTED)}."
-            )
+            asked = kwargs.get(name)
+            if asked is None:
+                asked = getattr(config, name, False)
+            if asked:
+                return StockCall(f"{name} requested")
+        return_dict = kwargs.get("return_dict")
+        if return_dict is None:
+            return_dict = bool(getattr(config, "return_dict", True))
         if return_dict is False and not self.with_last_hidden_state:
             raise InputError(
-                "return_dict=False: the tower's tuple starts with last_hidden_state, which this adapter does not "
-                "compute; wrap with adapter_options={'last_hidden_state': True}, or use return_dict=True."
+                "return_dict=False: the tower's tuple starts with last_hidden_state, which this adapter was built "
+                "without (last_hidden_state=False); wrap with the default, or use return_dict=True."
             )
         return self.inputs(values[names[0]], values[names[1]], return_dict=return_dict)
+
+    @contextlib.contextmanager
+    def stock_context(self) -> Iterator[None]:
+        """The tower exactly as it was before wrapping, for a call its own forward answers: its original attention
+        implementation and layer layout (the rewritten forwards set aside; the weights are the same objects)."""
+        with self._switch.suspended():
+            saved = [(p.module, p.module.__dict__.pop("forward")) for p in self._layout
+                     if not p.restored and "forward" in p.module.__dict__]
+            try:
+                yield
+            finally:
+                for module, forward in saved:
+                    module.forward = forward
+
+    def sample_inputs(self, path: str, tokens: int) -> QwenVisionInputs:
+        """One random image of at most ``tokens`` output tokens (``a x c`` merged tokens, ``a = isqrt(tokens)``),
+        normal pixel rows in the tower's dtype on its device."""
+        tokens = check_int("tokens", tokens, minimum=1)
+        a = math.isqrt(tokens)
+        c = tokens // a
+        grid = np.array([[1, a * self.merge, c * self.merge]], dtype=np.int64)
+        pixels = torch.randn(int(grid.prod()), *self.row_shape, device=self._device).to(self._dtype)
+        return QwenVisionInputs(pixels, grid)
+
+    def concat(self, parts: Sequence[Any]) -> QwenVisionInputs:
+        """The items of every part in order, as one input (pixel rows concatenated, grids stacked); the first
+        part's ``return_dict``."""
+        parts = [self._coerce(p) for p in parts]
+        if not parts:
+            raise InputError("parts: expected at least one input to concatenate, got none.")
+        if len(parts) == 1:
+            return parts[0]
+        pixels = torch.cat([p.pixel_values for p in parts])
+        return QwenVisionInputs(pixels, np.concatenate([p.grid for p in parts]), parts[0].return_dict)
 
     def item_specs(self, inputs: Any) -> list[ItemSpec]:
         """One spec per item: ``t*h*w / merge^2`` tokens, ``t`` frames, ``t*h*w`` input rows."""
@@ -459,25 +489,6 @@ class QwenVisionAdapter:
         else:
             pixels = torch.cat([inputs.pixel_values[int(starts[i]) : int(starts[i + 1])] for i in idx])
         return QwenVisionInputs(pixels, inputs.grid[idx], inputs.return_dict)
-
-    def concat(self, parts: Sequence[Any]) -> QwenVisionInputs:
-        """One inputs object with the items of every part in order (part 0's first; each already validated);
-        ``return_dict`` is part 0's."""
-        items = [self._coerce(part) for part in parts]
-        if not items:
-            raise InputError("parts: expected at least one inputs object, got none.")
-        pixels = torch.cat([part.pixel_values for part in items])
-        return QwenVisionInputs(pixels, np.concatenate([part.grid for part in items]), items[0].return_dict)
-
-    def sample_inputs(self, path: str, tokens: int) -> QwenVisionInputs:
-        """One image of ``a * b`` output tokens, ``a = isqrt(tokens)``, ``b = tokens // a`` (at most ``tokens``, at
-        least ``tokens - a``): standard-normal pixel rows in the tower's dtype on its device."""
-        tokens = check_int("tokens", tokens, minimum=1)
-        a = math.isqrt(tokens)
-        b = tokens // a
-        grid = np.array([[1, a * self.merge, b * self.merge]], dtype=np.int64)
-        pixels = torch.randn(a * b * self.merge**2, *self.row_shape, device=self._device, dtype=self._dtype)
-        return QwenVisionInputs(pixels, grid)
 
     # ------------------------------------------------------------------ buffers and metadata
     def _rows(self, budget: int) -> int:
@@ -543,7 +554,8 @@ class QwenVisionAdapter:
         """Family metadata of a batch from its frames' tables (in order) and its ``cu_seqlens`` (subclasses)."""
         return {}
 
-    def replay_values(self, path: str, inputs: QwenVisionInputs, budget: int) -> dict[str, Any]:
+    def replay_values(self, path: str, inputs: Any, budget: int) -> dict[str, Any]:
+        inputs = self._coerce(inputs)
         meta = self.metadata(inputs.grid)
         values: dict[str, Any] = {"pixels": inputs.pixel_values, "cu_seqlens": meta.pop("cu_seqlens")}
         values.update(self._replay_extras(meta))
@@ -568,9 +580,10 @@ class QwenVisionAdapter:
         kwargs.update(self._static_kwargs(buffers, budget))
         return self._run(buffers["pixels"], budget, kwargs)
 
-    def forward_eager(self, path: str, inputs: QwenVisionInputs) -> dict[str, torch.Tensor]:
+    def forward_eager(self, path: str, inputs: Any) -> dict[str, torch.Tensor]:
         """The tower's forward on exactly the items' rows, with host metadata and exact ``max_seqlen`` (no
         padding, no host sync)."""
+        inputs = self._coerce(inputs)
         meta = self.metadata(inputs.grid)
         kwargs = self._eager_kwargs(meta)
         tokens = int(inputs.pixel_values.shape[0]) // self.merge**2
@@ -612,7 +625,8 @@ class QwenVisionAdapter:
 
     def output_for_call(self, results: list[dict[str, torch.Tensor]], inputs: QwenVisionInputs) -> Any:
         """The tower's own output type: ``BaseModelOutputWithPooling`` (``pooler_output``: the merged
-        embeddings of all items in order; ``last_hidden_state`` only with the adapter option, else ``None``)."""
+        embeddings of all items in order; ``last_hidden_state``: their pre-merger hidden states, ``(rows,
+        hidden)``), or its ``to_tuple()`` for ``return_dict=False``."""
         cat = {name: torch.cat([r[name] for r in results]) for name in self.output_names}
         last = cat.pop("last_hidden_state", None)
         if last is not None:

@@ -14,10 +14,12 @@ import torch
 from encgraph._validate import describe
 from encgraph.errors import UnsupportedModelError
 
-__all__ = ["wrap", "register_adapter", "known_configs"]
+__all__ = ["wrap", "register_adapter", "known_configs", "supported_families"]
 
 # config class name -> "module:factory"; a factory takes (module, **options) and returns an adapter.
 _REGISTRY: dict[str, str] = {}
+# config class name -> the family's name for messages and docs ("Qwen2.5-VL").
+_FAMILIES: dict[str, str] = {}
 
 
 _BUILTIN_MODULES = (
@@ -38,9 +40,17 @@ def _load_builtins() -> None:
             importlib.import_module(name)
 
 
-def register_adapter(config_class_name: str, factory: str) -> None:
-    """Register ``factory`` ("package.module:callable") for towers whose ``config`` class has this name."""
+def register_adapter(config_class_name: str, factory: str, family: str | None = None) -> None:
+    """Register ``factory`` ("package.module:callable") for towers whose ``config`` class has this name;
+    ``family`` names the model family in messages (default: the config name without "Config")."""
     _REGISTRY[config_class_name] = factory
+    _FAMILIES[config_class_name] = family or config_class_name.removesuffix("Config")
+
+
+def supported_families() -> list[str]:
+    """The model families that have an adapter, each once, in registration order."""
+    _load_builtins()
+    return list(dict.fromkeys(_FAMILIES[c] for c in _REGISTRY))
 
 
 def known_configs() -> tuple[str, ...]:

@@ -32,7 +32,6 @@ bigger items run eager (:attr:`~encgraph.packing.EagerReason.TOKENS`).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any

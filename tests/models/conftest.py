@@ -1,5 +1,8 @@
 """Tiny random-weight Hugging Face towers for the model tests (CPU, fp32, built locally: no downloads).
 
+Towers are in eval mode with frozen parameters (``requires_grad_(False)``), as an inference server holds them, so
+that plain calls (outside ``no_grad``) exercise the graphs' path; tests of autograd turn it back on.
+
 Geometry is scaled down but keeps every feature: patch 2 (so a pixel row has 3 * 2 * 2 * 2 = 24 values), merge 2,
 several layers, Qwen2.5-VL windows of 2 x 2 merged tokens with one full-attention layer, Qwen3-VL deepstack
 layers and a 4 x 4 learned position grid (so interpolation really resamples).
@@ -27,7 +30,7 @@ def qwen2_vl_tower(**overrides) -> torch.nn.Module:
     kw = dict(depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=PATCH,
               temporal_patch_size=2, spatial_merge_size=MERGE)
     kw.update(overrides)
-    return Qwen2VisionTransformerPretrainedModel._from_config(Qwen2VLVisionConfig(**kw)).eval()
+    return Qwen2VisionTransformerPretrainedModel._from_config(Qwen2VLVisionConfig(**kw)).eval().requires_grad_(False)
 
 
 def qwen2_5_vl_tower(**overrides) -> torch.nn.Module:
@@ -38,7 +41,7 @@ def qwen2_5_vl_tower(**overrides) -> torch.nn.Module:
     kw = dict(depth=3, hidden_size=32, intermediate_size=60, num_heads=2, out_hidden_size=48, patch_size=PATCH,
               temporal_patch_size=2, spatial_merge_size=MERGE, window_size=8, fullatt_block_indexes=[1])
     kw.update(overrides)
-    return Qwen2_5_VisionTransformerPretrainedModel._from_config(Qwen2_5_VLVisionConfig(**kw)).eval()
+    return Qwen2_5_VisionTransformerPretrainedModel._from_config(Qwen2_5_VLVisionConfig(**kw)).eval().requires_grad_(False)
 
 
 def qwen3_vl_tower(**overrides) -> torch.nn.Module:
@@ -49,7 +52,7 @@ def qwen3_vl_tower(**overrides) -> torch.nn.Module:
               temporal_patch_size=2, spatial_merge_size=MERGE, num_position_embeddings=16,
               deepstack_visual_indexes=[0, 2])
     kw.update(overrides)
-    return Qwen3VLVisionModel._from_config(Qwen3VLVisionConfig(**kw)).eval()
+    return Qwen3VLVisionModel._from_config(Qwen3VLVisionConfig(**kw)).eval().requires_grad_(False)
 
 
 def qwen3_vl_moe_tower(**overrides) -> torch.nn.Module:
@@ -60,7 +63,7 @@ def qwen3_vl_moe_tower(**overrides) -> torch.nn.Module:
               temporal_patch_size=2, spatial_merge_size=MERGE, num_position_embeddings=16,
               deepstack_visual_indexes=[1])
     kw.update(overrides)
-    return Qwen3VLMoeVisionModel._from_config(Qwen3VLMoeVisionConfig(**kw)).eval()
+    return Qwen3VLMoeVisionModel._from_config(Qwen3VLMoeVisionConfig(**kw)).eval().requires_grad_(False)
 
 
 QWEN_TOWERS: dict[str, Callable[..., torch.nn.Module]] = {

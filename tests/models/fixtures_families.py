@@ -25,8 +25,9 @@ _TEXT = dict(hidden_size=24, intermediate_size=48, num_hidden_layers=1, num_atte
 
 
 def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    # Frozen, as a served tower is: with parameters that require grad, graphed() hands autograd calls to the tower.
     torch.manual_seed(0)
-    module = build().eval()
+    module = build().eval().requires_grad_(False)
     with torch.no_grad():  # zero- or constant-initialised tables: random values, so that the lookups matter
         for name, param in module.named_parameters():
             if "position_embedding" in name or "pos_embed" in name or name.endswith("class_embedding"):

@@ -105,7 +105,8 @@ def test_geometry_and_registry(model: torch.nn.Module) -> None:
     cfg = adapter.config
     assert cfg.path("local").allow_empty and not cfg.path("global").allow_empty
     ladders = EncoderGraphRunner(adapter).ladders
-    assert ladders == {"global": (256, 512, 1024), "local": (0, 144, 288, 576)}
+    # The dense default ladder in multiples of one view's tokens.
+    assert ladders == {"global": (256, 512, 768, 1024), "local": (0, 144, 288, 432, 576)}
 
 
 @pytest.mark.parametrize("tiles", [[0], [1], [0, 1, 2, 3], [3, 0, 0, 1], [2, 2]])

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import encgraph  # noqa: E402
 from encgraph.capture.records import RunMode  # noqa: E402
-from encgraph.errors import EncgraphError, InputError, InputTypeError  # noqa: E402
+from encgraph.errors import EncgraphError, InputError  # noqa: E402
 from encgraph.models import known_configs, wrap  # noqa: E402
 from tests.models.fixtures_families import FAMILIES, one_thread, random_grid, rel_err, strip  # noqa: E402, F401
 
@@ -55,14 +55,13 @@ def test_registered(family):
 
 def test_graphed_equals_tower_per_item(family):
     """Random mixes (videos where the family has them), more items than a batch holds and items over the largest
-    budget; one call under no_grad, one plain (a frozen tower), one under inference_mode; each item against the
+    budget; one call under inference_mode, then one under no_grad, then a plain one; each item against the
     tower's own forward on that item alone."""
-    tower = family.tower()
-    reference = copy.deepcopy(tower)  # its own config: it keeps the original attention while the tower is wrapped
-    tower.requires_grad_(False)
+    tower = family.tower()  # frozen: no autograd asked for, so every grad mode replays
+    reference = copy.deepcopy(tower)
     fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4)
     gen = np.random.default_rng(3)
-    for case, mode in enumerate((torch.no_grad, torch.enable_grad, torch.inference_mode)):
+    for case, mode in enumerate((torch.inference_mode, torch.no_grad, torch.enable_grad)):
         grid = random_grid(gen, 7, family)
         grid[case] = [1, 12, 12]  # over the largest budget: eager
         rows = family.pixels(grid, seed=case)
@@ -74,6 +73,8 @@ def test_graphed_equals_tower_per_item(family):
     stats = fast.stats
     assert stats["graph_items"] > 0 and stats["eager_items"] > 0
     assert stats["paths"]["default"]["padded_tokens"] > 0
+    info = fast.runner.capture_info  # the self-check on the adapter's sample_inputs kept every budget
+    assert not info["failed"] and set(info["selfcheck"]["checked"]["default"]) == set(BUDGETS)
 
 
 def test_return_tuple(family):
@@ -191,8 +192,10 @@ def test_bad_inputs(family):
     if family.call_style != "strip":
         with pytest.raises(InputError, match=r"expected shape \(rows, "):
             fast(rows.reshape(rows.shape[0], -1)[:, :5], torch.from_numpy(grid))
-        with pytest.raises(InputTypeError, match="foo"):
-            fast(rows, torch.from_numpy(grid), foo=1)
+    with torch.no_grad():  # a keyword the tower's **kwargs swallows is ignored, as the tower ignores it
+        plain, extra = family.call(fast, rows, grid), family.call(fast, rows, grid, use_cache=False, foo=1)
+    for name in family.fields:
+        assert torch.equal(plain[name], extra[name])
 
 
 @pytest.mark.parametrize("name", sorted(n for n, f in FAMILIES.items() if f.min_transformers != "5.15"))
@@ -205,3 +208,23 @@ def test_older_transformers_is_refused(name, monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
     with pytest.raises(encgraph.VersionError, match=rf"adapter needs transformers>={family.min_transformers}, found 5\.17"):
         wrap(tower)
+
+
+def test_calls_the_graphs_leave_to_the_tower(family):
+    """Per-layer hidden states, and autograd (a tower whose parameters require grad, called with grad on), are
+    answered by the tower's own forward with its own attention, counted in ``eager_reasons``."""
+    tower = family.tower()
+    reference = copy.deepcopy(tower)
+    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    grid = np.array([[1, 4, 6], [1, 2, 2]])
+    rows = family.pixels(grid)
+    with torch.no_grad():
+        got = family.call(fast, rows, grid, output_hidden_states=True)
+        want = family.call(reference, rows, grid, reference=True, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) > 1
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        assert torch.equal(a, b)
+    tower.requires_grad_(True)
+    out = family.call(fast, rows, grid)
+    assert all(t.requires_grad for t in out.values() if t is not None)
+    assert sum(fast.stats["eager_reasons"].values()) == 2

@@ -17,7 +17,7 @@ class TwoHeads(torch.nn.Module):
 
     def __init__(self, as_dict: bool = False) -> None:
         super().__init__()
-        self.lin = torch.nn.Linear(8, 6)
+        self.lin = torch.nn.Linear(8, 6).requires_grad_(False)
         self.as_dict = as_dict
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
@@ -28,7 +28,9 @@ class TwoHeads(torch.nn.Module):
 
 def sequential() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    # Frozen, as a served module: with trainable parameters a plain call asks for autograd and the module's
+    # own forward answers it (tests/models/test_dropin.py).
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).requires_grad_(False)
 
 
 def inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

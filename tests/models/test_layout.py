@@ -13,7 +13,13 @@ from encgraph.errors import EncgraphError
 from encgraph.models import wrap
 from encgraph.models.layout import ALIGN, align_gated_mlp, apply_all, linear_patch_embed
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    # Per test, not at import: a module-level set_grad_enabled(False) turned grad off for the whole session.
+    with torch.no_grad():
+        yield
 
 
 def gated_mlp(hidden: int = 32, inner: int = 60, bias: bool = True) -> torch.nn.Module:

@@ -37,7 +37,7 @@ def tiny_llama4(**overrides: Any) -> torch.nn.Module:
     from transformers.models.llama4.modeling_llama4 import Llama4VisionModel
 
     torch.manual_seed(0)
-    return Llama4VisionModel._from_config(Llama4VisionConfig(**(_VISION | overrides))).eval()
+    return Llama4VisionModel._from_config(Llama4VisionConfig(**(_VISION | overrides))).eval().requires_grad_(False)
 
 
 class TestLlama4(FixedTowerTests):

@@ -92,3 +92,18 @@ def test_bad_strips(pixels, sizes_, error, match):
     with pytest.raises(error, match=match):
         fast(pixels, target_sizes=sizes_)
 
+
+
+def test_four_x_mode_is_answered_by_the_tower():
+    """``use_vit_merger=False`` (the model's "4x" mode: no merge in the tower) runs the tower's own forward."""
+    tower = MINICPM.tower()
+    reference = copy.deepcopy(tower)
+    fast = encgraph.graphed(tower, budgets=[8, 16])
+    grid = np.array([[1, 4, 6], [1, 2, 2]])
+    pixels, sizes_ = strip(MINICPM.pixels(grid)), torch.from_numpy(grid[:, 1:])
+    with torch.no_grad():
+        got = fast(pixels, sizes_, use_vit_merger=False)
+        want = reference(pixels, sizes_, use_vit_merger=False)
+    assert got.last_hidden_state.shape == (1, 28, 32)
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+    assert fast.stats["eager_reasons"] == {"use_vit_merger=False": 1}

@@ -319,12 +319,15 @@ def test_relative_error_counts_nan_as_infinite():
     from encgraph.cli.demo import _relative_error
 
     ref = {"pooler_output": torch.ones(3, 4), "extra": torch.ones(2)}
-    mine = {"pooler_output": torch.ones(3, 4), "other": torch.zeros(1)}
-    assert _relative_error(mine, ref) == (0.0, ["pooler_output"])
+    assert _relative_error({"pooler_output": torch.ones(3, 4), "extra": torch.ones(2)}, ref) == (
+        0.0, ["extra", "pooler_output"])
+    # Every field the tower returns is compared: one missing, one extra, or one of another shape is no agreement.
+    assert _relative_error({"pooler_output": torch.ones(3, 4)}, ref)[0] == float("inf")
+    assert _relative_error({**ref, "other": torch.zeros(1)}, ref)[0] == float("inf")
+    assert _relative_error({"pooler_output": torch.ones(3, 4), "extra": torch.ones(3)}, ref)[0] == float("inf")
+    mine = {"pooler_output": torch.ones(3, 4), "extra": torch.ones(2)}
     mine["pooler_output"][1, 2] = float("nan")
     assert _relative_error(mine, ref)[0] == float("inf")
-    with pytest.raises(RuntimeError, match="no comparable outputs"):
-        _relative_error({"x": torch.ones(1)}, ref)
 
 
 def test_demo_disagreement_exits_1(capsys, monkeypatch):

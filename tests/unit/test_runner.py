@@ -175,7 +175,7 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_failed_budget_is_dropped_from_planning():
     adapter = one_path(min_budget=16, max_budget=128)
-    runner = EncoderGraphRunner(adapter)
+    runner = EncoderGraphRunner(adapter, budgets=(16, 32, 64, 128))
     runner.failed["default"][32] = "simulated"
     assert 32 not in runner.planning_ladders["default"]
     inputs = ToyInputs({"default": torch.randn(20, 6)}, {"default": ((20,),)})
@@ -185,7 +185,10 @@ def test_failed_budget_is_dropped_from_planning():
 
 def test_generic_graphed_module_any_batch_size():
     torch.manual_seed(0)
+    # Frozen, as an inference module: with parameters that require grad a plain call asks for autograd and is
+    # answered by the module's own forward (tests/models/test_dropin.py).
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    net.requires_grad_(False)
     fast = encgraph.graphed(net, budgets=[1, 2, 4, 8])
     for b in (1, 3, 8, 9, 21):
         x = torch.randn(b, 8)
@@ -198,7 +201,7 @@ def test_measured_costs_tuning_and_recapture():
     from encgraph.packing import CostModel
 
     adapter = one_path(min_budget=16, max_budget=256)
-    runner = EncoderGraphRunner(adapter, record=50)
+    runner = EncoderGraphRunner(adapter, record=50, budgets=(16, 32, 64, 128, 256))
     gen = np.random.default_rng(5)
     samples = [random_inputs(gen, adapter, n, max_len=40, max_frames=1) for n in (1, 2, 4, 8)]
     costs = runner.measure_costs(samples, repeats=1)

@@ -1,0 +1,215 @@
+"""Capture: every budget of every path into one shared graph memory pool, largest first (design rule 10).
+
+Phases, for a :class:`~encgraph.EncoderGraphRunner` in GRAPH mode (called by ``runner.capture()`` under its lock
+and under :func:`~encgraph.capture.grad.persistent`):
+
+1. compile - with compilation on, one compiled static forward per path serves every budget
+   (:mod:`encgraph.capture.compiling`); under ``compile="auto"`` a failure of its first run falls back to the
+   plain forward for the whole runner, logged once and recorded in ``capture_info["compile"]``;
+2. per budget, largest first: fill the budget's input views with padding, warm the forward up on a side stream,
+   capture it, and copy its outputs into the path's shared output buffers *inside* the graph, so the pool keeps
+   no per-graph outputs: its memory stays that of the largest graph however dense the ladder is;
+3. time each replay (random floats in the buffers: zeros can run faster than real data).
+
+A budget whose capture fails (out of memory, a kernel that cannot be captured) is logged and dropped; its
+batches move to the next budget or run eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from encgraph.capture.compiling import CompileMode, compile_cache, compile_dynamic, compile_stats
+from encgraph.capture.records import GraphRecord
+from encgraph.errors import EncgraphError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from encgraph.capture.runner import EncoderGraphRunner
+
+__all__ = ["capture_graphs", "pool_bytes"]
+
+log = logging.getLogger("encgraph")
+
+Forward = Callable[[Mapping[str, torch.Tensor], int], Mapping[str, torch.Tensor]]
+
+
+def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
+    """Capture the runner's ladders; return the capture summary (``capture_info``)."""
+    from tqdm.auto import tqdm
+
+    device = runner.device
+    todo = sorted(
+        ((path, b) for path, ladder in runner.ladders.items() for b in ladder if b > 0), key=lambda pb: (-pb[1], pb[0])
+    )
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    reserved0 = torch.cuda.memory_reserved(device)
+    stream = torch.cuda.Stream(device)
+    runner._pool = torch.cuda.graph_pool_handle()
+    compile_info: dict[str, Any] = {"mode": runner.compile_mode.value}
+    forwards = {path: _plain_forward(runner, path) for path in runner.ladders}
+    with contextlib.ExitStack() as stack:
+        if runner.compile_mode is not CompileMode.OFF:
+            compile_info["cache_dir"] = stack.enter_context(compile_cache(runner.cache_dir))
+            forwards = {path: compile_dynamic(forwards[path]) for path in forwards}
+            compile_info["counters_before"] = compile_stats()
+        bar = tqdm(todo, desc="encgraph: capture", unit="graph", disable=not runner.progress, leave=False)
+        for path, budget in bar:
+            bar.set_postfix_str(f"{path}@{budget}")
+            record = None
+            for _attempt in range(2):
+                try:
+                    record = _capture_one(runner, path, budget, stream, forwards[path], compile_info)
+                except _CompileFailed:
+                    # compile="auto": the first compiled run failed; every path captures the plain forward.
+                    forwards = {p: _plain_forward(runner, p) for p in runner.ladders}
+                    continue
+                except EncgraphError:
+                    raise
+                except Exception as exc:  # OOM or a kernel that cannot be captured: drop this budget only
+                    torch.cuda.synchronize(device)
+                    runner.failed[path][budget] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                    log.warning(
+                        "encgraph: capture of path %r at budget %d failed (%s); batches planned there move to the "
+                        "next budget, or run eagerly.", path, budget, runner.failed[path][budget]
+                    )
+                break
+            if record is not None:
+                runner.records[path][budget] = record
+        bar.close()
+        torch.cuda.synchronize(device)
+        if "counters_before" in compile_info:
+            before = compile_info.pop("counters_before")
+            after = compile_stats()
+            compile_info["dynamo"] = {k: after[k] - before[k] for k in after}
+    for path_records in runner.records.values():
+        for record in path_records.values():
+            record.replay_ms = _time_replay(runner, record)
+    seconds = time.perf_counter() - start
+    pool = pool_bytes(device, runner._pool)
+    graphs = [r for rs in runner.records.values() for r in rs.values()]
+    info = {
+        "mode": runner.mode.value,
+        "graphs": len(graphs),
+        "seconds": round(seconds, 3),
+        "compile": compile_info,
+        "compile_seconds": round(sum(r.compile_seconds for r in graphs), 3),
+        "pool_bytes": int(pool),
+        # Memory the warm-up runs left cached outside the pool (freed by torch.cuda.empty_cache()).
+        "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool),
+        "largest_graph_bytes": max((r.memory_bytes for r in graphs), default=0),
+        "buffer_bytes": sum(b.nbytes for b in runner.buffers.values()),
+        "output_bytes": sum(o.nbytes for o in runner.outputs.values()),
+        "failed": {p: dict(f) for p, f in runner.failed.items() if f},
+        "per_graph": [r.summary() for r in sorted(graphs, key=lambda r: (r.path, r.budget))],
+    }
+    log.info(
+        "encgraph: captured %d graphs in %.2f s (compile %s); pool %.1f MiB, static buffers %.1f MiB%s",
+        info["graphs"], seconds, compile_info.get("status", compile_info["mode"]), pool / 2**20,
+        info["buffer_bytes"] / 2**20,
+        f"; {sum(len(f) for f in runner.failed.values())} failed" if info["failed"] else "",
+    )
+    return info
+
+
+class _CompileFailed(Exception):
+    pass
+
+
+def _plain_forward(runner: EncoderGraphRunner, path: str) -> Forward:
+    adapter = runner.adapter
+
+    def forward(buffers: Mapping[str, torch.Tensor], budget: int) -> Mapping[str, torch.Tensor]:
+        return adapter.forward_static(path, buffers, budget)
+
+    return forward
+
+
+def _capture_one(
+    runner: EncoderGraphRunner, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
+    compile_info: dict[str, Any],
+) -> GraphRecord:
+    device = runner.device
+    t0 = time.perf_counter()
+    views = runner.buffers[path].fill(budget, None)
+    compiling = runner.compile_mode is not CompileMode.OFF and compile_info.get("status") != "failed"
+    compile_seconds = 0.0
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for i in range(runner.warmup):
+            t_run = time.perf_counter()
+            try:
+                outputs = forward(views, budget)
+            except EncgraphError:
+                raise
+            except Exception as exc:
+                if not compiling or runner.compile_mode is not CompileMode.AUTO or compile_info.get("status"):
+                    raise
+                _compile_failed(compile_info, exc)
+                raise _CompileFailed() from exc
+            runner._check_outputs(path, budget, outputs, budget, "static")
+            if i == 0:
+                runner.outputs[path].ensure(outputs, runner.ladders[path])
+                if compiling:
+                    torch.cuda.synchronize(device)
+                    compile_seconds = time.perf_counter() - t_run
+                    compile_info.setdefault("status", "compiled")
+                    compile_info.setdefault("first_compile_seconds", round(compile_seconds, 3))
+            del outputs
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        before = pool_bytes(device, runner._pool)
+        graph = torch.cuda.CUDAGraph()
+        targets = runner.outputs[path].view(budget)
+        with torch.cuda.graph(graph, pool=runner._pool, stream=stream):
+            produced = forward(views, budget)
+            for name, target in targets.items():
+                target.copy_(produced[name])
+            del produced  # its memory goes back to the pool for the next (smaller) graph
+    torch.cuda.synchronize(device)
+    return GraphRecord(
+        path=path,
+        budget=budget,
+        graph=graph,
+        inputs=views,
+        outputs=targets,
+        capture_seconds=time.perf_counter() - t0,
+        memory_bytes=pool_bytes(device, runner._pool) - before,
+        compile_seconds=compile_seconds,
+    )
+
+
+def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:
+    reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    info["status"] = "failed"
+    info["reason"] = reason
+    log.warning(
+        "encgraph: compiling the static forward failed (%s); capturing the plain forward instead (compile='auto'; "
+        "pass compile=False to skip compiling, compile=True to make this an error).", reason
+    )
+
+
+def _time_replay(runner: EncoderGraphRunner, record: GraphRecord, repeats: int = 5) -> float:
+    # Time on random floats: zeros can run faster than real data.
+    runner.buffers[record.path].fill(record.budget, None)
+    for t in record.inputs.values():
+        if t.is_floating_point():
+            t.normal_()
+    return runner._time_host(record.graph.replay, repeats)
+
+
+def pool_bytes(device: torch.device, pool: Any) -> int:
+    """Bytes of the segments the caching allocator holds for the graphs' private ``pool`` on ``device``
+    (the memory the captured graphs keep; the snapshot is cheap at capture time, never on the hot path)."""
+    total = 0
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool):
+            total += int(seg["total_size"])
+    return total
+

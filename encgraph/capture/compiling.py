@@ -1,0 +1,133 @@
+"""Compiling the static forward: once per path for every budget, with torch's persistent caches.
+
+Why one compilation: compiling each budget's static forward separately (``dynamic=False``) cost 20-24 s per
+budget on an H200 for the Qwen2.5-VL-7B tower, 139-178 s per ladder, and torch's FX-graph and AOTAutograd caches
+only remove the inductor part of it in a second process (44.6 s warm: about 6 s of Dynamo tracing per budget
+remain; see DESIGN.md). So the static forward of a path is compiled once with a symbolic token dimension
+(``dynamic=True``): every budget's graph is captured from the same compiled code, the per-layer ``max_seqlen``
+being a symbolic size derived from the buffers' shapes (adapters pass it as such, never ``int()`` it), so no
+budget adds a guard or a recompile. Duck sizing is off while it traces, so that two buffers whose sizes happen
+to be equal at the first budget are not assumed equal at every budget.
+
+Caches: inductor's FX-graph and AOTAutograd caches live in ``TORCHINDUCTOR_CACHE_DIR``; unless the user set that
+variable, the runner points it, for the duration of its compile and capture only, at :func:`default_cache_dir`
+(``$ENCGRAPH_CACHE_DIR``, else ``$XDG_CACHE_HOME/encgraph/torch``, else ``~/.cache/encgraph/torch``) or the
+runner's ``cache_dir``, with torch's own ``temporary_cache_dir``. A second process on the same machine then
+skips inductor and AOTAutograd and pays Dynamo's tracing once per path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from encgraph._validate import describe
+from encgraph.errors import ConfigError, ConfigTypeError
+
+__all__ = ["CompileMode", "resolve_compile", "default_cache_dir", "compile_cache", "compile_dynamic", "compile_stats"]
+
+
+class CompileMode(enum.Enum):
+    """Whether the runner compiles its static forwards before capturing them."""
+
+    OFF = "off"
+    """Capture the static forward as it is (eager kernels)."""
+    ON = "on"
+    """Compile (one compilation per path for every budget); a failure is raised."""
+    AUTO = "auto"
+    """Compile where it works: on a failure, log it once, capture the plain forward, and record the reason in
+    ``capture_info["compile"]`` (the default on CUDA)."""
+
+
+def resolve_compile(value: Any, *, graph_mode: bool) -> CompileMode:
+    """``compile=`` as a :class:`CompileMode`: ``True``/``False``/``"auto"`` (or a mode); ``"auto"`` is OFF
+    outside the GRAPH mode (nothing is captured there)."""
+    if isinstance(value, CompileMode):
+        mode = value
+    elif value is True:
+        mode = CompileMode.ON
+    elif value is False or value is None:
+        mode = CompileMode.OFF
+    elif isinstance(value, str) and value in ("auto", "on", "off"):
+        mode = CompileMode(value)
+    else:
+        raise ConfigTypeError(f"compile: expected True, False or 'auto', got {describe(value)}.")
+    if mode is CompileMode.ON and not graph_mode:
+        raise ConfigError("compile: only the GRAPH mode compiles its static forwards (CUDA); leave compile unset.")
+    if mode is CompileMode.AUTO and not graph_mode:
+        return CompileMode.OFF
+    return mode
+
+
+def default_cache_dir() -> Path:
+    """Where compiled artifacts persist across processes: ``$ENCGRAPH_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/encgraph/torch``, else ``~/.cache/encgraph/torch``."""
+    env = os.environ.get("ENCGRAPH_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "encgraph" / "torch"
+
+
+@contextlib.contextmanager
+def compile_cache(cache_dir: str | os.PathLike[str] | None) -> Iterator[str]:
+    """Inductor's cache directory for the block: the user's ``TORCHINDUCTOR_CACHE_DIR`` when set (and no
+    ``cache_dir`` is given), else ``cache_dir`` or :func:`default_cache_dir`, through torch's own
+    ``temporary_cache_dir`` (the environment is restored after). Yields the directory used."""
+    user = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache_dir is None and user:
+        yield user
+        return
+    directory = str(Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    os.makedirs(directory, exist_ok=True)
+    try:
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    except ImportError:  # older layouts: set the variable by hand
+        temporary_cache_dir = _env_cache_dir
+    with temporary_cache_dir(directory):
+        yield directory
+
+
+@contextlib.contextmanager
+def _env_cache_dir(directory: str) -> Iterator[None]:
+    original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    try:
+        yield
+    finally:
+        if original is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
+
+
+def compile_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(fn, dynamic=True)`` (inductor, no cudagraphs of its own), traced without duck sizing."""
+    import torch
+
+    compiled = torch.compile(fn, dynamic=True)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        from torch.fx.experimental import _config as fx_config
+
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def compile_stats() -> dict[str, int]:
+    """Dynamo's running counters (frames compiled, unique graphs, graph breaks, recompiles) for deltas."""
+    from torch._dynamo.utils import counters
+
+    stats = counters["stats"]
+    return {
+        "frames_ok": int(stats.get("frames_ok", 0)),
+        "unique_graphs": int(stats.get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+    }
