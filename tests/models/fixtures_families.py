@@ -35,16 +35,6 @@ def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     return module
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread while a module's tests run (import it into the test module to use it): with tensors
-    this small, two OpenMP threads on a shared 2-core machine spin against each other (30x slower, measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # -- vision configs (dicts: the full models take them as sub-configs)
 GLM_VISION = dict(depth=2, hidden_size=HIDDEN, num_heads=2, out_hidden_size=24, intermediate_size=40, patch_size=PATCH,
                   image_size=8, temporal_patch_size=2, spatial_merge_size=2)

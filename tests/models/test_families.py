@@ -18,7 +18,7 @@ import encgraph  # noqa: E402
 from encgraph.capture.records import RunMode  # noqa: E402
 from encgraph.errors import EncgraphError, InputError  # noqa: E402
 from encgraph.models import known_configs, wrap  # noqa: E402
-from tests.models.fixtures_families import FAMILIES, one_thread, random_grid, rel_err, strip  # noqa: E402, F401
+from tests.models.fixtures_families import FAMILIES, random_grid, rel_err, strip  # noqa: E402
 
 BUDGETS = [8, 16, 32]  # an item of 12 x 12 patches (36 tokens) runs eagerly
 RTOL = 1e-5

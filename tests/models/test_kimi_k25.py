@@ -15,7 +15,7 @@ from encgraph.errors import InputError  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models.kimi_k25 import bicubic_taps, merge_layout  # noqa: E402
 from encgraph.models.qwen_vl import raster_positions, unit_grid  # noqa: E402
-from tests.models.fixtures_families import FAMILIES, one_thread, random_grid  # noqa: E402, F401
+from tests.models.fixtures_families import FAMILIES, random_grid  # noqa: E402
 
 KIMI = FAMILIES["kimi_k25"]
 

@@ -11,7 +11,6 @@ import torch
 
 from encgraph.errors import ConfigError
 from encgraph.models.llama4 import Llama4VisionAdapter
-from tests.models.fixtures_families import one_thread  # noqa: F401
 from tests.models.fixtures_fixed import (
     HEADS,
     LAYERS,

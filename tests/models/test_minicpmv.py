@@ -16,7 +16,7 @@ import encgraph  # noqa: E402
 from encgraph.errors import InputError, InputTypeError  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models.protocol import StockCall  # noqa: E402
-from tests.models.fixtures_families import FAMILIES, MINICPM_VISION, one_thread, rel_err, strip  # noqa: E402, F401
+from tests.models.fixtures_families import FAMILIES, MINICPM_VISION, rel_err, strip  # noqa: E402
 
 MINICPM = FAMILIES["minicpmv4_6"]
 
