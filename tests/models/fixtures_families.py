@@ -189,12 +189,14 @@ class Family:
     """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
     ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM)."""
 
-    def skip_if_unsupported(self) -> None:
+    def skip_if_unsupported(self, module: bool = False) -> None:
+        """Skip the test (``module``: the whole test module) below the transformers the adapter needs."""
         from encgraph.models._hf import _parse, transformers_version
 
         installed = transformers_version() or "0"
         if _parse(installed) < _parse(self.min_transformers):
-            pytest.skip(f"the {self.name} adapter needs transformers>={self.min_transformers}, found {installed}")
+            pytest.skip(f"the {self.name} adapter needs transformers>={self.min_transformers}, found {installed}",
+                        allow_module_level=module)
 
     def pixels(self, grid: np.ndarray, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows = int(grid.prod(1).sum())
@@ -273,3 +275,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def require(name: str) -> Family:
+    """The family ``name`` for a test module of its own, skipped as a whole below the transformers it needs."""
+    family = FAMILIES[name]
+    family.skip_if_unsupported(module=True)
+    return family

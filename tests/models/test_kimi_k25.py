@@ -15,14 +15,9 @@ from encgraph.errors import InputError  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models.kimi_k25 import bicubic_taps, merge_layout  # noqa: E402
 from encgraph.models.qwen_vl import raster_positions, unit_grid  # noqa: E402
-from tests.models.fixtures_families import FAMILIES, random_grid  # noqa: E402
+from tests.models.fixtures_families import random_grid, require  # noqa: E402
 
-KIMI = FAMILIES["kimi_k25"]
-
-
-@pytest.fixture(autouse=True)
-def supported():
-    KIMI.skip_if_unsupported()
+KIMI = require("kimi_k25")
 
 
 def grids(count=25):

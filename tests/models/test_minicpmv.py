@@ -16,14 +16,9 @@ import encgraph  # noqa: E402
 from encgraph.errors import InputError, InputTypeError  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models.protocol import StockCall  # noqa: E402
-from tests.models.fixtures_families import FAMILIES, MINICPM_VISION, rel_err, strip  # noqa: E402
+from tests.models.fixtures_families import MINICPM_VISION, rel_err, require, strip  # noqa: E402
 
-MINICPM = FAMILIES["minicpmv4_6"]
-
-
-@pytest.fixture(autouse=True)
-def supported():
-    MINICPM.skip_if_unsupported()
+MINICPM = require("minicpmv4_6")
 
 
 def sizes(count=25):
