@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from encgraph.capture.compiling import CompileMode, compile_cache, compile_dynamic, compile_stats
+from encgraph.capture.compiling import (
+    CompiledRegions,
+    CompileMode,
+    compile_cache,
+    compile_dynamic,
+    compile_stats,
+    no_duck_sizing,
+)
 from encgraph.capture.records import GraphRecord
 from encgraph.errors import EncgraphError
 
@@ -54,11 +61,19 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
     runner._pool = torch.cuda.graph_pool_handle()
     compile_info: dict[str, Any] = {"mode": runner.compile_mode.value}
     forwards = {path: _plain_forward(runner, path) for path in runner.ladders}
+    regions = CompiledRegions(runner.adapter)
     with contextlib.ExitStack() as stack:
         if runner.compile_mode is not CompileMode.OFF:
             compile_info["cache_dir"] = stack.enter_context(compile_cache(runner.cache_dir))
-            forwards = {path: compile_dynamic(forwards[path]) for path in forwards}
             compile_info["counters_before"] = compile_stats()
+            stack.enter_context(no_duck_sizing())
+            if regions.modules:
+                # Regional: the repeated blocks are compiled (once: they share their code), the rest runs as is.
+                stack.callback(regions.restore)
+                regions.compile()
+                compile_info["regions"] = regions.describe()
+            else:
+                forwards = {path: compile_dynamic(forwards[path]) for path in forwards}
         bar = tqdm(todo, desc="encgraph: capture", unit="graph", disable=not runner.progress, leave=False)
         for path, budget in bar:
             bar.set_postfix_str(f"{path}@{budget}")
@@ -68,6 +83,7 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
                     record = _capture_one(runner, path, budget, stream, forwards[path], compile_info)
                 except _CompileFailed:
                     # compile="auto": the first compiled run failed; every path captures the plain forward.
+                    regions.restore()
                     forwards = {p: _plain_forward(runner, p) for p in runner.ladders}
                     continue
                 except EncgraphError:

@@ -3,11 +3,21 @@
 Why one compilation: compiling each budget's static forward separately (``dynamic=False``) cost 20-24 s per
 budget on an H200 for the Qwen2.5-VL-7B tower, 139-178 s per ladder, and torch's FX-graph and AOTAutograd caches
 only remove the inductor part of it in a second process (44.6 s warm: about 6 s of Dynamo tracing per budget
-remain; see DESIGN.md). So the static forward of a path is compiled once with a symbolic token dimension
-(``dynamic=True``): every budget's graph is captured from the same compiled code, the per-layer ``max_seqlen``
-being a symbolic size derived from the buffers' shapes (adapters pass it as such, never ``int()`` it), so no
-budget adds a guard or a recompile. Duck sizing is off while it traces, so that two buffers whose sizes happen
-to be equal at the first budget are not assumed equal at every budget.
+remain; see DESIGN.md). So compilation uses a symbolic token dimension (``dynamic=True``): every budget's graph
+is captured from the same compiled code, the per-layer ``max_seqlen`` being a symbolic size derived from the
+buffers' shapes (adapters pass it as such, never ``int()`` it), so no budget adds a guard or a recompile. Duck
+sizing is off while it traces, so that two buffers whose sizes happen to be equal at the first budget are not
+assumed equal at every budget.
+
+What is compiled: where the adapter names the tower's repeated blocks (``compile_regions()``, e.g. the 32
+vision blocks of Qwen2.5-VL), each block is compiled with ``nn.Module.compile`` - one trace and one inductor
+compilation serve every block and every budget, since the blocks share their code - and the rest of the
+static forward (patch embedding, rotary tables, merger: a few kernels) is captured as it is. Measured on an
+H200 (torch 2.11, Qwen2.5-VL-7B depth 32): compiling the whole static forward once took 86 s cold and 58 s in a
+second process (Dynamo re-traces all 32 layers every start), over the 60 s / 15 s targets; see
+``benches/results/compile_start_*.md`` for the regional figures. The blocks are compiled only while the runner
+captures: afterwards their ``_compiled_call_impl`` is cleared, so the tower's own forward, the adapter's eager
+forward and calls answered by the stock tower run uncompiled (the graphs hold the compiled kernels).
 
 Caches: inductor's FX-graph and AOTAutograd caches live in ``TORCHINDUCTOR_CACHE_DIR``; unless the user set that
 variable, the runner points it, for the duration of its compile and capture only, at :func:`default_cache_dir`
@@ -28,7 +38,10 @@ from typing import Any
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, ConfigTypeError
 
-__all__ = ["CompileMode", "resolve_compile", "default_cache_dir", "compile_cache", "compile_dynamic", "compile_stats"]
+__all__ = [
+    "CompileMode", "CompiledRegions", "resolve_compile", "default_cache_dir", "compile_cache", "compile_dynamic",
+    "compile_stats", "no_duck_sizing",
+]
 
 
 class CompileMode(enum.Enum):
@@ -79,7 +92,7 @@ def compile_cache(cache_dir: str | os.PathLike[str] | None) -> Iterator[str]:
     ``cache_dir`` is given), else ``cache_dir`` or :func:`default_cache_dir`, through torch's own
     ``temporary_cache_dir`` (the environment is restored after). Yields the directory used."""
     user = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if cache_dir is None and user:
+    if cache_dir is None and user and not _torch_default(user):
         yield user
         return
     directory = str(Path(cache_dir) if cache_dir is not None else default_cache_dir())
@@ -90,6 +103,16 @@ def compile_cache(cache_dir: str | os.PathLike[str] | None) -> Iterator[str]:
         temporary_cache_dir = _env_cache_dir
     with temporary_cache_dir(directory):
         yield directory
+
+
+def _torch_default(directory: str) -> bool:
+    # torch writes its default (/tmp/torchinductor_<user>) into TORCHINDUCTOR_CACHE_DIR the first time it
+    # resolves the directory: that value is torch's, not a choice of the user's.
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+    except ImportError:
+        return False
+    return os.path.abspath(directory) == os.path.abspath(torch_default())
 
 
 @contextlib.contextmanager
@@ -106,18 +129,50 @@ def _env_cache_dir(directory: str) -> Iterator[None]:
 
 
 def compile_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(fn, dynamic=True)`` (inductor, no cudagraphs of its own), traced without duck sizing."""
+    """``torch.compile(fn, dynamic=True)`` (inductor, no cudagraphs of its own); trace it inside
+    :func:`no_duck_sizing`."""
     import torch
 
-    compiled = torch.compile(fn, dynamic=True)
+    return torch.compile(fn, dynamic=True)
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        from torch.fx.experimental import _config as fx_config
 
-        with fx_config.patch(use_duck_shape=False):
-            return compiled(*args, **kwargs)
+@contextlib.contextmanager
+def no_duck_sizing() -> Iterator[None]:
+    """Trace without assuming that equal sizes are the same symbol (they are not, at another budget)."""
+    from torch.fx.experimental import _config as fx_config
 
-    return call
+    with fx_config.patch(use_duck_shape=False):
+        yield
+
+
+class CompiledRegions:
+    """The repeated blocks an adapter names (``compile_regions()``), compiled for the duration of a capture.
+
+    ``compile()`` calls ``nn.Module.compile(dynamic=True)`` on each; ``restore()`` (idempotent) clears their
+    compiled call again, so outside the capture the tower runs exactly as before.
+    """
+
+    def __init__(self, adapter: Any) -> None:
+        hook = getattr(adapter, "compile_regions", None)
+        self.modules = list(hook()) if hook is not None else []
+        self.active = False
+
+    def compile(self) -> None:
+        for module in self.modules:
+            module.compile(dynamic=True)
+        self.active = True
+
+    def restore(self) -> None:
+        if not self.active:
+            return
+        for module in self.modules:
+            # nn.Module.compile keeps its compiled callable here (torch >= 2.2); None is its "not compiled".
+            module._compiled_call_impl = None
+        self.active = False
+
+    def describe(self) -> dict[str, Any]:
+        names = sorted({type(m).__name__ for m in self.modules})
+        return {"count": len(self.modules), "classes": names}
 
 
 def compile_stats() -> dict[str, int]:

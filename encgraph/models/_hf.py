@@ -20,6 +20,7 @@ from encgraph.errors import VersionError
 
 __all__ = [
     "AttentionSwitch",
+    "repeated_blocks",
     "require_transformers",
     "switch_attention",
     "tower_dtype_device",
@@ -141,6 +142,18 @@ def _set_attention_name(config: Any, name: str) -> None:
         vars(config)["_attn_implementation_internal"] = name
     else:
         config._attn_implementation = name
+
+
+def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The tower's repeated layers: the longest ``nn.ModuleList`` below ``module`` whose entries are all of one
+    class (at least two), or ``[]``. What ``compile_regions()`` of an adapter names by default."""
+    best: list[torch.nn.Module] = []
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.ModuleList) and len(sub) >= 2 and len(sub) > len(best):
+            kinds = {type(m) for m in sub}
+            if len(kinds) == 1:
+                best = list(sub)
+    return best
 
 
 def tower_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:

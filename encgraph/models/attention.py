@@ -185,6 +185,11 @@ def _varlen_attention(
             kwargs["scale"] = scale
         else:  # torch 2.10's varlen_attn has no ``scale``: fold the ratio into the query.
             query = query * (scale / default)
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: one opaque op (see encgraph.models._varlen_op); eager calls skip its dispatch.
+        from encgraph.models._varlen_op import make_op
+
+        return make_op(varlen_attn, takes_scale)(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
     return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
@@ -308,7 +313,11 @@ def register_attention() -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, hf_attention_forward)
-    _varlen()  # resolved here, eagerly, so that a compiled forward only reads the memo
+    varlen, takes_scale = _varlen()  # resolved here, eagerly, so that a compiled forward only reads the memo
+    if varlen is not None:
+        from encgraph.models._varlen_op import make_op
+
+        make_op(varlen, takes_scale)  # defined outside any trace
     return ATTENTION_NAME
 
 

@@ -37,7 +37,7 @@ import torch
 from encgraph._validate import check_int, describe
 from encgraph.capture.protocol import BufferSpec, StockCall
 from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError, UnsupportedModelError
-from encgraph.models._hf import require_transformers
+from encgraph.models._hf import repeated_blocks, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
 from encgraph.models.generic import GenericModuleAdapter, _Signature
 from encgraph.packing import ItemSpec
@@ -325,6 +325,10 @@ class FixedResolutionAdapter(GenericModuleAdapter):
     def select(self, inputs: PixelBatch, indices: Sequence[int]) -> PixelBatch:
         (pixels,) = super().select((inputs.pixel_values,), indices)
         return PixelBatch(pixels, inputs.request)
+
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The encoder layers: what ``compile="auto"`` compiles (once for all of them and every batch size)."""
+        return repeated_blocks(self._module)
 
     def sample_inputs(self, path: str, tokens: int) -> PixelBatch:
         """``tokens`` random normal images at the graphs' size, in the tower's dtype on its device."""

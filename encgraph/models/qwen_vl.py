@@ -440,6 +440,10 @@ class QwenVisionAdapter:
                 for module, forward in saved:
                     module.forward = forward
 
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The vision blocks: what ``compile="auto"`` compiles (once for all of them and every budget)."""
+        return list(self._module.blocks)
+
     def sample_inputs(self, path: str, tokens: int) -> QwenVisionInputs:
         """One random image of at most ``tokens`` output tokens (``a x c`` merged tokens, ``a = isqrt(tokens)``),
         normal pixel rows in the tower's dtype on its device."""

@@ -43,7 +43,8 @@ def test_defaults_compile_once_measure_costs_and_share_the_pool():
         f"the largest graph; outputs {info['output_bytes'] / 2**20:.0f} MiB"
     )
     assert len(ladder) >= 15 and info["graphs"] == len(ladder) and not info["failed"]
-    assert compiled["status"] == "compiled" and compiled["dynamo"]["unique_graphs"] == 1
+    assert compiled["status"] == "compiled" and compiled["regions"]["count"] == 4
+    assert compiled["dynamo"]["unique_graphs"] <= 2 and compiled["dynamo"]["graph_breaks"] == 0
     assert info["pool_bytes"] <= 1.1 * info["largest_graph_bytes"]
     assert check["seconds"] < 3.0 + 0.1 * len(ladder)  # extra capture time for the cost model and the check
     assert isinstance(runner.costs, CostModel) and info["costs"].startswith("cost-aware")
