@@ -132,6 +132,10 @@ class KimiK25Adapter(QwenVisionAdapter):
         # The patch embedding also adds the position embedding in its forward: nothing to rewrite there.
         return []
 
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The encoder layers: what ``compile="auto"`` compiles (once for all of them and every budget)."""
+        return list(self._module.layers)
+
     def inputs(self, pixel_values: Any, grid_thw: Any, *, return_dict: bool = True) -> QwenVisionInputs:
         inputs = super().inputs(pixel_values, grid_thw, return_dict=return_dict)
         longest = int(inputs.grid[:, 0].max())

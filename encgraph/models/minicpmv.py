@@ -106,6 +106,11 @@ class MiniCPMVAdapter(QwenVisionAdapter):
     def output_names(self) -> tuple[str, ...]:
         return ("last_hidden_state",)
 
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The encoder layers (before and after the merger: one trace, a symbolic row count) for
+        ``compile="auto"``; the merger and the embeddings run as they are."""
+        return list(self._module.encoder.layers)
+
     # -- inputs
     def inputs(self, pixel_values: Any, target_sizes: Any, *, return_dict: bool = True) -> QwenVisionInputs:
         """Validate the tower's ``(pixel_values (1, C, P, L*P), target_sizes (n, 2))`` into inputs whose pixel rows

@@ -7,12 +7,14 @@ then replay fresh random mixes of images and videos; per item and output field, 
 - the tower's own Hugging Face forward on the item alone (SDPA, unpadded: other kernels) within ``HF_RTOL``
   (norm-relative; the worst printed),
 
-and the static forward runs under ``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises).
+and the static forward runs under ``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises). The
+default runner (``compile="auto"``: the repeated layers compiled once, a measured cost model) is checked per family
+on three budgets within ``HF_RTOL`` of the uncompiled static forward and of the HF tower.
 
 GLM-4V, Qwen3.5, ERNIE-4.5-VL and Llama 4 need transformers >= 5.15 (the GPU image's 5.17 has them); Kimi-K2.5
 and MiniCPM-V 4.6 need 5.24 (their 5.17 towers pool and merge differently) and skip below it. Run with
 ``pytest -s`` for the report; ``python tests/gpu/test_families_gpu.py --cpu-smoke`` runs the same checks on the
-CPU (STATIC mode, 1 layer, small budgets) in about a minute.
+CPU (STATIC mode, so nothing compiled; 1 layer, small budgets) in a few minutes.
 """
 
 from __future__ import annotations
@@ -132,7 +134,10 @@ def check_packed(name: str, run: Run) -> dict[str, Any]:
     family = FAMILIES[name]
     tower, reference = build(name, run)
     adapter = wrap(tower)
-    graph = EncoderGraphRunner(adapter, budgets=list(run.budgets), max_items=MAX_ITEMS, mode=run.mode)
+    # Plain graphs (the compiled default has its own test) planned greedily (a cost model could send the poisoning
+    # batch eagerly): the replay must equal the eager static forward on the same kernels.
+    graph = EncoderGraphRunner(adapter, budgets=list(run.budgets), max_items=MAX_ITEMS, mode=run.mode,
+                               compile=False, costs=False)
     info = graph.capture()
     assert info["graphs"] == (len(run.budgets) if run.mode is RunMode.GRAPH else 0) and not info.get("failed")
     static = EncoderGraphRunner(adapter, budgets=list(run.budgets), max_items=MAX_ITEMS, mode=RunMode.STATIC)
@@ -209,7 +214,7 @@ def check_llama4(run: Run) -> dict[str, Any]:
     tower, reference = build("llama4", run)
     adapter = wrap(tower)
     ladder = [1, 2, 4, 8, 16] if run.mode is RunMode.GRAPH else [1, 2]
-    graph = EncoderGraphRunner(adapter, budgets=ladder, mode=run.mode)
+    graph = EncoderGraphRunner(adapter, budgets=ladder, mode=run.mode, compile=False, costs=False)
     info = graph.capture()
     static = EncoderGraphRunner(adapter, budgets=ladder, mode=RunMode.STATIC)
     side = int(tower.config.image_size)
@@ -243,6 +248,46 @@ def check_llama4(run: Run) -> dict[str, Any]:
             "worst_static_max_rel": worst_static, "worst_hf_norm_rel": worst_hf}
 
 
+def check_compiled_default(name: str, run: Run) -> dict[str, Any]:
+    """The default ``compile="auto"`` (the tower's repeated layers compiled once for every budget, then captured)
+    and the default cost model, on three budgets: replays within ``HF_RTOL`` of the uncompiled static forward and
+    of the HF tower per item."""
+    tower, reference = build(name, run)
+    adapter = wrap(tower)
+    budgets = [64, 256, 1024] if run.mode is RunMode.GRAPH else list(run.budgets)
+    graph = EncoderGraphRunner(adapter, budgets=budgets, max_items=8, mode=run.mode)
+    info = graph.capture()
+    compiled = info["compile"]
+    assert not info["failed"], info["failed"]
+    if run.mode is RunMode.GRAPH:
+        assert info["graphs"] == len(budgets) and compiled.get("status") == "compiled", compiled
+    static = EncoderGraphRunner(adapter, budgets=budgets, max_items=8, mode=RunMode.STATIC)
+    gen = np.random.default_rng(5)
+    worst_static = worst_hf = 0.0
+    for case in range(4):
+        grid = random_mix(gen, name, int(gen.integers(1, 9)), attrs.evolve(run, max_side=24), big=False)
+        rows = pixel_rows(adapter, grid, run)
+        inputs = adapter_inputs(name, adapter, rows, grid)
+        with torch.inference_mode():
+            got, want = graph(inputs), static(inputs)
+        for i, (g, w) in enumerate(zip(got, want)):
+            for key in w:
+                err = rel(g[key], w[key])
+                worst_static = max(worst_static, err)
+                assert torch.isfinite(g[key]).all() and err < HF_RTOL, (name, case, i, grid[i].tolist(), key, err)
+        if case == 0:
+            for i, (g, ref) in enumerate(zip(got, hf_per_item(name, reference, rows, grid))):
+                one = adapter_inputs(name, adapter, *_item(rows, grid, i))
+                mine = FAMILIES[name].split(adapter.output_for_call([g], one), grid[i:i + 1])[0]
+                for key in ref:
+                    worst_hf = max(worst_hf, rel(mine[key], ref[key]))
+                    assert worst_hf < HF_RTOL, (name, i, grid[i].tolist(), key, worst_hf)
+    return {"family": name, "capture_s": round(info["seconds"], 1),
+            "first_compile_s": compiled.get("first_compile_seconds"), "dynamo": compiled.get("dynamo"),
+            "worst_static_norm_rel": worst_static, "worst_hf_norm_rel": worst_hf,
+            "graph_items": graph.stats["graph_items"], "eager_items": graph.stats["eager_items"]}
+
+
 @pytest.mark.parametrize("name", PACKED)
 def test_replay_equals_static_eager_and_hf(name):
     skip_unless_supported(name)
@@ -251,6 +296,12 @@ def test_replay_equals_static_eager_and_hf(name):
 
 def test_llama4_tiles():
     print(f"\n{check_llama4(Run())}")
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_compiled_default_equals_static_and_hf(name):
+    skip_unless_supported(name)
+    print(f"\n{check_compiled_default(name, Run())}")
 
 
 @pytest.mark.parametrize("name", PACKED + ("llama4",))
@@ -271,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         report = check_llama4(run) if name == "llama4" else check_packed(name, run)
         print(f"{report} ({time.perf_counter() - start:.1f} s)", flush=True)
+        if name != "llama4":
+            print(f"  default runner: {check_compiled_default(name, run)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -228,3 +228,13 @@ def test_calls_the_graphs_leave_to_the_tower(family):
     out = family.call(fast, rows, grid)
     assert all(t.requires_grad for t in out.values() if t is not None)
     assert sum(fast.stats["eager_reasons"].values()) == 2
+
+
+def test_compile_regions_are_the_repeated_layers(family):
+    """What ``compile="auto"`` compiles on a GPU: every layer of the tower's stack, all of one class."""
+    from encgraph.models._hf import repeated_blocks
+
+    tower = family.tower()
+    regions = wrap(tower).compile_regions()
+    assert len(regions) >= 2 and len({type(r) for r in regions}) == 1
+    assert [id(r) for r in regions] == [id(b) for b in repeated_blocks(tower)]
