@@ -194,7 +194,12 @@ def replay_all(args: Any, env: Env, deadline: Deadline, results: Results) -> Non
             continue
         tower_deadline = deadline.share(len(args.towers) - k)
         with startup.cache_env() as cache:
-            replay_tower(name, args, env, tower_deadline, doc, results, cache)
+            try:
+                replay_tower(name, args, env, tower_deadline, doc, results, cache)
+            except Exception as exc:  # keep the other tower's run (and what this one measured)
+                traceback.print_exc()
+                doc["error"] = short_error(exc)
+                free_memory()
         doc["seconds"] = round(tower_deadline.elapsed(), 1)
         doc["targets"] = report.check_targets(name, doc)
         results.flush()

@@ -225,6 +225,8 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
                      f"difference {fmt(diff) if isinstance(diff, float) else diff}")
     if doc.get("trace", {}).get("stopped"):
         notes.append(f"- trace stopped early: {doc['trace']['stopped']}")
+    if doc.get("error"):
+        notes.append(f"- this tower's run failed: {doc['error']}")
     return notes
 
 
