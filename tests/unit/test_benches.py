@@ -29,7 +29,7 @@ from benches.lib.env import Deadline, inference, make_env  # noqa: E402
 from benches.lib.results import SMOKE_SLUG, Results, median_of  # noqa: E402
 from benches.lib.systems import System, TowerBench  # noqa: E402
 from benches.lib.timing import floor_ms, time_once  # noqa: E402
-from benches.lib.towers import SMOKE_TOWERS, TOWERS, Facts, Geometry, TowerKind, TowerSpec  # noqa: E402
+from benches.lib.towers import SMOKE_TOWERS, TINY_PACKED, TOWERS, Facts, Geometry, TowerKind, TowerSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benches" / "results"
@@ -176,6 +176,25 @@ def test_the_tower_table_refuses_a_name_twice():
 
     with pytest.raises(ValueError, match="twice"):
         _table(TOWERS["qwen2_5_vl_7b"], TOWERS["qwen2_5_vl_7b"])
+
+
+def test_a_new_family_is_one_row():
+    """A row for a family the table does not ship (Qwen3.5's tower, transformers >= 5.24) builds and runs its HF
+    forward; systems whose adapter is missing are reported unavailable, not raised."""
+    spec = TowerSpec("qwen3_5_row", "Qwen3.5 tower", TowerKind.PACKED,
+                     model="transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5VisionModel",
+                     config="transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5VisionConfig",
+                     full=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16),
+                     tiny=dict(TINY_PACKED, depth=2, num_position_embeddings=64), transformers="5.24")
+    if spec.missing():
+        pytest.skip(spec.missing())
+    with inference():
+        bench = TowerBench(spec, smoke_env(), (System.HF_SDPA, System.ADAPTER_EAGER))
+        x = bench.inputs([Visual(64, 96), Visual(32, 32, frames=2, kind="video")])
+        out = bench.call(System.HF_SDPA, x)()
+    assert out["pooler_output"].shape[0] == x.sizes.tokens == 6 + 4  # (1, 4, 6) and (1, 4, 4) patches, merged 2x2
+    assert bench.adapter is not None or bench.unavailable[System.ADAPTER_EAGER].startswith("unavailable: no adapter")
+    bench.close()
 
 
 def test_tower_copies_per_system_group():
