@@ -224,8 +224,9 @@ def replay_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[s
     doc.update(tower={"name": spec.name, "label": spec.label, "params": bench.params}, baseline=baseline.value,
                trace={"seed": args.seed, "requests": len(trace), "distribution": distribution(),
                       "summary": trace_summary(trace, bench.geom, caps)})
-    doc["planning"] = (f"cost-aware ({args.cost_samples} sample requests, seed {args.seed + 2})"
-                       if args.cost_samples > 0 else "the runner's default")
+    if any(s in args.systems for s in (System.GRAPH, System.GRAPH_COMPILE)):
+        doc["planning"] = (f"cost-aware ({args.cost_samples} sample requests, seed {args.seed + 2})"
+                           if args.cost_samples > 0 else "the runner's default")
     systems = [s for s in args.systems if s not in bench.unavailable]
     doc["unavailable"] = {s.value: why for s, why in bench.unavailable.items() if s in args.systems}
     for s in [s for s in systems if s in GRAPH_SYSTEMS]:

@@ -258,9 +258,10 @@ def render(data: Mapping[str, Any]) -> str:
         if "skipped" in doc:
             parts.append(f"skipped: {doc['skipped']}")
             continue
+        planning = doc.get("planning")
         parts.append(f"trace: {summary.get('items_per_request_mean')} items per request, tokens per request mean "
-                     f"{summary.get('tokens_mean')}, P50 {summary.get('tokens_p50')}, P99 {summary.get('tokens_p99')}; "
-                     f"planning of the benchmark's own graph runners: {doc.get('planning', '-')}")
+                     f"{summary.get('tokens_mean')}, P50 {summary.get('tokens_p50')}, P99 {summary.get('tokens_p99')}"
+                     + (f"; planning of the benchmark's own graph runners: {planning}" if planning else ""))
         parts.append(system_table(doc))
         notes = tower_notes(doc)
         if notes:
