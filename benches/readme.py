@@ -3,8 +3,9 @@
 Each block sits between ``<!-- benches/readme.py: NAME -->`` and ``<!-- end NAME -->`` in README.md and is
 rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nvidia-h200``):
 
-- ``traffic``: per tower, ``graphed(tower)`` with no options against HF's own forward beside issue 13's targets
-  (runs of before ``defaults`` existed: their system table), with the run's machine, versions and commit;
+- ``traffic``: per tower, ``graphed(tower)`` with no options against HF's own forward beside issue 13's targets,
+  then every system of the run (runs of before ``defaults`` existed: what they measured), with the run's
+  machine, versions and commit;
 - ``towers``: median latency per fixed case of HF sdpa, ``defaults``, encgraph's graphs, compiled graphs and the
   matmul floor;
 - ``capture``: graphs, capture seconds and pool memory of the doubling and the default ladders.
@@ -44,16 +45,13 @@ def provenance(data: Mapping[str, Any], script: str, slug: str) -> str:
 
 
 def traffic_block(data: Mapping[str, Any], slug: str) -> str:
-    parts = [provenance(data, "traffic", slug)]
-    head = report.headline(data)
-    if head:
-        parts += [head, "\n".join(report.target_lines(data))]
-    else:  # a run of before defaults and hf_sdpa were measured: what it did measure
-        for name, doc in report.tower_docs(data).items():
-            trace = doc.get("trace", {})
-            parts += [f"{doc.get('tower', {}).get('label', name)}, {trace.get('completed')} of "
-                      f"{trace.get('requests')} requests, planning: {doc.get('planning', '-')}:",
-                      report.system_table(doc)]
+    parts = [provenance(data, "traffic", slug), report.headline(data), "\n".join(report.target_lines(data))]
+    for name, doc in report.tower_docs(data).items():  # every system of the run (old runs: what they measured)
+        trace = doc.get("trace", {})
+        planning = f", planning: {doc['planning']}" if doc.get("planning") else ""
+        compiled = [n for n in report.tower_notes(doc) if System.HF_COMPILE_DYNAMIC.label in n]
+        parts += [f"{doc.get('tower', {}).get('label', name)}, {trace.get('completed')} of {trace.get('requests')} "
+                  f"requests{planning}:", report.system_table(doc), "\n".join(compiled)]
     plot = RESULTS_DIR / f"traffic_{slug}_cdf.png"
     if plot.exists():
         parts.append(f"![latency and per-request ratio CDFs](benches/results/{plot.name})")
