@@ -15,6 +15,8 @@ from encgraph.errors import (
     EncgraphError,
     InputError,
     InputTypeError,
+    OverloadedError,
+    ShutdownError,
     UnsupportedModelError,
     VersionError,
 )
@@ -32,6 +34,8 @@ __all__ = [
     "CaptureError",
     "UnsupportedModelError",
     "VersionError",
+    "OverloadedError",
+    "ShutdownError",
     "__version__",
 ]
 

@@ -36,7 +36,7 @@ import torch
 from encgraph._validate import describe
 from encgraph.capture.protocol import BufferSpec
 from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError, UnsupportedModelError
-from encgraph.models.generic import GenericModuleAdapter, _Signature
+from encgraph.models.generic import GenericModuleAdapter, _Signature, concat_parts
 from encgraph.packing import ItemSpec
 
 __all__ = ["FixedResolutionAdapter", "PixelBatch", "CallRequest", "hidden_states_layout"]
@@ -317,6 +317,14 @@ class FixedResolutionAdapter(GenericModuleAdapter):
     def select(self, inputs: PixelBatch, indices: Sequence[int]) -> PixelBatch:
         (pixels,) = super().select((inputs.pixel_values,), indices)
         return PixelBatch(pixels, inputs.request)
+
+    def concat(self, parts: Sequence[PixelBatch]) -> PixelBatch:  # type: ignore[override]
+        """One batch of every part's images in order, with part 0's :class:`CallRequest` (the request options
+        do not change what the runner computes; ``output_for_call`` reads each call's own)."""
+        parts = concat_parts(parts, PixelBatch)
+        if len(parts) == 1:
+            return parts[0]
+        return PixelBatch(torch.cat([p.pixel_values for p in parts]), parts[0].request)
 
     # -- static buffers and forwards
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:

@@ -422,6 +422,17 @@ class QwenVisionAdapter:
             pixels = torch.cat([inputs.pixel_values[int(starts[i]) : int(starts[i + 1])] for i in idx])
         return QwenVisionInputs(pixels, inputs.grid[idx], inputs.return_dict)
 
+    def concat(self, parts: Sequence[Any]) -> QwenVisionInputs:
+        """One input holding every part's items in order: pixel rows concatenated, grids stacked; part 0's
+        ``return_dict`` (``output_for_call`` reads each call's own). Parts were validated by ``item_specs``."""
+        from encgraph.models.generic import concat_parts
+
+        parts = [self._coerce(p) for p in concat_parts(parts, (QwenVisionInputs, tuple))]
+        if len(parts) == 1:
+            return parts[0]
+        pixels = torch.cat([p.pixel_values for p in parts])
+        return QwenVisionInputs(pixels, np.concatenate([p.grid for p in parts]), parts[0].return_dict)
+
     # ------------------------------------------------------------------ buffers and metadata
     def _rows(self, budget: int) -> int:
         return budget * self.merge**2
