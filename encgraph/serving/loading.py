@@ -33,8 +33,9 @@ from encgraph.errors import ConfigError, UnsupportedModelError, VersionError
 __all__ = ["ServedModel", "EMBEDDED", "FAMILIES", "Family", "load_processor", "embedded_tower", "load_checkpoint",
            "build_model"]
 
-EMBEDDED: dict[str, tuple[int, ...]] = {"siglip": (1, 2, 4, 8, 16), "qwen2_5_vl": (16, 32, 64, 128, 256)}
-"""The embedded default models and their ladders (images for SigLIP, merged tokens for Qwen2.5-VL)."""
+EMBEDDED: dict[str, tuple[int, ...]] = {"siglip": (1, 2, 4, 8, 16), "qwen2_5_vl": (16, 32, 64, 128)}
+"""The embedded default models and their ladders (images for SigLIP, merged tokens for Qwen2.5-VL: its processor
+resizes an image to at most 128 tokens). Small budgets: on the CPU a static forward's attention costs budget^2."""
 
 _QWEN_KEYS = {r"^(?:model\.)?visual\.": ""}
 
