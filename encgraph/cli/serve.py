@@ -65,6 +65,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "without NAME= for every model")
     p.add_argument("--max-wait-ms", type=_nonneg_float, default=1.0,
                    help="how long a call waits for more requests after its first (default 1; 0: only what is queued)")
+    p.add_argument("--max-requests", type=positive_int,
+                   help="requests coalesced into one call at most (default: no limit; 1: no coalescing)")
     p.add_argument("--max-queue", type=positive_int, default=256,
                    help="requests waiting per model before answering 503 (default 256)")
     p.add_argument("--max-images", type=positive_int, default=32, help="images per request (default 32)")
@@ -124,7 +126,7 @@ def build_models(args: argparse.Namespace) -> dict[str, Any]:
     if len(set(names)) != len(names):
         raise UsageError(f"encgraph serve: error: --model: two models named alike ({names}); use NAME=PATH")
     budgets = _per_model(args.budgets, names, "--budgets")
-    options = {"max_wait_ms": args.max_wait_ms, "max_queue": args.max_queue}
+    options = {"max_wait_ms": args.max_wait_ms, "max_queue": args.max_queue, "max_requests": args.max_requests}
     models = {}
     for name, path in sources:
         if path is None:

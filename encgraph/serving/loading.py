@@ -53,17 +53,19 @@ class Family:
     key_mapping: Mapping[str, str] | None = None
 
 
+_TOWERS = {
+    "siglip": "transformers.models.siglip.modeling_siglip:SiglipVisionModel",
+    "clip": "transformers.models.clip.modeling_clip:CLIPVisionModel",
+    "qwen2_vl": "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
+    "qwen2_5_vl": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+    "qwen3_vl": "transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
+}
 FAMILIES: dict[str, Family] = {
-    "siglip": Family("transformers.models.siglip.modeling_siglip:SiglipVisionModel"),
-    "siglip_vision_model": Family("transformers.models.siglip.modeling_siglip:SiglipVisionModel"),
-    "clip": Family("transformers.models.clip.modeling_clip:CLIPVisionModel"),
-    "clip_vision_model": Family("transformers.models.clip.modeling_clip:CLIPVisionModel"),
-    "qwen2_vl": Family("transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
-                       "vision_config", _QWEN_KEYS),
-    "qwen2_5_vl": Family(
-        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
-        "vision_config", _QWEN_KEYS),
-    "qwen3_vl": Family("transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel", "vision_config", _QWEN_KEYS),
+    # A full checkpoint (dual encoder or VLM) and a tower saved alone (its own model_type).
+    **{f: Family(_TOWERS[f]) for f in ("siglip", "clip")},
+    **{f"{f}_vision_model": Family(_TOWERS[f]) for f in ("siglip", "clip")},
+    **{f: Family(_TOWERS[f], "vision_config", _QWEN_KEYS) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+    **{f"{f}_vision": Family(_TOWERS[f]) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
 }
 """``config.model_type`` of a checkpoint -> how to load its vision tower."""
 
@@ -232,7 +234,7 @@ def build_model(
     if eager:
         adapter.unwrap()  # the tower's own attention and layout; the adapter still parses and describes inputs
         target: Any = EagerTower(tower, adapter)
-        options["max_requests"] = 1
+        options["max_requests"] = 1  # the tower's forward takes one request at a time
     else:
         target = EncoderGraphRunner(adapter, budgets=budgets)
         options["capture"] = True

@@ -148,3 +148,23 @@ def test_parser_accepts_named_and_plain_values():
     args = build_parser().parse_args(["serve", "--model", "/a/b", "--model", "x=/c", "--budgets", "8,4"])
     assert args.model == [(None, "/a/b"), ("x", "/c")] and args.budgets == [(None, (4, 8))]
     assert isinstance(args, argparse.Namespace)
+
+
+@pytest.mark.parametrize("which", ["siglip", "qwen"])
+def test_a_tower_saved_alone_loads_too(which, request, tmp_path):
+    from transformers import SiglipImageProcessor
+
+    _, model = request.getfixturevalue(f"{which}_dir")
+    original = model.vision_model if which == "siglip" else model.model.visual
+    if which == "siglip":  # SiglipVisionModel around the dual encoder's tower
+        from transformers import SiglipVisionModel
+
+        standalone = SiglipVisionModel(model.config.vision_config).eval()
+        standalone.load_state_dict(original.state_dict())
+        original = standalone
+    original.save_pretrained(tmp_path)
+    SiglipImageProcessor().save_pretrained(tmp_path)
+    tower, _, _ = loading.load_checkpoint(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    assert type(tower) is type(original)
+    for (name, a), b in zip(tower.state_dict().items(), original.state_dict().values()):
+        assert torch.equal(a, b), name
