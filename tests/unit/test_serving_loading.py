@@ -29,41 +29,45 @@ def _images(n: int, seed: int = 0) -> list[Image.Image]:
     return [Image.fromarray(rng.integers(0, 256, (40 + 13 * i, 60 - 5 * i, 3), dtype=np.uint8)) for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def siglip_dir(tmp_path_factory):
-    from transformers import SiglipConfig, SiglipImageProcessor, SiglipModel
-
-    path = tmp_path_factory.mktemp("siglip")
-    torch.manual_seed(0)
-    config = SiglipConfig(
+CHECKPOINTS = {
+    # name: (config class, model class, processor class, config kwargs, processor kwargs), all in transformers
+    "siglip": ("SiglipConfig", "SiglipModel", "SiglipImageProcessor", dict(
         text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                          vocab_size=64),
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                            image_size=28, patch_size=14),
-    )
-    model = SiglipModel(config).eval()
-    model.save_pretrained(path)
-    SiglipImageProcessor(size={"height": 28, "width": 28}).save_pretrained(path)
-    return path, model
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
-
-    path = tmp_path_factory.mktemp("qwen")
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
+    ), dict(size={"height": 28, "width": 28})),
+    "qwen": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2VLImageProcessor", dict(
         text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=64,
                          rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=60, num_heads=2, out_hidden_size=32,
                            fullatt_block_indexes=[1], window_size=56),
-    )
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    ), dict(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 32})),
+}
+
+
+def _save(tmp_path_factory, which: str):
+    """A full random-weight model and its image processor, saved with save_pretrained: (directory, model)."""
+    import transformers
+
+    config_cls, model_cls, processor_cls, config, processor = CHECKPOINTS[which]
+    path = tmp_path_factory.mktemp(which)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
     model.save_pretrained(path)
-    Qwen2VLImageProcessor(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 32}).save_pretrained(path)
+    getattr(transformers, processor_cls)(**processor).save_pretrained(path)
     return path, model
+
+
+@pytest.fixture(scope="module")
+def siglip_dir(tmp_path_factory):
+    return _save(tmp_path_factory, "siglip")
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return _save(tmp_path_factory, "qwen")
 
 
 def _reference(model_name: str, model, processor, images):
