@@ -122,6 +122,21 @@ def _decode_all(images: Sequence[str], limits: ImageLimits) -> list[Any]:
         raise ApiError(exc.status, exc.param, exc.code, str(exc)) from None
 
 
+def _prepare(model: Any, images: Sequence[Any]) -> Any:
+    """The model's inputs for decoded images; an image its processor (or adapter) refuses is named."""
+    try:
+        return model.inputs(images)
+    except Exception as exc:
+        for i, image in enumerate(images):  # the rare failure path: find the culprit
+            try:
+                model.inputs([image])
+            except Exception as one:
+                raise ApiError(400, f"input[{i}]", "unprocessable_image",
+                               f"input[{i}]: the model's image processor refused this image "
+                               f"({image.width}x{image.height}): {one}") from None
+        raise exc
+
+
 def _encode(array: Any, fmt: str) -> Any:
     if fmt == "base64":
         return base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")
@@ -189,7 +204,7 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
                                f"input: {len(req.input)} images is over the server's limit of {limits.max_images} "
                                "per request; split the request.")
             images = await run_in_threadpool(_decode_all, req.input, limits.image)
-            inputs = await run_in_threadpool(model.inputs, images)
+            inputs = await run_in_threadpool(_prepare, model, images)
             results = await _encode_on(model, inputs, limits)
             response = await run_in_threadpool(_answer, model, results, req)
         except ApiError as exc:

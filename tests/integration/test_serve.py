@@ -106,6 +106,7 @@ def _bad_requests(pool) -> list[tuple[str, bytes | dict, int, str]]:
     wide = io.BytesIO()
     random_image(np.random.default_rng(0), 1, 1).resize((1100, 1000)).save(wide, format="PNG")  # 1.1 Mpx, tiny file
     b64 = lambda data: base64.b64encode(data).decode()  # noqa: E731
+    thin = encode(random_image(rng, 2000, 3), "PNG")  # Qwen's processor takes aspect ratios below 200
     return [
         ("corrupt image", {"input": [pool[0], b64(rng.bytes(500)), pool[2]]}, 400, "input[1]"),
         ("truncated PNG", {"input": [b64(png[: len(png) // 2])]}, 400, "input[0]"),
@@ -115,6 +116,7 @@ def _bad_requests(pool) -> list[tuple[str, bytes | dict, int, str]]:
         ("image over the byte limit", {"input": [big]}, 413, "input[0]"),
         ("image over the pixel limit", {"input": [b64(wide.getvalue())]}, 413, "input[0]"),
         ("too many images", {"input": [pool[0]] * 9}, 413, "input"),
+        ("an aspect ratio the processor refuses", {"model": "qwen2_5_vl", "input": [pool[0], thin]}, 400, "input[1]"),
         ("body over the limit", {"input": [pool[0]], "user": "x" * 2_500_000}, 413, "body"),
         ("empty list", {"input": []}, 422, "input"),
         ("input not a list", {"input": 5}, 422, "input"),
