@@ -186,6 +186,18 @@ def test_overload_answers_503_with_retry_after_and_recovers(servers, refs: Refer
     refs.check("qwen2_5_vl", images, r.json())
 
 
+def test_the_serving_bench_client_measures_this_server(server, pool):
+    """benches/serving.py's closed loop over HTTP and its /metrics deltas, against the running server."""
+    from benches import serving
+
+    args = serving.build_parser().parse_args(["--duration", "0.3", "--warmup", "0.05"])
+    before = serving.server_counters(server.url)
+    point = serving.run_server(server.url, pool[:4], 4, args)
+    summary = serving.counter_summary(before, serving.server_counters(server.url))
+    assert point["requests"] >= 4 and point["errors"] == 0 and point["p50_ms"] <= point["p99_ms"]
+    assert summary["requests_per_call"] >= 1.0 and 0 <= summary["padded_share"] < 1
+
+
 def test_sigterm_under_load(server, refs: References, pool):
     """Last in this module: it stops the shared server."""
     stop = threading.Event()

@@ -1,9 +1,9 @@
-"""``benches/serving.py`` on the CPU: ``--help`` as a script, the in-process and server paths in smoke mode (tiny
-towers, short points), and its summary and target helpers on known numbers."""
+"""``benches/serving.py`` on the CPU: ``--help`` as a script, the in-process path in smoke mode (tiny towers,
+short points), and its summary and target helpers on known numbers. Its HTTP client runs against the integration
+tests' server (tests/integration/test_serve.py), so that no extra server starts for it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -45,16 +45,6 @@ def test_inprocess_smoke_writes_every_point(tmp_path):
                     assert 0 <= p["padded_share"] < 1
     table = (tmp_path / "serving_cpu-smoke.md").read_text()
     assert "| 2 | graphed_coalesce |" in table and "Qwen2.5-VL-7B tower, inprocess" in table
-
-
-@pytest.mark.skipif(importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("httpx") is None,
-                    reason="the server transport needs the [serve] extra and httpx")
-def test_server_smoke_one_point(tmp_path):
-    data = serving.main(SMOKE + ["--transports", "server", "--towers", "siglip_so400m_384", "--systems",
-                                 "graphed_coalesce", "--concurrency", "2", "--results-dir", str(tmp_path)])
-    p = data["towers"]["siglip_so400m_384"]["server"]["points"]["graphed_coalesce"]["2"]
-    assert p["requests"] >= 1 and p["errors"] == 0 and p["requests_per_call"] >= 1.0
-    assert p["padded_share"] is not None
 
 
 def test_summary_and_targets():
