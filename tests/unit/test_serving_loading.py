@@ -172,3 +172,17 @@ def test_a_tower_saved_alone_loads_too(which, request, tmp_path):
     assert type(tower) is type(original)
     for (name, a), b in zip(tower.state_dict().items(), original.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["serve", "--help"], 0),
+    (["serve", "--max-wait-ms", "-1"], 2),
+    (["serve", "--budgets", "a=0,1"], 2),
+    (["serve", "--max-requests", "0"], 2),
+])
+def test_serve_command_line_exit_codes(argv, code, capsys):
+    from encgraph.cli import main
+
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    assert ("usage:" in captured.out) if code == 0 else ("error" in captured.err and "\n" == captured.err[-1])
