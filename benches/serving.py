@@ -15,7 +15,8 @@ copying the embedding to the host (what a server does); server clients are async
 JPEGs (so the server's decoding and preprocessing are in the figures). Target: ``graphed_coalesce`` >= 3x the
 images/s of ``hf_eager`` at concurrency 32 with a P99 no worse than ``graphed_per_request``.
 
-Writes ``benches/results/serving_<gpu>.json`` and ``.md`` (+ ``_images_per_s.png`` with matplotlib). Self-contained
+Writes ``benches/results/serving_<gpu>[_<transport>].json`` and ``.md`` (+ ``_images_per_s.png`` with matplotlib;
+the transport is in the name when one is run alone). Self-contained
 (no ``benches.common``); ``--cpu-smoke`` runs the whole path on tiny CPU towers in seconds. The server transport
 needs the ``[serve]`` extra (FastAPI, uvicorn, prometheus_client, Pillow, httpx).
 """
@@ -495,7 +496,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = environment(device)
     data: dict[str, Any] = {"environment": env, "options": {k: (list(v) if isinstance(v, tuple) else str(v) if
                             isinstance(v, Path) else v) for k, v in vars(args).items()}, "towers": {}}
-    name = f"{SCRIPT}_{slug(env, args.cpu_smoke)}{'_' + args.tag if args.tag else ''}"
+    # One transport alone gets its own files, so that the two runs of a GPU session do not overwrite each other.
+    only = f"_{args.transports[0]}" if len(args.transports) == 1 else ""
+    name = f"{SCRIPT}_{slug(env, args.cpu_smoke)}{only}{'_' + args.tag if args.tag else ''}"
     args.results_dir.mkdir(parents=True, exist_ok=True)
 
     def flush() -> None:

@@ -28,7 +28,7 @@ def test_help_runs_as_a_script():
 
 def test_inprocess_smoke_writes_every_point(tmp_path):
     data = serving.main(SMOKE + ["--transports", "inprocess", "--results-dir", str(tmp_path)])
-    written = json.loads((tmp_path / "serving_cpu-smoke.json").read_text())
+    written = json.loads((tmp_path / "serving_cpu-smoke_inprocess.json").read_text())
     assert written["towers"].keys() == data["towers"].keys() == set(serving.TOWERS)
     for tower in written["towers"].values():
         result = tower["inprocess"]
@@ -43,7 +43,7 @@ def test_inprocess_smoke_writes_every_point(tmp_path):
                     assert p["requests_per_call"] == 1.0
                 if system != "hf_eager":
                     assert 0 <= p["padded_share"] < 1
-    table = (tmp_path / "serving_cpu-smoke.md").read_text()
+    table = (tmp_path / "serving_cpu-smoke_inprocess.md").read_text()
     assert "| 2 | graphed_coalesce |" in table and "Qwen2.5-VL-7B tower, inprocess" in table
 
 
