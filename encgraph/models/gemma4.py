@@ -39,6 +39,7 @@ graphs do not model return :class:`~encgraph.models.protocol.StockCall` (the tow
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -156,7 +157,7 @@ class Gemma4Adapter:
     """Two-path adapter (``image``, ``video``) for ``Gemma4VisionModel`` (``model.model.vision_tower``).
 
     Args:
-        module: the tower; its attention is switched to packed attention until :meth:`unwrap`.
+        module: the tower; its attention is switched to packed attention only while the adapter's forwards run.
         frame_tokens: soft tokens of the largest item on the video path (its attention ``max_seqlen`` is
             ``frame_tokens * k^2`` patches); default 70, the video processor's ``max_soft_tokens``.
         max_image_tokens, max_video_tokens: the largest budget of each path (ladders from ``2 * frame_tokens`` and
@@ -197,11 +198,10 @@ class Gemma4Adapter:
         self.pixel_dtype = torch.float32 if self._dtype.itemsize < 4 else self._dtype
         self._output_class = self._probe_output_class()
         self._specs: dict[tuple[int, bool], ItemSpec] = {}
-        self._switch = use_packed_attention(module)
 
     def _probe_output_class(self) -> type:
         # transformers changed the tower's output class (5.17: BaseModelOutputWithPast; 5.24: ...WithPooling) and its
-        # forward's annotation does not say which: ask the tower once, on one soft token, before switching attention.
+        # forward's annotation does not say which: ask the tower once, on one soft token.
         if self._device.type == "meta":
             from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -346,7 +346,7 @@ class Gemma4Adapter:
         p = max(part.positions.shape[1] for part in parts)
         pvs = [torch.nn.functional.pad(part.pixel_values, (0, 0, 0, p - part.positions.shape[1])) for part in parts]
         pos = [np.pad(part.positions, ((0, 0), (0, p - part.positions.shape[1]), (0, 0)), constant_values=-1) for part in parts]
-        dtype = torch.promote_types(*{t.dtype for t in pvs}) if len(pvs) > 1 else pvs[0].dtype
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in pvs))
         return self.inputs(torch.cat([t.to(dtype) for t in pvs]), np.concatenate(pos), return_dict=parts[0].return_dict)
 
     # ------------------------------------------------------------------ buffers and forwards
@@ -395,7 +395,7 @@ class Gemma4Adapter:
         # standardisation, in the dtypes the tower uses (the mean in float32, cast back, then float32 again).
         tower = self._module
         k2 = self.kernel**2
-        with torch.no_grad():
+        with torch.no_grad(), self._packed_attention():
             pos = positions.unsqueeze(0)
             padding = torch.zeros(pos.shape[:2], dtype=torch.bool, device=pos.device)
             hidden = tower.patch_embedder(pixels.unsqueeze(0), pos, padding)
@@ -410,6 +410,17 @@ class Gemma4Adapter:
                 pooled = (pooled - tower.std_bias.float()) * tower.std_scale.float()
             return {OUTPUT: pooled.to(dtype)}
 
+    @contextlib.contextmanager
+    def _packed_attention(self) -> Iterator[None]:
+        # Switched for the adapter's own forwards only: the tower's forward builds a padding mask by the attention
+        # name, and under a "flash" name its mask does not suit SDPA, so a tower left switched would answer its own
+        # calls (a StockCall, or the user's) wrongly. Replays run no Python, so the switch costs them nothing.
+        switch = use_packed_attention(self._module)
+        try:
+            yield
+        finally:
+            switch.restore()
+
     # ------------------------------------------------------------------ results
     def assemble(self, parts: Mapping[str, Mapping[str, torch.Tensor]]) -> torch.Tensor:
         """An item's ``(tokens, hidden)`` rows (it lives on one path)."""
@@ -422,18 +433,8 @@ class Gemma4Adapter:
         out = self._output_class(last_hidden_state=torch.cat(results))
         return out if inputs.return_dict else out.to_tuple()
 
-    @contextlib.contextmanager
-    def stock_context(self) -> Iterator[None]:
-        """The tower's own attention implementation, for a :class:`StockCall` run of its forward."""
-        self._switch.restore()
-        try:
-            yield
-        finally:
-            self._switch = use_packed_attention(self._module)
-
     def unwrap(self) -> torch.nn.Module:
-        """Restore the tower's attention implementation and return it."""
-        self._switch.restore()
+        """The tower (the adapter never leaves it changed)."""
         return self._module
 
     def __repr__(self) -> str:
