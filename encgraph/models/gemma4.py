@@ -52,10 +52,11 @@ from encgraph._validate import check_int, describe
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import use_packed_attention
+from encgraph.models.gemma4_layout import PatchLayouts, grid_positions
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.packing import ItemSpec
 
-__all__ = ["Gemma4Adapter", "Gemma4Patches", "pack_patches", "adapter"]
+__all__ = ["Gemma4Adapter", "Gemma4Patches", "adapter"]
 
 IMAGE = "image"
 VIDEO = "video"
@@ -69,7 +70,8 @@ _IGNORED = frozenset({"use_cache", "num_items_in_batch", "output_router_logits"}
 
 @attrs.frozen(eq=False)
 class Gemma4Patches:
-    """The inputs of one call, with the host-side layout of its real patches (see :func:`pack_patches`).
+    """The inputs of one call, with the host-side layout of its real patches
+    (:mod:`encgraph.models.gemma4_layout`).
 
     - ``pixel_values``: ``(B, P, C)`` floating point on the tower's device, as the call passed it (never copied:
       a sub-batch keeps the whole tensor and its own ``source`` rows);
@@ -99,58 +101,6 @@ class Gemma4Patches:
         sizes = self.starts[items + 1] - self.starts[items]
         first = np.repeat(self.starts[items] - np.cumsum(sizes) + sizes, sizes)
         return first + np.arange(first.shape[0])
-
-
-def pack_patches(positions: np.ndarray, kernel: int, table: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The packed layout of a call's real patches: ``(tokens, source, packed_positions, starts)``.
-
-    ``positions``: ``(B, P, 2)`` int64 ``(x, y)`` per row, ``(-1, -1)`` for padding (the tower's rule: a row is
-    padding when both are -1). Each item must hold a full ``W x H`` grid of patches (every position once),
-    ``W`` and ``H`` multiples of ``kernel``, coordinates below ``table`` (the position-embedding size): what the
-    processor makes and what the tower pools exactly. Soft token ``t = x // k + (W // k) * (y // k)`` (the
-    tower's order) gets packed rows ``t * k^2 .. t * k^2 + k^2 - 1`` of its item. O(rows), no sort.
-    """
-    b, p, _ = positions.shape
-    k2 = kernel * kernel
-    if p % k2:
-        raise InputError(
-            f"pixel_position_ids: {p} patches per row is not a multiple of {k2} (pooling kernel {kernel} squared); "
-            "the tower cannot pool it. Pass the processor's padded rows."
-        )
-    real = ~(positions == -1).all(-1)
-    item, row = np.nonzero(real)
-    xy = positions[item, row]
-    counts = np.bincount(item, minlength=b)
-    bad = np.flatnonzero(counts == 0)
-    if bad.size:
-        raise InputError(f"pixel_position_ids: item {int(bad[0])} has no patches (every row is (-1, -1)).")
-    if (xy < 0).any() or (xy >= table).any():
-        i = int(item[np.flatnonzero((xy < 0).any(1) | (xy >= table).any(1))[0]])
-        raise InputError(
-            f"pixel_position_ids: item {i} has a coordinate outside [0, {table}) (the position-embedding table) in "
-            "a row that is not padding (-1, -1)."
-        )
-    starts = np.zeros(b + 1, np.int64)
-    np.cumsum(counts, out=starts[1:])
-    width = np.maximum.reduceat(xy[:, 0], starts[:-1]) + 1
-    height = np.maximum.reduceat(xy[:, 1], starts[:-1]) + 1
-    wrong = np.flatnonzero((width * height != counts) | (width % kernel != 0) | (height % kernel != 0))
-    if wrong.size:
-        i = int(wrong[0])
-        raise InputError(
-            f"pixel_position_ids: item {i} has {int(counts[i])} patches spanning {int(width[i])} x {int(height[i])}; "
-            f"expected a full grid whose sides are multiples of the pooling kernel {kernel}, as the processor makes."
-        )
-    x, y = xy[:, 0], xy[:, 1]
-    token = x // kernel + (width // kernel)[item] * (y // kernel)
-    dest = starts[item] + token * k2 + (y % kernel) * kernel + x % kernel
-    if np.bincount(dest, minlength=int(starts[-1])).max() > 1:
-        raise InputError("pixel_position_ids: an item lists the same patch position twice.")
-    source = np.empty_like(dest)
-    source[dest] = item * p + row
-    packed = np.empty_like(xy)
-    packed[dest] = xy
-    return counts // k2, source, packed, starts
 
 
 class Gemma4Adapter:
@@ -198,6 +148,7 @@ class Gemma4Adapter:
         self.pixel_dtype = torch.float32 if self._dtype.itemsize < 4 else self._dtype
         self._output_class = self._probe_output_class()
         self._specs: dict[tuple[int, bool], ItemSpec] = {}
+        self._layouts = PatchLayouts(self.kernel, self.table)
 
     def _probe_output_class(self) -> type:
         # transformers changed the tower's output class (5.17: BaseModelOutputWithPast; 5.24: ...WithPooling) and its
@@ -207,8 +158,7 @@ class Gemma4Adapter:
 
             return BaseModelOutputWithPooling
         k = self.kernel
-        ys, xs = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
-        pos = torch.from_numpy(np.stack([xs.ravel(), ys.ravel()], -1)[None]).to(self._device)
+        pos = torch.from_numpy(grid_positions(k, k)[None]).to(self._device)
         with torch.no_grad():
             pv = torch.zeros(1, k * k, self.channels, dtype=self.pixel_dtype, device=self._device)
             return type(self._module(pv, pos, return_dict=True))
@@ -257,7 +207,7 @@ class Gemma4Adapter:
                 f"pixel_values, at least one item), got {tuple(pos.shape)}."
             )
         pos = pos.astype(np.int64, copy=False)
-        tokens, source, packed, starts = pack_patches(pos, self.kernel, self.table)
+        tokens, source, packed, starts = self._layouts.pack(pos)
         video = tokens <= self.frame_tokens
         return Gemma4Patches(pixel_values, pos, tokens, video, source, packed, starts, bool(return_dict))
 
@@ -332,8 +282,7 @@ class Gemma4Adapter:
         grids = []
         for t in sizes:
             a = max(d for d in range(1, math.isqrt(t) + 1) if t % d == 0)  # a x b pooled grid, a * b == t
-            ys, xs = np.meshgrid(np.arange(a * k), np.arange(t // a * k), indexing="ij")
-            grids.append(np.stack([xs.ravel(), ys.ravel()], -1))
+            grids.append(grid_positions(t // a * k, a * k))
         p = max(g.shape[0] for g in grids)
         pos = np.full((len(grids), p, 2), -1, np.int64)
         for i, g in enumerate(grids):

@@ -9,12 +9,26 @@ and 40 px crops (10 x 10 patches: the position table is interpolated, 9 tokens).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
+
+from encgraph.models.gemma4_layout import grid_positions
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread (test modules import this fixture): with other suites on the same two cores, OpenMP
+    threads spinning over 32-wide matmuls cost tens of times the work itself (measured: 830 ms vs 16 ms for one
+    tiny Gemma-4 forward)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 GRAD_MODES: dict[str, Any] = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "plain": nullcontext}
 """Every grad mode a call may come in (design rule 12)."""
@@ -90,12 +104,6 @@ def gemma4_model(**vision: Any) -> torch.nn.Module:
     model = Gemma4Model(Gemma4Config(text_config=GEMMA_TEXT, vision_config={**GEMMA_TINY, **vision}, audio_config=None))
     _randomise_gemma_buffers(model.vision_tower)
     return model.eval()
-
-
-def grid_positions(width: int, height: int) -> np.ndarray:
-    """``(width * height, 2)`` ``(x, y)`` patch positions in the processor's row-major order."""
-    ys, xs = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
-    return np.stack([xs.ravel(), ys.ravel()], -1).astype(np.int64)
 
 
 def gemma4_batch(

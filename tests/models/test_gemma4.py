@@ -22,11 +22,12 @@ import encgraph
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
-from encgraph.models.gemma4 import Gemma4Adapter, Gemma4Patches, pack_patches
+from encgraph.models.gemma4 import Gemma4Adapter, Gemma4Patches
+from encgraph.models.gemma4_layout import PatchLayouts, pack_patches
 from encgraph.models.protocol import StockCall
 from encgraph.models.registry import wrap
-from tests.models.fixtures_multipath import (
-    GEMMA_TINY, GRAD_MODES, gemma4_batch, gemma4_model, gemma4_tower, grad_mode, grid_positions, rel_err, split_rows,
+from tests.models.fixtures_multipath import (  # one_thread: an autouse fixture
+    one_thread, GEMMA_TINY, GRAD_MODES, gemma4_batch, gemma4_model, gemma4_tower, grad_mode, grid_positions, rel_err, split_rows,
 )
 
 OPTIONS = {"frame_tokens": 4, "max_image_tokens": 16, "max_video_tokens": 8}
@@ -214,6 +215,22 @@ def test_pack_patches_layout() -> None:
     assert (blocks == blocks[:, :1]).all()  # one block per token
     assert [tuple(b) for b in blocks[:, 0]] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
     assert sorted(source.tolist()) == list(range(54))
+
+
+def test_layout_fast_path_equals_general_path() -> None:
+    """The processor's layout takes the cached fast path; the result is the general path's, and any other layout
+    (shuffled rows) falls back to it."""
+    pos = np.full((4, 108, 2), -1)
+    for i, (w, h) in enumerate(IMAGES[:4]):
+        pos[i, : w * h] = grid_positions(w, h)
+    layouts = PatchLayouts(3, 64)
+    fast = layouts.pack(pos)
+    assert len(layouts._grids) == 4  # the fast path ran: one cached table per grid shape
+    for got, want in zip(fast, pack_patches(pos, 3, 64)):
+        assert np.array_equal(got, want)
+    shuffled = pos[:, np.random.default_rng(0).permutation(108)]
+    for got, want in zip(PatchLayouts(3, 64).pack(shuffled), pack_patches(shuffled, 3, 64)):
+        assert np.array_equal(got, want)
 
 
 def test_no_host_sync() -> None:

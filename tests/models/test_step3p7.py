@@ -23,8 +23,8 @@ from encgraph.models.deepseek_ocr2 import OcrImages
 from encgraph.models.protocol import StockCall
 from encgraph.models.registry import wrap
 from encgraph.models.step3p7 import Step3p7Adapter, view_tokens
-from tests.models.fixtures_multipath import (
-    GRAD_MODES, STEP_IMAGE_TOKEN, STEP_LOCAL, STEP_TEXT, STEP_TINY, grad_mode, rel_err, step3p7_model, step3p7_views,
+from tests.models.fixtures_multipath import (  # one_thread: an autouse fixture
+    one_thread, GRAD_MODES, STEP_IMAGE_TOKEN, STEP_LOCAL, STEP_TEXT, STEP_TINY, grad_mode, rel_err, step3p7_model, step3p7_views,
 )
 
 GLOBAL_SIZE = STEP_TINY["image_size"]
