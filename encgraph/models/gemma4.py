@@ -118,18 +118,13 @@ class Gemma4Adapter:
     ZERO; ``cu_seqlens`` int32 SEQUENCE_BOUNDS over ``R`` rows in chunks of the path's ``max_seqlen``.
     """
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        *,
-        frame_tokens: int = 70,
-        max_image_tokens: int = 2240,
-        max_video_tokens: int = 1120,
-    ) -> None:
+    def __init__(self, module: torch.nn.Module, *, frame_tokens: int = 70, max_image_tokens: int = 2240,
+                 max_video_tokens: int = 1120) -> None:
         require_transformers(MIN_TRANSFORMERS, "the Gemma-4 adapter")
         if not any(c.__name__ == "Gemma4VisionModel" for c in type(module).__mro__):
             raise UnsupportedModelError(
-                f"module: the Gemma-4 adapter takes a Gemma4VisionModel (model.model.vision_tower), got {describe(module)}."
+                "module: the Gemma-4 adapter takes a Gemma4VisionModel (model.model.vision_tower), got "
+                f"{describe(module)}."
             )
         self.frame_tokens = check_int("frame_tokens", frame_tokens, minimum=1)
         self.max_budgets = {
@@ -185,7 +180,9 @@ class Gemma4Adapter:
         """Validate the tower's own arguments into :class:`Gemma4Patches` (reads the positions on the host once)."""
         hint = f"(B, P, {self.channels})"
         if not isinstance(pixel_values, torch.Tensor):
-            raise InputTypeError(f"pixel_values: expected a tensor {hint} (the processor's patches), got {describe(pixel_values)}.")
+            raise InputTypeError(
+                f"pixel_values: expected a tensor {hint} (the processor's patches), got {describe(pixel_values)}."
+            )
         if not pixel_values.is_floating_point():
             raise InputTypeError(f"pixel_values: expected floating-point patches in [0, 1], got {pixel_values.dtype}.")
         if pixel_values.dim() != 3 or pixel_values.shape[-1] != self.channels:
@@ -196,7 +193,9 @@ class Gemma4Adapter:
                 f"move it with .to({str(self._device)!r})."
             )
         if not isinstance(pixel_position_ids, (torch.Tensor, np.ndarray)):
-            raise InputTypeError(f"pixel_position_ids: expected an int tensor (B, P, 2), got {describe(pixel_position_ids)}.")
+            raise InputTypeError(
+                f"pixel_position_ids: expected an int tensor (B, P, 2), got {describe(pixel_position_ids)}."
+            )
         pos = pixel_position_ids
         pos = pos.detach().to("cpu").numpy() if isinstance(pos, torch.Tensor) else np.asarray(pos)
         if pos.dtype.kind not in "iu":
@@ -214,15 +213,10 @@ class Gemma4Adapter:
     def inputs_from_call(self, *args: Any, **kwargs: Any) -> Gemma4Patches | StockCall:
         """The tower's ``forward(pixel_values, pixel_position_ids, **kwargs)`` arguments as inputs, or a
         :class:`StockCall` for what the graphs do not model (per-layer outputs, unknown keywords)."""
-        names = ("pixel_values", "pixel_position_ids")
-        if len(args) > len(names):
-            raise InputTypeError(f"Gemma4VisionModel.forward: expected {names}, got {len(args)} positional arguments.")
-        values = dict(zip(names, args))
-        for name in names:
-            if name in kwargs:
-                if name in values:
-                    raise InputTypeError(f"Gemma4VisionModel.forward: got {name!r} positionally and by keyword.")
-                values[name] = kwargs.pop(name)
+        try:  # bound as the tower's forward binds them
+            pixel_values, pixel_position_ids, kwargs = _forward_arguments(*args, **kwargs)
+        except TypeError as exc:
+            raise InputTypeError(f"Gemma4VisionModel.forward: {exc}.") from None
         config = self._module.config
         return_dict = kwargs.pop("return_dict", None)
         return_dict = getattr(config, "return_dict", True) if return_dict is None else bool(return_dict)
@@ -233,18 +227,19 @@ class Gemma4Adapter:
         unknown = sorted(k for k in kwargs if k not in _IGNORED)
         if unknown:
             return StockCall(f"keyword arguments {unknown}")
-        if values.get("pixel_values") is None or values.get("pixel_position_ids") is None:
+        if pixel_values is None or pixel_position_ids is None:
             raise InputTypeError(
                 "Gemma4VisionModel.forward: expected pixel_values (B, P, C) and pixel_position_ids (B, P, 2), got "
-                f"{sorted(k for k, v in values.items() if v is not None)}."
+                f"{'pixel_values' if pixel_position_ids is None else 'pixel_position_ids'} None."
             )
-        return self.inputs(values["pixel_values"], values["pixel_position_ids"], return_dict=return_dict)
+        return self.inputs(pixel_values, pixel_position_ids, return_dict=return_dict)
 
     def item_specs(self, inputs: Gemma4Patches) -> list[ItemSpec]:
         """One spec per item (an image or a frame): its soft tokens on its path, its patch rows as input size."""
         if not isinstance(inputs, Gemma4Patches):
             raise InputTypeError(
-                f"inputs: expected Gemma4Patches (adapter.inputs(pixel_values, pixel_position_ids)), got {describe(inputs)}."
+                "inputs: expected Gemma4Patches (adapter.inputs(pixel_values, pixel_position_ids)), got "
+                f"{describe(inputs)}."
             )
         out = []
         for tokens, video in zip(inputs.tokens.tolist(), inputs.video.tolist()):
@@ -275,7 +270,8 @@ class Gemma4Adapter:
         if path == IMAGE:
             sizes = [max(tokens, self.frame_tokens + 1)]
         elif path == VIDEO:
-            sizes = [self.frame_tokens] * (tokens // self.frame_tokens) + [tokens % self.frame_tokens] * bool(tokens % self.frame_tokens)
+            full, rest = divmod(tokens, self.frame_tokens)
+            sizes = [self.frame_tokens] * full + [rest] * bool(rest)
         else:
             raise ConfigError(f"path: expected {IMAGE!r} or {VIDEO!r}, got {path!r}.")
         k = self.kernel
@@ -294,7 +290,8 @@ class Gemma4Adapter:
         """One call holding every part's items in order (rows padded to the longest part, positions with -1)."""
         p = max(part.positions.shape[1] for part in parts)
         pvs = [torch.nn.functional.pad(part.pixel_values, (0, 0, 0, p - part.positions.shape[1])) for part in parts]
-        pos = [np.pad(part.positions, ((0, 0), (0, p - part.positions.shape[1]), (0, 0)), constant_values=-1) for part in parts]
+        pos = [np.pad(part.positions, ((0, 0), (0, p - part.positions.shape[1]), (0, 0)), constant_values=-1)
+               for part in parts]
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in pvs))
         return self.inputs(torch.cat([t.to(dtype) for t in pvs]), np.concatenate(pos), return_dict=parts[0].return_dict)
 
@@ -331,14 +328,17 @@ class Gemma4Adapter:
 
     def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
         """The encoder on the packed buffers; output ``(budget, hidden)`` (rows past the real tokens: padding)."""
-        return self._encode(buffers["pixels"], buffers["position_ids"], buffers["cu_seqlens"], self._max_seqlen(path, budget))
+        max_seqlen = self._max_seqlen(path, budget)
+        return self._encode(buffers["pixels"], buffers["position_ids"], buffers["cu_seqlens"], max_seqlen)
 
     def forward_eager(self, path: str, inputs: Gemma4Patches) -> dict[str, torch.Tensor]:
         pixels, positions, cu = self._path_rows(path, inputs)
         cu_dev = torch.from_numpy(cu.astype(np.int32)).to(self._device)
         return self._encode(pixels, torch.from_numpy(positions).to(self._device), cu_dev, int(np.diff(cu).max()))
 
-    def _encode(self, pixels: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, max_seqlen: int) -> dict[str, torch.Tensor]:
+    def _encode(
+        self, pixels: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, max_seqlen: int
+    ) -> dict[str, torch.Tensor]:
         # (R, C) packed patches -> the tower's patch embedding, rotary table and layers (one batch row, sequences
         # bounded by cu_seqlens) -> (R / k^2, k^2, hidden) blocks -> the pooler's mean, sqrt(hidden) scaling and
         # standardisation, in the dtypes the tower uses (the mean in float32, cast back, then float32 again).
@@ -391,6 +391,13 @@ class Gemma4Adapter:
             f"Gemma4Adapter(frame_tokens {self.frame_tokens}, max budgets {self.max_budgets}, kernel {self.kernel}, "
             f"{self._dtype}, {self._device})"
         )
+
+
+def _forward_arguments(
+    pixel_values: Any = None, pixel_position_ids: Any = None, **kwargs: Any
+) -> tuple[Any, Any, dict[str, Any]]:
+    # The tower's forward(pixel_values, pixel_position_ids, **kwargs), without self.
+    return pixel_values, pixel_position_ids, kwargs
 
 
 def adapter(module: torch.nn.Module, **options: Any) -> Gemma4Adapter:

@@ -64,6 +64,16 @@ _MODEL_CLASSES = ("Step3p7Model", "Step3p7ForConditionalGeneration")
 _IGNORED = frozenset({"use_cache", "num_items_in_batch", "output_router_logits"})
 
 
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``Step3p7Model`` of ``model`` (itself, or a ``Step3p7ForConditionalGeneration``'s ``.model``)."""
+    kinds = {c.__name__ for c in type(model).__mro__} & set(_MODEL_CLASSES)
+    if not kinds:
+        raise UnsupportedModelError(
+            f"model: the Step-3.7 adapter takes {' or '.join(_MODEL_CLASSES)}, got {describe(model)}."
+        )
+    return model.model if "Step3p7ForConditionalGeneration" in kinds else model
+
+
 def view_tokens(side: int, patch: int) -> int:
     """Output tokens of one ``side x side`` view: ``side // patch`` patches a side, halved (ceiling) by each of the
     two stride-2, padding-1 convolutions. ``view_tokens(728, 14) == 169``, ``view_tokens(504, 14) == 81``."""
@@ -88,23 +98,10 @@ class Step3p7Adapter(DeepseekOcr2Adapter):
     one dense sequence of the same length).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        max_images: int = 8,
-        max_tiles: int = 32,
-        global_size: int | None = None,
-        local_size: int | None = None,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, max_images: int = 8, max_tiles: int = 32,
+                 global_size: int | None = None, local_size: int | None = None) -> None:
         require_transformers(MIN_TRANSFORMERS, "the Step-3.7 adapter")
-        names = {c.__name__ for c in type(model).__mro__}
-        if not names & set(_MODEL_CLASSES):
-            raise UnsupportedModelError(
-                f"model: the Step-3.7 adapter takes {' or '.join(_MODEL_CLASSES)}, got {describe(model)}."
-            )
-        base = model.model if "Step3p7ForConditionalGeneration" in names else model
-        self.model = base
+        self.model = base = _base_model(model)
         self.tower = base.vision_model
         self.projector = base.multi_modal_projector
         config = self.tower.config

@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 import torch
 
-from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models.registry import wrap
 from tests.models.fixtures_multipath import (
-    GEMMA_REAL, STEP_REAL, gemma4_batch, gemma4_tower, norm_rel_err, rel_err, split_rows, step3p7_model, step3p7_views,
+    GEMMA_REAL, STEP_REAL, gemma4_batch, gemma4_tower, norm_rel_err, rel_err, split_rows, static_forwards,
+    step3p7_model,
+    step3p7_views,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -200,13 +201,10 @@ def test_static_forward_never_syncs(family: str) -> None:
     else:
         adapter = wrap(step3p7_model(depth=2, device="cuda", dtype=torch.bfloat16, real=True), **STEP_OPTIONS)
         cases = (("global", 338), ("local", 162))
-    for path, budget in cases:
-        buffers = PathBuffers(path, {budget: adapter.buffer_specs(path, budget, 8, 8)}, torch.device("cuda"))
-        buffers = buffers.fill(budget, None)  # an all-padding batch, as at capture
-        adapter.forward_static(path, buffers, budget)  # warm-up: lazy init may sync once
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            adapter.forward_static(path, buffers, budget)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    static_forwards(adapter, cases, "cuda", items=8)  # warm-up: lazy initialisation may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation now raises
+    try:
+        static_forwards(adapter, cases, "cuda", items=8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

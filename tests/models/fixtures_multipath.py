@@ -38,6 +38,19 @@ def grad_mode(name: str) -> AbstractContextManager[Any]:
     return GRAD_MODES[name]()
 
 
+def static_forwards(adapter: Any, cases: Sequence[tuple[str, int]], device: str, items: int = 4) -> dict[str, Any]:
+    """Each ``(path, budget)``'s static forward on an all-padding batch in freshly allocated buffers on ``device``,
+    as at capture (``meta``: any host read of a tensor value raises)."""
+    from encgraph.capture.buffers import PathBuffers
+
+    outputs = {}
+    for path, budget in cases:
+        specs = {budget: adapter.buffer_specs(path, budget, items, items)}
+        views = PathBuffers(path, specs, torch.device(device)).fill(budget, None)
+        outputs[path] = adapter.forward_static(path, views, budget)
+    return outputs
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """Max absolute difference over the reference's max absolute value."""
     got, want = got.detach().float(), want.detach().float()

@@ -24,7 +24,9 @@ from encgraph.models.protocol import StockCall
 from encgraph.models.registry import wrap
 from encgraph.models.step3p7 import Step3p7Adapter, view_tokens
 from tests.models.fixtures_multipath import (  # one_thread: an autouse fixture
-    one_thread, GRAD_MODES, STEP_IMAGE_TOKEN, STEP_LOCAL, STEP_TEXT, STEP_TINY, grad_mode, rel_err, step3p7_model, step3p7_views,
+    one_thread, GRAD_MODES, STEP_IMAGE_TOKEN, STEP_LOCAL, STEP_TEXT, STEP_TINY, grad_mode, rel_err, static_forwards,
+    step3p7_model,
+    step3p7_views,
 )
 
 GLOBAL_SIZE = STEP_TINY["image_size"]
@@ -121,7 +123,8 @@ def test_shim_inside_the_model_forward(model: torch.nn.Module) -> None:
 def test_stock_calls_and_keywords(model: torch.nn.Module) -> None:
     adapter = wrap(model, **OPTIONS)
     pv, local, counts = views([1], seed=4)
-    assert adapter.inputs_from_call(pv, local, counts, output_attentions=True) == StockCall("output_attentions requested")
+    stock = adapter.inputs_from_call(pv, local, counts, output_attentions=True)
+    assert stock == StockCall("output_attentions requested")
     assert adapter.inputs_from_call(pv, local, counts, seq_idx=0).reason == "keyword arguments ['seq_idx']"
     inputs = adapter.inputs_from_call(pv, local, counts, use_cache=False, output_hidden_states=False)
     assert isinstance(inputs, OcrImages) and inputs.return_dict
@@ -151,13 +154,11 @@ def test_no_host_sync() -> None:
 
     with torch.device("meta"):
         meta = Step3p7Model(Step3p7Config(vision_config=dict(STEP_TINY), text_config=dict(STEP_TEXT)))
-    adapter = Step3p7Adapter(meta, **OPTIONS)
+    outputs = static_forwards(Step3p7Adapter(meta, **OPTIONS), (("global", 32), ("local", 18)), "meta")
+    assert sorted(outputs["global"]) == ["features", "last_hidden_state"] and sorted(outputs["local"]) == ["features"]
     for path, budget in (("global", 32), ("local", 18)):
-        specs = adapter.buffer_specs(path, budget, 4, 4)
-        buffers = {n: torch.zeros(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
-        out = adapter.forward_static(path, buffers, budget)
-        assert all(t.device.type == "meta" and t.shape[0] == budget for t in out.values())
-        assert out["features"].shape == (budget, STEP_TEXT["hidden_size"])
+        assert all(t.device.type == "meta" and t.shape[0] == budget for t in outputs[path].values())
+        assert outputs[path]["features"].shape == (budget, STEP_TEXT["hidden_size"])
 
 
 def test_bad_inputs(model: torch.nn.Module) -> None:
