@@ -26,9 +26,10 @@ Two paths, because per-layer ``max_seqlen`` is fixed at capture (rule 3) and fla
   has more than ``frame_tokens`` tokens, a budget has few sequence slots. Default ladder 140 .. 2240 (an image of
   the default processor has at most 280 soft tokens).
 
-One path would give a 16-frame batch at budget 2240 an attention ``max_seqlen`` of 20160 rows instead of 630:
-32x more blocks per frame slot, all but one of them empty. Both paths may be empty in a batch; a batch whose
-frames overflow the video ladder runs that path eagerly while the image path still replays.
+One path would give a batch of 16 frames at budget 1120 an attention ``max_seqlen`` of 10080 rows instead of 630:
+79 blocks per frame slot and head instead of 5, all but 5 of them empty (``tests/gpu/test_multipath_gpu.py`` times
+the same frames through both paths' graphs). Both paths may be empty in a batch; an image over the image ladder
+runs that path eagerly while the frames batched with it still replay.
 
 Result per item: ``(tokens, hidden)`` in the tower's dtype, equal to the item's rows of the tower's
 ``last_hidden_state``; ``graphed()`` returns the tower's own output class with the items' rows concatenated.
@@ -144,6 +145,15 @@ class Gemma4Adapter:
         self._output_class = self._probe_output_class()
         self._specs: dict[tuple[int, bool], ItemSpec] = {}
         self._layouts = PatchLayouts(self.kernel, self.table)
+        ft = self.frame_tokens
+        self._config = AdapterConfig(
+            paths=(
+                PathSpec(IMAGE, 2 * ft, self.max_budgets[IMAGE], allow_empty=True, outputs=(OUTPUT,)),
+                PathSpec(VIDEO, ft, self.max_budgets[VIDEO], allow_empty=True, outputs=(OUTPUT,)),
+            ),
+            dtype=self._dtype,
+            device=self._device,
+        )
 
     def _probe_output_class(self) -> type:
         # transformers changed the tower's output class (5.17: BaseModelOutputWithPast; 5.24: ...WithPooling) and its
@@ -165,15 +175,7 @@ class Gemma4Adapter:
 
     @property
     def config(self) -> AdapterConfig:
-        ft = self.frame_tokens
-        return AdapterConfig(
-            paths=(
-                PathSpec(IMAGE, 2 * ft, self.max_budgets[IMAGE], allow_empty=True, outputs=(OUTPUT,)),
-                PathSpec(VIDEO, ft, self.max_budgets[VIDEO], allow_empty=True, outputs=(OUTPUT,)),
-            ),
-            dtype=self._dtype,
-            device=self._device,
-        )
+        return self._config
 
     # ------------------------------------------------------------------ inputs
     def inputs(self, pixel_values: Any, pixel_position_ids: Any, *, return_dict: bool = True) -> Gemma4Patches:
