@@ -55,7 +55,7 @@ from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.deepseek_ocr2 import GLOBAL, LOCAL, OUTPUT, DeepseekOcr2Adapter, OcrImages
 from encgraph.models.protocol import StockCall
 
-__all__ = ["Step3p7Adapter", "adapter", "view_tokens"]
+__all__ = ["Step3p7Adapter", "adapter", "tower_adapter", "view_tokens"]
 
 HIDDEN = "last_hidden_state"
 MIN_TRANSFORMERS = "5.17"
@@ -249,3 +249,14 @@ class Step3p7Adapter(DeepseekOcr2Adapter):
 def adapter(module: torch.nn.Module, **options: Any) -> Step3p7Adapter:
     """Registry factory: ``Step3p7Adapter(module, **options)``."""
     return Step3p7Adapter(module, **options)
+
+
+def tower_adapter(module: torch.nn.Module, **options: Any) -> Step3p7Adapter:
+    """Registry factory for ``Step3p7VisionConfig``: the tower alone is refused with a pointer to the model's
+    adapter (rather than left to the generic batch-first adapter, whose dict output the model cannot read)."""
+    raise UnsupportedModelError(
+        f"module: {type(module).__name__} is Step-3.7's vision tower; encgraph wraps the whole model (global views "
+        "and local crops are two paths, joined per image as get_image_features does): adapter = "
+        "encgraph.models.wrap(model); runner = encgraph.EncoderGraphRunner(adapter); "
+        "adapter.model.get_image_features = adapter.shim(runner) (see encgraph.models.step3p7)."
+    )

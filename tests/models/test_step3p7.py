@@ -175,3 +175,14 @@ def test_bad_inputs(model: torch.nn.Module) -> None:
         adapter.sample_inputs("tiles", 9)
     with pytest.raises(UnsupportedModelError, match="Step3p7Model"):
         Step3p7Adapter(model.model.vision_model)
+
+
+def test_graphed_points_to_the_shim(model: torch.nn.Module) -> None:
+    """graphed() cannot stand in for the model (its forward is the language model) nor for the tower alone (the
+    features need the projector and the per-image assembly): both refuse, naming the shim."""
+    import encgraph
+
+    with pytest.raises(UnsupportedModelError, match="shim"):
+        encgraph.graphed(model)
+    with pytest.raises(UnsupportedModelError, match=r"adapter.shim\(runner\)"):
+        encgraph.graphed(model.model.vision_model)
