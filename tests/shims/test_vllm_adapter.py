@@ -158,3 +158,32 @@ def test_imports_no_engine():
     code = "import encgraph.shims.vllm, encgraph.shims, sys; print('vllm' in sys.modules, 'sglang' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def tiny_qwen2_5_vl():
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = Qwen2_5_VLVisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=48,
+                                    fullatt_block_indexes=[1], window_size=56)
+    torch.manual_seed(0)
+    return Qwen2_5_VisionTransformerPretrainedModel._from_config(config).eval()
+
+
+def test_hf_tower_through_the_protocol_equals_hf_forward():
+    from tests.shims.protocol_models import HFQwenProtocol
+
+    model = HFQwenProtocol(tiny_qwen2_5_vl(), max_frames_per_video=2)
+    adapter = VllmProtocolAdapter(model, budget_range=(8, 64))
+    assert set(adapter._padding) == {"cu_seqlens", "cu_window_seqlens", "window_index"}
+    runner = EncoderGraphRunner(adapter, budgets=[8, 16, 32], max_items=4)
+    grid = [[1, 4, 6], [1, 8, 8], [2, 4, 4], [1, 12, 12], [1, 2, 4]]  # 144 tokens: over the largest budget
+    channels = adapter.model.qwen.channels
+    inputs = {"pixel_values": torch.randn(sum(t * h * w for t, h, w in grid), channels), "image_grid_thw": grid}
+    with torch.inference_mode():
+        got = runner(inputs)
+        hf = model.hf_per_item(inputs)
+    for g, h in zip(got, hf):
+        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-5)
+    stats = runner.stats
+    assert stats["graph_items"] == 4 and stats["eager_items"] == 1
