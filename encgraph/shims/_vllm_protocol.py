@@ -130,6 +130,9 @@ class VllmProtocolAdapter:
             instead of the runner's frame limit (vLLM's manager passes 0 when videos are disabled).
         sample_inputs, concat: the optional adapter methods, when the caller can provide them.
 
+    One adapter serves one runner: it keeps the model's per-budget capture values for the graphs of the runner
+    that called ``buffer_specs`` (a second runner on the same model needs its own adapter).
+
     Raises:
         UnsupportedModelError: capture axes or an overridden ``postprocess_encoder_output`` (see the module).
         ConfigError: a bad budget range or path minimum.
