@@ -7,6 +7,8 @@ on first use only, so that importing encgraph never imports it.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -64,48 +66,81 @@ def require_transformers(minimum: str, feature: str) -> str:
     return installed
 
 
-def _configs(module: torch.nn.Module) -> Iterator[Any]:
-    # A tower's blocks usually share its config object, but a model built with ``_from_config`` (or by hand) can
-    # hold copies: switch every distinct config that the tower's submodules read their attention from.
-    seen: set[int] = set()
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in seen:
-            seen.add(id(config))
-            yield config
-
-
 @attrs.define(eq=False)
 class AttentionSwitch:
-    """The attention setting of a tower before :func:`switch_attention` changed it; ``restore()`` puts it back.
+    """What :func:`switch_attention` changed on a tower; ``restore()`` puts it back, ``suspended()`` puts it back
+    for the duration of a ``with`` block (a call answered by the tower's own forward).
 
-    ``saved`` pairs each config object with its original ``_attn_implementation``.
+    ``holders`` pairs each submodule whose ``config`` was replaced with the config object it held before.
     """
 
     name: str
-    saved: list[tuple[Any, Any]]
+    holders: list[tuple[torch.nn.Module, Any]]
     restored: bool = False
 
     def restore(self) -> None:
-        """Put every config's original attention implementation back (idempotent)."""
+        """Give every submodule its original config object back (idempotent)."""
         if self.restored:
             return
-        for config, original in self.saved:
-            config._attn_implementation = original
+        for sub, original in self.holders:
+            sub.config = original
         self.restored = True
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The tower's original attention implementation inside the block, the switched one after it."""
+        if self.restored:
+            yield
+            return
+        switched = [(sub, sub.config) for sub, _ in self.holders]
+        for sub, original in self.holders:
+            sub.config = original
+        try:
+            yield
+        finally:
+            for sub, config in switched:
+                sub.config = config
 
 
 def switch_attention(module: torch.nn.Module, name: str) -> AttentionSwitch:
-    """Set ``_attn_implementation = name`` on every config the tower ``module`` reads, remembering the originals.
+    """Make the submodules of the tower ``module`` read ``_attn_implementation == name``, without touching any
+    config object the caller holds.
 
-    This assigns the config attribute directly: the public ``set_attn_implementation`` rejects names that are not
-    known kernels, and a registered custom function is exactly that. The attribute is private to transformers,
-    so callers check the version first (:func:`require_transformers`) and tests pin the behaviour.
+    Every submodule below the root that has a ``config`` with an ``_attn_implementation`` gets a shallow copy of
+    that config (one copy per distinct config object, shared by the submodules that shared it) with the new
+    name; the root keeps its own config, which is the one the caller (and the full model, as its
+    ``vision_config``) sees, so building another model from it, or ``type(tower)._from_config(tower.config)``,
+    works while the tower is wrapped. The attention modules, which read the name at each call, see the copy.
+
+    A copy rather than an assignment on the shared object: the public ``set_attn_implementation`` rejects names
+    that are not known kernels (a registered custom function is exactly that), and mutating the caller's config
+    leaks the name into every model built from it. ``_attn_implementation`` is private to transformers, so
+    callers check the version first (:func:`require_transformers`) and tests pin the behaviour.
     """
-    saved = [(config, config._attn_implementation) for config in _configs(module)]
-    for config, _ in saved:
+    copies: dict[int, Any] = {}
+    holders: list[tuple[torch.nn.Module, Any]] = []
+    for sub in module.modules():
+        if sub is module:
+            continue
+        config = sub.__dict__.get("config")
+        if config is None or not hasattr(config, "_attn_implementation"):
+            continue
+        copy_ = copies.get(id(config))
+        if copy_ is None:
+            copy_ = copies[id(config)] = copy.copy(config)
+            _set_attention_name(copy_, name)
+        holders.append((sub, config))
+        sub.config = copy_
+    return AttentionSwitch(name=name, holders=holders)
+
+
+def _set_attention_name(config: Any, name: str) -> None:
+    # The property's setter also writes the name into sub-configs, which a shallow copy shares with the
+    # original: write the copy's own field where transformers keeps one (5.x: ``_attn_implementation_internal``).
+    if "_attn_implementation_internal" in vars(config):
+        vars(config)["_attn_implementation_internal"] = name
+    else:
         config._attn_implementation = name
-    return AttentionSwitch(name=name, saved=saved)
 
 
 def tower_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:

@@ -10,10 +10,15 @@ Backends (chosen per call from the tensors, never from their values, so the choi
 at replay):
 
 - ``VARLEN``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention) on CUDA with fp16/bf16;
-- ``MASKED_SDPA``: on the CPU, in fp32, or where varlen is missing: a block-diagonal mask built from
-  ``cu_seqlens`` with tensor ops only (``searchsorted`` segment ids: no host sync, capturable) and
-  ``scaled_dot_product_attention``. Exact, but tokens^2 memory and 3-21x slower than varlen on a GPU (measured):
-  a fallback, not a fast path.
+- ``SEGMENTS``: on the CPU: ``scaled_dot_product_attention`` of each sequence on its own, the bounds read from
+  ``cu_seqlens`` on the host (free on the CPU, where nothing is captured). Exact, isolated (one sequence's values
+  never enter another's rows), and memory-bounded: torch's CPU flash kernel needs no ``tokens^2`` scores;
+- ``MASKED_SDPA``: on CUDA in fp32 or where varlen is missing (and on the ``meta`` device): a block-diagonal mask
+  built from ``cu_seqlens`` with tensor ops only (``searchsorted`` segment ids: no host sync, capturable) and
+  ``scaled_dot_product_attention``. Exact but ``tokens^2`` memory and 3-21x slower than varlen on a GPU
+  (measured): a fallback, not a fast path. A masked product still multiplies other sequences' values by zero
+  weights, and ``0 * NaN`` is NaN, so values are sanitised first and non-finite ones are carried only within
+  their own sequence (rule 13).
 
 For Hugging Face towers the function is registered with ``transformers.AttentionInterface`` under a name that
 contains "flash" (:data:`ATTENTION_NAME`): the Qwen-VL towers take their packed ``cu_seqlens`` path only for such
@@ -61,6 +66,8 @@ class AttentionBackend(enum.Enum):
 
     VARLEN = "varlen"
     """``torch.nn.attention.varlen.varlen_attn``: CUDA, fp16/bf16."""
+    SEGMENTS = "segments"
+    """SDPA per sequence, bounds read on the host: the CPU (never captured)."""
     MASKED_SDPA = "masked_sdpa"
     """SDPA with a block-diagonal boolean mask from ``cu_seqlens``: any device and dtype, tokens^2 memory."""
 
@@ -94,6 +101,8 @@ def pick_backend(query: torch.Tensor) -> AttentionBackend:
     """The backend for ``query``'s device and dtype (the same at capture and at replay)."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen()[0] is not None:
         return AttentionBackend.VARLEN
+    if query.device.type == "cpu":
+        return AttentionBackend.SEGMENTS
     return AttentionBackend.MASKED_SDPA
 
 
@@ -132,7 +141,9 @@ def packed_attention(
             f"packed_attention(cu_seqlens): expected a 1-D int32 tensor, got {cu_seqlens.dtype} of shape "
             f"{tuple(cu_seqlens.shape)}."
         )
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+    # A symbolic size (torch.SymInt) is a host int too: a static forward compiled once for every budget derives
+    # the full-attention max_seqlen from the buffers' shapes.
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 1:
         raise InputError(
             f"packed_attention(max_seqlen): expected a host int >= 1 fixed per layer at capture, got "
             f"{describe(max_seqlen)}; a tensor here would sync the host inside the graph."
@@ -141,6 +152,8 @@ def packed_attention(
     head_dim = query.shape[-1]
     if backend is AttentionBackend.VARLEN:
         return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale, head_dim)
+    if backend is AttentionBackend.SEGMENTS:
+        return _segment_attention(query, key, value, cu_seqlens, scale)
     return _masked_attention(query, key, value, cu_seqlens, scale)
 
 
@@ -184,6 +197,24 @@ def _repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[t
     return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
 
 
+def _segment_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    tokens = query.shape[0]
+    if key.shape[1] != query.shape[1]:
+        key, value = _repeat_heads(key, value, query.shape[1])
+    bounds = cu_seqlens.tolist()  # the CPU only: a host read costs nothing and nothing is captured
+    out = query.new_empty(query.shape)
+    q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (heads, tokens, head_dim)
+    ends = sorted({min(max(int(e), 0), tokens) for e in bounds} | {0, tokens})
+    for start, end in zip(ends[:-1], ends[1:]):
+        # Rows past cu[-1] (none in encgraph's layouts) form one more sequence, as in the masked backend.
+        out[start:end] = F.scaled_dot_product_attention(
+            q[:, start:end], k[:, start:end], v[:, start:end], scale=scale
+        ).transpose(0, 1)
+    return out
+
+
 def _masked_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
@@ -195,14 +226,21 @@ def _masked_attention(
     rows = torch.arange(tokens, device=query.device, dtype=cu_seqlens.dtype)
     seg = torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True)
     mask = seg[:, None] == seg[None, :]
+    # Another sequence's NaN or inf reaches a row through the masked product (a -inf mask plus an inf score, or a
+    # zero weight times an inf value, is NaN): compute on finite keys and values only, then make NaN exactly the
+    # rows whose own sequence holds a non-finite key or value, as the attention of that sequence alone would.
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    bad_k, bad_v = ~torch.isfinite(key), ~torch.isfinite(value)
+    bad = (bad_k | bad_v).reshape(tokens, -1).any(-1)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),
-        key.transpose(0, 1).unsqueeze(0),
-        value.transpose(0, 1).unsqueeze(0),
+        torch.where(bad_k, zero, key).transpose(0, 1).unsqueeze(0),
+        torch.where(bad_v, zero, value).transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         scale=scale,
-    )
-    return out[0].transpose(0, 1)
+    )[0].transpose(0, 1)
+    reach = (mask & bad[None, :]).any(-1)  # (tokens,): the row's sequence holds a non-finite key or value
+    return torch.where(reach[:, None, None], torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
 
 
 def hf_attention_forward(
@@ -248,12 +286,14 @@ def hf_attention_forward(
     if max_seqlen is None or isinstance(max_seqlen, torch.Tensor):
         # Only eager callers get here (encgraph's static forwards always pass a host int): read it once.
         max_seqlen = int((cu_q[1:] - cu_q[:-1]).max()) if cu_q.numel() > 1 else 1
+    elif not isinstance(max_seqlen, torch.SymInt):
+        max_seqlen = max(int(max_seqlen), 1)  # never int() a symbolic size: that would specialise it
     out = packed_attention(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
         cu_q,
-        max(int(max_seqlen), 1),
+        max_seqlen,
         scale=scaling,
     )
     return out.unsqueeze(0), None

@@ -13,7 +13,7 @@ a GPU.  Needs only numpy, attrs and the standard library: importing it never imp
 from __future__ import annotations
 
 from encgraph.packing.sharding import balance
-from encgraph.packing.ladder import DEFAULT_PATH, budget_ladder, normalize_ladder, normalize_ladders
+from encgraph.packing.ladder import DEFAULT_PATH, budget_ladder, dense_ladder, normalize_ladder, normalize_ladders
 from encgraph.packing.limits import Limits, default_limits
 from encgraph.packing.greedy import pack
 from encgraph.packing.plan import Batch, EagerReason, Plan
@@ -29,6 +29,7 @@ __all__ = [
     "balance",
     "budget_ladder",
     "default_limits",
+    "dense_ladder",
     "normalize_ladder",
     "normalize_ladders",
     "pack",

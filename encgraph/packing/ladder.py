@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from encgraph._validate import check_int, check_iterable, check_path, describe
 from encgraph.errors import ConfigError, ConfigTypeError
 
-__all__ = ["DEFAULT_PATH", "budget_ladder", "normalize_ladder", "normalize_ladders"]
+__all__ = ["DEFAULT_PATH", "budget_ladder", "dense_ladder", "normalize_ladder", "normalize_ladders"]
 
 #: The name of the only path of a one-tower encoder (and of an ``int``-token :class:`ItemSpec`).
 DEFAULT_PATH = "default"
@@ -49,6 +49,58 @@ def budget_ladder(min_budget: int, max_budget: int, *, allow_zero: bool = False)
     while budget < hi:
         ladder.append(budget)
         budget *= 2
+    ladder.append(hi)
+    return tuple(ladder)
+
+
+def dense_ladder(
+    min_budget: int,
+    max_budget: int,
+    *,
+    ratio: float = 1.2,
+    granularity: int | None = None,
+    allow_zero: bool = False,
+) -> tuple[int, ...]:
+    """The runner's default ladder: neighbours about ``ratio`` apart, every budget a multiple of
+    ``granularity`` (default ``min_budget``), ``max_budget`` always last.
+
+    Each budget after ``min_budget`` is ``ratio`` times the previous one rounded to the nearest multiple of
+    ``granularity``, and at least the next multiple up; so the ladder steps by ``granularity`` while that is
+    the larger step, and geometrically above ``granularity / (ratio - 1)``. A single item then pads by at most
+    about ``ratio - 1`` of its budget (where doubling pads by up to half).
+
+    >>> dense_ladder(64, 4096)
+    (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1088, 1280, 1536, 1856, 2240, 2688, 3200, 3840, 4096)
+    >>> dense_ladder(1, 32, ratio=1.25)
+    (1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 20, 25, 31, 32)
+    >>> dense_ladder(100, 400, allow_zero=True)
+    (0, 100, 200, 300, 400)
+
+    Raises:
+        ConfigTypeError: a bound or ``granularity`` is not an int, ``ratio`` not a number, ``allow_zero`` not a
+            bool.
+        ConfigError: a bound is < 1, ``max_budget < min_budget``, ``ratio <= 1`` or ``granularity < 1``.
+    """
+    lo = check_int("dense_ladder(min_budget)", min_budget, minimum=1, hint="Budgets are token counts: use 1 or more.")
+    hi = check_int("dense_ladder(max_budget)", max_budget, minimum=1, hint="Budgets are token counts: use 1 or more.")
+    step = lo if granularity is None else check_int("dense_ladder(granularity)", granularity, minimum=1)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise ConfigTypeError(f"dense_ladder(ratio): expected a number > 1, got {describe(ratio)}.")
+    if not ratio > 1:
+        raise ConfigError(f"dense_ladder(ratio): expected a number > 1 (1.2: neighbours 20% apart), got {ratio!r}.")
+    if not isinstance(allow_zero, bool):
+        raise ConfigTypeError(f"dense_ladder(allow_zero): expected a bool, got {describe(allow_zero)}.")
+    if hi < lo:
+        raise ConfigError(
+            f"dense_ladder: expected max_budget >= min_budget, got min_budget={lo}, max_budget={hi}. "
+            f"Swap the bounds, or pass equal bounds for a one-budget ladder."
+        )
+    ladder = [0] if allow_zero else []
+    budget = lo
+    while budget < hi:
+        ladder.append(budget)
+        # Round half up (not to even), in integers: budgets are exact multiples of the step.
+        budget = max((budget // step + 1) * step, int(budget * ratio / step + 0.5) * step)
     ladder.append(hi)
     return tuple(ladder)
 

@@ -61,9 +61,38 @@ def test_masked_grouped_kv_heads():
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
-def test_backend_on_cpu_is_masked_sdpa():
-    assert pick_backend(torch.zeros(2, 1, 4)) is AttentionBackend.MASKED_SDPA
-    assert pick_backend(torch.zeros(2, 1, 4, dtype=torch.bfloat16)) is AttentionBackend.MASKED_SDPA
+def test_backend_choice():
+    # The CPU runs each sequence alone (isolated, no tokens^2 mask); a capturable mask elsewhere off varlen.
+    assert pick_backend(torch.zeros(2, 1, 4)) is AttentionBackend.SEGMENTS
+    assert pick_backend(torch.zeros(2, 1, 4, dtype=torch.bfloat16)) is AttentionBackend.SEGMENTS
+    assert pick_backend(torch.zeros(2, 1, 4, device="meta")) is AttentionBackend.MASKED_SDPA
+
+
+@pytest.mark.parametrize("backend", [AttentionBackend.SEGMENTS, AttentionBackend.MASKED_SDPA])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf"), 1e30])
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+def test_one_sequence_never_reaches_another(backend, poison, where):
+    # Rule 13: a bad value in one sequence (an image) leaves every other sequence's rows exactly as they are
+    # without it. (Inside its own sequence a non-finite value is the kernel's business, as in the tower.)
+    q, k, v = qkv(20, heads=2)
+    cu = torch.tensor([0, 5, 12, 20, 20], dtype=torch.int32)
+    clean = packed_attention(q, k, v, cu, 8, backend=backend)
+    tensors = {"query": q.clone(), "key": k.clone(), "value": v.clone()}
+    tensors[where][7] = poison
+    out = packed_attention(tensors["query"], tensors["key"], tensors["value"], cu, 8, backend=backend)
+    others = torch.cat([torch.arange(0, 5), torch.arange(12, 20)])
+    torch.testing.assert_close(out[others], clean[others], rtol=1e-5, atol=1e-5)
+    if where != "query" and poison != 1e30:
+        assert not bool(torch.isfinite(out[5:12]).all())  # the poisoned sequence is not silently cleaned
+
+
+def test_segments_need_no_tokens_squared_memory():
+    # 40,000 rows in one padding sequence: a dense mask alone would be 1.6e9 booleans; the CPU backend runs the
+    # flash kernel per sequence.
+    q = torch.randn(40_000, 1, 8)
+    cu = torch.tensor([0, 10, 40_000], dtype=torch.int32)
+    out = packed_attention(q, q, q, cu, 40_000, backend=AttentionBackend.SEGMENTS)
+    assert out.shape == q.shape and bool(torch.isfinite(out).all())
 
 
 @pytest.mark.parametrize("takes_scale", [True, False])
@@ -153,21 +182,29 @@ def test_registration_is_idempotent_and_flash_named():
     assert is_flash_attention_requested(requested_attention_implementation=ATTENTION_NAME)
 
 
-def test_switch_is_reversible_and_covers_copied_configs(qwen_towers):
+def test_switch_is_reversible_covers_copied_configs_and_never_mutates_them(qwen_towers):
     torch.manual_seed(0)
     tower = qwen_towers["qwen2_5_vl"]()
     # A block holding its own copy of the config must be switched too.
     import copy
 
-    tower.blocks[0].attn.config = copy.deepcopy(tower.config)
+    own = tower.blocks[0].attn.config = copy.deepcopy(tower.config)
+    shared = tower.config
     before = tower.config._attn_implementation
     switch = use_packed_attention(tower)
-    assert tower.config._attn_implementation == ATTENTION_NAME
-    assert tower.blocks[0].attn.config._attn_implementation == ATTENTION_NAME
+    # The caller's config objects are untouched (a second model can be built from them while wrapped) ...
+    assert tower.config is shared and shared._attn_implementation == before and own._attn_implementation == before
+    type(tower)._from_config(tower.config)
+    # ... while every attention module reads the packed implementation from a private copy.
+    attns = [b.attn for b in tower.blocks]
+    assert all(a.config._attn_implementation == ATTENTION_NAME for a in attns)
+    assert attns[1].config is attns[2].config and attns[0].config is not attns[1].config
+    with switch.suspended():
+        assert attns[0].config is own and attns[1].config is shared
+    assert attns[0].config._attn_implementation == ATTENTION_NAME
     switch.restore()
     switch.restore()  # idempotent
-    assert tower.config._attn_implementation == before
-    assert tower.blocks[0].attn.config._attn_implementation == before
+    assert attns[0].config is own and attns[1].config is shared and shared._attn_implementation == before
 
 
 def test_version_guard(monkeypatch):

@@ -1,4 +1,4 @@
-"""Budget ladders: ``budget_ladder``, ``normalize_ladder``, ``normalize_ladders``."""
+"""Budget ladders: ``budget_ladder``, ``dense_ladder``, ``normalize_ladder``, ``normalize_ladders``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from encgraph.errors import ConfigError, ConfigTypeError
-from encgraph.packing import budget_ladder, normalize_ladder, normalize_ladders
+from encgraph.packing import budget_ladder, dense_ladder, normalize_ladder, normalize_ladders
 from tests.unit._helpers import check_bad_argument
 
 
@@ -98,3 +98,44 @@ BAD = [
 @pytest.mark.parametrize("call, exc, match", BAD)
 def test_bad_arguments(call, exc, match) -> None:
     check_bad_argument(call, exc, match)
+
+
+@given(st.integers(1, 2_000), st.integers(0, 20_000), st.sampled_from([1.1, 1.2, 1.25, 1.5]), st.booleans(),
+       st.one_of(st.none(), st.integers(1, 64)))
+def test_dense_ladder_bounds_the_padding_of_one_item(lo: int, extra: int, ratio: float, zero: bool, step) -> None:
+    hi = lo + extra
+    ladder = dense_ladder(lo, hi, ratio=ratio, granularity=step, allow_zero=zero)
+    positive = [b for b in ladder if b]
+    g = lo if step is None else step
+    assert positive[0] == lo and positive[-1] == hi and (0 in ladder) == zero
+    assert list(ladder) == sorted(set(ladder)) and normalize_ladder(ladder) == ladder
+    assert all(b % g == 0 for b in positive[1:-1])  # every budget past the first is a multiple of the step
+    # A single item of any size up to the maximum pads by at most about (ratio - 1) of its budget, or by less
+    # than one granularity step where the ladder steps linearly.
+    for below, budget in zip(positive, positive[1:]):
+        assert budget - below <= max(g, below * (ratio - 1) + g / 2 + 1), (below, budget)
+
+
+def test_dense_ladder_default_is_denser_than_doubling() -> None:
+    dense, doubling = dense_ladder(64, 4096), budget_ladder(64, 4096)
+    assert dense[0] == doubling[0] and dense[-1] == doubling[-1] and len(dense) == 20
+    def worst(ladder):  # an item one token over a budget of at least 384 tokens, padded to the next one
+        return max((b - a - 1) / b for a, b in zip(ladder, ladder[1:]) if a >= 384)
+
+    assert worst(dense) < 0.22 < 0.49 < worst(doubling)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: dense_ladder(0, 10), ConfigError, "min_budget"),
+        (lambda: dense_ladder(10, 5), ConfigError, "max_budget >= min_budget"),
+        (lambda: dense_ladder(1, 5, ratio=1.0), ConfigError, "ratio"),
+        (lambda: dense_ladder(1, 5, ratio="2"), ConfigTypeError, "ratio"),
+        (lambda: dense_ladder(1, 5, granularity=0), ConfigError, "granularity"),
+        (lambda: dense_ladder(1, 5, allow_zero=1), ConfigTypeError, "allow_zero"),
+    ],
+)
+def test_dense_ladder_bad_arguments(call, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        call()
