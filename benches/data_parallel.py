@@ -1,10 +1,10 @@
 """Data-parallel scaling: each request's images spread over 1, 2 and 4 GPUs (``DataParallelEncoder`` over NCCL,
 NVLink multicast off), adapter eager against encgraph graphs, mean and P99 latency per request.
 
-Tower: Qwen2.5-VL-7B at real geometry with random bf16 weights (``common.TOWERS``; the same seed on every GPU,
+Tower: Qwen2.5-VL-7B at real geometry with random bf16 weights (``benches.lib.towers``; the same seed on every GPU,
 checked). Workloads: ``fixed``, 20 images of 336 x 336 px per request (the seed's multi-GPU case; ``--runs``
 timed requests after ``--warmup``), and ``trace``, the first ``--trace-requests`` requests of the mixed traffic
-trace (``traffic.generate_trace``, each request once). For each GPU count the script spawns one process per GPU
+trace (``benches.lib.trace``, each request once). For each GPU count the script spawns one process per GPU
 (``torch.distributed`` over NCCL on localhost, with ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``
 and ``NVSHMEM_DISABLE_NVLS=1`` set before the spawn); every rank builds the same tower and runners (the graph
 runner captures its default ladder), and each request is timed from a barrier to the end of the data-parallel
@@ -47,8 +47,15 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benches import common, traffic
-from benches.common import TOWERS, System, Visual
+from benches.lib.cases import Visual
+from benches.lib.cli import base_parser, parse_names
+from benches.lib.env import Deadline, Env, SKIPPED_TIME, inference, log, make_env, short_error
+from benches.lib.outputs import flatten_tensors, max_rel_diff
+from benches.lib.results import Results, json_ready, markdown_table, ratio
+from benches.lib.systems import System, TowerBench
+from benches.lib.timing import Timing
+from benches.lib.towers import TOWERS, TowerKind, count_params
+from benches.lib.trace import SMOKE_REQUESTS, Caps, generate_trace
 
 SCRIPT = "data_parallel"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -71,20 +78,20 @@ def parse_counts(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=900.0)
+    p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=900.0)
     p.add_argument("--gpus", type=parse_counts, default=None,
                    help="comma list of GPU counts (default 1,2,4; a count over the visible GPUs is recorded as "
                         "skipped; with --cpu-smoke 1,2 CPU ranks)")
-    p.add_argument("--modes", type=common.parse_names(MODES), default=tuple(MODES),
+    p.add_argument("--modes", type=parse_names(MODES), default=tuple(MODES),
                    help="comma list out of eager,graph (default both)")
-    p.add_argument("--workloads", type=common.parse_names(WORKLOADS), default=WORKLOADS,
+    p.add_argument("--workloads", type=parse_names(WORKLOADS), default=WORKLOADS,
                    help="comma list out of fixed,trace (default both)")
-    p.add_argument("--tower", choices=sorted(t for t, s in TOWERS.items() if s.kind is common.TowerKind.PACKED),
+    p.add_argument("--tower", choices=sorted(t for t, s in TOWERS.items() if s.kind is TowerKind.PACKED),
                    default="qwen2_5_vl_7b", help="the tower (default qwen2_5_vl_7b)")
     p.add_argument("--images", type=int, default=None, help=f"images per fixed request (default 20; smoke {SMOKE_IMAGES})")
     p.add_argument("--side", type=int, default=None, help=f"their side in px (default 336; smoke {SMOKE_SIDE})")
     p.add_argument("--trace-requests", type=int, default=None,
-                   help=f"requests of the traffic trace (default 200; smoke {traffic.SMOKE_REQUESTS})")
+                   help=f"requests of the traffic trace (default 200; smoke {SMOKE_REQUESTS})")
     p.add_argument("--check-requests", type=int, default=3,
                    help="requests per workload also run on the single GPU and compared per item (default 3)")
     return p
@@ -98,7 +105,7 @@ def resolve_defaults(args: Any) -> Any:
     if args.side is None:
         args.side = SMOKE_SIDE if args.cpu_smoke else 336
     if args.trace_requests is None:
-        args.trace_requests = traffic.SMOKE_REQUESTS if args.cpu_smoke else 200
+        args.trace_requests = SMOKE_REQUESTS if args.cpu_smoke else 200
     if min(args.images, args.side, args.trace_requests) < 1 or args.check_requests < 0:
         raise SystemExit("--images, --side and --trace-requests must be >= 1, --check-requests >= 0")
     return args
@@ -115,17 +122,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     args = resolve_defaults(build_parser().parse_args(argv))
-    env = common.make_env(args)
-    deadline = common.Deadline(args.time_budget)
-    results = common.Results(SCRIPT, args, env)
+    env = make_env(args)
+    deadline = Deadline(args.time_budget)
+    results = Results(SCRIPT, args, env)
     data = results.data
     spec = TOWERS[args.tower]
-    data["tower"] = {"name": spec.name, "label": spec.label, "params": common.count_params(spec, env.tiny),
+    data["tower"] = {"name": spec.name, "label": spec.label, "params": count_params(spec, env.tiny),
                      "geometry": dict(spec.full), "tiny": env.tiny}
     data["workloads"] = {
         "fixed": {"images": args.images, "side": args.side, "timed_requests": env.runs, "warmup": env.warmup},
         "trace": {"requests": args.trace_requests, "seed": args.seed,
-                  "caps": {"image": _caps(env.tiny).image, "frame": _caps(env.tiny).frame}},
+                  "caps": {"image": Caps.default(env.tiny).image, "frame": Caps.default(env.tiny).frame}},
     }
     data["gpus"] = {}
     visible = torch.cuda.device_count() if env.cuda else max(os.cpu_count() or 1, max(args.gpus))
@@ -136,9 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if n > visible:
             data["gpus"][str(n)] = {"skipped": f"needs {n} GPUs, {visible} visible"}
         elif deadline.expired(30.0):
-            data["gpus"][str(n)] = {"skipped": common.SKIPPED_TIME}
+            data["gpus"][str(n)] = {"skipped": SKIPPED_TIME}
         else:
-            common.log(f"{n} {'GPU' if env.cuda else 'CPU rank'}(s): spawning")
+            log(f"{n} {'GPU' if env.cuda else 'CPU rank'}(s): spawning")
             data["gpus"][str(n)] = spawn(n, {**opts, "end_time": time.time() + deadline.left()})
         results.flush()
     data["speedup"] = speedups(data["gpus"])
@@ -157,7 +164,7 @@ def spawn(world: int, opts: dict[str, Any]) -> dict[str, Any]:
             mp.start_processes(rank_main, args=(world, free_port(), str(out), opts), nprocs=world, join=True,
                                start_method="spawn")
         except Exception as exc:  # noqa: BLE001 - a failed GPU count is recorded; the others still run
-            error = common.short_error(exc)
+            error = short_error(exc)
         record = json.loads(out.read_text()) if out.exists() else {}
     if error is not None:
         record["error"] = error
@@ -181,11 +188,11 @@ def rank_main(rank: int, world: int, port: int, out: str, opts: dict[str, Any]) 
         extra = {}
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **extra)
-    env = common.Env(device, torch.bfloat16 if cuda else torch.float32, not cuda, opts["runs"], opts["warmup"],
+    env = Env(device, torch.bfloat16 if cuda else torch.float32, not cuda, opts["runs"], opts["warmup"],
                      opts["seed"])
     record: dict[str, Any] = {"world_size": world, "modes": {}}
     try:
-        with common.inference():
+        with inference():
             run_rank(rank, world, env, opts, record, out)
     except Exception:
         record["error"] = traceback.format_exc().splitlines()[-1][:400]
@@ -196,11 +203,11 @@ def rank_main(rank: int, world: int, port: int, out: str, opts: dict[str, Any]) 
     dist.destroy_process_group()
 
 
-def run_rank(rank: int, world: int, env: common.Env, opts: dict[str, Any], record: dict[str, Any], out: str) -> None:
+def run_rank(rank: int, world: int, env: Env, opts: dict[str, Any], record: dict[str, Any], out: str) -> None:
     from encgraph.capture.distributed import DataParallelEncoder
 
     modes = [MODES[m] for m in opts["modes"]]
-    bench = common.TowerBench(TOWERS[opts["tower"]], env, modes)
+    bench = TowerBench(TOWERS[opts["tower"]], env, modes)
     record["build_seconds"] = round(bench.build_seconds, 3)
     record["weights_identical"] = _same_everywhere(_fingerprint(bench.enc), world)
     for name, system in zip(opts["modes"], modes):
@@ -208,40 +215,36 @@ def run_rank(rank: int, world: int, env: common.Env, opts: dict[str, Any], recor
             record["modes"][name] = {"skipped": bench.unavailable[system]}
             continue
         if _agree(time.time() > opts["end_time"] - 20):
-            record["modes"][name] = {"skipped": common.SKIPPED_TIME}
+            record["modes"][name] = {"skipped": SKIPPED_TIME}
             continue
         runner = bench.runner(system)  # the graph runner captures its ladder here
         dp = DataParallelEncoder(runner, device=env.device)
         entry: dict[str, Any] = {"workloads": {}}
         if system is System.GRAPH:
-            entry["capture"] = bench.capture_info
+            entry["capture"] = bench.capture_infos.get(System.GRAPH)
         record["modes"][name] = entry
         for workload in opts["workloads"]:
             if _agree(time.time() > opts["end_time"] - 10):
-                entry["workloads"][workload] = {"skipped": common.SKIPPED_TIME}
+                entry["workloads"][workload] = {"skipped": SKIPPED_TIME}
                 continue
-            common.log(f"rank {rank}/{world}: {name} {workload}")
+            log(f"rank {rank}/{world}: {name} {workload}")
             entry["workloads"][workload] = run_workload(workload, bench, runner, dp, env, opts, world)
             _save(rank, record, out)
     bench.close()
 
 
-def _caps(tiny: bool) -> traffic.Caps:
-    return traffic.Caps(traffic.SMOKE_MAX_TOKENS, traffic.SMOKE_MAX_TOKENS) if tiny else traffic.Caps()
-
-
-def requests_of(workload: str, bench: common.TowerBench, env: common.Env, opts: dict[str, Any]) -> list[Any]:
+def requests_of(workload: str, bench: TowerBench, env: Env, opts: dict[str, Any]) -> list[Any]:
     """The workload's requests as lazily built inputs (``() -> BenchInputs``), the same on every rank."""
     if workload == "fixed":
         visuals = (Visual(opts["side"], opts["side"]),) * opts["images"]
         fixed = bench.inputs(visuals, seed=1)
         return [lambda: fixed] * (env.warmup + env.runs)
-    caps = _caps(env.tiny)
-    trace = traffic.generate_trace(opts["trace_requests"], seed=opts["seed"])
+    caps = Caps.default(env.tiny)
+    trace = generate_trace(opts["trace_requests"], seed=opts["seed"])
     return [lambda r=r, i=i: caps.inputs(bench, r, seed=10_000 + i) for i, r in enumerate(trace)]
 
 
-def run_workload(workload: str, bench: common.TowerBench, runner: Any, dp: Any, env: common.Env,
+def run_workload(workload: str, bench: TowerBench, runner: Any, dp: Any, env: Env,
                  opts: dict[str, Any], world: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -272,9 +275,9 @@ def run_workload(workload: str, bench: common.TowerBench, runner: Any, dp: Any, 
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, latencies)
     slowest = [max(per_rank[i] for per_rank in everyone) for i in range(len(latencies))]
-    out = common.Timing(tuple(slowest)).summary()
-    out.update(p50_ms=round(common.Timing(tuple(slowest)).percentile(50), 4),
-               p99_ms=round(common.Timing(tuple(slowest)).percentile(99), 4),
+    out = Timing(tuple(slowest)).summary()
+    out.update(p50_ms=round(Timing(tuple(slowest)).percentile(50), 4),
+               p99_ms=round(Timing(tuple(slowest)).percentile(99), 4),
                max_ms=round(max(slowest), 4), requests=len(slowest),
                items_per_request=round(sum(items) / len(items), 3),
                tokens_per_request=round(sum(tokens) / len(tokens), 1), check=check,
@@ -293,9 +296,9 @@ def _check(requests: list[Any], runner: Any, dp: Any) -> dict[str, Any]:
     for make in requests:
         inputs = make().adapter
         out, single = dp(inputs), runner(inputs)
-        worst = max(worst, common.max_rel_diff(out, single))
+        worst = max(worst, max_rel_diff(out, single))
         for a, b in zip(out, single):
-            ta, tb = common.flatten_tensors(a), common.flatten_tensors(b)
+            ta, tb = flatten_tensors(a), flatten_tensors(b)
             exact += len(ta) == len(tb) and all(x.shape == y.shape and bool((x == y).all()) for x, y in zip(ta, tb))
         count += len(out)
     return {"requests": len(requests), "items": count, "exact_items": exact, "max_rel_diff_vs_single_gpu": worst}
@@ -325,7 +328,7 @@ def _agree(flag: bool) -> bool:
 
 def _save(rank: int, record: dict[str, Any], out: str) -> None:
     if rank == 0:
-        Path(out).write_text(json.dumps(common._json_ready(record)))
+        Path(out).write_text(json.dumps(json_ready(record)))
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -344,9 +347,9 @@ def speedups(gpus: dict[str, Any]) -> dict[str, Any]:
                 if here is None:
                     continue
                 out[f"{workload}/{mode}/{n}"] = {
-                    "vs_1_gpu_mean": common.ratio(one and one["mean_ms"], here["mean_ms"]),
-                    "vs_1_gpu_p99": common.ratio(one and one["p99_ms"], here["p99_ms"]),
-                    "graph_vs_eager_mean": common.ratio(eager and eager["mean_ms"], here["mean_ms"])
+                    "vs_1_gpu_mean": ratio(one and one["mean_ms"], here["mean_ms"]),
+                    "vs_1_gpu_p99": ratio(one and one["p99_ms"], here["p99_ms"]),
+                    "graph_vs_eager_mean": ratio(eager and eager["mean_ms"], here["mean_ms"])
                     if mode == "graph" else None,
                 }
     return out
@@ -367,7 +370,7 @@ def render(data: dict[str, Any]) -> str:
                 rows.append([n, mode, workload, w["mean_ms"], w["p50_ms"], w["p99_ms"], s.get("vs_1_gpu_mean"),
                              s.get("graph_vs_eager_mean"), w["check"]["max_rel_diff_vs_single_gpu"],
                              f"{w['requests']} requests, {w['items_per_request']:g} items"])
-    table = common.markdown_table(
+    table = markdown_table(
         ["GPUs", "mode", "workload", "mean ms", "P50 ms", "P99 ms", "x vs 1 GPU", "graph x vs eager",
          "max rel diff vs 1 GPU", "notes"], rows)
     tower = data["tower"]

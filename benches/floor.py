@@ -21,41 +21,45 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benches import common
-from benches.common import CASES, TOWERS
+from benches.lib import cli
+from benches.lib.cases import CASES, sizes_of
+from benches.lib.env import inference, make_env
+from benches.lib.results import Results, markdown_table
+from benches.lib.timing import FLOOR_MATMUL_N, SMOKE_MATMUL_N, floor_ms, matmul_rate
+from benches.lib.towers import SMOKE_TOWERS, TOWERS, count_params
 
 SCRIPT = "floor"
 
 
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=15.0)
-    p.add_argument("--towers", type=common.parse_names(TOWERS), default=None,
+    p = cli.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=15.0)
+    p.add_argument("--towers", type=cli.parse_names(TOWERS), default=None,
                    help=f"comma list out of {','.join(TOWERS)} (default all; with --cpu-smoke "
-                        f"{','.join(common.SMOKE_TOWERS)})")
+                        f"{','.join(SMOKE_TOWERS)})")
     p.add_argument("--n", type=int, default=None,
-                   help=f"matmul side (default {common.FLOOR_MATMUL_N}; {common.SMOKE_MATMUL_N} with --cpu-smoke)")
+                   help=f"matmul side (default {FLOOR_MATMUL_N}; {SMOKE_MATMUL_N} with --cpu-smoke)")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    common.smoke_defaults(args, towers=tuple(TOWERS))
-    env = common.make_env(args)
-    results = common.Results(SCRIPT, args, env)
+    cli.smoke_defaults(args, towers=tuple(TOWERS))
+    env = make_env(args)
+    results = Results(SCRIPT, args, env)
     data = results.data
-    with common.inference():
-        data["matmul"] = common.matmul_rate(env, args.n)
+    with inference():
+        data["matmul"] = matmul_rate(env, args.n)
     tflops = data["matmul"]["tflops"]
     data["towers"] = {}
     for name in args.towers:
         spec = TOWERS[name]
-        params = common.count_params(spec, env.tiny)
-        geom = common.Geometry.of(spec.kind, spec.make_config(env.tiny))
+        params = count_params(spec, env.tiny)
+        geom = spec.geometry(env.tiny)
         cases = {}
         for case in CASES:
-            sizes = common.sizes_of(case.visuals, geom)
+            sizes = sizes_of(case.visuals, geom)
             cases[case.name] = {"patches": sizes.patches, "tokens": sizes.tokens,
-                                "floor_ms": round(common.floor_ms(params, sizes.patches, tflops), 4)}
+                                "floor_ms": round(floor_ms(params, sizes.patches, tflops), 4)}
         data["towers"][name] = {"label": spec.label, "params": params, "cases": cases}
     results.finish(render(data))
     return data
@@ -67,7 +71,7 @@ def render(data: dict[str, Any]) -> str:
             for t in data["towers"].values() for case, c in t["cases"].items()]
     return (f"## matmul floor ({data['environment']['gpu']}: {mm['n']}^3 {mm['dtype']} matmul in {mm['median_ms']} ms "
             f"= {mm['tflops']} TFLOP/s)\n\n"
-            + common.markdown_table(["tower", "params (M)", "case", "patches", "floor ms"], rows))
+            + markdown_table(["tower", "params (M)", "case", "patches", "floor ms"], rows))
 
 
 if __name__ == "__main__":

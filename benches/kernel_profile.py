@@ -1,6 +1,6 @@
 """Where a forward's device time goes: kernels of one call, by category, against its wall latency.
 
-For each case (``common.CASES``) and system (``graph``, ``graph_compile``, ``adapter_eager`` by default) of one
+For each case (``benches.lib.cases``) and system (``graph``, ``graph_compile``, ``adapter_eager`` by default) of one
 tower: the median latency of ``--runs`` calls (CUDA events, as ``towers.py``), then ``--profile-calls`` calls under
 ``torch.profiler`` (CUDA activity only). The Chrome trace's kernel, memcpy and memset records are summed per call
 and sorted into categories by kernel name (:data:`CATEGORIES`, first match wins): what the matmuls, attention,
@@ -34,8 +34,13 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benches import common
-from benches.common import ALL_CASES, CASE_NAMES, TOWERS, System
+from benches.lib.cases import ALL_CASES, CASE_NAMES
+from benches.lib.cli import base_parser, parse_names, run_script
+from benches.lib.env import Deadline, Env, SKIPPED_TIME, log, short_error
+from benches.lib.results import Results, markdown_table, status_of
+from benches.lib.systems import System, TowerBench, parse_systems
+from benches.lib.timing import floor_ms, matmul_rate, time_call
+from benches.lib.towers import TOWERS, TowerKind
 
 SCRIPT = "kernel_profile"
 DEFAULT_CASES = ("1x224", "4x224", "8x336", "1x896")
@@ -99,7 +104,7 @@ def summarize(records: Sequence[tuple[str, float]], calls: int, median_ms: float
     }
 
 
-def profile_call(fn: Any, env: common.Env, calls: int) -> list[tuple[str, float]]:
+def profile_call(fn: Any, env: Env, calls: int) -> list[tuple[str, float]]:
     """Device records of ``calls`` calls of ``fn`` (after one untimed call), from ``torch.profiler``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -120,7 +125,7 @@ def profile_call(fn: Any, env: common.Env, calls: int) -> list[tuple[str, float]
     return device_records(trace)
 
 
-def patch_embed_ab(patch_embed: Any, pixels: Any, env: common.Env) -> dict[str, Any]:
+def patch_embed_ab(patch_embed: Any, pixels: Any, env: Env) -> dict[str, Any]:
     """The tower's patch embedding (a ``Conv3d`` whose stride is its kernel) against the same weights as one
     ``F.linear`` on the flattened patch rows: median ms of each and the largest difference of their outputs."""
     import torch.nn.functional as F
@@ -134,19 +139,19 @@ def patch_embed_ab(patch_embed: Any, pixels: Any, env: common.Env) -> dict[str, 
     def conv() -> Any:  # the class's forward: the adapter's layout may have replaced the instance's
         return type(patch_embed).forward(patch_embed, pixels)
 
-    conv_t = common.time_call(conv, env)
-    lin = common.time_call(linear, env)
+    conv_t = time_call(conv, env)
+    lin = time_call(linear, env)
     diff = (conv().float() - linear().float()).abs().max().item()
     return {"conv_ms": round(conv_t.median, 4), "linear_ms": round(lin.median, 4), "max_abs_diff": diff,
             "rows": int(pixels.shape[0])}
 
 
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=180.0)
+    p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=180.0)
     p.add_argument("--tower", choices=tuple(TOWERS), default="qwen2_5_vl_7b", help="the tower (default qwen2_5_vl_7b)")
-    p.add_argument("--cases", type=common.parse_names(CASE_NAMES), default=DEFAULT_CASES,
+    p.add_argument("--cases", type=parse_names(CASE_NAMES), default=DEFAULT_CASES,
                    help=f"comma list (default {','.join(DEFAULT_CASES)})")
-    p.add_argument("--systems", type=common.parse_systems, default=DEFAULT_SYSTEMS,
+    p.add_argument("--systems", type=parse_systems, default=DEFAULT_SYSTEMS,
                    help="comma list (default graph,graph_compile,adapter_eager; hf_sdpa and hf_varlen too)")
     p.add_argument("--profile-calls", type=int, default=5, help="calls under the profiler per measurement (default 5)")
     return p
@@ -158,17 +163,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("kernel_profile.py reads CUDA kernel records; it has no CPU smoke (run it on a GPU)")
     if System.COMPILE in args.systems:
         raise SystemExit("--systems: compile is not offered (a recompile per shape); graph_compile is")
-    return common.run_script(SCRIPT, args, run, render)
+    return run_script(SCRIPT, args, run, render)
 
 
-def run(args: Any, env: common.Env, deadline: common.Deadline, results: common.Results) -> None:
+def run(args: Any, env: Env, deadline: Deadline, results: Results) -> None:
     import torch
 
     data = results.data
     spec = TOWERS[args.tower]
-    bench = common.TowerBench(spec, env, args.systems)
+    bench = TowerBench(spec, env, args.systems)
     data["tower"] = {"name": spec.name, "label": spec.label, "params": bench.params}
-    rate = common.matmul_rate(env)
+    rate = matmul_rate(env)
     data["matmul"] = rate
     cases = [c for c in ALL_CASES if c.name in args.cases]
     inputs = {c.name: bench.inputs(c.visuals, seed=i) for i, c in enumerate(cases)}
@@ -179,25 +184,25 @@ def run(args: Any, env: common.Env, deadline: common.Deadline, results: common.R
         x = inputs[case.name]
         entry = out.setdefault(case.name, {
             "patches": x.sizes.patches, "tokens": x.sizes.tokens,
-            "floor_ms": round(common.floor_ms(bench.params, x.sizes.patches, rate["tflops"]), 4),
+            "floor_ms": round(floor_ms(bench.params, x.sizes.patches, rate["tflops"]), 4),
             "systems": {},
         })
-        if spec.kind is common.TowerKind.PACKED and "patch_embed" not in entry:
+        if spec.kind is TowerKind.PACKED and "patch_embed" not in entry:
             entry["patch_embed"] = patch_embed_ab(bench.enc.patch_embed, x.hf_args[0], env)
             results.flush()
         for system in args.systems:
             if deadline.expired():
-                entry["systems"][system.value] = {"skipped": common.SKIPPED_TIME}
+                entry["systems"][system.value] = {"skipped": SKIPPED_TIME}
                 continue
-            common.log(f"{case.name} {system.value}")
+            log(f"{case.name} {system.value}")
             try:
                 fn = bench.call(system, x)
-                timing = common.time_call(fn, env)
+                timing = time_call(fn, env)
                 records = profile_call(fn, env, args.profile_calls)
                 entry["systems"][system.value] = summarize(records, args.profile_calls, timing.median)
             except Exception as exc:
                 traceback.print_exc()
-                entry["systems"][system.value] = {"error": common.short_error(exc)}
+                entry["systems"][system.value] = {"error": short_error(exc)}
                 torch.cuda.synchronize(env.device)
             results.flush()
     bench.close()
@@ -207,7 +212,7 @@ def _rows(data: Mapping[str, Any]) -> Iterable[list[Any]]:
     for case, entry in data.get("cases", {}).items():
         for system, s in entry["systems"].items():
             if "median_ms" not in s:
-                yield [case, system, common.status_of(s)] + ["-"] * 5
+                yield [case, system, status_of(s)] + ["-"] * 5
                 continue
             cats = s["categories"]
             largest = ", ".join(f"{k} {v['ms']:.2f}" for k, v in list(cats.items())[:4])
@@ -219,19 +224,19 @@ def render(data: Mapping[str, Any]) -> str:
     tower = data.get("tower", {}).get("label", "?")
     gpu = data.get("environment", {}).get("gpu", "?")
     lines = [f"## profile: {tower}, device time per call by kernel category ({gpu})", ""]
-    lines.append(common.markdown_table(
+    lines.append(markdown_table(
         ["case", "system", "median ms", "kernel ms", "GPU idle ms", "kernels", "largest categories (ms)",
          "x floor"], _rows(data)))
     embeds = [[case, e["patch_embed"]["rows"], e["patch_embed"]["conv_ms"], e["patch_embed"]["linear_ms"],
                e["patch_embed"]["max_abs_diff"]] for case, e in data.get("cases", {}).items() if "patch_embed" in e]
     if embeds:
         lines += ["", "### patch embedding: the tower's Conv3d against one F.linear of the same weights", ""]
-        lines.append(common.markdown_table(["case", "rows", "Conv3d ms", "F.linear ms", "max abs diff"], embeds))
+        lines.append(markdown_table(["case", "rows", "Conv3d ms", "F.linear ms", "max abs diff"], embeds))
     for case, entry in data.get("cases", {}).items():
         for system, s in entry["systems"].items():
             if "top" in s:
                 lines += ["", f"### {case} / {system}: top kernels", ""]
-                lines.append(common.markdown_table(
+                lines.append(markdown_table(
                     ["kernel", "category", "ms per call", "launches per call"],
                     ([k["name"][:90], category(k["name"]), k["ms"], k["calls"]] for k in s["top"])))
     return "\n".join(lines)

@@ -21,14 +21,19 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benches import common, traffic
-from benches.common import TOWERS, System
+from benches.lib.cli import base_parser, smoke_defaults
+from benches.lib.env import Deadline, make_env
+from benches.lib.results import SMOKE_SLUG
+from benches.lib.systems import System, TowerBench
+from benches.lib.timing import time_once
+from benches.lib.towers import TOWERS
+from benches.lib.trace import Caps, generate_trace
 
 SYSTEMS = ("adapter eager", "graphs, greedy plan", "graphs, cost-aware plan", "graphs, tuned ladder, cost-aware")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = common.base_parser("planning", __doc__ or "", time_budget=150)
+    parser = base_parser("planning", __doc__ or "", time_budget=150)
     parser.add_argument("--tower", choices=tuple(TOWERS), default="qwen2_5_vl_7b")
     parser.add_argument("--requests", type=int, default=300, help="trace requests timed (default 300)")
     parser.add_argument("--samples", type=int, default=16, help="requests timed to fit the eager cost model")
@@ -37,28 +42,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-budgets", type=int, default=8, help="budgets of the tuned ladder (default 8)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
-        common.smoke_defaults(args, towers=(args.tower,))
+        smoke_defaults(args, towers=(args.tower,))
         args.requests, args.samples = min(args.requests, 6), min(args.samples, 4)
         args.tune_requests = min(args.tune_requests, 8)
-    env = common.make_env(args)
-    deadline = common.Deadline(args.time_budget)
+    env = make_env(args)
+    deadline = Deadline(args.time_budget)
     from encgraph.capture import EncoderGraphRunner
 
-    bench = common.TowerBench(TOWERS[args.tower], env, (System.GRAPH, System.ADAPTER_EAGER))
-    caps = traffic.Caps()
+    bench = TowerBench(TOWERS[args.tower], env, (System.GRAPH, System.ADAPTER_EAGER))
+    caps = Caps()
     greedy = bench.runner(System.GRAPH)
     eager = bench.runner(System.ADAPTER_EAGER)
     costed = EncoderGraphRunner(bench.adapter, mode=greedy.mode, progress=False)
     costed.capture()
     samples = [caps.inputs(bench, r, seed=10_000 + i).adapter
-               for i, r in enumerate(traffic.generate_trace(args.samples, seed=args.seed + 1))]
+               for i, r in enumerate(generate_trace(args.samples, seed=args.seed + 1))]
     model = costed.measure_costs(samples)
     # Ladder tuning (issue 6, point 4): sizes of another seed's requests, the measured model, then a new capture
     # and a cost model measured for the tuned budgets.
     from encgraph.packing import tune_ladder
 
     observed = [bench.adapter.item_specs(caps.inputs(bench, r, seed=20_000 + i).adapter)
-                for i, r in enumerate(traffic.generate_trace(args.tune_requests, seed=args.seed + 2))]
+                for i, r in enumerate(generate_trace(args.tune_requests, seed=args.seed + 2))]
     tuned = tune_ladder(observed, max_budgets=args.max_budgets, max_items=greedy.limits.max_items,
                         baseline=greedy.ladders, costs=model)
     tuned_runner = EncoderGraphRunner(bench.adapter, mode=greedy.mode, progress=False, **tuned.to_runner_options())
@@ -66,14 +71,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tuned_model = tuned_runner.measure_costs(samples)
     runners = dict(zip(SYSTEMS, (eager, greedy, costed, tuned_runner)))
     latencies: dict[str, list[float]] = {name: [] for name in SYSTEMS}
-    trace = traffic.generate_trace(args.requests, seed=args.seed)
+    trace = generate_trace(args.requests, seed=args.seed)
     for i, request in enumerate(trace):
         if deadline.expired():
             break
         inputs = caps.inputs(bench, request, seed=i).adapter
         for name in (SYSTEMS[i % len(SYSTEMS):] + SYSTEMS[: i % len(SYSTEMS)]):  # rotate the order: no system always goes first
             runners[name](inputs)  # one untimed call (allocator growth on new shapes)
-            latencies[name].append(common.time_once(lambda r=runners[name]: r(inputs), env))
+            latencies[name].append(time_once(lambda r=runners[name]: r(inputs), env))
     done = len(latencies[SYSTEMS[0]])
     if not done:
         raise SystemExit(f"planning: the {args.time_budget:g} s budget was spent before the first request; raise "
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     table = "\n".join(lines)
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    slug = common.SMOKE_SLUG if args.cpu_smoke else "nvidia-h200"
+    slug = SMOKE_SLUG if args.cpu_smoke else "nvidia-h200"
     import json
 
     (out / f"planning_{slug}.json").write_text(json.dumps(data, indent=1, default=str))

@@ -1,5 +1,5 @@
-"""Plots from the result JSON: speedup bars per tower and case (``towers_<gpu>_speedup.png``), and latency CDFs
-plus per-request ratio CDFs on the traffic trace (``traffic_<gpu>_cdf.png``).
+"""Plots from the result JSON: speedup bars per tower and case (``towers_<gpu>_speedup.png``), and per tower of
+the traffic run its latency CDFs and per-request ratio CDFs against its baseline (``traffic_<gpu>_cdf.png``).
 
 Needs matplotlib (the ``bench`` extra: ``pip install matplotlib``); without it the script says so and exits 0
 (the JSON and tables are the results, the plots only draw them). Every plotted value is read from the JSON.
@@ -20,22 +20,24 @@ import argparse
 
 import numpy as np
 
-from benches import common
-from benches.common import System
+from benches.lib.results import RESULTS_DIR, SMOKE_SLUG, median_of, ratio
+from benches.lib.systems import System
+from benches.lib.traffic_report import baseline_of, tower_docs
 
 SCRIPT = "plot"
 BASELINE = System.HF_SDPA
-BAR_SYSTEMS = (System.HF_VARLEN, System.ADAPTER_EAGER, System.GRAPH, System.COMPILE, System.GRAPH_COMPILE)
+BAR_SYSTEMS = (System.HF_VARLEN, System.ADAPTER_EAGER, System.DEFAULTS, System.GRAPH, System.COMPILE,
+               System.GRAPH_COMPILE)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benches/plot.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR, help="where the JSON is and PNGs go")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON is and PNGs go")
     p.add_argument("--slug", default=None,
                    help="the machine part of the file names (default: the newest towers_/traffic_ JSON's, not the "
                         "CPU smoke's)")
     p.add_argument("--cpu-smoke", "--dry-run", dest="cpu_smoke", action="store_true",
-                   help=f"plot the CPU smoke's results (slug {common.SMOKE_SLUG})")
+                   help=f"plot the CPU smoke's results (slug {SMOKE_SLUG})")
     return p
 
 
@@ -43,7 +45,7 @@ def find_slug(results_dir: Path) -> str | None:
     """The slug of the newest ``towers_*.json`` or ``traffic_*.json`` that is neither the CPU smoke's nor a tagged
     run's (``<script>_<gpu>_<tag>``: pass ``--slug <gpu>_<tag>`` for those)."""
     found = [p for pattern in ("towers_*.json", "traffic_*.json") for p in results_dir.glob(pattern)
-             if not p.stem.endswith(common.SMOKE_SLUG) and "_" not in p.stem.split("_", 1)[1]]
+             if not p.stem.endswith(SMOKE_SLUG) and "_" not in p.stem.split("_", 1)[1]]
     if not found:
         return None
     newest = max(found, key=lambda p: p.stat().st_mtime)
@@ -56,10 +58,10 @@ def speedups(towers: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]
     for tower in towers.get("towers", {}).values():
         cases = {}
         for case, c in tower.get("cases", {}).items():
-            base = common.median_of(c["systems"].get(BASELINE.value))
+            base = median_of(c["systems"].get(BASELINE.value))
             row = {}
             for s in BAR_SYSTEMS:
-                r = common.ratio(base, common.median_of(c["systems"].get(s.value)))
+                r = ratio(base, median_of(c["systems"].get(s.value)))
                 if r is not None:
                     row[s.value] = r
             cases[case] = row
@@ -68,29 +70,42 @@ def speedups(towers: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]
     return out
 
 
-def cdfs(traffic: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per system: sorted request latencies (ms) and their cumulative shares, from ``traffic_<gpu>.json``."""
+def cdfs(doc: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per system: sorted request latencies (ms) and their cumulative shares, from one tower's traffic document."""
     out = {}
-    for name, values in traffic.get("per_request", {}).get("latency_ms", {}).items():
+    for name, values in doc.get("per_request", {}).get("latency_ms", {}).items():
         x = np.sort(np.asarray([v for v in values if v is not None], dtype=np.float64))
         if x.size:
             out[name] = (x, np.arange(1, x.size + 1) / x.size)
     return out
 
 
-def ratio_cdfs(traffic: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per system but the adapter's eager: sorted per-request ratios system / adapter eager, and their shares."""
-    lat = traffic.get("per_request", {}).get("latency_ms", {})
-    base = lat.get(System.ADAPTER_EAGER.value)
+def ratio_cdfs(doc: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per system but the tower's baseline: sorted per-request ratios system / baseline, and their shares."""
+    lat = doc.get("per_request", {}).get("latency_ms", {})
+    base = lat.get(baseline_of(doc))
     out = {}
     if not base:
         return out
     for name, values in lat.items():
-        if name == System.ADAPTER_EAGER.value:
+        if name == baseline_of(doc):
             continue
         r = np.sort(np.asarray([a / b for a, b in zip(values, base) if a is not None and b], dtype=np.float64))
         if r.size:
             out[name] = (r, np.arange(1, r.size + 1) / r.size)
+    return out
+
+
+Lines = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def traffic_lines(traffic: Mapping[str, Any]) -> dict[str, tuple[str, Lines, Lines]]:
+    """``{tower label: (baseline, latency CDFs, ratio CDFs)}`` of a traffic JSON (either layout)."""
+    out = {}
+    for name, doc in tower_docs(traffic).items():
+        lines = cdfs(doc)
+        if lines:
+            out[doc.get("tower", {}).get("label", name)] = (baseline_of(doc), lines, ratio_cdfs(doc))
     return out
 
 
@@ -100,15 +115,14 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     args = build_parser().parse_args(argv)
-    slug = common.SMOKE_SLUG if args.cpu_smoke else (args.slug or find_slug(args.results_dir))
+    slug = SMOKE_SLUG if args.cpu_smoke else (args.slug or find_slug(args.results_dir))
     if slug is None:
         print(f"plot: no towers_*.json or traffic_*.json in {args.results_dir}; run the benchmarks first")
         return []
     towers = _load(args.results_dir / f"towers_{slug}.json")
     traffic = _load(args.results_dir / f"traffic_{slug}.json")
     bars = speedups(towers) if towers else {}
-    lines = cdfs(traffic) if traffic else {}
-    ratios = ratio_cdfs(traffic) if traffic else {}
+    lines = traffic_lines(traffic) if traffic else {}
     try:
         import matplotlib
 
@@ -116,13 +130,13 @@ def main(argv: list[str] | None = None) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         print("plot: matplotlib is not installed (pip install matplotlib, the 'bench' extra); no PNG written. "
-              f"Data found: {len(bars)} towers, {len(lines)} traffic systems.")
+              f"Data found: {len(bars)} towers of fixed cases, {len(lines)} towers of traffic.")
         return []
     written = []
     if bars:
         written.append(draw_bars(plt, bars, args.results_dir / f"towers_{slug}_speedup.png", slug))
     if lines:
-        written.append(draw_cdfs(plt, lines, ratios, args.results_dir / f"traffic_{slug}_cdf.png", slug))
+        written.append(draw_cdfs(plt, lines, args.results_dir / f"traffic_{slug}_cdf.png", slug))
     for path in written:
         print(f"plot: wrote {path}")
     return written
@@ -150,21 +164,23 @@ def draw_bars(plt: Any, bars: dict[str, dict[str, dict[str, float]]], path: Path
     return path
 
 
-def draw_cdfs(plt: Any, lines: dict[str, tuple[np.ndarray, np.ndarray]],
-              ratios: dict[str, tuple[np.ndarray, np.ndarray]], path: Path, slug: str) -> Path:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, (x, y) in lines.items():
-        left.plot(x, y, label=System(name).label)
-    left.set_xscale("log")
-    left.set_xlabel("request latency (ms)")
-    left.set_ylabel("share of requests")
-    left.legend(fontsize=8)
-    for name, (x, y) in ratios.items():
-        right.plot(x, y, label=System(name).label)
-    right.axvline(1.0, color="black", linewidth=0.8)
-    right.set_xscale("log")
-    right.set_xlabel(f"latency / {System.ADAPTER_EAGER.label} latency, per request")
-    right.legend(fontsize=8)
+def draw_cdfs(plt: Any, towers: dict[str, tuple[str, Lines, Lines]], path: Path, slug: str) -> Path:
+    fig, axes = plt.subplots(len(towers), 2, figsize=(12, 4.5 * len(towers)), squeeze=False)
+    for (left, right), (label, (baseline, lines, ratios)) in zip(axes, towers.items()):
+        for name, (x, y) in lines.items():
+            left.plot(x, y, label=System(name).label)
+        left.set_xscale("log")
+        left.set_xlabel("request latency (ms)")
+        left.set_ylabel("share of requests")
+        left.set_title(label)
+        left.legend(fontsize=8)
+        for name, (x, y) in ratios.items():
+            right.plot(x, y, label=System(name).label)
+        right.axvline(1.0, color="black", linewidth=0.8)
+        right.set_xscale("log")
+        right.set_xlabel(f"latency / {System(baseline).label} latency, per request (left of 1: faster)")
+        right.set_title(label)
+        right.legend(fontsize=8)
     fig.suptitle(f"traffic trace ({slug})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Every benchmark in one go on one CUDA GPU, in about 7.5 minutes (BENCH_TOTAL_SECONDS, default 450).
+# Every benchmark in one go on one CUDA GPU, in about 10 minutes (BENCH_TOTAL_SECONDS, default 600).
 #
 #   bash benches/run_all.sh            # from the repository root (or anywhere: it cds there)
 #   bash benches/run_all.sh --cpu-smoke --results-dir /tmp/smoke   # arguments go to every script: a CPU dry run
+#   BENCH_SCRIPTS="traffic capture" BENCH_TOTAL_SECONDS=440 bash benches/run_all.sh   # a subset, in that order
 #
 # Each script gets a time budget (it starts no measurement past it and records what it skipped) and a hard
 # `timeout` of budget + 60 s; budgets shrink to what is left of the total. Results: benches/results/
@@ -13,16 +14,18 @@ cd "$(dirname "$0")/.."
 EXTRA=("$@")
 
 PY=${PYTHON:-python3}
-TOTAL=${BENCH_TOTAL_SECONDS:-450}
+TOTAL=${BENCH_TOTAL_SECONDS:-600}
+SCRIPTS=${BENCH_SCRIPTS:-floor towers traffic capture}
 RESULTS=benches/results
 LOGS="${OUT:-$RESULTS}/logs"
 mkdir -p "$RESULTS" "$LOGS"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 
-run() {  # run NAME BUDGET [ARGS...]
+run() {  # run NAME BUDGET [ARGS...]: only if NAME is in BENCH_SCRIPTS
     local name=$1 budget=$2
     shift 2
+    case " $SCRIPTS " in *" $name "*) ;; *) return ;; esac
     local left=$((TOTAL - ($(date +%s) - START)))
     if [ "$left" -lt 25 ]; then
         echo "== $name: skipped, ${left} s left of ${TOTAL} s" | tee -a "$LOGS/run_all.log"
@@ -44,12 +47,12 @@ run() {  # run NAME BUDGET [ARGS...]
 
 run floor 15
 run towers 150
-run traffic 185
-run capture 40
+run traffic 330
+run capture 60
 # Other helpers' CPU benchmarks (no time-budget option): run as they are, bounded by `timeout`, on real runs only.
 for other in host_overhead planner; do
     left=$((TOTAL - ($(date +%s) - START)))
-    if [ -f "benches/$other.py" ] && [ ${#EXTRA[@]} -eq 0 ] && [ "$left" -gt 20 ]; then
+    if [ -f "benches/$other.py" ] && [ ${#EXTRA[@]} -eq 0 ] && [ -z "${BENCH_SCRIPTS:-}" ] && [ "$left" -gt 20 ]; then
         limit=$((left - 10 < 45 ? left - 10 : 45))
         echo "== $other (at most ${limit} s)" | tee -a "$LOGS/run_all.log"
         timeout "$limit" "$PY" "benches/$other.py" 2> "$LOGS/$other.err" | tee "$LOGS/$other.log"

@@ -1,14 +1,14 @@
 """Fixed cases per tower, every system side by side: median latency of each call (CUDA events, 30 timed runs after
 5 warm-ups), the matmul floor beside it, and the graph's speedups.
 
-Towers (random bf16 weights at real geometry, see ``common.TOWERS``): Qwen2.5-VL-7B, Qwen3-VL-8B, SigLIP-so400m at
-224 and 384 px, InternViT-300M at 448 px. Cases (``common.CASES``): 1 x 224 px, 4 x 224, 8 x 336, 1 x 896, one
+Towers (random bf16 weights at real geometry, ``benches.lib.towers``): Qwen2.5-VL-7B, Qwen3-VL-8B, SigLIP-so400m
+at 224 and 384 px, InternViT-300M at 448 px. Cases (``benches.lib.cases``): 1 x 224 px, 4 x 224, 8 x 336, 1 x 896, one
 8-frame 448 x 252 video. Qwen-VL towers resize each side to a multiple of patch x merge as their processors do
 (Qwen3-VL: 336 -> 320, 252 -> 256); fixed-resolution towers see tiles of their own side (an image that does not
 fit: min(ceil(h/S) ceil(w/S), 12) tiles plus a thumbnail; a video: one tile per frame).
 
 Two phases, so that the core table is complete before the slow part: (1) every tower through hf_sdpa, hf_varlen,
-adapter_eager and graph; (2) the compiled systems, only for ``--compile-towers`` x ``--compile-cases`` (default
+adapter_eager, defaults (``encgraph.graphed(tower)`` with no options, captured first) and graph; (2) the compiled systems, only for ``--compile-towers`` x ``--compile-cases`` (default
 Qwen2.5-VL-7B at 1x224 and 4x224: each new budget is a compile of tens of seconds), in ``--systems`` order while
 the time budget lasts: ``compile`` (``torch.compile(mode="reduce-overhead")`` of the static forward) and
 ``graph_compile`` (encgraph's graphs of the compiled forward, captured at the cases' budgets only), with first-call
@@ -18,14 +18,16 @@ JSON (``benches/results/towers_<gpu>.json``)::
 
     {"environment": {...}, "options": {...}, "matmul": {"tflops", "n", "median_ms", ...},
      "towers": {"<tower>": {"label", "params", "geometry", "build_seconds", "capture": {runner.capture()},
+                "defaults_capture": {"wall_seconds", graphed(tower).capture()},
                 "cases": {"<case>": {"items", "patches", "tokens", "grids" | "tiles", "floor_ms", "plan",
                           "systems": {"<system>": {"median_ms", "mean_ms", "p10_ms", "p90_ms", "min_ms", "runs"}
                                       | {"skipped": why} | {"error": what}},
-                          "graph_stats": {"padded_share", "eager_items"}, "graph_vs_eager_max_rel_diff",
+                          "graph_stats" | "defaults_stats": {"padded_share", "eager_items_per_call", ...},
+                          "graph_vs_eager_max_rel_diff", "defaults_vs_hf_sdpa_max_rel_diff",
                           "compile_info": {"compile" | "graph_compile": {"first_call_seconds", "graphs_compiled",
                                            "graphs_compiled_total", "graph_breaks", "frames_ok", "cudagraph_skips",
                                            "max_rel_diff_vs_adapter_eager"}},
-                          "speedup": {"graph_vs_hf_sdpa", "graph_vs_adapter_eager", ...}}},
+                          "speedup": {"defaults_vs_hf_sdpa", "graph_vs_hf_sdpa", "graph_vs_adapter_eager", ...}}},
                 "graph_compile_capture": {"wall_seconds", runner.capture() of the compiled graphs}}}}
 """
 
@@ -43,29 +45,41 @@ if __package__ in (None, ""):
 
 import attrs
 
-from benches import common
-from benches.common import ALL_CASES, CASE_NAMES, DEFAULT_CASE_NAMES, TOWERS, System
+from benches.lib.cases import ALL_CASES, BenchInputs, CASE_NAMES, Case, DEFAULT_CASE_NAMES, SMOKE_CASES
+from benches.lib.cli import base_parser, parse_names, smoke_defaults
+from benches.lib.compiled import counter_delta, dynamo_counters
+from benches.lib.env import Deadline, Env, SKIPPED_TIME, inference, log, make_env, short_error
+from benches.lib.outputs import max_rel_diff
+from benches.lib.results import Results, fmt, markdown_table, median_of, ratio, status_of
+from benches.lib.startup import cache_env
+from benches.lib.systems import COMPILED, System, TowerBench, parse_systems
+from benches.lib.timing import floor_ms, matmul_rate, measure, time_once
+from benches.lib.towers import SMOKE_TOWERS, TOWERS
 
 SCRIPT = "towers"
-PHASE1 = (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER, System.GRAPH)
+PHASE1 = (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER, System.DEFAULTS, System.GRAPH)
 """Everything but the compiled systems, measured first for every tower."""
+DEFAULT_SYSTEMS = (*PHASE1, *COMPILED)
+STATS_KEYS = {System.GRAPH: "graph_stats", System.DEFAULTS: "defaults_stats"}
+"""Where each graph system's padded share and eager items of a case go."""
+"""``hf_compile_dynamic`` is traffic's: on fixed cases it would compile once per case."""
 TOWER_MIN_SECONDS = 15.0
 """A tower is not started with less time left than this (building and capturing alone take seconds)."""
 
 
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=150.0)
-    p.add_argument("--towers", type=common.parse_names(TOWERS), default=None,
+    p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=150.0)
+    p.add_argument("--towers", type=parse_names(TOWERS), default=None,
                    help=f"comma list out of {','.join(TOWERS)} (default all, in that order; with --cpu-smoke "
-                        f"{','.join(common.SMOKE_TOWERS)})")
-    p.add_argument("--cases", type=common.parse_names(CASE_NAMES), default=None,
+                        f"{','.join(SMOKE_TOWERS)})")
+    p.add_argument("--cases", type=parse_names(CASE_NAMES), default=None,
                    help=f"comma list out of {','.join(CASE_NAMES)} (default {','.join(DEFAULT_CASE_NAMES)}; with "
-                        f"--cpu-smoke {','.join(common.SMOKE_CASES)})")
-    p.add_argument("--systems", type=common.parse_systems, default=tuple(System),
-                   help="comma list out of " + ",".join(s.value for s in System) + " (default all)")
-    p.add_argument("--compile-towers", type=common.parse_names(TOWERS), default=("qwen2_5_vl_7b",),
+                        f"--cpu-smoke {','.join(SMOKE_CASES)})")
+    p.add_argument("--systems", type=parse_systems, default=DEFAULT_SYSTEMS,
+                   help="comma list out of " + ",".join(s.value for s in (*PHASE1, *COMPILED)) + " (default all)")
+    p.add_argument("--compile-towers", type=parse_names(TOWERS), default=("qwen2_5_vl_7b",),
                    help="towers that get the torch.compile system (default qwen2_5_vl_7b)")
-    p.add_argument("--compile-cases", type=common.parse_names(CASE_NAMES), default=("1x224", "4x224"),
+    p.add_argument("--compile-cases", type=parse_names(CASE_NAMES), default=("1x224", "4x224"),
                    help="cases that get the torch.compile system (default 1x224,4x224)")
     p.add_argument("--compile-min-seconds", type=float, default=30.0,
                    help="start a torch.compile case only with this much of the time budget left (default 30)")
@@ -74,21 +88,22 @@ def build_parser() -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    common.smoke_defaults(args, towers=tuple(TOWERS), cases=DEFAULT_CASE_NAMES)
-    env = common.make_env(args)
-    deadline = common.Deadline(args.time_budget)
-    results = common.Results(SCRIPT, args, env)
+    smoke_defaults(args, towers=tuple(TOWERS), cases=DEFAULT_CASE_NAMES)
+    env = make_env(args)
+    deadline = Deadline(args.time_budget)
+    results = Results(SCRIPT, args, env)
     data = results.data
     cases = [c for c in ALL_CASES if c.name in args.cases]
-    with common.inference():
-        data["matmul"] = common.matmul_rate(env)
-        common.log(f"matmul rate {data['matmul']['tflops']} TFLOP/s")
+    with inference():
+        data["matmul"] = matmul_rate(env)
+        log(f"matmul rate {data['matmul']['tflops']} TFLOP/s")
         data["towers"] = {}
         results.flush()
         phase1 = [s for s in args.systems if s in PHASE1]
         for name in args.towers:
-            run_tower(name, cases, phase1, env, deadline, results)
-        compiled = [s for s in args.systems if s in common.COMPILED]
+            with cache_env():  # defaults' capture starts from empty compile caches, as in a fresh install
+                run_tower(name, cases, phase1, env, deadline, results)
+        compiled = [s for s in args.systems if s in COMPILED]
         if compiled:
             for name in args.towers:
                 if name in args.compile_towers:
@@ -99,28 +114,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return data
 
 
-def _case_entry(bench: common.TowerBench, inputs: common.BenchInputs, tflops: float) -> dict[str, Any]:
+def _case_entry(bench: TowerBench, inputs: BenchInputs, tflops: float) -> dict[str, Any]:
     s = inputs.sizes
     entry: dict[str, Any] = {"items": s.items, "patches": s.patches, "tokens": s.tokens}
     if s.grids:
         entry["grids"] = [list(g) for g in s.grids]
     else:
         entry["tiles"] = s.tiles
-    entry["floor_ms"] = round(common.floor_ms(bench.params, s.patches, tflops), 4)
+    entry["floor_ms"] = round(floor_ms(bench.params, s.patches, tflops), 4)
     entry["systems"] = {}
     return entry
 
 
-def run_tower(name: str, cases: list[common.Case], systems: list[System], env: common.Env,
-              deadline: common.Deadline, results: common.Results) -> None:
+def run_tower(name: str, cases: list[Case], systems: list[System], env: Env,
+              deadline: Deadline, results: Results) -> None:
     spec = TOWERS[name]
     towers = results.data["towers"]
-    if deadline.expired(TOWER_MIN_SECONDS):
-        towers[name] = {"label": spec.label, "skipped": common.SKIPPED_TIME}
+    skipped = SKIPPED_TIME if deadline.expired(TOWER_MIN_SECONDS) else spec.missing()
+    if skipped:
+        towers[name] = {"label": spec.label, "skipped": skipped}
         results.flush()
         return
-    common.log(f"{name}: building")
-    bench = common.TowerBench(spec, env, systems)
+    log(f"{name}: building")
+    bench = TowerBench(spec, env, systems)
     entry = towers[name] = {
         "label": spec.label,
         "params": bench.params,
@@ -129,14 +145,14 @@ def run_tower(name: str, cases: list[common.Case], systems: list[System], env: c
         "unavailable": {s.value: why for s, why in bench.unavailable.items()},
         "cases": {},
     }
-    if System.GRAPH in systems and System.GRAPH not in bench.unavailable:
-        try:
-            t0 = time.perf_counter()
-            bench.runner(System.GRAPH)
-            entry["capture"] = bench.capture_info
-            common.log(f"{name}: captured in {time.perf_counter() - t0:.1f} s")
-        except Exception as exc:
-            bench.unavailable[System.GRAPH] = f"error: capture failed ({common.short_error(exc)})"
+    for system, key in ((System.GRAPH, "capture"), (System.DEFAULTS, "defaults_capture")):
+        if system in systems and system not in bench.unavailable:
+            try:
+                bench.defaults() if system is System.DEFAULTS else bench.runner(system)
+                entry[key] = bench.capture_infos.get(system)
+                log(f"{name}: {system.value} captured in {entry[key]['wall_seconds']:.1f} s")
+            except Exception as exc:
+                bench.unavailable[system] = f"error: capture failed ({short_error(exc)})"
     for case in cases:
         inputs = bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name))
         c = entry["cases"][case.name] = _case_entry(bench, inputs, results.data["matmul"]["tflops"])
@@ -147,31 +163,31 @@ def run_tower(name: str, cases: list[common.Case], systems: list[System], env: c
         check_outputs(bench, inputs, c)
         c["speedup"] = speedups(c["systems"])
         results.flush()
-        common.log(f"{name} {case.name}: " + ", ".join(
-            f"{k} {common.fmt(common.median_of(v))}" for k, v in c["systems"].items()))
+        log(f"{name} {case.name}: " + ", ".join(
+            f"{k} {fmt(median_of(v))}" for k, v in c["systems"].items()))
     bench.close()
 
 
-def measure_system(bench: common.TowerBench, system: System, inputs: common.BenchInputs, env: common.Env,
-                   deadline: common.Deadline, case: dict[str, Any]) -> dict[str, Any]:
+def measure_system(bench: TowerBench, system: System, inputs: BenchInputs, env: Env,
+                   deadline: Deadline, case: dict[str, Any]) -> dict[str, Any]:
     if system in bench.unavailable:
         return {"skipped": bench.unavailable[system]}
     if deadline.expired():
-        return {"skipped": common.SKIPPED_TIME}
+        return {"skipped": SKIPPED_TIME}
     try:
         fn = bench.call(system, inputs)
     except Exception as exc:
-        return {"error": common.short_error(exc)}
-    graph = bench.runner(System.GRAPH) if system is System.GRAPH else None
-    if graph is not None:
-        graph.reset_stats()
-    out = common.measure(fn, env)
-    if graph is not None and "error" not in out:
-        stats = graph.stats
+        return {"error": short_error(exc)}
+    key = STATS_KEYS.get(system)
+    if key is not None:
+        bench.reset_stats(system)
+    out = measure(fn, env)
+    if key is not None and "error" not in out:
+        stats = bench.stats(system)
         paths = stats["paths"].values()
         padded = sum(p["padded_tokens"] for p in paths)
         replayed = sum(b * n for p in paths for b, n in p["replays"].items())
-        case["graph_stats"] = {
+        case[key] = {
             "padded_share": round(padded / replayed, 4) if replayed else 0.0,
             "eager_items_per_call": stats["eager_items"] / max(stats["calls"], 1),
             "eager_reasons": stats["eager_reasons"],
@@ -179,32 +195,34 @@ def measure_system(bench: common.TowerBench, system: System, inputs: common.Benc
     return out
 
 
-def check_outputs(bench: common.TowerBench, inputs: common.BenchInputs, case: dict[str, Any]) -> None:
-    """One call each of the graph and the adapter's eager forward on the case's inputs: their largest relative
-    difference, per item (a benchmark of wrong outputs would be worthless)."""
+def check_outputs(bench: TowerBench, inputs: BenchInputs, case: dict[str, Any]) -> None:
+    """One call each of the graph and the adapter's eager forward on the case's inputs, and of ``defaults`` and
+    ``hf_sdpa``: their largest relative difference (a benchmark of wrong outputs would be worthless)."""
     systems = case["systems"]
-    if not all(common.median_of(systems.get(s.value)) is not None for s in (System.GRAPH, System.ADAPTER_EAGER)):
-        return
-    try:
-        got = bench.call(System.GRAPH, inputs)()
-        ref = bench.call(System.ADAPTER_EAGER, inputs)()
-        case["graph_vs_eager_max_rel_diff"] = common.max_rel_diff(got, ref)
-    except Exception as exc:
-        case["graph_vs_eager_max_rel_diff"] = common.short_error(exc)
+    for fast, ref, key in ((System.GRAPH, System.ADAPTER_EAGER, "graph_vs_eager_max_rel_diff"),
+                           (System.DEFAULTS, System.HF_SDPA, "defaults_vs_hf_sdpa_max_rel_diff")):
+        if not all(median_of(systems.get(s.value)) is not None for s in (fast, ref)):
+            continue
+        try:
+            got, want = bench.call(fast, inputs)(), bench.call(ref, inputs)()
+            # Runners return one result per item; the graphed module returns the tower's own output.
+            case[key] = max_rel_diff(got, want) if fast is System.GRAPH else max_rel_diff([got], [want])
+        except Exception as exc:
+            case[key] = short_error(exc)
 
 
 def speedups(systems: dict[str, Any]) -> dict[str, float]:
     out = {}
-    for fast in (System.GRAPH, *common.COMPILED):
+    for fast in (System.DEFAULTS, System.GRAPH, *COMPILED):
         for base in (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER):
-            r = common.ratio(common.median_of(systems.get(base.value)), common.median_of(systems.get(fast.value)))
+            r = ratio(median_of(systems.get(base.value)), median_of(systems.get(fast.value)))
             if r is not None:
                 out[f"{fast.value}_vs_{base.value}"] = round(r, 3)
     return out
 
 
-def run_compile(name: str, cases: list[common.Case], systems: list[System], env: common.Env,
-                deadline: common.Deadline, args: Any, results: common.Results) -> None:
+def run_compile(name: str, cases: list[Case], systems: list[System], env: Env,
+                deadline: Deadline, args: Any, results: Results) -> None:
     """Phase 2: the compiled systems on the chosen cases of one tower (a fresh build with the same seed: the same
     weights and inputs as phase 1). ``compile``: the first call of each case compiles; ``graph_compile``: the
     runner compiles and captures the cases' budgets when it is made. Both record dynamo's counters."""
@@ -213,7 +231,7 @@ def run_compile(name: str, cases: list[common.Case], systems: list[System], env:
     if not todo:
         return
 
-    def record(case: common.Case, system: System, value: dict[str, Any], info: dict[str, Any] | None = None) -> None:
+    def record(case: Case, system: System, value: dict[str, Any], info: dict[str, Any] | None = None) -> None:
         c = entry["cases"][case.name]
         c["systems"][system.value] = value
         if info is not None:
@@ -222,19 +240,19 @@ def run_compile(name: str, cases: list[common.Case], systems: list[System], env:
         results.flush()
 
     if deadline.expired(args.compile_min_seconds) or not env.cuda:
-        why = common.SKIPPED_TIME if env.cuda else "skipped: needs CUDA (torch.compile into CUDA graphs)"
+        why = SKIPPED_TIME if env.cuda else "skipped: needs CUDA (torch.compile into CUDA graphs)"
         for system in systems:
             for case in todo:
                 record(case, system, {"skipped": why})
         return
-    common.log(f"{name}: building for {', '.join(s.value for s in systems)}")
-    bench = common.TowerBench(TOWERS[name], env, (System.ADAPTER_EAGER, *systems))
+    log(f"{name}: building for {', '.join(s.value for s in systems)}")
+    bench = TowerBench(TOWERS[name], env, (System.ADAPTER_EAGER, *systems))
     inputs = {case.name: bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name)) for case in todo}
     for system in systems:
         import torch._dynamo
 
         torch._dynamo.reset()
-        start = common.dynamo_counters()
+        start = dynamo_counters()
         if system is System.GRAPH_COMPILE and system not in bench.unavailable:
             prepare_graph_compile(bench, list(inputs.values()), deadline, args, entry)
         for case in todo:
@@ -242,53 +260,53 @@ def run_compile(name: str, cases: list[common.Case], systems: list[System], env:
                 record(case, system, {"skipped": bench.unavailable[system]})
                 continue
             if deadline.expired(args.compile_min_seconds):
-                record(case, system, {"skipped": common.SKIPPED_TIME})
+                record(case, system, {"skipped": SKIPPED_TIME})
                 continue
             x = inputs[case.name]
-            before = common.dynamo_counters()
+            before = dynamo_counters()
             try:
                 fn = bench.call(system, x)
-                first = common.time_once(fn, env) / 1e3  # compile: compiles (and records torch's graphs) here
+                first = time_once(fn, env) / 1e3  # compile: compiles (and records torch's graphs) here
             except Exception as exc:
                 traceback.print_exc()
-                record(case, system, {"error": common.short_error(exc)})
+                record(case, system, {"error": short_error(exc)})
                 continue
-            value = common.measure(fn, env)
-            after = common.dynamo_counters()
-            info: dict[str, Any] = {"first_call_seconds": round(first, 2), **common.counter_delta(after, before),
+            value = measure(fn, env)
+            after = dynamo_counters()
+            info: dict[str, Any] = {"first_call_seconds": round(first, 2), **counter_delta(after, before),
                                     "graphs_compiled_total": after["graphs_compiled"] - start["graphs_compiled"]}
             with contextlib.suppress(Exception):
-                info["max_rel_diff_vs_adapter_eager"] = common.max_rel_diff(
+                info["max_rel_diff_vs_adapter_eager"] = max_rel_diff(
                     fn(), bench.call(System.ADAPTER_EAGER, x)())
             record(case, system, value, info)
-            common.log(f"{name} {case.name}: {system.value} {common.fmt(common.median_of(value))} ms "
+            log(f"{name} {case.name}: {system.value} {fmt(median_of(value))} ms "
                        f"(first call {first:.1f} s)")
     bench.close()
 
 
-def prepare_graph_compile(bench: common.TowerBench, inputs: list[common.BenchInputs], deadline: common.Deadline,
+def prepare_graph_compile(bench: TowerBench, inputs: list[BenchInputs], deadline: Deadline,
                           args: Any, entry: dict[str, Any]) -> None:
     """Make the ``graph_compile`` runner for the budgets the cases use (compile + capture, timed), if the time
     budget allows one compile per budget; otherwise mark the system skipped."""
     bench.compile_budgets = bench.plan_budgets(inputs)
     count = sum(len(b) for b in bench.compile_budgets.values())
     if deadline.expired(args.compile_min_seconds * max(count, 1)):
-        bench.unavailable[System.GRAPH_COMPILE] = common.SKIPPED_TIME
+        bench.unavailable[System.GRAPH_COMPILE] = SKIPPED_TIME
         return
     try:
         t0 = time.perf_counter()
         bench.runner(System.GRAPH_COMPILE)
-        entry["graph_compile_capture"] = {"wall_seconds": round(time.perf_counter() - t0, 2),
-                                          **(bench.compile_capture_info or {})}
+        entry["graph_compile_capture"] = {**bench.capture_infos.get(System.GRAPH_COMPILE, {}),
+                                          "wall_seconds": round(time.perf_counter() - t0, 2)}
     except Exception as exc:
         traceback.print_exc()
-        bench.unavailable[System.GRAPH_COMPILE] = f"error: compile or capture failed ({common.short_error(exc)})"
+        bench.unavailable[System.GRAPH_COMPILE] = f"error: compile or capture failed ({short_error(exc)})"
 
 
 def render(data: dict[str, Any], systems: tuple[System, ...]) -> str:
     """The markdown table: one row per tower and case, median ms per system, speedups and the floor."""
     headers = ["tower", "case", "items", "patches"] + [s.label + " ms" for s in systems] + [
-        "graph vs HF sdpa", "graph vs adapter eager", "matmul floor ms", "graph / floor"]
+        "defaults vs HF sdpa", "graph vs HF sdpa", "graph vs adapter eager", "matmul floor ms", "graph / floor"]
     rows = []
     for tower in data.get("towers", {}).values():
         if "cases" not in tower:
@@ -298,26 +316,28 @@ def render(data: dict[str, Any], systems: tuple[System, ...]) -> str:
             cells = []
             for s in systems:
                 entry = c["systems"].get(s.value)
-                m = common.median_of(entry)
-                cells.append(m if m is not None else common.status_of(entry))
-            graph = common.median_of(c["systems"].get(System.GRAPH.value))
+                m = median_of(entry)
+                cells.append(m if m is not None else status_of(entry))
+            graph = median_of(c["systems"].get(System.GRAPH.value))
             rows.append([tower["label"], case_name, c["items"], c["patches"], *cells,
-                         c["speedup"].get("graph_vs_hf_sdpa"), c["speedup"].get("graph_vs_adapter_eager"),
-                         c["floor_ms"], common.ratio(graph, c["floor_ms"])])
+                         c["speedup"].get("defaults_vs_hf_sdpa"), c["speedup"].get("graph_vs_hf_sdpa"),
+                         c["speedup"].get("graph_vs_adapter_eager"),
+                         c["floor_ms"], ratio(graph, c["floor_ms"])])
     mm = data.get("matmul", {})
     title = (f"## towers: median latency per call ({data['environment']['gpu']}, {data['environment']['dtype']}, "
              f"matmul {mm.get('tflops')} TFLOP/s)\n\n")
     notes = _notes(data)
-    return title + common.markdown_table(headers, rows) + ("\n\n" + notes if notes else "")
+    return title + markdown_table(headers, rows) + ("\n\n" + notes if notes else "")
 
 
 def _notes(data: dict[str, Any]) -> str:
     lines = []
     for tower in data.get("towers", {}).values():
-        cap = tower.get("capture")
-        if cap and cap.get("graphs"):
-            lines.append(f"- {tower['label']}: {cap['graphs']} graphs captured in {cap['seconds']} s, pool "
-                         f"{cap['pool_bytes'] / 2**20:.0f} MiB")
+        for key, what in (("capture", "graphs"), ("defaults_capture", "defaults (graphed(tower))")):
+            cap = tower.get(key)
+            if cap and cap.get("graphs"):
+                lines.append(f"- {tower['label']}, {what}: {cap['graphs']} graphs captured in {cap['seconds']} s, "
+                             f"pool {cap.get('pool_bytes', 0) / 2**20:.0f} MiB")
         gc_cap = tower.get("graph_compile_capture")
         if gc_cap and gc_cap.get("graphs"):
             lines.append(f"- {tower['label']}: graphs of the compiled forward at budgets "

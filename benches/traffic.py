@@ -1,42 +1,61 @@
-"""Traffic: a seeded trace of requests replayed through each system, request by request, on one tower.
+"""Traffic: a seeded trace of requests replayed through each system, request by request, on each tower.
 
-The trace (``generate_trace(n, seed)``; tower-agnostic pixel sizes) draws each request independently:
+The trace is ``benches.lib.trace.generate_trace(n, seed)`` (its distribution is documented there and stored in
+the results). Towers: Qwen2.5-VL-7B and Qwen3-VL-8B at real geometry (random bf16 weights), one after the other
+in one run, each given an even share of what is left of ``--time-budget``. Systems (``benches.lib.systems``), by
+default ``hf_sdpa`` (the HF tower's own forward), ``defaults`` (``encgraph.graphed(tower)`` with no options),
+``hf_compile_dynamic`` (``torch.compile(hf_tower, dynamic=True)``) and ``adapter_eager``; ``--systems`` adds
+``graph``, ``graph_compile`` or ``hf_varlen``.
 
-- with probability ``VIDEO_SHARE`` (0.10) one short video: ``VIDEO_FRAMES`` frames (4-16, even, uniform) of a
-  size out of ``VIDEO_SIZES`` (uniform); at most ``VIDEO_FRAME_MAX_TOKENS`` (256) merged tokens per frame pair;
-- otherwise 1-8 images (``ITEMS_PER_REQUEST``: 1: 40%, 2: 20%, 3: 12%, 4: 9%, 5: 7%, 6: 5%, 7: 4%, 8: 3%), each
-  of a kind (``IMAGE_KINDS``: photo 45%, screenshot 25%, document 15%, icon 15%):
-  photo: long side log-uniform in 320-2048 px, aspect 4:3, 3:2, 16:9 or 1:1 (uniform), portrait 30%;
-  screenshot: a size out of ``SCREENSHOT_SIZES`` (desktop and phone, uniform);
-  document: width uniform in 800-1700 px, height = width x 11 / 8.5 (a letter page at 94-200 dpi);
-  icon: a square of side uniform in 32-256 px;
-  every image at most ``IMAGE_MAX_TOKENS`` (1280) merged tokens (Qwen's ``max_pixels = 1280 x 28 x 28``).
+Per tower, in order:
 
-Each request is one call of each system (the systems take turns, the first one rotating from request to request,
-so that drift hits all alike); its latency is CUDA events around the call. Reported per system: mean, P50, P99
-latency, speedups against the adapter's eager forward, the worst per-request ratio against it and how many
-requests were slower; for the graph runners (``graph``, and ``graph_compile``: graphs of the compiled forward, the
-whole ladder compiled) the padded share of replayed tokens and the items that ran eagerly. Graph runners plan
-greedily (the runner's default) or, with ``--cost-samples N``, with a cost model measured on N requests of
-another seed (``runner.measure_costs``).
-Warm-up: ``--warmup-requests`` requests of another seed through every system first, not recorded. When the
-warm-up latencies say the optional systems (all but graph and adapter_eager) would not fit the time budget, they
-are dropped (recorded), so that the trace itself completes.
+1. every compile cache (``ENCGRAPH_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``) is pointed at a
+   fresh empty directory; the tower is built, copied per system, and ``defaults`` is captured: the **cold**
+   capture (``graphed(tower).capture()``, seconds timed);
+2. the **warm** capture: a second, fresh Python process builds the same tower and calls ``capture()`` with the
+   same cache directory (``benches.lib.startup``; killed after ``--warm-capture-timeout``);
+3. ``--warmup-requests`` requests of another seed through every system, not recorded (``hf_compile_dynamic``
+   compiles here); the outputs of ``defaults``, ``hf_varlen`` and ``hf_compile_dynamic`` on the first of them
+   are compared with ``hf_sdpa``'s;
+4. the trace: each request is one call of each system (the systems take turns, the first one rotating from
+   request to request, so that drift hits all alike), each timed with CUDA events around the call. The trace
+   stops at the tower's deadline (recorded).
+
+``hf_compile_dynamic`` runs in a time box of its own (``--compile-dynamic-cap`` seconds per tower, compiles
+included): a call that would pass it is cut off (``SIGALRM``) and the system is not run again; its dynamo
+counters (graphs compiled, recompiles, graph breaks, compile seconds) are reported for the warm-up and the trace.
+When the warm-up latencies say the optional systems (``adapter_eager``, ``hf_varlen``) would not fit the
+tower's deadline, they are dropped (recorded), so that the trace itself completes.
+
+Reported per system: mean, P50, P99 latency, speedups against ``hf_sdpa`` and ``adapter_eager``, the worst
+per-request ratio and how many requests were slower; for graph systems the padded share of replayed tokens and
+the items that ran eagerly; for ``defaults`` its cold and warm capture, beside issue 13's targets.
 
 JSON (``benches/results/traffic_<gpu>.json``)::
 
-    {"environment", "options", "tower", "capture": {"<graph system>": {...}}, "planning", "costs"?,
-     "trace": {"seed", "requests", "completed", "distribution": {...}, "summary": {"items", "tokens", ...}},
-     "systems": {"<system>": {"requests", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "errors",
-                 "speedup_mean_vs_adapter_eager", "speedup_p50_vs_adapter_eager", "speedup_p99_vs_adapter_eager",
-                 "worst_ratio_vs_adapter_eager", "worst_request", "slower_than_adapter_eager"}},
-     "graph_stats": {"<graph system>": {"padded_share", "runner_padded_share", "eager_items", "items",
-                     "eager_reasons", "replays"}},
-     "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}}}
+    {"environment", "options", "seconds",
+     "towers": {"<tower>": {
+        "tower", "baseline", "trace": {"seed", "requests", "completed", "distribution", "summary", "stopped"?},
+        "capture": {"<graph system>": {"wall_seconds", ...runner.capture()}}, "planning", "costs"?,
+        "startup": {"cold": {"capture_seconds", "cache_bytes", "capture_info"},
+                    "warm": {"capture_seconds", "build_seconds", "import_seconds", "process_seconds",
+                             "cache_bytes_before", "capture_info"} | {"error"}},
+        "compile_dynamic": {"warmup", "trace", "total": {dynamo counters}, "cap_seconds", "used_seconds",
+                            "stopped", "calls_that_compiled", "seconds_in_calls_that_compiled"},
+        "systems": {"<system>": {"requests", "errors", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms",
+                    "speedup_{mean,p50,p99}_vs_<ref>", "worst_ratio_vs_<ref>", "worst_request_vs_<ref>",
+                    "slower_than_<ref>", "compared_with_<ref>"}},
+        "graph_stats": {"<graph system>": {"padded_share", "runner_padded_share", "eager_items", "items",
+                        "eager_reasons", "replays"}},
+        "output_check": {"<system>": max relative difference vs hf_sdpa},
+        "targets": [{"target", "value", "op", "bound", "met"}],
+        "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}},
+        "unavailable", "dropped"?, "warmup_mean_ms", "seconds"}}}
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import traceback
@@ -47,177 +66,82 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import attrs
 import numpy as np
 
-from benches import common
-from benches.common import TOWERS, System, Visual
+from benches.lib import cli, startup
+from benches.lib import traffic_report as report
+from benches.lib.compiled import CapExceeded, TimeBox, counter_delta, dynamo_counters
+from benches.lib.env import SKIPPED_TIME, Deadline, Env, free_memory, log, short_error
+from benches.lib.outputs import max_rel_diff
+from benches.lib.results import Results
+from benches.lib.systems import GRAPH_SYSTEMS, System, TowerBench, parse_systems
+from benches.lib.timing import time_once
+from benches.lib.towers import QWEN_TOWERS, TOWERS
+from benches.lib.trace import (
+    IMAGE_MAX_TOKENS,
+    SMOKE_MAX_TOKENS,
+    SMOKE_REQUESTS,
+    VIDEO_FRAME_MAX_TOKENS,
+    Caps,
+    distribution,
+    generate_trace,
+    trace_summary,
+)
 
 SCRIPT = "traffic"
-
-# ---------------------------------------------------------------------------------------------------- the trace
-ITEMS_PER_REQUEST: dict[int, float] = {1: 0.40, 2: 0.20, 3: 0.12, 4: 0.09, 5: 0.07, 6: 0.05, 7: 0.04, 8: 0.03}
-VIDEO_SHARE = 0.10
-IMAGE_KINDS: dict[str, float] = {"photo": 0.45, "screenshot": 0.25, "document": 0.15, "icon": 0.15}
-PHOTO_LONG_SIDE = (320, 2048)
-PHOTO_ASPECTS = (4 / 3, 3 / 2, 16 / 9, 1.0)
-PORTRAIT_SHARE = 0.3
-SCREENSHOT_SIZES: tuple[tuple[int, int], ...] = (  # (height, width)
-    (720, 1280), (1080, 1920), (768, 1366), (900, 1440), (1440, 2560), (844, 390), (2532, 1170),
-)
-DOCUMENT_WIDTH = (800, 1700)
-DOCUMENT_ASPECT = 11 / 8.5
-ICON_SIDE = (32, 256)
-VIDEO_FRAMES = (4, 6, 8, 10, 12, 14, 16)
-VIDEO_SIZES: tuple[tuple[int, int], ...] = ((360, 640), (480, 854), (720, 1280), (640, 360))
-IMAGE_MAX_TOKENS = 1280
-VIDEO_FRAME_MAX_TOKENS = 256
-
-SMOKE_REQUESTS = 12
-SMOKE_MAX_TOKENS = 16
-
-GRAPH_SYSTEMS = (System.GRAPH, System.GRAPH_COMPILE)
-"""Systems that replay captured graphs (padding and eager items reported)."""
-REQUIRED = (System.GRAPH, System.GRAPH_COMPILE, System.ADAPTER_EAGER)
-"""Systems never dropped for time: the ratios the project's targets are about."""
+DEFAULT_SYSTEMS = (System.HF_SDPA, System.DEFAULTS, System.HF_COMPILE_DYNAMIC, System.ADAPTER_EAGER)
+REQUESTS = 200
+"""Requests per tower: both towers' whole run fits about 6 minutes on an H200 (see benches/README.md)."""
+TIME_BUDGET = 330.0
+COMPILE_DYNAMIC_CAP = 40.0
+SMOKE_COMPILE_DYNAMIC_CAP = 5.0
+"""The CPU smoke's box: dynamo alone traces a tiny tower for seconds to tens of seconds on a busy CPU."""
+TIME_BOXED = (System.HF_COMPILE_DYNAMIC,)
+"""Systems bounded by a time box of their own, never dropped for time."""
+OPTIONAL = (System.ADAPTER_EAGER, System.HF_VARLEN)
+"""Systems dropped (last first) when the warm-up says the trace would not fit the tower's deadline."""
+CHECKED = (System.DEFAULTS, System.HF_VARLEN, System.HF_COMPILE_DYNAMIC)
+"""Systems with the tower's own output type, whose outputs are compared with ``hf_sdpa``'s on one request."""
 MAX_ERRORS = 3
 """A system that fails on this many requests is dropped from the rest of the replay."""
-
-
-def distribution() -> dict[str, Any]:
-    """The documented distribution, as stored in the results."""
-    return {
-        "items_per_request": {str(k): v for k, v in ITEMS_PER_REQUEST.items()},
-        "video_share": VIDEO_SHARE,
-        "image_kinds": IMAGE_KINDS,
-        "photo_long_side": PHOTO_LONG_SIDE,
-        "photo_aspects": [round(a, 4) for a in PHOTO_ASPECTS],
-        "portrait_share": PORTRAIT_SHARE,
-        "screenshot_sizes": SCREENSHOT_SIZES,
-        "document_width": DOCUMENT_WIDTH,
-        "document_aspect": round(DOCUMENT_ASPECT, 4),
-        "icon_side": ICON_SIDE,
-        "video_frames": VIDEO_FRAMES,
-        "video_sizes": VIDEO_SIZES,
-        "image_max_tokens": IMAGE_MAX_TOKENS,
-        "video_frame_max_tokens": VIDEO_FRAME_MAX_TOKENS,
-    }
-
-
-def expected_items_per_image_request() -> float:
-    return sum(n * p for n, p in ITEMS_PER_REQUEST.items())
-
-
-def _choice(rng: np.random.Generator, weights: dict[Any, float]) -> Any:
-    keys = list(weights)
-    return keys[int(rng.choice(len(keys), p=np.asarray(list(weights.values())) / sum(weights.values())))]
-
-
-def _image(rng: np.random.Generator) -> Visual:
-    kind = _choice(rng, IMAGE_KINDS)
-    if kind == "photo":
-        lo, hi = PHOTO_LONG_SIDE
-        long_side = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-        aspect = PHOTO_ASPECTS[int(rng.integers(len(PHOTO_ASPECTS)))]
-        short_side = long_side / aspect
-        portrait = rng.random() < PORTRAIT_SHARE
-        h, w = (long_side, short_side) if portrait else (short_side, long_side)
-        return Visual(round(h), round(w), kind=kind)
-    if kind == "screenshot":
-        h, w = SCREENSHOT_SIZES[int(rng.integers(len(SCREENSHOT_SIZES)))]
-        return Visual(h, w, kind=kind)
-    if kind == "document":
-        w = int(rng.integers(DOCUMENT_WIDTH[0], DOCUMENT_WIDTH[1] + 1))
-        return Visual(round(w * DOCUMENT_ASPECT), w, kind=kind)
-    side = int(rng.integers(ICON_SIDE[0], ICON_SIDE[1] + 1))
-    return Visual(side, side, kind=kind)
-
-
-def sample_request(rng: np.random.Generator) -> tuple[Visual, ...]:
-    """One request: a short video, or 1-8 images (see the module docstring)."""
-    if rng.random() < VIDEO_SHARE:
-        frames = VIDEO_FRAMES[int(rng.integers(len(VIDEO_FRAMES)))]
-        h, w = VIDEO_SIZES[int(rng.integers(len(VIDEO_SIZES)))]
-        return (Visual(h, w, frames=frames, kind="video"),)
-    n = _choice(rng, ITEMS_PER_REQUEST)
-    return tuple(_image(rng) for _ in range(n))
-
-
-def generate_trace(n: int, seed: int = 0) -> list[tuple[Visual, ...]]:
-    """``n`` requests drawn with ``numpy.random.default_rng(seed)``: the same ``(n, seed)`` gives the same trace,
-    and a trace of ``n`` is the first ``n`` requests of any longer one with that seed."""
-    rng = np.random.default_rng(seed)
-    return [sample_request(rng) for _ in range(n)]
-
-
-@attrs.frozen
-class Caps:
-    """Merged tokens at most per image and per video frame pair."""
-
-    image: int = IMAGE_MAX_TOKENS
-    frame: int = VIDEO_FRAME_MAX_TOKENS
-
-    def sizes(self, request: Sequence[Visual], geom: common.Geometry) -> common.Sizes:
-        return common.sizes_of(request, geom, max_image_tokens=self.image, max_frame_tokens=self.frame)
-
-    def inputs(self, bench: common.TowerBench, request: Sequence[Visual], seed: int) -> common.BenchInputs:
-        return bench.inputs(request, max_image_tokens=self.image, max_frame_tokens=self.frame, seed=seed)
-
-
-def trace_summary(trace: Sequence[tuple[Visual, ...]], geom: common.Geometry, caps: Caps = Caps()) -> dict[str, Any]:
-    """Counts of the trace on one tower: items and tokens per request, kinds, videos."""
-    sizes = [caps.sizes(r, geom) for r in trace]
-    tokens = np.array([s.tokens for s in sizes], dtype=np.float64)
-    kinds: dict[str, int] = {}
-    for request in trace:
-        for v in request:
-            kinds[v.kind] = kinds.get(v.kind, 0) + 1
-    return {
-        "requests": len(trace),
-        "items": int(sum(len(r) for r in trace)),
-        "items_per_request_mean": round(float(np.mean([len(r) for r in trace])), 3) if trace else 0.0,
-        "kinds": kinds,
-        "tokens_mean": round(float(tokens.mean()), 1) if trace else 0.0,
-        "tokens_p50": round(float(np.percentile(tokens, 50)), 1) if trace else 0.0,
-        "tokens_p99": round(float(np.percentile(tokens, 99)), 1) if trace else 0.0,
-        "tokens_max": int(tokens.max()) if trace else 0,
-    }
-
-
-# ---------------------------------------------------------------------------------------------------- replay
-def _budgets(text: str) -> tuple[int, ...]:
-    """``"64,448,2048"`` -> ``(64, 448, 2048)`` (argparse ``type``)."""
-    import argparse
-
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected budgets >= 1, got {text!r}")
-    return tuple(sorted(set(values)))
+MIN_REQUESTS = 50
+"""Requests replayed even past the deadline (fewer make no P99)."""
+FLUSH_EVERY = 25
 
 
 def build_parser() -> Any:
-    p = common.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=185.0)
-    p.add_argument("--tower", choices=tuple(TOWERS), default="qwen2_5_vl_7b", help="the tower (default qwen2_5_vl_7b)")
+    p = cli.base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=TIME_BUDGET)
+    p.add_argument("--towers", type=cli.parse_names(TOWERS), default=None,
+                   help=f"comma list out of {','.join(TOWERS)} (default {','.join(QWEN_TOWERS)}; tiny with "
+                        "--cpu-smoke); each gets an even share of what is left of --time-budget")
+    p.add_argument("--tower", choices=tuple(TOWERS), default=None, help="one tower (same as --towers NAME)")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests in the trace (default 1000; 12 with --cpu-smoke)")
-    p.add_argument("--systems", type=common.parse_systems,
-                   default=(System.GRAPH, System.ADAPTER_EAGER, System.HF_VARLEN),
-                   help="comma list (default graph,adapter_eager,hf_varlen; compile is not offered: it recompiles "
-                        "per shape)")
+                   help=f"requests in the trace, per tower (default {REQUESTS}; {SMOKE_REQUESTS} with --cpu-smoke)")
+    p.add_argument("--systems", type=parse_systems, default=DEFAULT_SYSTEMS,
+                   help=f"comma list (default {','.join(s.value for s in DEFAULT_SYSTEMS)}; also graph, "
+                        "graph_compile, hf_varlen; compile is not offered: it recompiles per shape)")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help=f"requests per tower replayed even past the deadline (default {MIN_REQUESTS}; 1 with "
+                        "--cpu-smoke)")
     p.add_argument("--warmup-requests", type=int, default=8, help="untimed requests first (default 8; 2 with "
                    "--cpu-smoke)")
+    p.add_argument("--compile-dynamic-cap", type=float, default=None, metavar="S",
+                   help=f"seconds per tower that hf_compile_dynamic may take, compiles included (default "
+                        f"{COMPILE_DYNAMIC_CAP:g}; {SMOKE_COMPILE_DYNAMIC_CAP:g} with --cpu-smoke)")
+    p.add_argument("--warm-capture", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure defaults' warm capture in a second process (default on)")
+    p.add_argument("--warm-capture-timeout", type=float, default=startup.WARM_TIMEOUT, metavar="S",
+                   help=f"kill the second process after this many seconds (default {startup.WARM_TIMEOUT:g})")
     p.add_argument("--cost-samples", type=int, default=0,
-                   help="plan the graph systems with a measured cost model (runner.measure_costs on this many "
-                        "requests of another seed, so the planner sends a batch eagerly where that is cheaper); "
-                        "default 0: the runner's default greedy plan")
-    p.add_argument("--budgets", type=_budgets, default=None,
-                   help="the graph runners' ladder, e.g. 64,448,704,960,1280,1536,2048 (a ladder from "
-                        "encgraph tune / tune_ladder; default: the adapter's)")
+                   help="plan the benchmark's own graph runners (graph, graph_compile) with a measured cost model "
+                        "(runner.measure_costs on this many requests of another seed); default 0: their default "
+                        "plan. defaults always runs as graphed() makes it")
+    p.add_argument("--budgets", type=cli.parse_budgets, default=None,
+                   help="the ladder of graph and graph_compile, e.g. 64,448,704,960,1280,1536,2048 (default: the "
+                        "runner's); never applied to defaults")
     p.add_argument("--image-max-tokens", type=int, default=None,
-                   help=f"merged tokens per image at most (default {IMAGE_MAX_TOKENS}; {SMOKE_MAX_TOKENS} with --cpu-smoke)")
+                   help=f"merged tokens per image at most (default {IMAGE_MAX_TOKENS}; {SMOKE_MAX_TOKENS} with "
+                        "--cpu-smoke)")
     p.add_argument("--video-frame-max-tokens", type=int, default=None,
                    help=f"merged tokens per video frame pair at most (default {VIDEO_FRAME_MAX_TOKENS}; "
                         f"{SMOKE_MAX_TOKENS} with --cpu-smoke)")
@@ -228,10 +152,18 @@ def resolve_defaults(args: Any) -> Any:
     """Fill the options whose default depends on ``--cpu-smoke`` (the smoke keeps the trace, shrinks its sizes:
     CPU attention is masked SDPA, quadratic in tokens)."""
     smoke = args.cpu_smoke
+    if args.tower is not None:
+        args.towers = (args.tower,)
+    if args.towers is None:
+        args.towers = QWEN_TOWERS
     if args.requests is None:
-        args.requests = SMOKE_REQUESTS if smoke else 1000
+        args.requests = SMOKE_REQUESTS if smoke else REQUESTS
+    if args.min_requests is None:
+        args.min_requests = 1 if smoke else MIN_REQUESTS
     if smoke:
         args.warmup_requests = min(args.warmup_requests, 2)
+    if args.compile_dynamic_cap is None:
+        args.compile_dynamic_cap = SMOKE_COMPILE_DYNAMIC_CAP if smoke else COMPILE_DYNAMIC_CAP
     if args.image_max_tokens is None:
         args.image_max_tokens = SMOKE_MAX_TOKENS if smoke else IMAGE_MAX_TOKENS
     if args.video_frame_max_tokens is None:
@@ -239,15 +171,39 @@ def resolve_defaults(args: Any) -> Any:
     if args.requests < 1 or args.warmup_requests < 0 or args.image_max_tokens < 1 or args.video_frame_max_tokens < 1:
         raise SystemExit("--requests, --image-max-tokens and --video-frame-max-tokens must be >= 1, "
                          "--warmup-requests >= 0")
+    if System.COMPILE in args.systems:
+        raise SystemExit("--systems: compile is not offered on traffic (a recompile per request shape)")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
-    if System.COMPILE in args.systems:
-        raise SystemExit("--systems: compile is not offered on traffic (a recompile per request shape)")
-    resolve_defaults(args)
-    return common.run_script(SCRIPT, args, replay, render)
+    args = resolve_defaults(build_parser().parse_args(argv))
+    return cli.run_script(SCRIPT, args, replay_all, report.render)
+
+
+def replay_all(args: Any, env: Env, deadline: Deadline, results: Results) -> None:
+    towers = results.data["towers"] = {}
+    for k, name in enumerate(args.towers):
+        doc = towers[name] = {}
+        missing = TOWERS[name].missing()
+        if missing:
+            doc.update(tower={"name": name, "label": TOWERS[name].label}, skipped=missing)
+            continue
+        if deadline.expired(10.0):
+            doc.update(tower={"name": name, "label": TOWERS[name].label}, skipped=SKIPPED_TIME)
+            continue
+        tower_deadline = deadline.share(len(args.towers) - k)
+        with startup.cache_env() as cache:
+            try:
+                replay_tower(name, args, env, tower_deadline, doc, results, cache)
+            except Exception as exc:  # keep the other tower's run (and what this one measured)
+                traceback.print_exc()
+                doc["error"] = short_error(exc)
+                free_memory()
+        doc["seconds"] = round(tower_deadline.elapsed(), 1)
+        doc["targets"] = report.check_targets(name, doc)
+        results.flush()
+    results.data["seconds"] = round(deadline.elapsed(), 1)
 
 
 def _order(systems: Sequence[System], index: int) -> list[System]:
@@ -255,192 +211,201 @@ def _order(systems: Sequence[System], index: int) -> list[System]:
     return list(systems[k:]) + list(systems[:k])
 
 
-def replay(args: Any, env: common.Env, deadline: common.Deadline, results: common.Results) -> None:
-    data = results.data
-    spec = TOWERS[args.tower]
-    common.log(f"{args.tower}: building")
-    bench = common.TowerBench(spec, env, args.systems)
+def replay_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[str, Any], results: Results,
+                 cache: Path) -> None:
+    spec = TOWERS[name]
+    log(f"{name}: building")
+    bench = TowerBench(spec, env, args.systems)
     if args.budgets is not None:
         bench.graph_budgets = bench.compile_budgets = {"default": args.budgets}
     trace = generate_trace(args.requests, args.seed)
     caps = Caps(args.image_max_tokens, args.video_frame_max_tokens)
-    data["tower"] = {"name": spec.name, "label": spec.label, "params": bench.params}
-    data["trace"] = {"seed": args.seed, "requests": len(trace), "distribution": distribution(),
-                     "summary": trace_summary(trace, bench.geom, caps)}
+    baseline = System.HF_SDPA if System.HF_SDPA in args.systems else System.ADAPTER_EAGER
+    doc.update(tower={"name": spec.name, "label": spec.label, "params": bench.params}, baseline=baseline.value,
+               trace={"seed": args.seed, "requests": len(trace), "distribution": distribution(),
+                      "summary": trace_summary(trace, bench.geom, caps)})
+    if any(s in args.systems for s in (System.GRAPH, System.GRAPH_COMPILE)):
+        doc["planning"] = (f"cost-aware ({args.cost_samples} sample requests, seed {args.seed + 2})"
+                           if args.cost_samples > 0 else "the runner's default")
     systems = [s for s in args.systems if s not in bench.unavailable]
-    data["unavailable"] = {s.value: why for s, why in bench.unavailable.items() if s in args.systems}
+    doc["unavailable"] = {s.value: why for s, why in bench.unavailable.items() if s in args.systems}
     for s in [s for s in systems if s in GRAPH_SYSTEMS]:
-        try:
-            runner = bench.runner(s)
-            data.setdefault("capture", {})[s.value] = (
-                bench.capture_info if s is System.GRAPH else bench.compile_capture_info)
-            if args.cost_samples > 0:
-                samples = [caps.inputs(bench, r, 300_000 + i).adapter
-                           for i, r in enumerate(generate_trace(args.cost_samples, args.seed + 2))]
-                data.setdefault("costs", {})[s.value] = runner.measure_costs(samples).to_dict()
-        except Exception as exc:
-            traceback.print_exc()
-            data["unavailable"][s.value] = f"error: capture failed ({common.short_error(exc)})"
+        if not capture(bench, s, args, caps, doc, cache):
             systems.remove(s)
-    data["planning"] = (f"cost-aware ({args.cost_samples} sample requests, seed {args.seed + 2})"
-                        if args.cost_samples > 0 else "greedy (the runner's default)")
     results.flush()
-    if not systems:
-        return
-    warm = warm_up(bench, systems, args, env, caps)
-    systems = drop_for_time(systems, warm, len(trace), deadline, data)
-    latencies: dict[System, list[float]] = {s: [] for s in systems}
-    errors: dict[System, int] = {s: 0 for s in systems}
-    per_request: dict[str, Any] = {"items": [], "tokens": []}
-    for s in systems:
-        if s in (*GRAPH_SYSTEMS, System.ADAPTER_EAGER):
-            bench.runner(s).reset_stats()
-    completed = 0
-    for index, request in enumerate(trace):
-        if deadline.expired():
-            data["trace"]["stopped"] = common.SKIPPED_TIME
-            break
-        inputs = caps.inputs(bench, request, 100_000 + index)
-        for s in _order(systems, index):
-            if errors[s] >= MAX_ERRORS:
-                latencies[s].append(math.nan)
-                continue
-            try:
-                latencies[s].append(common.time_once(bench.call(s, inputs), env))
-            except Exception as exc:
-                errors[s] += 1
-                latencies[s].append(math.nan)
-                data.setdefault("errors", {}).setdefault(s.value, []).append(f"request {index}: {common.short_error(exc)}")
-                common.free_memory()
-        per_request["items"].append(inputs.sizes.items)
-        per_request["tokens"].append(inputs.sizes.tokens)
-        completed += 1
-        del inputs
-        if completed % 100 == 0:
-            common.log(f"{completed}/{len(trace)} requests")
-    data["trace"]["completed"] = completed
-    per_request["latency_ms"] = {s.value: [round(x, 4) if math.isfinite(x) else None for x in v]
-                                 for s, v in latencies.items()}
-    data["per_request"] = per_request
-    data["systems"] = summarize(latencies, errors)
-    for s in (s for s in systems if s in GRAPH_SYSTEMS):
-        data.setdefault("graph_stats", {})[s.value] = graph_stats(bench.runner(s).stats)
-    data["seconds"] = round(deadline.elapsed(), 1)
+    if System.DEFAULTS in systems and args.warm_capture:
+        log(f"{name}: warm capture in a second process")
+        warm = startup.warm_capture(name, env, cache, timeout=max(min(args.warm_capture_timeout, deadline.left()), 1))
+        doc["startup"]["warm"] = {**warm, "cache_bytes_before": doc["startup"]["cold"]["cache_bytes"]}
+        log(f"{name}: warm capture {warm.get('capture_seconds', warm.get('error'))}")
+        results.flush()
+    box = TimeBox(args.compile_dynamic_cap) if System.HF_COMPILE_DYNAMIC in systems else None
+    start = dynamo_counters()
+    warm_ms = warm_up(bench, systems, args, env, caps, box, doc)
+    systems = drop_for_time(systems, warm_ms, len(trace), deadline, doc, box)
+    replay = Replay(bench, systems, box, warmed=dynamo_counters(), start=start)
+    replay.run(trace, caps, env, deadline, args.min_requests, doc, results)
     bench.close()
 
 
-def warm_up(bench: common.TowerBench, systems: list[System], args: Any, env: common.Env,
-            caps: Caps) -> dict[str, float]:
+def capture(bench: TowerBench, system: System, args: Any, caps: Caps, doc: dict[str, Any], cache: Path) -> bool:
+    """Capture one graph system (``defaults``: the cold capture); ``False`` if it failed (recorded)."""
+    try:
+        if system is System.DEFAULTS:
+            bench.defaults()
+            info = bench.capture_infos[system]
+            doc["startup"] = {"cold": {"capture_seconds": info["wall_seconds"],
+                                       "cache_bytes": startup.cache_bytes(cache), "capture_info": info}}
+            log(f"{bench.spec.name}: defaults captured (cold) in {info['wall_seconds']} s")
+        else:
+            runner = bench.runner(system)
+            if args.cost_samples > 0:
+                samples = [caps.inputs(bench, r, 300_000 + i).adapter
+                           for i, r in enumerate(generate_trace(args.cost_samples, args.seed + 2))]
+                doc.setdefault("costs", {})[system.value] = runner.measure_costs(samples).to_dict()
+        doc.setdefault("capture", {})[system.value] = bench.capture_infos.get(system)
+    except Exception as exc:
+        traceback.print_exc()
+        doc["unavailable"][system.value] = f"error: capture failed ({short_error(exc)})"
+        return False
+    return True
+
+
+def timed(bench: TowerBench, system: System, inputs: Any, env: Env, box: TimeBox | None) -> float:
+    """Milliseconds of one call of ``system`` (inside its time box when it has one)."""
+    fn = bench.call(system, inputs)
+    if system in TIME_BOXED and box is not None:
+        return time_once(lambda: box.run(fn), env)
+    return time_once(fn, env)
+
+
+def warm_up(bench: TowerBench, systems: list[System], args: Any, env: Env, caps: Caps, box: TimeBox | None,
+            doc: dict[str, Any]) -> dict[str, float]:
     """Run ``--warmup-requests`` requests (seed + 1) through every system; mean latency per system (ms), for the
-    time estimate of the trace."""
+    time estimate of the trace. The first request also checks outputs against ``hf_sdpa``."""
     warm: dict[str, list[float]] = {s.value: [] for s in systems}
     for index, request in enumerate(generate_trace(args.warmup_requests, args.seed + 1)):
         inputs = caps.inputs(bench, request, 200_000 + index)
         for s in systems:
             try:
-                warm[s.value].append(common.time_once(bench.call(s, inputs), env))
+                warm[s.value].append(timed(bench, s, inputs, env, box))
+            except CapExceeded as exc:
+                doc.setdefault("errors", {}).setdefault(s.value, []).append(f"warm-up: {exc}")
             except Exception:
                 traceback.print_exc()
+        if index == 0:
+            check_outputs(bench, systems, inputs, box, doc)
     # The first request of each system pays one-time costs (allocator growth, kernel selection): leave it out.
     return {k: float(np.mean(v[1:] if len(v) > 1 else v)) if v else math.nan for k, v in warm.items()}
 
 
-def drop_for_time(systems: list[System], warm: dict[str, float], requests: int, deadline: common.Deadline,
-                  data: dict[str, Any]) -> list[System]:
-    """Drop optional systems (last first) while the warm-up says the whole trace would not fit the budget."""
+def check_outputs(bench: TowerBench, systems: list[System], inputs: Any, box: TimeBox | None,
+                  doc: dict[str, Any]) -> None:
+    """The largest relative difference of each checked system's outputs against ``hf_sdpa``'s, on one request."""
+    if System.HF_SDPA not in systems:
+        return
+    try:
+        ref = bench.call(System.HF_SDPA, inputs)()
+    except Exception as exc:
+        doc["output_check"] = {System.HF_SDPA.value: short_error(exc)}
+        return
+    for s in (s for s in CHECKED if s in systems):
+        try:
+            fn = bench.call(s, inputs)
+            got = box.run(fn) if s in TIME_BOXED and box is not None else fn()
+            doc.setdefault("output_check", {})[s.value] = max_rel_diff([got], [ref])
+        except (Exception, CapExceeded) as exc:
+            doc.setdefault("output_check", {})[s.value] = short_error(exc)
+
+
+def drop_for_time(systems: list[System], warm: dict[str, float], requests: int, deadline: Deadline,
+                  doc: dict[str, Any], box: TimeBox | None) -> list[System]:
+    """Drop optional systems (last first) while the warm-up says the whole trace would not fit the deadline
+    (time-boxed systems count with what is left of their box)."""
     kept = list(systems)
-    data["warmup_mean_ms"] = {k: round(v, 3) for k, v in warm.items()}
+    doc["warmup_mean_ms"] = {k: round(v, 3) for k, v in warm.items()}
 
     def estimate() -> float:
-        return sum(warm.get(s.value, 0.0) or 0.0 for s in kept) * requests / 1e3
+        per_request = sum(warm.get(s.value, 0.0) or 0.0 for s in kept if s not in TIME_BOXED)
+        boxed = box.left() if box is not None and any(s in TIME_BOXED for s in kept) else 0.0
+        return per_request * requests / 1e3 + max(boxed, 0.0)
 
     while estimate() > 0.9 * deadline.left():
-        optional = [s for s in kept if s not in REQUIRED]
+        optional = [s for s in kept if s in OPTIONAL]
         if not optional:
             break
         dropped = optional[-1]
         kept.remove(dropped)
-        data.setdefault("dropped", {})[dropped.value] = (
+        doc.setdefault("dropped", {})[dropped.value] = (
             f"dropped: the warm-up predicts {estimate():.0f} s for the trace without it, {deadline.left():.0f} s left")
     return kept
 
 
-def summarize(latencies: dict[System, list[float]], errors: dict[System, int]) -> dict[str, Any]:
-    base = np.asarray(latencies.get(System.ADAPTER_EAGER, []), dtype=np.float64)
-    out = {}
-    for s, values in latencies.items():
-        lat = np.asarray(values, dtype=np.float64)
-        ok = lat[np.isfinite(lat)]
-        entry: dict[str, Any] = {"requests": int(ok.size), "errors": errors[s]}
-        if ok.size:
-            entry.update({
-                "mean_ms": round(float(ok.mean()), 4),
-                "p50_ms": round(float(np.percentile(ok, 50)), 4),
-                "p90_ms": round(float(np.percentile(ok, 90)), 4),
-                "p99_ms": round(float(np.percentile(ok, 99)), 4),
-                "max_ms": round(float(ok.max()), 4),
-            })
-        if base.size and s is not System.ADAPTER_EAGER and ok.size:
-            both = np.isfinite(lat) & np.isfinite(base)
-            if both.any():
-                b, x = base[both], lat[both]
-                ratios = x / b
-                worst = int(np.flatnonzero(both)[int(np.argmax(ratios))])
-                entry.update({
-                    "speedup_mean_vs_adapter_eager": round(float(b.mean() / x.mean()), 3),
-                    "speedup_p50_vs_adapter_eager": round(float(np.percentile(b, 50) / np.percentile(x, 50)), 3),
-                    "speedup_p99_vs_adapter_eager": round(float(np.percentile(b, 99) / np.percentile(x, 99)), 3),
-                    "worst_ratio_vs_adapter_eager": round(float(ratios.max()), 3),
-                    "worst_request": worst,
-                    "slower_than_adapter_eager": int((ratios > 1.0).sum()),
-                })
-        out[s.value] = entry
-    return out
+class Replay:
+    """The trace replay of one tower: latencies (NaN where a system failed or was stopped), errors, items and
+    tokens per request; :meth:`record` writes their summaries into the tower's document (also every
+    ``FLUSH_EVERY`` requests, so that a run killed from outside keeps what it measured)."""
 
+    def __init__(self, bench: TowerBench, systems: list[System], box: TimeBox | None, *, warmed: dict[str, Any],
+                 start: dict[str, Any]) -> None:
+        self.bench, self.systems, self.box = bench, systems, box
+        self.counters = {"start": start, "warmed": warmed}
+        self.latencies: dict[System, list[float]] = {s: [] for s in systems}
+        self.errors: dict[System, int] = {s: 0 for s in systems}
+        self.items: list[int] = []
+        self.tokens: list[int] = []
 
-def graph_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    """Padding and eager fallbacks of the graph runner over the replayed trace. ``padded_share`` counts padded
-    rows over all replayed rows (budget x replays); the runner's own share also counts eager tokens as real."""
-    paths = stats["paths"]
-    padded = sum(p["padded_tokens"] for p in paths.values())
-    replayed = sum(int(b) * n for p in paths.values() for b, n in p["replays"].items())
-    return {
-        "padded_share": round(padded / replayed, 4) if replayed else 0.0,
-        "runner_padded_share": {k: round(p["padded_share"], 4) for k, p in paths.items()},
-        "items": stats["items"],
-        "eager_items": stats["eager_items"],
-        "eager_reasons": stats["eager_reasons"],
-        "replays": {k: p["replays"] for k, p in paths.items()},
-    }
+    def stopped(self, system: System) -> bool:
+        boxed = system in TIME_BOXED and self.box is not None and self.box.spent is not None
+        return boxed or self.errors[system] >= MAX_ERRORS
 
+    def run(self, trace: list[Any], caps: Caps, env: Env, deadline: Deadline, min_requests: int,
+            doc: dict[str, Any], results: Results) -> None:
+        """Every request through every system (rotating order) until the deadline, but at least
+        ``min_requests``."""
+        for s in (s for s in self.systems if s in GRAPH_SYSTEMS or s is System.ADAPTER_EAGER):
+            self.bench.reset_stats(s)
+        for index, request in enumerate(trace):
+            if deadline.expired() and index >= min_requests:
+                doc["trace"]["stopped"] = f"{SKIPPED_TIME} (after {index} requests)"
+                break
+            inputs = caps.inputs(self.bench, request, 100_000 + index)
+            for s in _order(self.systems, index):
+                self.latencies[s].append(self.one(s, inputs, env, index, doc))
+            self.items.append(inputs.sizes.items)
+            self.tokens.append(inputs.sizes.tokens)
+            del inputs
+            if len(self.items) % FLUSH_EVERY == 0:
+                log(f"{self.bench.spec.name}: {len(self.items)}/{len(trace)} requests")
+                self.record(doc)
+                results.flush()
+        self.record(doc)
 
-def render(data: dict[str, Any]) -> str:
-    headers = ["system", "requests", "errors", "mean ms", "P50 ms", "P99 ms", "mean speedup vs adapter eager",
-               "P99 speedup vs adapter eager", "worst request ratio vs adapter eager", "requests slower than eager",
-               "padded share", "eager items"]
-    rows = []
-    all_stats = data.get("graph_stats", {})
-    if "padded_share" in all_stats:  # results of before graph_compile was offered: one graph system
-        all_stats = {System.GRAPH.value: all_stats}
-    for name, e in data.get("systems", {}).items():
-        gs = all_stats.get(name, {})
-        graph = name in all_stats
-        rows.append([System(name).label, e["requests"], e["errors"], e.get("mean_ms"), e.get("p50_ms"), e.get("p99_ms"),
-                     e.get("speedup_mean_vs_adapter_eager"), e.get("speedup_p99_vs_adapter_eager"),
-                     e.get("worst_ratio_vs_adapter_eager"), e.get("slower_than_adapter_eager"),
-                     gs.get("padded_share") if graph else None,
-                     f"{gs.get('eager_items')} of {gs.get('items')}" if graph and gs else None])
-    trace = data.get("trace", {})
-    summary = trace.get("summary", {})
-    env = data["environment"]
-    title = (f"## traffic: {data.get('tower', {}).get('label')}, {trace.get('completed', 0)} of "
-             f"{trace.get('requests', 0)} requests, seed {trace.get('seed')} ({env['gpu']}, {env['dtype']})\n\n"
-             f"trace: {summary.get('items_per_request_mean')} items per request, tokens per request mean "
-             f"{summary.get('tokens_mean')}, P50 {summary.get('tokens_p50')}, P99 {summary.get('tokens_p99')}\n\n")
-    notes = [f"- {k}: {v}" for k, v in {**data.get("unavailable", {}), **data.get("dropped", {})}.items()]
-    if trace.get("stopped"):
-        notes.append(f"- trace stopped early: {trace['stopped']}")
-    return title + common.markdown_table(headers, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+    def one(self, system: System, inputs: Any, env: Env, index: int, doc: dict[str, Any]) -> float:
+        if self.stopped(system):
+            return math.nan
+        try:
+            return timed(self.bench, system, inputs, env, self.box)
+        except CapExceeded:
+            pass
+        except Exception as exc:
+            self.errors[system] += 1
+            doc.setdefault("errors", {}).setdefault(system.value, []).append(f"request {index}: {short_error(exc)}")
+        free_memory()
+        return math.nan
+
+    def record(self, doc: dict[str, Any]) -> None:
+        doc["trace"]["completed"] = len(self.items)
+        doc["per_request"] = {"items": self.items, "tokens": self.tokens, "latency_ms": {
+            s.value: [round(x, 4) if math.isfinite(x) else None for x in v] for s, v in self.latencies.items()}}
+        doc["systems"] = report.summarize(self.latencies, self.errors)
+        for s in (s for s in self.systems if s in GRAPH_SYSTEMS):
+            doc.setdefault("graph_stats", {})[s.value] = report.graph_stats(self.bench.stats(s))
+        if self.box is not None:
+            now, c = dynamo_counters(), self.counters
+            doc["compile_dynamic"] = {"warmup": counter_delta(c["warmed"], c["start"]),
+                                      "trace": counter_delta(now, c["warmed"]),
+                                      "total": counter_delta(now, c["start"]), **self.box.summary()}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from encgraph.errors import (
     EncgraphError,
     InputError,
     InputTypeError,
+    OverloadedError,
+    ShutdownError,
     UnsupportedModelError,
     VersionError,
 )
@@ -33,6 +35,8 @@ __all__ = [
     "CaptureError",
     "UnsupportedModelError",
     "VersionError",
+    "OverloadedError",
+    "ShutdownError",
     "__version__",
 ]
 

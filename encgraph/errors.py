@@ -16,6 +16,8 @@ __all__ = [
     "CaptureError",
     "UnsupportedModelError",
     "VersionError",
+    "OverloadedError",
+    "ShutdownError",
 ]
 
 
@@ -49,3 +51,11 @@ class UnsupportedModelError(EncgraphError, TypeError):
 
 class VersionError(EncgraphError, ImportError):
     """An installed dependency is older than the feature needs."""
+
+
+class OverloadedError(EncgraphError, RuntimeError):
+    """A serving queue is full: the request was refused at once (an HTTP server answers 503 with Retry-After)."""
+
+
+class ShutdownError(EncgraphError, RuntimeError):
+    """The serving front is shut down (or shutting down without draining): the request was not run."""

@@ -152,14 +152,15 @@ class CompiledRegions:
     compiled call again, so outside the capture the tower runs exactly as before.
     """
 
-    def __init__(self, adapter: Any) -> None:
+    def __init__(self, adapter: Any, *, backend: str = "inductor") -> None:
         hook = getattr(adapter, "compile_regions", None)
         self.modules = list(hook()) if hook is not None else []
+        self.backend = backend
         self.active = False
 
     def compile(self) -> None:
         for module in self.modules:
-            module.compile(dynamic=True)
+            module.compile(dynamic=True, backend=self.backend)
         self.active = True
 
     def restore(self) -> None:

@@ -1,9 +1,10 @@
-"""The ``encgraph`` command line: ``encgraph demo``, ``plan`` and ``tune`` (also ``python -m encgraph``).
+"""The ``encgraph`` command line: ``encgraph demo``, ``plan``, ``tune`` and ``serve`` (also ``python -m encgraph``).
 
 Exit codes: 0 on success; 2 for a bad command line, a bad input file or any :class:`~encgraph.EncgraphError`
 (one line on stderr that says what to fix); 1 for an unexpected failure (with its traceback).
 
-Importing this package and running ``plan`` or ``tune`` never imports torch; ``demo`` imports it when it runs.
+Importing this package and running ``plan`` or ``tune`` never imports torch; ``demo`` and ``serve`` import it when
+they run (``serve`` also its HTTP stack, the ``[serve]`` extra).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import traceback
 from collections.abc import Sequence
 
 from encgraph import __version__
-from encgraph.cli import demo, plan, tune
+from encgraph.cli import demo, plan, serve, tune
 from encgraph.cli._common import Parser, UsageError
 from encgraph.errors import EncgraphError
 
 __all__ = ["main", "build_parser"]
 
-_COMMANDS = (demo, plan, tune)
+_COMMANDS = (demo, plan, tune, serve)
 
 
 def build_parser() -> Parser:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -34,14 +34,15 @@ class DemoTower:
 
     Attributes:
         name: the ``--model`` value; also the config file's stem.
-        budgets: the demo's default ladder (tokens for variable-size towers, images for fixed-size ones).
+        budgets: the demo's default ladder (tokens for variable-size towers, images for fixed-size ones); for a
+            multi-path tower, ``{path: ladder}``.
         builtin: the ``encgraph.models._builtin_*`` module that registers the tower's adapter.
         geometry: for a Qwen-VL tower (items of several sizes: pixel rows + ``grid_thw``), the processor
             geometry in :data:`encgraph.cli.geometry.TOWERS`; ``None`` for a fixed-size tower.
     """
 
     name: str
-    budgets: tuple[int, ...]
+    budgets: tuple[int, ...] | Mapping[str, tuple[int, ...]]
     builtin: str
     geometry: str | None
 
@@ -52,6 +53,9 @@ TOWERS: dict[str, DemoTower] = {
         DemoTower("qwen2_5_vl", (32, 64, 128), "encgraph.models._builtin_qwen", geometry="qwen2_5_vl"),
         DemoTower("qwen3_vl", (32, 64, 128), "encgraph.models._builtin_qwen", geometry="qwen3_vl"),
         DemoTower("siglip", (1, 2, 4, 8), "encgraph.models._builtin_fixed", geometry=None),
+        # Two paths: items of at most 70 soft tokens (video frames, small images) and larger images.
+        DemoTower("gemma4", {"image": (140, 280), "video": (70, 140)}, "encgraph.models._builtin_multipath",
+                  geometry=None),
     )
 }
 
@@ -118,6 +122,8 @@ def make_batch(spec: DemoTower, tower: torch.nn.Module, *, seed: int, ladder: Se
 
     param = next(tower.parameters())
     gen = torch.Generator().manual_seed(seed)
+    if spec.name in _BATCHES:
+        return _BATCHES[spec.name](tower, gen, param, ladder)
     if spec.geometry is None:
         return _fixed_batch(tower, gen, param, ladder)
     return _qwen_batch(GEOMETRIES[spec.geometry], np.random.default_rng(seed), gen, param, ladder)
@@ -166,3 +172,36 @@ def _fixed_batch(tower: torch.nn.Module, gen: torch.Generator, param: torch.Tens
     )
     return DemoBatch((pixels,), {}, items)
 
+
+
+def _gemma4_batch(tower: torch.nn.Module, gen: torch.Generator, param: torch.Tensor, ladder: Any) -> DemoBatch:
+    """Gemma-4: patch rows padded to one length with ``(-1, -1)`` positions, as its processors pad them: three
+    images for the image path, two frame-sized items for the video path, and one image over the largest image
+    budget (its path runs eagerly while the others replay)."""
+    import torch
+
+    from encgraph.models.gemma4_layout import grid_positions
+
+    k = int(tower.config.pooling_kernel_size)
+    over = math.isqrt(max(ladder["image"])) + 1
+    # (pooled width, pooled height): soft tokens = w * h; at most 70 go to the video path.
+    pooled = [(12, 8), (15, 12), (16, 16), (10, 7), (6, 5), (over, over)]
+    rows = max(w * h for w, h in pooled) * k * k
+    channels = int(tower.patch_embedder.input_proj.in_features)
+    pv = torch.zeros(len(pooled), rows, channels)
+    pos = torch.full((len(pooled), rows, 2), -1, dtype=torch.int64)
+    items = []
+    for i, (w, h) in enumerate(pooled):
+        n = w * h * k * k
+        pos[i, :n] = torch.from_numpy(grid_positions(w * k, h * k))
+        pv[i, :n] = torch.rand(n, channels, generator=gen)
+    pv, pos = pv.to(param.device, param.dtype), pos.to(param.device)
+    for i, (w, h) in enumerate(pooled):
+        kind = "video" if i == 4 else "image"  # item 4: one frame of a video
+        label = f"{w * k}x{h * k} patches" + (" (a frame)" if i == 4 else "")
+        items.append(DemoItem(kind, label, None, (pv[i : i + 1],), {"pixel_position_ids": pos[i : i + 1]}))
+    return DemoBatch((pv,), {"pixel_position_ids": pos}, tuple(items))
+
+
+_BATCHES: dict[str, Callable[..., DemoBatch]] = {"gemma4": _gemma4_batch}
+"""Towers whose batches are neither Qwen-VL rows nor fixed-size images."""

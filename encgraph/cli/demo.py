@@ -207,6 +207,11 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     ladder = args.budgets or spec.budgets
+    if args.budgets and isinstance(spec.budgets, Mapping):
+        raise UsageError(
+            f"encgraph demo: error: --budgets: --model {spec.name} has one ladder per path "
+            f"({', '.join(spec.budgets)}); the demo uses its own ({_path_ladders(spec.budgets)}), drop --budgets"
+        )
     repeats = args.repeats or (20 if device.type == "cuda" else 3)
     show = not args.quiet and sys.stderr.isatty()
     threshold = THRESHOLDS[dtype_name]
@@ -269,6 +274,22 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _path_ladders(ladders: Mapping[str, Any]) -> str:
+    return "; ".join(f"{path} {', '.join(map(str, ladder))}" for path, ladder in ladders.items())
+
+
+def _path_lines(paths: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Per path of a multi-path tower, what the checked call ran there: replays per budget and eager items."""
+    out = ["per path:"]
+    for path, p in paths.items():
+        replays = ", ".join(f"{n} at {b}" for b, n in sorted(p["replays"].items())) or "none"
+        out.append(
+            f"  {path}: {p['real_tokens']} tokens, replays {replays}; {count(p['eager_items'], 'item')} eager; "
+            f"padded share {p['padded_share']:.1%}"
+        )
+    return out
 
 
 @attrs.frozen
@@ -334,6 +355,11 @@ class _Report:
             f"ladder: {', '.join(map(str, ladder))} {unit}; at most {lim.max_items} items and {lim.max_frames} "
             f"frames per batch",
         ]
+        if len(self.runner.ladders) > 1:
+            out[-1] = (
+                f"ladders, one per path ({unit}; 0: the path skipped): {_path_ladders(self.runner.ladders)}; at most "
+                f"{lim.max_items} items and {lim.max_frames} frames per batch"
+            )
         items = self.batch.items
         if self.unit == "items":
             sizes = sorted({it.label for it in items})
@@ -353,6 +379,8 @@ class _Report:
                 left=3,
             )
         out += plan_lines(self.plan, [it.label for it in items], unit="images" if self.unit == "items" else "tokens")
+        if len(self.runner.ladders) > 1:
+            out += _path_lines(self.stats["paths"])
         out.append(
             f"agreement with the tower's own forward, per item (max |encgraph - tower| / max |tower| over "
             f"{', '.join(self.compared)}):"

@@ -73,6 +73,7 @@ class AttentionBackend(enum.Enum):
 
 
 _VARLEN: tuple[Callable[..., torch.Tensor] | None, bool] | None = None
+_VARLEN_OP: Callable[..., torch.Tensor] | None = None  # the custom op around it (encgraph.models._varlen_op)
 
 
 def _varlen() -> tuple[Callable[..., torch.Tensor] | None, bool]:
@@ -176,20 +177,27 @@ def _varlen_attention(
     # the attention itself at small batches).
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    default = head_dim**-0.5
     kwargs: dict[str, Any] = {}
     if key.shape[1] != query.shape[1]:
         key, value = _repeat_heads(key, value, query.shape[1])
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: one opaque op (see encgraph.models._varlen_op), the scale passed as it is (under
+        # a symbolic head dim the default-scale test below would be a graph break: math.isclose of a SymFloat).
+        op = _VARLEN_OP
+        if op is None:
+            raise ConfigError("packed_attention: register_attention() must run before torch.compile traces it.")
+        if scale is not None:
+            if takes_scale:
+                kwargs["scale"] = float(scale)
+            else:
+                query = query * (scale * head_dim**0.5)
+        return op(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    default = head_dim**-0.5
     if scale is not None and not math.isclose(scale, default, rel_tol=1e-6):
         if takes_scale:
             kwargs["scale"] = scale
         else:  # torch 2.10's varlen_attn has no ``scale``: fold the ratio into the query.
             query = query * (scale / default)
-    if torch.compiler.is_compiling():
-        # Traced by torch.compile: one opaque op (see encgraph.models._varlen_op); eager calls skip its dispatch.
-        from encgraph.models._varlen_op import make_op
-
-        return make_op(varlen_attn, takes_scale)(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
     return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
@@ -313,11 +321,12 @@ def register_attention() -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, hf_attention_forward)
+    global _VARLEN_OP
     varlen, takes_scale = _varlen()  # resolved here, eagerly, so that a compiled forward only reads the memo
-    if varlen is not None:
+    if varlen is not None and _VARLEN_OP is None:
         from encgraph.models._varlen_op import make_op
 
-        make_op(varlen, takes_scale)  # defined outside any trace
+        _VARLEN_OP = make_op(varlen, takes_scale)  # defined outside any trace
     return ATTENTION_NAME
 
 

@@ -306,6 +306,22 @@ class DeepseekOcr2Adapter:
             pv.index_select(0, torch.as_tensor(idx, dtype=torch.long).to(pv.device)), local, counts, inputs.return_dict
         )
 
+    def concat(self, parts: Sequence[OcrImages]) -> OcrImages:
+        """One input holding every part's images in order: global views and tiles concatenated, tile counts
+        joined; part 0's ``return_dict``. Parts were validated by ``item_specs``."""
+        from encgraph.models.generic import concat_parts
+
+        parts = concat_parts(parts, OcrImages)
+        if len(parts) == 1:
+            return parts[0]
+        local = [p.pixel_values_local for p in parts if p.pixel_values_local is not None]
+        return OcrImages(
+            torch.cat([p.pixel_values for p in parts]),
+            torch.cat(local) if local else None,
+            tuple(c for p in parts for c in p.num_local_patches),
+            parts[0].return_dict,
+        )
+
     # -- static buffers and forwards
     def _views(self, path: str, budget: int) -> int:
         per_view = self.tokens[path]

@@ -39,7 +39,7 @@ from encgraph.capture.protocol import BufferSpec, StockCall
 from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.models._hf import repeated_blocks, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
-from encgraph.models.generic import GenericModuleAdapter, _Signature
+from encgraph.models.generic import GenericModuleAdapter, _Signature, concat_parts
 from encgraph.packing import ItemSpec
 
 __all__ = ["FixedResolutionAdapter", "PixelBatch", "CallRequest", "hidden_states_layout"]
@@ -336,11 +336,10 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         pixels = torch.randn(n, self.channels, *self.image_size, device=self._device).to(self._dtype)
         return PixelBatch(pixels)
 
-    def concat(self, parts: Sequence[PixelBatch]) -> PixelBatch:
-        """The images of every part in order; the first part's request (each caller's own request still
-        shapes its output in ``output_for_call``)."""
-        if not parts:
-            raise InputError("parts: expected at least one input to concatenate, got none.")
+    def concat(self, parts: Sequence[PixelBatch]) -> PixelBatch:  # type: ignore[override]
+        """One batch of every part's images in order, with part 0's :class:`CallRequest` (the request options
+        do not change what the runner computes; ``output_for_call`` reads each call's own)."""
+        parts = concat_parts(parts, PixelBatch)
         if len(parts) == 1:
             return parts[0]
         return PixelBatch(torch.cat([p.pixel_values for p in parts]), parts[0].request)

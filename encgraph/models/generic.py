@@ -26,9 +26,25 @@ from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, Fil
 from encgraph.errors import ConfigError, InputError, InputTypeError
 from encgraph.packing import ItemSpec
 
-__all__ = ["GenericModuleAdapter"]
+__all__ = ["GenericModuleAdapter", "concat_parts"]
 
 PATH = "default"
+
+
+def concat_parts(parts: Sequence[Any], kind: type | tuple[type, ...]) -> list[Any]:
+    """The ``parts`` of an adapter's ``concat`` as a list, checked to be non-empty and of ``kind``."""
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise InputError(f"concat: expected a non-empty list of inputs, got {describe(parts)}.")
+    parts = list(parts)
+    for i, part in enumerate(parts):
+        if not isinstance(part, kind):
+            raise InputTypeError(f"concat: parts[{i}]: expected {describe_kind(kind)}, got {describe(part)}.")
+    return parts
+
+
+def describe_kind(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
 
 
 @attrs.frozen
@@ -162,19 +178,19 @@ class GenericModuleAdapter:
             out.append(rows)
         return tuple(out)
 
-    def concat(self, parts: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-        """The items of every part in order: each positional input concatenated along dim 0."""
-        if not parts:
-            raise InputError("parts: expected at least one input to concatenate, got none.")
-        if len(parts) == 1:
-            return parts[0]
-        return tuple(torch.cat(column) for column in zip(*parts))
-
     def select(self, inputs: tuple[torch.Tensor, ...], indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
         if list(indices) == list(range(indices[0], indices[0] + len(indices))):
             return tuple(t[indices[0] : indices[0] + len(indices)] for t in inputs)
         idx = torch.as_tensor(list(indices), device=self._device)
         return tuple(t.index_select(0, idx) for t in inputs)
+
+    def concat(self, parts: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """One input tuple holding every part's items in order (each positional tensor concatenated in dim 0);
+        every part was validated by ``item_specs`` (same trailing shapes and dtypes)."""
+        parts = concat_parts(parts, tuple)
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(column) for column in zip(*parts))
 
     # -- static buffers and forwards
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:

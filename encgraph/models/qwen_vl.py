@@ -454,17 +454,6 @@ class QwenVisionAdapter:
         pixels = torch.randn(int(grid.prod()), *self.row_shape, device=self._device).to(self._dtype)
         return QwenVisionInputs(pixels, grid)
 
-    def concat(self, parts: Sequence[Any]) -> QwenVisionInputs:
-        """The items of every part in order, as one input (pixel rows concatenated, grids stacked); the first
-        part's ``return_dict``."""
-        parts = [self._coerce(p) for p in parts]
-        if not parts:
-            raise InputError("parts: expected at least one input to concatenate, got none.")
-        if len(parts) == 1:
-            return parts[0]
-        pixels = torch.cat([p.pixel_values for p in parts])
-        return QwenVisionInputs(pixels, np.concatenate([p.grid for p in parts]), parts[0].return_dict)
-
     def item_specs(self, inputs: Any) -> list[ItemSpec]:
         """One spec per item: ``t*h*w / merge^2`` tokens, ``t`` frames, ``t*h*w`` input rows."""
         inputs = self._coerce(inputs)
@@ -493,6 +482,17 @@ class QwenVisionAdapter:
         else:
             pixels = torch.cat([inputs.pixel_values[int(starts[i]) : int(starts[i + 1])] for i in idx])
         return QwenVisionInputs(pixels, inputs.grid[idx], inputs.return_dict)
+
+    def concat(self, parts: Sequence[Any]) -> QwenVisionInputs:
+        """One input holding every part's items in order: pixel rows concatenated, grids stacked; part 0's
+        ``return_dict`` (``output_for_call`` reads each call's own). Parts were validated by ``item_specs``."""
+        from encgraph.models.generic import concat_parts
+
+        parts = [self._coerce(p) for p in concat_parts(parts, (QwenVisionInputs, tuple))]
+        if len(parts) == 1:
+            return parts[0]
+        pixels = torch.cat([p.pixel_values for p in parts])
+        return QwenVisionInputs(pixels, np.concatenate([p.grid for p in parts]), parts[0].return_dict)
 
     # ------------------------------------------------------------------ buffers and metadata
     def _rows(self, budget: int) -> int:

@@ -27,6 +27,7 @@ _BUILTIN_MODULES = (
     "encgraph.models._builtin_fixed",
     "encgraph.models._builtin_deepseek",
     "encgraph.models._builtin_families",
+    "encgraph.models._builtin_multipath",
 )
 _builtins_loaded = False
 

@@ -15,6 +15,8 @@ EXPECTED = {
     "CaptureError": RuntimeError,
     "UnsupportedModelError": TypeError,
     "VersionError": ImportError,
+    "OverloadedError": RuntimeError,
+    "ShutdownError": RuntimeError,
 }
 
 

@@ -1,0 +1,39 @@
+"""Comparing outputs: every tensor of a result, and the largest relative difference between two results."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def flatten_tensors(value: Any) -> list[Any]:
+    """Every tensor in a result (tensor, mapping, ModelOutput, tuple or list), in a stable order."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for k in sorted(value) for t in flatten_tensors(value[k])]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in flatten_tensors(v)]
+    return []
+
+
+def max_rel_diff(results: Sequence[Any], reference: Sequence[Any]) -> float:
+    """``max |a - b| / max |b|`` over every tensor of every item (fp32); ``inf`` when the layouts differ."""
+    worst = 0.0
+    if len(results) != len(reference):
+        return math.inf
+    for a_item, b_item in zip(results, reference):
+        a_list, b_list = flatten_tensors(a_item), flatten_tensors(b_item)
+        if len(a_list) != len(b_list):
+            return math.inf
+        for a, b in zip(a_list, b_list):
+            if a.shape != b.shape:
+                return math.inf
+            b32 = b.float()
+            scale = float(b32.abs().max()) if b32.numel() else 0.0
+            diff = float((a.float() - b32).abs().max()) if b32.numel() else 0.0
+            worst = max(worst, diff / scale if scale else diff)
+    return worst

@@ -1,0 +1,170 @@
+"""Result files: ``<script>_<slug>.json`` and a ``.md`` table beside it, flushed after every measurement so that a
+run cut short keeps what it measured; the machine and versions stored with every result; table formatting."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import enum
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benches.lib.env import Env
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS_DIR = REPO / "benches" / "results"
+SMOKE_SLUG = "cpu-smoke"
+
+
+def gpu_name(env: Env) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(env.device) if env.cuda else f"CPU ({platform.processor() or platform.machine()})"
+
+
+def gpu_slug(env: Env) -> str:
+    """File-name part naming the machine: ``nvidia-h200``; ``cpu-smoke`` in the CPU smoke."""
+    if env.tiny:
+        return SMOKE_SLUG
+    return "-".join("".join(c if c.isalnum() else " " for c in gpu_name(env).lower()).split())
+
+
+def environment(env: Env) -> dict[str, Any]:
+    """Versions, device and commit, stored with every result."""
+    import torch
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    commit = None
+    with contextlib.suppress(Exception):
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=5, check=False).stdout.strip() or None
+    return {
+        "gpu": gpu_name(env),
+        "device": str(env.device),
+        "dtype": str(env.dtype).replace("torch.", ""),
+        "tiny_towers": env.tiny,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "commit": commit,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "argv": sys.argv[1:],
+    }
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` with enums, numpy scalars and non-finite floats made JSON-safe (recursively)."""
+    if isinstance(value, Mapping):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+class Results:
+    """The result files of one script run: ``<script>_<slug>.json`` and ``.md`` in ``--results-dir`` (and the
+    mirror directory). ``data`` is the JSON document; ``flush()`` rewrites it (atomically) after each
+    measurement."""
+
+    def __init__(self, script: str, args: argparse.Namespace, env: Env) -> None:
+        self.script = script
+        self.slug = gpu_slug(env) + (f"_{args.tag}" if getattr(args, "tag", None) else "")
+        mirror = args.mirror_dir
+        if mirror is None and os.environ.get("OUT") and not env.tiny:
+            mirror = Path(os.environ["OUT"]) / "results"
+        self.dirs = [Path(args.results_dir)] + ([Path(mirror)] if mirror is not None else [])
+        self.data: dict[str, Any] = {
+            "script": script,
+            "environment": environment(env),
+            "options": {k: json_ready(v) for k, v in vars(args).items() if k not in ("results_dir", "mirror_dir")},
+        }
+
+    @property
+    def json_path(self) -> Path:
+        return self.dirs[0] / f"{self.script}_{self.slug}.json"
+
+    def _write(self, suffix: str, text: str) -> None:
+        for d in self.dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            path = d / f"{self.script}_{self.slug}{suffix}"
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+
+    def flush(self) -> None:
+        self._write(".json", json.dumps(json_ready(self.data), indent=1) + "\n")
+
+    def finish(self, table: str) -> None:
+        """Write the JSON and the markdown table, and print the table last."""
+        self.flush()
+        self._write(".md", table + "\n")
+        print(table)
+        print(f"\nresults: {self.json_path}")
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats with up to 3 significant decimals."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(v) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}" if abs(value) >= 0.1 else f"{value:.3g}"
+    return str(value)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def median_of(entry: Mapping[str, Any] | None) -> float | None:
+    """The median of a measurement entry, ``None`` if it was skipped or failed."""
+    return None if not entry or "median_ms" not in entry else float(entry["median_ms"])
+
+
+def status_of(entry: Mapping[str, Any] | None) -> str:
+    """A table cell for a measurement that has no median: its skip or error reason, shortened."""
+    if not entry:
+        return "-"
+    if "error" in entry:
+        return "error"
+    return str(entry.get("skipped") or "-").split(":")[0]

@@ -1,0 +1,153 @@
+"""The seeded traffic trace of ``benches/traffic.py`` (and of ``planning.py``, ``data_parallel.py``).
+
+The trace (``generate_trace(n, seed)``; tower-agnostic pixel sizes) draws each request independently:
+
+- with probability ``VIDEO_SHARE`` (0.10) one short video: ``VIDEO_FRAMES`` frames (4-16, even, uniform) of a
+  size out of ``VIDEO_SIZES`` (uniform); at most ``VIDEO_FRAME_MAX_TOKENS`` (256) merged tokens per frame pair;
+- otherwise 1-8 images (``ITEMS_PER_REQUEST``: 1: 40%, 2: 20%, 3: 12%, 4: 9%, 5: 7%, 6: 5%, 7: 4%, 8: 3%), each
+  of a kind (``IMAGE_KINDS``: photo 45%, screenshot 25%, document 15%, icon 15%):
+  photo: long side log-uniform in 320-2048 px, aspect 4:3, 3:2, 16:9 or 1:1 (uniform), portrait 30%;
+  screenshot: a size out of ``SCREENSHOT_SIZES`` (desktop and phone, uniform);
+  document: width uniform in 800-1700 px, height = width x 11 / 8.5 (a letter page at 94-200 dpi);
+  icon: a square of side uniform in 32-256 px;
+  every image at most ``IMAGE_MAX_TOKENS`` (1280) merged tokens (Qwen's ``max_pixels = 1280 x 28 x 28``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from benches.lib.cases import Sizes, Visual, sizes_of
+from benches.lib.towers import Geometry
+
+ITEMS_PER_REQUEST: dict[int, float] = {1: 0.40, 2: 0.20, 3: 0.12, 4: 0.09, 5: 0.07, 6: 0.05, 7: 0.04, 8: 0.03}
+VIDEO_SHARE = 0.10
+IMAGE_KINDS: dict[str, float] = {"photo": 0.45, "screenshot": 0.25, "document": 0.15, "icon": 0.15}
+PHOTO_LONG_SIDE = (320, 2048)
+PHOTO_ASPECTS = (4 / 3, 3 / 2, 16 / 9, 1.0)
+PORTRAIT_SHARE = 0.3
+SCREENSHOT_SIZES: tuple[tuple[int, int], ...] = (  # (height, width)
+    (720, 1280), (1080, 1920), (768, 1366), (900, 1440), (1440, 2560), (844, 390), (2532, 1170),
+)
+DOCUMENT_WIDTH = (800, 1700)
+DOCUMENT_ASPECT = 11 / 8.5
+ICON_SIDE = (32, 256)
+VIDEO_FRAMES = (4, 6, 8, 10, 12, 14, 16)
+VIDEO_SIZES: tuple[tuple[int, int], ...] = ((360, 640), (480, 854), (720, 1280), (640, 360))
+IMAGE_MAX_TOKENS = 1280
+VIDEO_FRAME_MAX_TOKENS = 256
+
+SMOKE_REQUESTS = 12
+SMOKE_MAX_TOKENS = 16
+"""Requests and caps of a CPU-smoke trace (CPU attention is masked SDPA, quadratic in tokens)."""
+
+
+def distribution() -> dict[str, Any]:
+    """The documented distribution, as stored in the results."""
+    return {
+        "items_per_request": {str(k): v for k, v in ITEMS_PER_REQUEST.items()},
+        "video_share": VIDEO_SHARE,
+        "image_kinds": IMAGE_KINDS,
+        "photo_long_side": PHOTO_LONG_SIDE,
+        "photo_aspects": [round(a, 4) for a in PHOTO_ASPECTS],
+        "portrait_share": PORTRAIT_SHARE,
+        "screenshot_sizes": SCREENSHOT_SIZES,
+        "document_width": DOCUMENT_WIDTH,
+        "document_aspect": round(DOCUMENT_ASPECT, 4),
+        "icon_side": ICON_SIDE,
+        "video_frames": VIDEO_FRAMES,
+        "video_sizes": VIDEO_SIZES,
+        "image_max_tokens": IMAGE_MAX_TOKENS,
+        "video_frame_max_tokens": VIDEO_FRAME_MAX_TOKENS,
+    }
+
+
+def expected_items_per_image_request() -> float:
+    return sum(n * p for n, p in ITEMS_PER_REQUEST.items())
+
+
+def _choice(rng: np.random.Generator, weights: dict[Any, float]) -> Any:
+    keys = list(weights)
+    return keys[int(rng.choice(len(keys), p=np.asarray(list(weights.values())) / sum(weights.values())))]
+
+
+def _image(rng: np.random.Generator) -> Visual:
+    kind = _choice(rng, IMAGE_KINDS)
+    if kind == "photo":
+        lo, hi = PHOTO_LONG_SIDE
+        long_side = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+        aspect = PHOTO_ASPECTS[int(rng.integers(len(PHOTO_ASPECTS)))]
+        short_side = long_side / aspect
+        portrait = rng.random() < PORTRAIT_SHARE
+        h, w = (long_side, short_side) if portrait else (short_side, long_side)
+        return Visual(round(h), round(w), kind=kind)
+    if kind == "screenshot":
+        h, w = SCREENSHOT_SIZES[int(rng.integers(len(SCREENSHOT_SIZES)))]
+        return Visual(h, w, kind=kind)
+    if kind == "document":
+        w = int(rng.integers(DOCUMENT_WIDTH[0], DOCUMENT_WIDTH[1] + 1))
+        return Visual(round(w * DOCUMENT_ASPECT), w, kind=kind)
+    side = int(rng.integers(ICON_SIDE[0], ICON_SIDE[1] + 1))
+    return Visual(side, side, kind=kind)
+
+
+def sample_request(rng: np.random.Generator) -> tuple[Visual, ...]:
+    """One request: a short video, or 1-8 images (see the module docstring)."""
+    if rng.random() < VIDEO_SHARE:
+        frames = VIDEO_FRAMES[int(rng.integers(len(VIDEO_FRAMES)))]
+        h, w = VIDEO_SIZES[int(rng.integers(len(VIDEO_SIZES)))]
+        return (Visual(h, w, frames=frames, kind="video"),)
+    n = _choice(rng, ITEMS_PER_REQUEST)
+    return tuple(_image(rng) for _ in range(n))
+
+
+def generate_trace(n: int, seed: int = 0) -> list[tuple[Visual, ...]]:
+    """``n`` requests drawn with ``numpy.random.default_rng(seed)``: the same ``(n, seed)`` gives the same trace,
+    and a trace of ``n`` is the first ``n`` requests of any longer one with that seed."""
+    rng = np.random.default_rng(seed)
+    return [sample_request(rng) for _ in range(n)]
+
+
+@attrs.frozen
+class Caps:
+    """Merged tokens at most per image and per video frame pair."""
+
+    image: int = IMAGE_MAX_TOKENS
+    frame: int = VIDEO_FRAME_MAX_TOKENS
+
+    @classmethod
+    def default(cls, tiny: bool) -> Caps:
+        """The documented caps, or the CPU smoke's (``SMOKE_MAX_TOKENS`` for both) on tiny towers."""
+        return cls(SMOKE_MAX_TOKENS, SMOKE_MAX_TOKENS) if tiny else cls()
+
+    def sizes(self, request: Sequence[Visual], geom: Geometry) -> Sizes:
+        return sizes_of(request, geom, max_image_tokens=self.image, max_frame_tokens=self.frame)
+
+    def inputs(self, bench: Any, request: Sequence[Visual], seed: int) -> Any:
+        """``bench.inputs`` (a :class:`~benches.lib.systems.TowerBench`) for ``request`` under these caps."""
+        return bench.inputs(request, max_image_tokens=self.image, max_frame_tokens=self.frame, seed=seed)
+
+
+def trace_summary(trace: Sequence[tuple[Visual, ...]], geom: Geometry, caps: Caps = Caps()) -> dict[str, Any]:
+    """Counts of the trace on one tower: items and tokens per request, kinds, videos."""
+    sizes = [caps.sizes(r, geom) for r in trace]
+    tokens = np.array([s.tokens for s in sizes], dtype=np.float64)
+    kinds: dict[str, int] = {}
+    for request in trace:
+        for v in request:
+            kinds[v.kind] = kinds.get(v.kind, 0) + 1
+    return {
+        "requests": len(trace),
+        "items": int(sum(len(r) for r in trace)),
+        "items_per_request_mean": round(float(np.mean([len(r) for r in trace])), 3) if trace else 0.0,
+        "kinds": kinds,
+        "tokens_mean": round(float(tokens.mean()), 1) if trace else 0.0,
+        "tokens_p50": round(float(np.percentile(tokens, 50)), 1) if trace else 0.0,
+        "tokens_p99": round(float(np.percentile(tokens, 99)), 1) if trace else 0.0,
+        "tokens_max": int(tokens.max()) if trace else 0,
+    }

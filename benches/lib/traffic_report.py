@@ -1,0 +1,270 @@
+"""What ``benches/traffic.py`` reports from its per-request latencies: per-system summaries and ratios against the
+reference systems, graph runners' padding and eager items, the issue's targets, and the markdown tables (also
+rendered into the README by ``benches/readme.py``).
+
+Reads both layouts of ``traffic_<gpu>.json``: one document per tower under ``towers`` (now), or one tower's
+document at the top level (runs before both Qwen towers were measured in one run, baseline ``adapter_eager``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from benches.lib.results import fmt, markdown_table
+from benches.lib.systems import System
+
+REFERENCES = (System.HF_SDPA, System.ADAPTER_EAGER)
+"""Systems every other one is compared with, request by request, when they ran."""
+
+
+def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[System, int]) -> dict[str, Any]:
+    """Per system: requests, errors, mean / P50 / P90 / P99 / max ms, and against each reference that ran (on the
+    requests both completed): speedups of the mean, P50 and P99, the worst per-request ratio (system / reference)
+    and its request, and how many requests were slower."""
+    out = {}
+    for s, values in latencies.items():
+        lat = np.asarray(values, dtype=np.float64)
+        ok = lat[np.isfinite(lat)]
+        entry: dict[str, Any] = {"requests": int(ok.size), "errors": int(errors.get(s, 0))}
+        if ok.size:
+            entry.update({
+                "mean_ms": round(float(ok.mean()), 4),
+                "p50_ms": round(float(np.percentile(ok, 50)), 4),
+                "p90_ms": round(float(np.percentile(ok, 90)), 4),
+                "p99_ms": round(float(np.percentile(ok, 99)), 4),
+                "max_ms": round(float(ok.max()), 4),
+            })
+        for ref in REFERENCES:
+            if ref is s or ref not in latencies or not ok.size:
+                continue
+            base = np.asarray(latencies[ref], dtype=np.float64)
+            both = np.isfinite(lat) & np.isfinite(base)
+            if not both.any():
+                continue
+            b, x = base[both], lat[both]
+            ratios = x / b
+            k = ref.value
+            entry.update({
+                f"speedup_mean_vs_{k}": round(float(b.mean() / x.mean()), 3),
+                f"speedup_p50_vs_{k}": round(float(np.percentile(b, 50) / np.percentile(x, 50)), 3),
+                f"speedup_p99_vs_{k}": round(float(np.percentile(b, 99) / np.percentile(x, 99)), 3),
+                f"worst_ratio_vs_{k}": round(float(ratios.max()), 3),
+                f"worst_request_vs_{k}": int(np.flatnonzero(both)[int(np.argmax(ratios))]),
+                f"slower_than_{k}": int((ratios > 1.0).sum()),
+                f"compared_with_{k}": int(both.sum()),
+            })
+        out[s.value] = entry
+    return out
+
+
+def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Padding and eager fallbacks of a graph runner over the replayed trace. ``padded_share`` counts padded
+    rows over all replayed rows (budget x replays); the runner's own share also counts eager tokens as real."""
+    paths = stats["paths"]
+    padded = sum(p["padded_tokens"] for p in paths.values())
+    replayed = sum(int(b) * n for p in paths.values() for b, n in p["replays"].items())
+    return {
+        "padded_share": round(padded / replayed, 4) if replayed else 0.0,
+        "runner_padded_share": {k: round(p["padded_share"], 4) for k, p in paths.items()},
+        "items": stats["items"],
+        "eager_items": stats["eager_items"],
+        "eager_reasons": stats["eager_reasons"],
+        "replays": {k: p["replays"] for k, p in paths.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- targets
+@attrs.frozen
+class Target:
+    """One of issue 13's targets for ``defaults``: a value read from a tower's document, compared with a bound."""
+
+    name: str
+    read: Callable[[Mapping[str, Any]], float | None]
+    op: str  # ">=" or "<="
+    bound: float
+    towers: tuple[str, ...] = ()
+    """Towers the target is stated for (empty: every tower)."""
+
+    def check(self, tower: str, doc: Mapping[str, Any]) -> dict[str, Any] | None:
+        if self.towers and tower not in self.towers:
+            return None
+        value = self.read(doc)
+        met = None if value is None else _OPS[self.op](value, self.bound)
+        return {"target": self.name, "value": value, "op": self.op, "bound": self.bound, "met": met}
+
+
+_OPS = {">=": operator.ge, "<=": operator.le}
+
+
+def _defaults(key: str) -> Callable[[Mapping[str, Any]], float | None]:
+    return lambda doc: doc.get("systems", {}).get(System.DEFAULTS.value, {}).get(key)
+
+
+def _startup(phase: str, key: str) -> Callable[[Mapping[str, Any]], float | None]:
+    return lambda doc: doc.get("startup", {}).get(phase, {}).get(key)
+
+
+TARGETS = (
+    Target("mean speedup vs HF sdpa", _defaults("speedup_mean_vs_hf_sdpa"), ">=", 2.5),
+    Target("P99 speedup vs HF sdpa", _defaults("speedup_p99_vs_hf_sdpa"), ">=", 2.5),
+    Target("requests slower than HF sdpa", _defaults("slower_than_hf_sdpa"), "<=", 0),
+    Target("padded share", lambda doc: doc.get("graph_stats", {}).get(System.DEFAULTS.value, {}).get("padded_share"),
+           "<=", 0.10),
+    Target("cold capture s", _startup("cold", "capture_seconds"), "<=", 60, towers=("qwen2_5_vl_7b",)),
+    Target("warm capture s (second process)", _startup("warm", "capture_seconds"), "<=", 15,
+           towers=("qwen2_5_vl_7b",)),
+)
+"""Issue 13: points 5 (speedups, none slower), 2 (padded share) and 3 (cold and warm capture, stated for the
+Qwen2.5-VL-7B tower)."""
+
+
+def check_targets(tower: str, doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [c for t in TARGETS if (c := t.check(tower, doc)) is not None]
+
+
+# ---------------------------------------------------------------------------------------------------- tables
+def tower_docs(data: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """``{tower name: its document}`` of either JSON layout."""
+    if "towers" in data:
+        return dict(data["towers"])
+    if "systems" in data or "tower" in data:
+        return {data.get("tower", {}).get("name", "tower"): data}
+    return {}
+
+
+def baseline_of(doc: Mapping[str, Any]) -> str:
+    """The reference a tower's document compares with (old runs: the adapter's eager forward)."""
+    return doc.get("baseline", System.ADAPTER_EAGER.value)
+
+
+def _seconds(entry: Mapping[str, Any] | None) -> Any:
+    if not entry:
+        return None
+    return entry.get("capture_seconds", entry.get("error", "-").split(":")[0] if "error" in entry else None)
+
+
+def headline(data: Mapping[str, Any]) -> str:
+    """One row per tower: ``defaults`` against HF sdpa, with the targets beside the numbers ("" if no tower
+    measured both)."""
+    rows = []
+    for name, doc in tower_docs(data).items():
+        systems = doc.get("systems", {})
+        d, hf = systems.get(System.DEFAULTS.value), systems.get(System.HF_SDPA.value)
+        if not d or not hf:
+            continue
+        gs = doc.get("graph_stats", {}).get(System.DEFAULTS.value, {})
+        startup = doc.get("startup", {})
+        rows.append([doc.get("tower", {}).get("label", name), d.get("requests"), hf.get("mean_ms"), d.get("mean_ms"),
+                     hf.get("p99_ms"), d.get("p99_ms"), _x(d.get("speedup_mean_vs_hf_sdpa")),
+                     _x(d.get("speedup_p99_vs_hf_sdpa")), _x(d.get("worst_ratio_vs_hf_sdpa")),
+                     d.get("slower_than_hf_sdpa"), _pct(gs.get("padded_share")),
+                     f"{gs.get('eager_items')} of {gs.get('items')}" if gs else None,
+                     _seconds(startup.get("cold")), _seconds(startup.get("warm"))])
+    if not rows:
+        return ""
+    return markdown_table(
+        ["tower", "requests", "HF sdpa mean ms", "defaults mean ms", "HF sdpa P99 ms", "defaults P99 ms",
+         "mean speedup (target >= 2.5x)", "P99 speedup (target >= 2.5x)", "worst request (defaults / HF)",
+         "requests slower than HF (target 0)", "padded share (target <= 10%)", "eager items",
+         "cold capture s (target <= 60)", "warm capture s, 2nd process (target <= 15)"], rows)
+
+
+def _x(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}x"
+
+
+def _pct(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.1f}%"
+
+
+def system_table(doc: Mapping[str, Any]) -> str:
+    """Every system of one tower against its baseline, with the graph runners' padding and eager items."""
+    base = baseline_of(doc)
+    base_label = System(base).label
+    all_stats = doc.get("graph_stats", {})
+    if "padded_share" in all_stats:  # results of before graph_compile was offered: one graph system
+        all_stats = {System.GRAPH.value: all_stats}
+    rows = []
+    for name, e in doc.get("systems", {}).items():
+        gs = all_stats.get(name)
+        rows.append([System(name).label, e["requests"], e["errors"], e.get("mean_ms"), e.get("p50_ms"),
+                     e.get("p99_ms"), e.get(f"speedup_mean_vs_{base}"), e.get(f"speedup_p99_vs_{base}"),
+                     e.get(f"worst_ratio_vs_{base}"), e.get(f"slower_than_{base}"),
+                     gs.get("padded_share") if gs else None,
+                     f"{gs.get('eager_items')} of {gs.get('items')}" if gs else None])
+    return markdown_table(
+        ["system", "requests", "errors", "mean ms", "P50 ms", "P99 ms", f"mean speedup vs {base_label}",
+         f"P99 speedup vs {base_label}", f"worst request ratio vs {base_label}", f"requests slower than {base_label}",
+         "padded share", "eager items"], rows)
+
+
+def tower_notes(doc: Mapping[str, Any]) -> list[str]:
+    notes = [f"- {k}: {v}" for k, v in {**doc.get("unavailable", {}), **doc.get("dropped", {})}.items()]
+    for phase in ("cold", "warm"):
+        entry = doc.get("startup", {}).get(phase)
+        if entry:
+            shown = {k: v for k, v in entry.items() if k != "capture_info"}
+            notes.append(f"- defaults, {phase} capture: " + ", ".join(f"{k} {fmt(v)}" for k, v in shown.items()))
+    comp = doc.get("compile_dynamic")
+    if comp:
+        total, trace = comp.get("total", {}), comp.get("trace", {})
+        notes.append(
+            f"- {System.HF_COMPILE_DYNAMIC.label}: {total.get('graphs_compiled')} graphs compiled "
+            f"({trace.get('graphs_compiled')} during the trace), {total.get('recompiles')} recompiles, "
+            f"{total.get('graph_breaks')} graph breaks, {fmt(total.get('compile_seconds'))} s compiling "
+            f"({fmt(trace.get('compile_seconds'))} s during the trace); {comp.get('calls_that_compiled')} calls "
+            f"compiled; {fmt(comp.get('used_seconds'))} of its {fmt(comp.get('cap_seconds'))} s cap used"
+            + (f"; stopped: {comp['stopped']}" if comp.get("stopped") else ""))
+    for name, diff in doc.get("output_check", {}).items():
+        notes.append(f"- outputs of {System(name).label} vs {System.HF_SDPA.label} on one request: max relative "
+                     f"difference {fmt(diff) if isinstance(diff, float) else diff}")
+    if doc.get("trace", {}).get("stopped"):
+        notes.append(f"- trace stopped early: {doc['trace']['stopped']}")
+    if doc.get("error"):
+        notes.append(f"- this tower's run failed: {doc['error']}")
+    return notes
+
+
+def target_lines(data: Mapping[str, Any]) -> list[str]:
+    lines = []
+    for name, doc in tower_docs(data).items():
+        label = doc.get("tower", {}).get("label", name)
+        for t in doc.get("targets", []):
+            verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+            lines.append(f"- {label}: {t['target']} {fmt(t['value'])} (target {t['op']} {fmt(t['bound'])}): {verdict}")
+    return lines
+
+
+def render(data: Mapping[str, Any]) -> str:
+    """The whole markdown report: headline and targets, then one section per tower."""
+    env = data["environment"]
+    parts = [f"## traffic ({env['gpu']}, {env['dtype']})"]
+    head = headline(data)
+    if head:
+        parts += ["### encgraph defaults vs Hugging Face, per tower", head]
+    targets = target_lines(data)
+    if targets:
+        parts += ["### targets (issue 13)", "\n".join(targets)]
+    for name, doc in tower_docs(data).items():
+        trace = doc.get("trace", {})
+        summary = trace.get("summary", {})
+        parts.append(f"### {doc.get('tower', {}).get('label', name)}: {trace.get('completed', 0)} of "
+                     f"{trace.get('requests', 0)} requests, seed {trace.get('seed')}")
+        if "skipped" in doc:
+            parts.append(f"skipped: {doc['skipped']}")
+            continue
+        planning = doc.get("planning")
+        parts.append(f"trace: {summary.get('items_per_request_mean')} items per request, tokens per request mean "
+                     f"{summary.get('tokens_mean')}, P50 {summary.get('tokens_p50')}, P99 {summary.get('tokens_p99')}"
+                     + (f"; planning of the benchmark's own graph runners: {planning}" if planning else ""))
+        parts.append(system_table(doc))
+        notes = tower_notes(doc)
+        if notes:
+            parts.append("\n".join(notes))
+    return "\n\n".join(parts)
+

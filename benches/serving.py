@@ -1,0 +1,567 @@
+"""Serving throughput and latency: closed-loop clients against the batching front (in-process) and against
+``encgraph serve`` (HTTP on loopback), SigLIP-so400m (384 px) and Qwen2.5-VL-7B towers at real geometry.
+
+Systems, each at concurrency 1 / 8 / 32 / 128 (clients that send one request, wait for its answer, send the next):
+
+- ``hf_eager``: the tower's own forward, one request at a time (``encgraph serve --eager``);
+- ``graphed_per_request``: graphs, each request its own runner call (``max_requests=1``);
+- ``graphed_nowait``: graphs, coalescing only what is already queued (``max_wait_ms=0``);
+- ``graphed_coalesce``: graphs, coalescing with ``max_wait_ms`` (default 2).
+
+A request is one image (SigLIP: 384 x 384; Qwen: a seeded mix of 224-640 px photos). Per point: images/s over the
+measured window (requests answered after the warm-up; none starts after the window, those in flight drain),
+P50 / P99 / mean latency, requests per runner call, padded share. In-process clients are threads calling ``front.submit(...).result()`` on preprocessed tensors and
+copying the embedding to the host (what a server does); server clients are asyncio httpx tasks posting base64
+JPEGs (so the server's decoding and preprocessing are in the figures). Target: ``graphed_coalesce`` >= 3x the
+images/s of ``hf_eager`` at concurrency 32 with a P99 no worse than ``graphed_per_request``.
+
+Writes ``benches/results/serving_<gpu>[_<transport>].json`` and ``.md`` (+ ``_images_per_s.png`` with matplotlib;
+the transport is in the name when one is run alone). Self-contained
+(no ``benches.common``); ``--cpu-smoke`` runs the whole path on tiny CPU towers in seconds. The server transport
+needs the ``[serve]`` extra (FastAPI, uvicorn, prometheus_client, Pillow, httpx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import copy
+import importlib
+import io
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+
+SCRIPT = "serving"
+SYSTEMS = ("hf_eager", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
+TRANSPORTS = ("inprocess", "server")
+SMOKE_SLUG = "cpu-smoke"
+_SIGLIP = ("transformers:SiglipVisionModel", "transformers:SiglipVisionConfig", "SiglipImageProcessor")
+_QWEN = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+         "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl:Qwen2_5_VLVisionConfig", "Qwen2VLImageProcessor")
+TOWERS: dict[str, dict[str, Any]] = {
+    "siglip_so400m_384": dict(
+        label="SigLIP-so400m 384 px", refs=_SIGLIP, sizes=[(384, 384)],
+        full=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                  patch_size=14, image_size=384),
+        tiny=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28),
+    ),
+    "qwen2_5_vl_7b": dict(
+        label="Qwen2.5-VL-7B tower", refs=_QWEN,
+        sizes=[(224, 224), (336, 336), (448, 448), (448, 336), (640, 480), (512, 384)],
+        full=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
+        tiny=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, window_size=56,
+                  fullatt_block_indexes=[1]),
+    ),
+}
+TINY_SIZES = {"siglip_so400m_384": [(28, 28)], "qwen2_5_vl_7b": [(56, 56), (84, 56), (112, 84)]}
+
+
+def _load(ref: str) -> Any:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _csv(cast: Any, choices: tuple[str, ...] | None = None) -> Any:
+    def parse(text: str) -> tuple[Any, ...]:
+        values = tuple(cast(v.strip()) for v in text.split(",") if v.strip())
+        bad = [v for v in values if choices is not None and v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma list{f' out of {choices}' if choices else ''}, got {text!r}")
+        return values
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--towers", type=_csv(str, tuple(TOWERS)), default=tuple(TOWERS))
+    p.add_argument("--systems", type=_csv(str, SYSTEMS), default=SYSTEMS)
+    p.add_argument("--transports", type=_csv(str, TRANSPORTS), default=TRANSPORTS)
+    p.add_argument("--concurrency", type=_csv(int), default=(1, 8, 32, 128))
+    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point (default 4)")
+    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each point (default 1)")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="graphed_coalesce's max_wait_ms (default 2)")
+    p.add_argument("--compile", action="store_true", help="compile each budget's static forward before capture")
+    p.add_argument("--time-budget", type=float, default=540.0, help="start no point past this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results-dir", type=Path, default=REPO / "benches" / "results")
+    p.add_argument("--tag", default="", help="suffix of the result files")
+    p.add_argument("--cpu-smoke", "--dry-run", action="store_true",
+                   help="tiny towers on the CPU, concurrency 1,4, 0.3 s points: the whole path in seconds")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------- towers
+class Bench:
+    """One tower: an HF instance (its own forward), a wrapped twin with a captured runner, and request pools."""
+
+    def __init__(self, name: str, args: argparse.Namespace, device: Any, dtype: Any) -> None:
+        import numpy as np
+        import torch
+
+        import encgraph
+        from encgraph.models.registry import wrap
+
+        spec = TOWERS[name]
+        self.name, self.spec, self.device, self.dtype = name, spec, device, dtype
+        model_ref, config_ref, self.processor_name = spec["refs"]
+        config = _load(config_ref)(**{**spec["full"], **(spec["tiny"] if args.cpu_smoke else {})})
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            self.hf = _load(model_ref)._from_config(config).to(dtype).eval()
+        self.graph_tower = copy.deepcopy(self.hf)  # before wrapping: a wrapped tower must not be copied
+        self.adapter = wrap(self.graph_tower)
+        self.runner = encgraph.EncoderGraphRunner(self.adapter, compile=args.compile)
+        t0 = time.perf_counter()
+        self.capture = dict(self.runner.capture(), wall_seconds=round(time.perf_counter() - t0, 2))
+        self.sizes = TINY_SIZES[name] if args.cpu_smoke else spec["sizes"]
+        rng = np.random.default_rng(args.seed)
+        self.pool = [self.sizes[int(i)] for i in rng.integers(len(self.sizes), size=32)]
+        self.processor = self._processor()
+        self.requests = [self._tensors(w, h) for w, h in self.pool]
+
+    def _processor(self) -> Any:
+        import transformers
+
+        cls = getattr(transformers, self.processor_name)
+        if self.processor_name.startswith("Siglip"):
+            side = self.hf.config.image_size
+            return cls(size={"height": side, "width": side})
+        largest = max(w * h for w, h in self.sizes)
+        return cls(size={"shortest_edge": 56 * 56, "longest_edge": max(largest, 56 * 56)})
+
+    def _tensors(self, width: int, height: int) -> tuple[Any, ...]:
+        """A preprocessed request of one image: ``(pixel_values,)`` or ``(pixel_rows, grid_thw)``."""
+        import torch
+
+        images = [_noise_image(width, height, seed=width * 7 + height)]
+        out = self.processor(images=images, return_tensors="pt")
+        pixels = out["pixel_values"].to(self.device, self.dtype)
+        if "image_grid_thw" in out:
+            return pixels, out["image_grid_thw"].to(self.device)
+        return (pixels,)
+
+    def hf_forward(self, request: tuple[Any, ...]) -> Any:
+        if len(request) == 2:
+            return self.hf(request[0], grid_thw=request[1]).pooler_output
+        return self.hf(pixel_values=request[0]).pooler_output
+
+    def inputs(self, request: tuple[Any, ...]) -> Any:
+        if len(request) == 2:
+            return self.adapter.inputs(request[0], request[1])
+        return self.adapter.inputs_from_call(pixel_values=request[0])
+
+    def save(self, directory: str) -> None:
+        """The HF tower and its processor as a checkpoint directory for ``encgraph serve --model``."""
+        self.hf.save_pretrained(directory)
+        self.processor.save_pretrained(directory)
+
+
+def _noise_image(width: int, height: int, seed: int) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _jpeg(width: int, height: int, seed: int) -> str:
+    buf = io.BytesIO()
+    _noise_image(width, height, seed).save(buf, format="JPEG", quality=90)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# ---------------------------------------------------------------------------------------------------- points
+def summarize(latencies: list[float], images: int, seconds: float) -> dict[str, Any]:
+    if not latencies or seconds <= 0:
+        return {"requests": 0, "images_per_s": 0.0}
+    ordered = sorted(latencies)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"requests": len(latencies), "images": images, "seconds": round(seconds, 3),
+            "images_per_s": round(images / seconds, 2), "p50_ms": round(pick(0.5) * 1e3, 3),
+            "p99_ms": round(pick(0.99) * 1e3, 3), "mean_ms": round(statistics.fmean(latencies) * 1e3, 3)}
+
+
+def closed_loop(send: Any, concurrency: int, warmup: float, duration: float) -> dict[str, Any]:
+    """``concurrency`` threads each calling ``send(k)`` (one image) back to back. Requests that end after the
+    warm-up count; none starts after the window, the ones in flight then drain (and count): images/s is the count
+    over the time from the window's start to the last answer."""
+    start = time.perf_counter() + warmup
+    stop = start + duration
+    lat: list[float] = []
+    done: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        k = c
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= stop:
+                return
+            try:
+                send(k)
+            except Exception as exc:  # recorded, never hidden
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                return
+            t1 = time.perf_counter()
+            if t1 >= start:
+                with lock:
+                    lat.append(t1 - t0)
+                    done.append(t1)
+            k += concurrency
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = summarize(lat, len(lat), (max(done) - start) if done else 0.0)
+    out["errors"] = len(errors)
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+def front_options(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    return {"graphed_per_request": {"max_requests": 1}, "graphed_nowait": {"max_wait_ms": 0.0},
+            "graphed_coalesce": {"max_wait_ms": args.max_wait_ms}}.get(system, {"max_requests": 1})
+
+
+def run_inprocess(bench: Bench, system: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from encgraph.serving import BatchingFront
+
+    if system == "hf_eager":
+        front = BatchingFront(bench.hf_forward, max_queue=4096)
+        submit = lambda k: front.submit(bench.requests[k % len(bench.requests)])  # noqa: E731
+        host = lambda out: out.float().mean(0).cpu()  # noqa: E731
+    else:
+        front = BatchingFront(bench.runner, max_queue=4096, **front_options(system, args))
+        inputs = [bench.inputs(r) for r in bench.requests]
+        submit = lambda k: front.submit(inputs[k % len(inputs)])  # noqa: E731
+        host = lambda out: out[0]["pooler_output"].float().mean(0).cpu()  # noqa: E731
+    bench.runner.reset_stats()
+    try:
+        with torch.inference_mode():
+            point = closed_loop(lambda k: host(submit(k).result()), concurrency, args.warmup, args.duration)
+        point.update(_front_summary(front.stats))
+    finally:
+        front.close()
+    return point
+
+
+def _front_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    calls = sum(stats["requests_per_call"].values())
+    out: dict[str, Any] = {"requests_per_call": round(stats["completed"] / calls, 2) if calls else None}
+    runner = stats.get("runner") or {}
+    if runner:
+        p = runner["paths"]["default"]
+        out.update(padded_share=round(p["padded_share"], 4), eager_items=runner["eager_items"],
+                   replays={str(b): n for b, n in p["replays"].items()})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve(checkpoint: str, system: str, args: argparse.Namespace, device: str, dtype: str) -> tuple[Any, str]:
+    """Start ``encgraph serve`` for ``system``; returns the process and its URL once ``/health`` answers."""
+    import httpx
+
+    port = _free_port()
+    flags = {"hf_eager": ["--eager"], "graphed_per_request": ["--max-requests", "1"],
+             "graphed_nowait": ["--max-wait-ms", "0"], "graphed_coalesce": ["--max-wait-ms", str(args.max_wait_ms)]}
+    cmd = [sys.executable, "-m", "encgraph", "serve", "--model", f"bench={checkpoint}", "--device", device,
+           "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags[system]]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    proc.kill()
+    log.seek(0)
+    raise RuntimeError(f"encgraph serve did not start: {log.read().decode(errors='replace')[-2000:]}")
+
+
+def run_server(url: str, images: list[str], concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    async def main() -> dict[str, Any]:
+        start = time.perf_counter() + args.warmup
+        stop = start + args.duration
+        lat: list[float] = []
+        done: list[float] = []
+        errors: list[str] = []
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            async def one(c: int) -> None:
+                k = c
+                while (t0 := time.perf_counter()) < stop:
+                    r = await client.post("/v1/embeddings", json={"input": [images[k % len(images)]],
+                                                                  "encoding_format": "base64"})
+                    t1 = time.perf_counter()
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code}: {r.text[:200]}")
+                        return
+                    if t1 >= start:
+                        lat.append(t1 - t0)
+                        done.append(t1)
+                    k += concurrency
+
+            await asyncio.gather(*(one(c) for c in range(concurrency)))
+        out = summarize(lat, len(lat), (max(done) - start) if done else 0.0)
+        out["errors"] = len(errors)
+        if errors:
+            out["first_error"] = errors[0]
+        return out
+
+    return asyncio.run(main())
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The server's ``/metrics`` counters this script reads: completed requests, runner calls, real and padded
+    units (summed over models)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(("completed", "calls", "real", "padded"), 0.0)
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == "encgraph_front_requests_total" and s.labels.get("outcome") == "completed":
+                out["completed"] += s.value
+            elif s.name == "encgraph_front_calls_total":
+                out["calls"] += s.value
+            elif s.name == "encgraph_tokens_total":
+                out[s.labels["kind"]] += s.value
+    return out
+
+
+def counter_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    d = {k: after[k] - before[k] for k in before}
+    units = d["real"] + d["padded"]
+    return {"requests_per_call": round(d["completed"] / d["calls"], 2) if d["calls"] else None,
+            "padded_share": round(d["padded"] / units, 4) if units else None}
+
+
+def stop_server(proc: Any) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def environment(device: Any) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
+    return {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def slug(env: dict[str, Any], smoke: bool) -> str:
+    return SMOKE_SLUG if smoke else "-".join("".join(c if c.isalnum() else " " for c in env["gpu"].lower()).split())
+
+
+def server_missing() -> str | None:
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "PIL", "httpx")
+               if importlib.util.find_spec(m) is None]
+    return f"skipped: needs {', '.join(missing)} (pip install 'encgraph[serve]' httpx)" if missing else None
+
+
+def targets(points: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's target at concurrency 32 (or the largest measured below it)."""
+    def at(system: str) -> dict[str, Any] | None:
+        by_c = points.get(system, {})
+        cs = [int(c) for c, p in by_c.items() if p.get("requests")]
+        pick = max((c for c in cs if c <= 32), default=None)  # the same for every system: one concurrency list
+        return by_c[str(pick)] if pick is not None else None
+
+    hf, per, co = at("hf_eager"), at("graphed_per_request"), at("graphed_coalesce")
+    out: dict[str, Any] = {"clients": max((int(c) for c in points.get("graphed_coalesce", {}) if int(c) <= 32),
+                                          default=None)}
+    if hf and co:
+        out["coalesce_vs_hf_eager_images_per_s"] = round(co["images_per_s"] / max(hf["images_per_s"], 1e-9), 2)
+        out["coalesce_3x_hf_eager"] = out["coalesce_vs_hf_eager_images_per_s"] >= 3.0
+    if per and co:
+        out["coalesce_p99_not_worse_than_per_request"] = co["p99_ms"] <= per["p99_ms"]
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    lines = [f"# Serving: {data['environment']['gpu']}", "",
+             f"torch {data['environment']['torch']}, transformers {data['environment']['transformers']}; "
+             f"{data['options']['duration']} s per point after {data['options']['warmup']} s warm-up; one image per "
+             f"request; graphed_coalesce max_wait_ms={data['options']['max_wait_ms']}.", ""]
+    for tower, by_transport in data["towers"].items():
+        for transport, result in by_transport.items():
+            lines += [f"## {TOWERS[tower]['label']}, {transport}", ""]
+            if "skipped" in result:
+                lines += [result["skipped"], ""]
+                continue
+            lines += ["| clients | system | images/s | P50 ms | P99 ms | requests/call | padded share |",
+                      "|---|---|---|---|---|---|---|"]
+            for system, by_c in result["points"].items():
+                for c, p in by_c.items():
+                    if not p.get("requests"):
+                        lines.append(f"| {c} | {system} | {p.get('skipped') or p.get('first_error') or 'no answer'} "
+                                     "| | | | |")
+                        continue
+                    share = "" if p.get("padded_share") is None else f"{100 * p['padded_share']:.1f}%"
+                    lines.append(f"| {c} | {system} | {p['images_per_s']:.1f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} "
+                                 f"| {p.get('requests_per_call') or ''} | {share} |")
+            t = result.get("targets", {})
+            if len(t) > 1:
+                lines += ["", f"At {t['clients']} clients: graphed_coalesce / hf_eager images/s = "
+                          f"{t.get('coalesce_vs_hf_eager_images_per_s')} (target >= 3: "
+                          f"{'met' if t.get('coalesce_3x_hf_eager') else 'not met'}); P99 no worse than "
+                          f"graphed_per_request: {t.get('coalesce_p99_not_worse_than_per_request')}."]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> Path | None:
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(t, tr, r) for t, by in data["towers"].items() for tr, r in by.items() if "points" in r]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (tower, transport, result) in zip(axes[0], panels):
+        for system, by_c in result["points"].items():
+            cs = [int(c) for c, p in by_c.items() if p.get("requests")]
+            ax.plot(cs, [by_c[str(c)]["images_per_s"] for c in cs], marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("closed-loop clients")
+        ax.set_ylabel("images/s")
+        ax.set_title(f"{TOWERS[tower]['label']} ({transport})", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import torch
+
+    args = build_parser().parse_args(argv)
+    if args.cpu_smoke:
+        args.concurrency = (1, 4) if args.concurrency == (1, 8, 32, 128) else args.concurrency
+        args.duration, args.warmup = min(args.duration, 0.3), min(args.warmup, 0.1)
+        device, dtype = torch.device("cpu"), torch.float32
+    elif not torch.cuda.is_available():
+        raise SystemExit("serving.py: no CUDA device; run with --cpu-smoke for the CPU path")
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    deadline = time.monotonic() + args.time_budget
+    env = environment(device)
+    data: dict[str, Any] = {"environment": env, "options": {k: (list(v) if isinstance(v, tuple) else str(v) if
+                            isinstance(v, Path) else v) for k, v in vars(args).items()}, "towers": {}}
+    # One transport alone gets its own files, so that the two runs of a GPU session do not overwrite each other.
+    only = f"_{args.transports[0]}" if len(args.transports) == 1 else ""
+    name = f"{SCRIPT}_{slug(env, args.cpu_smoke)}{only}{'_' + args.tag if args.tag else ''}"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+
+    def flush() -> None:
+        (args.results_dir / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+    for tower in args.towers:
+        print(f"[serving] {tower}: building and capturing", file=sys.stderr, flush=True)
+        bench = Bench(tower, args, device, dtype)
+        data["towers"][tower] = {}
+        for transport in args.transports:
+            result: dict[str, Any] = {"capture": bench.capture, "points": {}}
+            data["towers"][tower][transport] = result
+            skipped = server_missing() if transport == "server" else None
+            if skipped:
+                data["towers"][tower][transport] = {"skipped": skipped}
+                continue
+            run_points(bench, transport, args, device, dtype, result, deadline, flush)
+            result["targets"] = targets(result["points"])
+            flush()
+        del bench
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    flush()
+    (args.results_dir / f"{name}.md").write_text(render(data))
+    picture = plot(data, args.results_dir / f"{name}_images_per_s.png")
+    data["plot"] = str(picture) if picture else None
+    flush()
+    print(render(data))
+    return data
+
+
+def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: Any, dtype: Any,
+               result: dict[str, Any], deadline: float, flush: Any) -> None:
+    with tempfile.TemporaryDirectory() as checkpoint:
+        images: list[str] = []
+        if transport == "server":
+            bench.save(checkpoint)
+            images = [_jpeg(w, h, seed=i) for i, (w, h) in enumerate(bench.pool)]
+        for system in args.systems:
+            by_c: dict[str, Any] = result["points"].setdefault(system, {})
+            if time.monotonic() > deadline:
+                by_c.update({str(c): {"skipped": "skipped: time budget"} for c in args.concurrency})
+                continue
+            proc = url = None
+            if transport == "server":
+                proc, url = serve(checkpoint, system, args, device.type, str(dtype).replace("torch.", ""))
+            try:
+                for c in args.concurrency:
+                    if time.monotonic() > deadline:
+                        by_c[str(c)] = {"skipped": "skipped: time budget"}
+                        continue
+                    print(f"[serving] {bench.name} {transport} {system} x{c}", file=sys.stderr, flush=True)
+                    if transport == "inprocess":
+                        by_c[str(c)] = run_inprocess(bench, system, c, args)
+                    else:
+                        before = server_counters(url)
+                        point = run_server(url, images, c, args)
+                        by_c[str(c)] = {**point, **counter_summary(before, server_counters(url))}
+                    flush()
+            finally:
+                if proc is not None:
+                    stop_server(proc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The ``encgraph serve`` HTTP app (FastAPI): parsing, status codes and metrics only; the batching front owns
+queueing and coalescing, the runner planning and replay.
+
+``POST /v1/embeddings`` takes the OpenAI embeddings request shape with images as inputs::
+
+    {"model": "siglip", "input": ["data:image/png;base64,...", "<base64 JPEG>"],
+     "encoding_format": "float" | "base64", "return_tokens": false}
+
+and answers one pooled embedding per image, in input order (``encoding_format="base64"``: little-endian float32
+bytes, as OpenAI's API), with each image's token sequence too when ``return_tokens`` is true::
+
+    {"object": "list", "model": "siglip", "usage": {"prompt_tokens": N, "total_tokens": N},
+     "data": [{"object": "embedding", "index": 0, "embedding": [...], "tokens": [[...], ...]}]}
+
+``usage`` counts the images' output tokens. Errors are ``{"error": {"message", "type", "param", "code"}}``:
+400 (corrupt image, bad base64, invalid JSON), 404 (unknown model), 413 (body, image bytes or pixels over the
+limits; too many images), 415 (a format other than PNG or JPEG), 422 (wrong JSON shape, empty input list),
+503 with ``Retry-After`` (queue full, shutting down). ``GET /health``; ``GET /metrics`` (Prometheus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from encgraph.errors import InputError, InputTypeError, OverloadedError, ShutdownError
+from encgraph.serving.images import ImageError, ImageLimits, decode_image
+from encgraph.serving.metrics import Metrics
+
+__all__ = ["create_app", "ServerLimits", "EmbeddingRequest"]
+
+log = logging.getLogger("encgraph.serve")
+
+
+@attrs.frozen
+class ServerLimits:
+    """What one request may hold: ``max_images`` images, ``max_body_bytes`` of JSON, per image ``image`` limits;
+    ``retry_after_s``: the ``Retry-After`` of a 503."""
+
+    max_images: int = 32
+    max_body_bytes: int = 64 * 2**20
+    image: ImageLimits = ImageLimits()
+    retry_after_s: int = 1
+
+
+class EmbeddingRequest(BaseModel):
+    """The request body (unknown fields are refused: a misspelt option must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: list[StrictStr]
+    model: StrictStr | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    return_tokens: StrictBool = False
+    user: StrictStr | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_image(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, param: str | None, code: str, message: str, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers
+
+    def response(self) -> JSONResponse:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        body = {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _param(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def _parse(body: bytes) -> EmbeddingRequest:
+    try:
+        return EmbeddingRequest.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(400, "body", "invalid_json", f"body: not valid JSON ({err['msg']}).") from None
+        param = _param(err["loc"])
+        hint = {"input": "expected a base64 image or data URI string, or a list of them"}.get(param)
+        message = f"{param}: {hint} ({err['msg']})." if hint else f"{param}: {err['msg']}."
+        raise ApiError(422, param, err["type"], message) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body", "body_too_large", f"body: {declared} bytes is over the server's limit of {limit}.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "body", "body_too_large", f"body: over the server's limit of {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode_all(images: Sequence[str], limits: ImageLimits) -> list[Any]:
+    try:
+        return [decode_image(text, i, limits) for i, text in enumerate(images)]
+    except ImageError as exc:
+        raise ApiError(exc.status, exc.param, exc.code, str(exc)) from None
+
+
+def _prepare(model: Any, images: Sequence[Any]) -> Any:
+    """The model's inputs for decoded images; an image its processor (or adapter) refuses is named."""
+    try:
+        return model.inputs(images)
+    except Exception as exc:
+        for i, image in enumerate(images):  # the rare failure path: find the culprit
+            try:
+                model.inputs([image])
+            except Exception as one:
+                raise ApiError(400, f"input[{i}]", "unprocessable_image",
+                               f"input[{i}]: the model's image processor refused this image "
+                               f"({image.width}x{image.height}): {one}") from None
+        raise exc
+
+
+def _encode(array: Any, fmt: str) -> Any:
+    if fmt == "base64":
+        return base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")
+    return array.tolist()
+
+
+def _answer(model: Any, results: list[Any], request: EmbeddingRequest) -> JSONResponse:
+    data = []
+    for i, (pooled, tokens) in enumerate(model.embeddings(results, request.return_tokens)):
+        entry: dict[str, Any] = {"object": "embedding", "index": i, "embedding": _encode(pooled, request.encoding_format)}
+        if tokens is not None:
+            entry["tokens"] = _encode(tokens, request.encoding_format)
+            entry["tokens_shape"] = list(tokens.shape)
+        data.append(entry)
+    used = model.token_count(results)
+    return JSONResponse({"object": "list", "model": model.name, "data": data,
+                         "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+
+def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(), *,
+               close_timeout_s: float = 10.0) -> FastAPI:
+    """The app over ``models`` (name -> :class:`~encgraph.serving.loading.ServedModel`; the first is the default
+    for a request without ``model``). On shutdown it closes the fronts (queued requests finish first, at most
+    ``close_timeout_s`` seconds)."""
+    if not models:
+        raise ValueError("models: expected at least one served model.")
+    default = next(iter(models))
+    metrics = Metrics(models)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        for model in models.values():
+            await run_in_threadpool(model.front.close, drain=True, timeout=close_timeout_s)
+
+    app = FastAPI(title="encgraph", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.models = models
+    app.state.metrics = metrics
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "default_model": default, "models": {n: m.info() for n, m in models.items()}}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        content, media_type = await run_in_threadpool(metrics.render)
+        return Response(content, media_type=media_type)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        t0 = time.perf_counter()
+        label = "-"
+        try:
+            req = _parse(await _read_body(request, limits.max_body_bytes))
+            name = default if req.model is None else req.model
+            model = models.get(name)
+            if model is None:
+                raise ApiError(404, "model", "model_not_found",
+                               f"model: expected one of {sorted(models)}, got {name!r}.")
+            label = name
+            if not req.input:
+                raise ApiError(422, "input", "empty_input", "input: expected at least one image, got an empty list.")
+            if len(req.input) > limits.max_images:
+                raise ApiError(413, "input", "too_many_images",
+                               f"input: {len(req.input)} images is over the server's limit of {limits.max_images} "
+                               "per request; split the request.")
+            images = await run_in_threadpool(_decode_all, req.input, limits.image)
+            inputs = await run_in_threadpool(_prepare, model, images)
+            results = await _encode_on(model, inputs, limits)
+            response = await run_in_threadpool(_answer, model, results, req)
+        except ApiError as exc:
+            metrics.observe(label, exc.status)
+            return exc.response()
+        except Exception:
+            log.exception("encgraph serve: request failed")
+            metrics.observe(label, 500)
+            return ApiError(500, None, "internal_error", "internal error: see the server log.").response()
+        metrics.observe(label, 200, images=len(req.input), seconds=time.perf_counter() - t0)
+        return response
+
+    return app
+
+
+async def _encode_on(model: Any, inputs: Any, limits: ServerLimits) -> list[Any]:
+    retry = {"Retry-After": str(limits.retry_after_s)}
+    try:
+        future = model.front.submit(inputs)
+    except OverloadedError as exc:
+        raise ApiError(503, None, "overloaded", f"the server is overloaded ({exc}); retry later.", retry) from None
+    except ShutdownError:
+        raise ApiError(503, None, "shutting_down", "the server is shutting down; retry on another replica.",
+                       retry) from None
+    try:
+        return await asyncio.wrap_future(future)
+    except ShutdownError:
+        raise ApiError(503, None, "shutting_down", "the server shut down before running this request.", retry) from None
+    except (InputError, InputTypeError) as exc:
+        raise ApiError(400, "input", "invalid_image", f"input: {exc}") from None

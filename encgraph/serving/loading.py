@@ -1,0 +1,244 @@
+"""The models ``encgraph serve`` serves: the embedded defaults and local Hugging Face checkpoints.
+
+A :class:`ServedModel` is one tower behind one :class:`~encgraph.serving.BatchingFront`, with the image processor
+that turns decoded images into the tower's inputs (transformers' own) and the rule that pools the tower's output
+into one embedding per image:
+
+- batch towers (SigLIP, CLIP; budgets count images): the tower's ``pooler_output`` where it has one, else the mean
+  of ``last_hidden_state`` over tokens; the token sequence is ``last_hidden_state``;
+- token towers (Qwen-VL; budgets count merged tokens): the mean of the item's merged tokens (``pooler_output``
+  rows); the token sequence is those rows.
+
+Embedded defaults (no ``--model``): the tiny random-weight towers of ``encgraph/configs/<name>.json`` (the ones
+``encgraph demo`` builds, seeded) with their processors ``encgraph/configs/<name>_processor.json``; no download.
+``--model PATH`` loads a local checkpoint directory: its vision tower only (a full VLM or dual-encoder checkpoint
+is read for the tower's weights alone), and its ``preprocessor_config.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+import attrs
+import numpy as np
+
+from encgraph.errors import ConfigError, UnsupportedModelError, VersionError
+
+__all__ = ["ServedModel", "EMBEDDED", "FAMILIES", "Family", "load_processor", "embedded_tower", "load_checkpoint",
+           "build_model"]
+
+EMBEDDED: dict[str, tuple[int, ...]] = {"siglip": (1, 2, 4, 8, 16), "qwen2_5_vl": (16, 32, 64, 128)}
+"""The embedded default models and their ladders (images for SigLIP, merged tokens for Qwen2.5-VL: its processor
+resizes an image to at most 128 tokens). Small budgets: on the CPU a static forward's attention costs budget^2."""
+
+_QWEN_KEYS = {r"^(?:model\.)?visual\.": ""}
+
+
+@attrs.frozen
+class Family:
+    """How to load one family's vision tower from a checkpoint directory (data, one row per family).
+
+    ``tower``: ``"module:Class"`` of the tower; ``sub_config``: the attribute of a full model's config holding the
+    tower's (``None``: the tower class reads a full checkpoint by itself); ``key_mapping``: checkpoint key
+    regexes -> tower keys, for a tower inside a full model."""
+
+    tower: str
+    sub_config: str | None = None
+    key_mapping: Mapping[str, str] | None = None
+
+
+_TOWERS = {
+    "siglip": "transformers.models.siglip.modeling_siglip:SiglipVisionModel",
+    "clip": "transformers.models.clip.modeling_clip:CLIPVisionModel",
+    "qwen2_vl": "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
+    "qwen2_5_vl": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+    "qwen3_vl": "transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
+}
+FAMILIES: dict[str, Family] = {
+    # A full checkpoint (dual encoder or VLM) and a tower saved alone (its own model_type).
+    **{f: Family(_TOWERS[f]) for f in ("siglip", "clip")},
+    **{f"{f}_vision_model": Family(_TOWERS[f]) for f in ("siglip", "clip")},
+    **{f: Family(_TOWERS[f], "vision_config", _QWEN_KEYS) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+    **{f"{f}_vision": Family(_TOWERS[f]) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+}
+"""``config.model_type`` of a checkpoint -> how to load its vision tower."""
+
+
+@attrs.define(eq=False)
+class ServedModel:
+    """One served tower: ``front`` (its batching front), ``processor`` (a transformers image processor),
+    ``adapter`` (for the inputs and the pooling rule), where it runs, and what to report in ``/health``."""
+
+    name: str
+    description: str
+    processor: Any
+    adapter: Any
+    front: Any
+    device: Any
+    dtype: Any
+    eager: bool = False
+
+    def inputs(self, images: Sequence[Any]) -> Any:
+        """The adapter's inputs for decoded RGB images (the processor's tensors, on the tower's device and in its
+        dtype). Runs on a request thread."""
+        processed = self.processor(images=list(images), return_tensors="pt")
+        pixels = processed["pixel_values"].to(self.device, self.dtype)
+        if "image_grid_thw" in processed:
+            return self.adapter.inputs_from_call(pixels, grid_thw=processed["image_grid_thw"])
+        return self.adapter.inputs_from_call(pixel_values=pixels)
+
+    @property
+    def per_item_tokens(self) -> bool:
+        """Whether a result's rows are tokens (Qwen-VL) rather than images (batch towers)."""
+        from encgraph.capture.protocol import BudgetUnit
+
+        return self.adapter.config.paths[0].unit is BudgetUnit.TOKENS
+
+    def embeddings(self, results: Sequence[Mapping[str, Any]], tokens: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per image: its pooled embedding ``(dim,)`` float32 and (``tokens``) its token sequence ``(n, dim)``."""
+        import torch
+
+        out = []
+        for r in results:
+            if self.per_item_tokens:
+                seq = r["pooler_output"].float()
+                pooled = seq.mean(0)
+            else:
+                seq = r["last_hidden_state"][0].float()
+                pooled = r["pooler_output"][0].float() if "pooler_output" in r else seq.mean(0)
+            with torch.inference_mode():
+                out.append((pooled.cpu().numpy(), seq.cpu().numpy() if tokens else None))
+        return out
+
+    def token_count(self, results: Sequence[Mapping[str, Any]]) -> int:
+        key = "pooler_output" if self.per_item_tokens else "last_hidden_state"
+        return sum(int(r[key].shape[0 if self.per_item_tokens else 1]) for r in results)
+
+    def info(self) -> dict[str, Any]:
+        runner = self.front.stats.get("runner", {})
+        return {
+            "description": self.description,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "engine": "hf-eager" if self.eager else (runner.get("mode") or "graphs"),
+            "queue_depth": self.front.queue_depth,
+        }
+
+
+def _resource(name: str) -> dict[str, Any]:
+    text = resources.files("encgraph").joinpath("configs", name).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def _processor_class(name: str) -> Any:
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise VersionError(f"image processor {name!r}: not in the installed transformers {transformers.__version__}.")
+    return cls
+
+
+def load_processor(name: str) -> Any:
+    """The image processor of embedded model ``name`` (``encgraph/configs/<name>_processor.json``)."""
+    config = _resource(f"{name}_processor.json")
+    return _processor_class(config["image_processor_type"]).from_dict(config)
+
+
+def embedded_tower(name: str, *, device: Any, dtype: Any, seed: int = 0) -> tuple[Any, str]:
+    """The embedded tower ``name`` (seeded random weights), as ``encgraph demo`` builds it."""
+    from encgraph.cli._towers import build_tower
+
+    if name not in EMBEDDED:
+        raise ConfigError(f"model: expected one of the embedded models {sorted(EMBEDDED)}, got {name!r}.")
+    return build_tower(name, seed=seed, device=device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    # Loading a tower from a full checkpoint lists every weight of the other half as "unexpected": expected here.
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, device: Any, dtype: Any) -> tuple[Any, Any, str]:
+    """The vision tower (on ``device`` in ``dtype``, eval mode), the image processor and a description of the
+    local Hugging Face checkpoint directory ``path`` (no download: ``local_files_only``)."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    path = os.fspath(path)
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"--model: expected a local checkpoint directory with a config.json (saved with save_pretrained), got "
+            f"{path!r}."
+        )
+    if not os.path.exists(os.path.join(path, "preprocessor_config.json")):
+        raise ConfigError(
+            f"--model {path}: no preprocessor_config.json; save the model's image processor there too "
+            "(processor.save_pretrained(PATH))."
+        )
+    with _quiet_transformers():
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        family = FAMILIES.get(config.model_type)
+        if family is None:
+            raise UnsupportedModelError(
+                f"--model {path}: model_type {config.model_type!r} is not served; known: {sorted(FAMILIES)}."
+            )
+        module_name, cls_name = family.tower.split(":")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        options: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+        if family.sub_config is not None:
+            options["config"] = getattr(config, family.sub_config)
+            options["key_mapping"] = dict(family.key_mapping or {})
+        tower = cls.from_pretrained(path, **options)
+        processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    params = sum(p.numel() for p in tower.parameters())
+    description = f"{cls_name} from {path} ({params / 1e6:.1f}M parameters)"
+    return tower.to(device).eval(), processor, description
+
+
+def build_model(
+    name: str, tower: Any, processor: Any, description: str, *, budgets: Sequence[int] | None = None,
+    eager: bool = False, front_options: Mapping[str, Any] | None = None,
+) -> ServedModel:
+    """Wrap ``tower`` (its adapter from :func:`encgraph.models.wrap`), capture its graphs (or, on the CPU,
+    allocate its static buffers) and put a batching front over the runner.
+
+    ``eager=True`` serves the tower's own forward instead, one request at a time (a benchmark baseline)."""
+    import torch
+
+    from encgraph.capture.runner import EncoderGraphRunner
+    from encgraph.models.registry import wrap
+    from encgraph.serving.eager import EagerTower
+    from encgraph.serving.front import BatchingFront
+
+    adapter = wrap(tower)
+    if len(adapter.config.paths) != 1:
+        raise UnsupportedModelError(
+            f"model {name!r}: the server serves one-path towers; {type(adapter).__name__} has paths "
+            f"{list(adapter.config.path_names)}."
+        )
+    options = dict(front_options or {})
+    if eager:
+        adapter.unwrap()  # the tower's own attention and layout; the adapter still parses and describes inputs
+        target: Any = EagerTower(tower, adapter)
+        options["max_requests"] = 1  # the tower's forward takes one request at a time
+    else:
+        target = EncoderGraphRunner(adapter, budgets=budgets)
+        options["capture"] = True
+    param = next(tower.parameters())
+    front = BatchingFront(target, name=f"encgraph-front-{name}", **options)
+    dtype = param.dtype if isinstance(param.dtype, torch.dtype) else None
+    return ServedModel(name, description, processor, adapter, front, param.device, dtype, eager)

@@ -1,0 +1,97 @@
+"""Prometheus metrics of ``encgraph serve`` (``GET /metrics``), in a registry of the app's own.
+
+HTTP-level counters (requests by status, images, latency) are kept by the app; the runner's and the front's
+counters are read at scrape time from their ``stats`` (one source of truth, nothing counted twice):
+
+- ``encgraph_requests_total{model,status}``, ``encgraph_images_total{model}``,
+  ``encgraph_request_latency_seconds{model}`` (histogram);
+- ``encgraph_runner_items_total{model,kind=graph|eager}``, ``encgraph_replays_total{model,path,budget}``,
+  ``encgraph_eager_items_total{model,reason}``, ``encgraph_tokens_total{model,path,kind=real|padded}``,
+  ``encgraph_padded_share{model,path}``;
+- ``encgraph_queue_depth{model}``, ``encgraph_front_calls_total{model}``, ``encgraph_front_requests_total{model,
+  outcome}`` (completed, failed, rejected, cancelled), ``encgraph_coalesced_requests_total{model}`` (requests
+  that ran in a call of more than one request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["Metrics", "LATENCY_BUCKETS"]
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _StatsCollector:
+    """Reads every served model's ``front.stats`` (with the runner's counters inside) at scrape time."""
+
+    def __init__(self, models: Mapping[str, Any]) -> None:
+        self.models = models
+
+    def describe(self) -> list[Any]:
+        return []  # collected on demand only (the label sets depend on the traffic)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        items = CounterMetricFamily("encgraph_runner_items", "Items the runner encoded, by how", labels=["model", "kind"])
+        replays = CounterMetricFamily("encgraph_replays", "Graph replays (static forwards on the CPU) per budget",
+                                      labels=["model", "path", "budget"])
+        eager = CounterMetricFamily("encgraph_eager_items", "Items run eagerly, by reason", labels=["model", "reason"])
+        tokens = CounterMetricFamily("encgraph_tokens", "Budget units run: real and padding", labels=["model", "path", "kind"])
+        padded = GaugeMetricFamily("encgraph_padded_share", "Padding share of the units replayed", labels=["model", "path"])
+        depth = GaugeMetricFamily("encgraph_queue_depth", "Requests waiting for the batching front", labels=["model"])
+        calls = CounterMetricFamily("encgraph_front_calls", "Calls of the runner by the batching front", labels=["model"])
+        outcome = CounterMetricFamily("encgraph_front_requests", "Requests of the batching front, by outcome",
+                                      labels=["model", "outcome"])
+        coalesced = CounterMetricFamily("encgraph_coalesced_requests", "Requests that shared a runner call",
+                                        labels=["model"])
+        for name, model in self.models.items():
+            stats = model.front.stats
+            runner = stats.get("runner") or {}
+            depth.add_metric([name], stats["queue_depth"])
+            calls.add_metric([name], stats["calls"])
+            for key in ("completed", "failed", "rejected", "cancelled"):
+                outcome.add_metric([name, key], stats[key])
+            coalesced.add_metric([name], sum(k * v for k, v in stats["requests_per_call"].items() if k > 1))
+            if not runner:
+                continue
+            items.add_metric([name, "graph"], runner["graph_items"])
+            items.add_metric([name, "eager"], runner["eager_items"])
+            for reason, n in runner["eager_reasons"].items():
+                eager.add_metric([name, reason], n)
+            for path, p in runner["paths"].items():
+                for budget, n in p["replays"].items():
+                    replays.add_metric([name, path, str(budget)], n)
+                tokens.add_metric([name, path, "real"], p["real_tokens"])
+                tokens.add_metric([name, path, "padded"], p["padded_tokens"])
+                padded.add_metric([name, path], p["padded_share"])
+        yield from (items, replays, eager, tokens, padded, depth, calls, outcome, coalesced)
+
+
+class Metrics:
+    """The app's registry: HTTP counters it updates, and the served models' stats read at scrape time."""
+
+    def __init__(self, models: Mapping[str, Any]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("encgraph_requests", "Embedding requests by model and HTTP status",
+                                ["model", "status"], registry=self.registry)
+        self.images = Counter("encgraph_images", "Images embedded", ["model"], registry=self.registry)
+        self.latency = Histogram("encgraph_request_latency_seconds", "Embedding request latency (answered requests)",
+                                 ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_StatsCollector(models))
+
+    def observe(self, model: str, status: int, *, images: int = 0, seconds: float | None = None) -> None:
+        self.requests.labels(model, str(status)).inc()
+        if images:
+            self.images.labels(model).inc(images)
+        if seconds is not None:
+            self.latency.labels(model).observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

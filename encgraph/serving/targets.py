@@ -1,0 +1,174 @@
+"""What a :class:`~encgraph.serving.BatchingFront` runs: a runner, a graphed module, or any other callable.
+
+A target turns one request (the arguments given to ``submit``) into a :class:`Parsed` request (validated inputs
+and their item specs) and runs a group of parsed requests as one call, handing each request its own result.
+Every method runs on the front's worker thread only, so adapters and runners are never used from two threads.
+
+- :class:`RunnerTarget`: ``submit(inputs)`` with the adapter's inputs; a request's result is the runner's list
+  of per-item results for its items, in order.
+- :class:`GraphedTarget`: ``submit(*args, **kwargs)`` with the wrapped module's own forward arguments; a
+  request's result is the module's own output type for its items (``adapter.output_for_call``).
+- :class:`CallableTarget`: any other callable (an unwrapped tower, a function); requests run one at a time.
+
+Coalescing needs the adapter's optional ``concat(parts)``; without it, a runner target runs requests one by one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from encgraph._validate import describe
+from encgraph.errors import ConfigTypeError, InputError, InputTypeError
+from encgraph.packing import ItemSpec
+
+__all__ = ["Parsed", "RunnerTarget", "GraphedTarget", "CallableTarget", "make_target"]
+
+log = logging.getLogger("encgraph")
+
+
+@attrs.frozen(eq=False)
+class Parsed:
+    """One validated request.
+
+    ``inputs``: the adapter's inputs (or ``(args, kwargs)`` for a request that runs alone); ``specs``: one
+    :class:`~encgraph.packing.ItemSpec` per item; ``tokens``: per path, the budget units the request brings;
+    ``alone``: the request is not coalesced (a callable target, or a call the graphs answer with the module's
+    own forward).
+    """
+
+    inputs: Any
+    specs: tuple[ItemSpec, ...] = ()
+    tokens: Mapping[str, int] = attrs.field(factory=dict)
+    alone: bool = False
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+def _tokens(specs: Sequence[ItemSpec]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for spec in specs:
+        for path, n in spec.tokens.items():
+            out[path] = out.get(path, 0) + n
+    return out
+
+
+class RunnerTarget:
+    """Requests are adapter inputs, run by an :class:`~encgraph.EncoderGraphRunner`."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.adapter = runner.adapter
+        self.coalesces = callable(getattr(self.adapter, "concat", None))
+        if not self.coalesces:
+            log.info("encgraph serving: %s has no concat(parts); requests run one by one", type(self.adapter).__name__)
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.runner.captured)
+
+    def capture(self) -> None:
+        self.runner.capture()
+
+    def caps(self) -> dict[str, int]:
+        """Per path, the largest budget of its ladder: the default most units one coalesced call holds."""
+        return {path: max(ladder) for path, ladder in self.runner.ladders.items()}
+
+    def parse(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Parsed:
+        if len(args) != 1 or kwargs:
+            raise InputTypeError(
+                f"submit: a runner takes one argument (the adapter's inputs), got {len(args)} positional and "
+                f"keywords {sorted(kwargs)}."
+            )
+        return self._parsed(args[0])
+
+    def _parsed(self, inputs: Any) -> Parsed:
+        specs = tuple(self.adapter.item_specs(inputs))
+        if not specs:
+            raise InputError("inputs: expected at least one item, got an empty batch.")
+        return Parsed(inputs, specs, _tokens(specs))
+
+    def run(self, group: Sequence[Parsed]) -> list[Any]:
+        """One result per request of ``group``: one runner call over all their items, split back per request."""
+        if len(group) == 1:
+            return [self.finish(group[0], self.runner(group[0].inputs))]
+        results = self.runner(self.adapter.concat([p.inputs for p in group]))
+        out, start = [], 0
+        for parsed in group:
+            n = len(parsed.specs)
+            out.append(self.finish(parsed, results[start : start + n]))
+            start += n
+        return out
+
+    def finish(self, parsed: Parsed, results: list[Any]) -> Any:
+        return list(results)
+
+
+class GraphedTarget(RunnerTarget):
+    """Requests are the forward arguments of a graphed module (:func:`encgraph.graphed`)."""
+
+    def __init__(self, module: Any) -> None:
+        super().__init__(module.runner)
+        self.module = module
+
+    def parse(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Parsed:
+        from encgraph.capture.protocol import StockCall
+
+        inputs = self.adapter.inputs_from_call(*args, **dict(kwargs))
+        if isinstance(inputs, StockCall):
+            # The module's own forward answers it (graphed() counts the reason): never coalesced.
+            return Parsed(None, alone=True, args=args, kwargs=kwargs)
+        return self._parsed(inputs)
+
+    def run(self, group: Sequence[Parsed]) -> list[Any]:
+        if group[0].alone:
+            return [self.module(*group[0].args, **group[0].kwargs)]
+        return super().run(group)
+
+    def finish(self, parsed: Parsed, results: list[Any]) -> Any:
+        return self.adapter.output_for_call(list(results), parsed.inputs)
+
+
+class CallableTarget:
+    """Any other callable: each request is ``fn(*args, **kwargs)``, one at a time, nothing coalesced."""
+
+    coalesces = False
+    runner = None
+    captured = True
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def capture(self) -> None:
+        return None
+
+    def caps(self) -> dict[str, int]:
+        return {}
+
+    def parse(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Parsed:
+        return Parsed(None, alone=True, args=args, kwargs=kwargs)
+
+    def run(self, group: Sequence[Parsed]) -> list[Any]:
+        return [self.fn(*p.args, **p.kwargs) for p in group]
+
+
+def make_target(target: Any) -> RunnerTarget | CallableTarget:
+    """The target kind of ``target``: a runner, a graphed module, or a callable."""
+    from encgraph.capture.runner import EncoderGraphRunner
+    from encgraph.models.graphed import GraphedModule
+
+    if isinstance(target, (RunnerTarget, CallableTarget)):
+        return target
+    if isinstance(target, EncoderGraphRunner):
+        return RunnerTarget(target)
+    if isinstance(target, GraphedModule):
+        return GraphedTarget(target)
+    if callable(target):
+        return CallableTarget(target)
+    raise ConfigTypeError(
+        f"target: expected an EncoderGraphRunner, a graphed module (encgraph.graphed) or a callable, got "
+        f"{describe(target)}."
+    )

@@ -1,0 +1,115 @@
+"""The batching front over captured CUDA graphs (GRAPH mode), at real geometry with fewer layers: 32 threads
+submit fresh random requests at once, the worker coalesces them into replays, and every request's items equal
+the adapter's static forward run eagerly (``RunMode.STATIC``) on that request alone AND the Hugging Face tower's
+own forward on it; the static input buffers are NaN-poisoned after capture, so a replay that read a row it did
+not write would show. A coalesced replay pads and batches differently from the request alone, so both
+comparisons are at bf16 tolerance (an item's output depends on that item alone: design rule 13).
+
+Towers: the Qwen2.5-VL-7B tower at depth 4 (full attention in layer 3), and SigLIP-so400m at 384 px, depth 4.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import encgraph
+from encgraph.capture.records import RunMode
+from encgraph.models import wrap
+from encgraph.serving import BatchingFront
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+HF_RTOL = 2e-2  # bf16: flash varlen / batched kernels vs the tower's own per-request forward
+STATIC_RTOL = 2e-2  # bf16: another budget and other neighbours than the request alone
+CLIENTS = 32
+TIMEOUT = 300
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6))
+
+
+def poison(runner) -> None:
+    """NaN in every floating static buffer: a replay must overwrite every row it reads."""
+    for buffers in runner.buffers.values():
+        for t in buffers.storage.values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+
+
+def qwen_tower():
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    cfg = Qwen2_5_VLVisionConfig(depth=4, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                 out_hidden_size=3584, patch_size=14, window_size=112, spatial_merge_size=2,
+                                 temporal_patch_size=2, fullatt_block_indexes=[3])
+    torch.manual_seed(0)
+    return Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+
+
+def siglip_tower():
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    cfg = SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=4, num_attention_heads=16,
+                             patch_size=14, image_size=384)
+    torch.manual_seed(0)
+    return SiglipVisionModel._from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+
+
+def qwen_request(rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    n = int(rng.integers(1, 4))
+    grid = np.stack([np.ones(n, int), rng.integers(2, 17, n) * 2, rng.integers(2, 17, n) * 2], axis=1)
+    pixels = torch.randn(int(grid.prod(1).sum()), 3 * 2 * 14 * 14, dtype=torch.bfloat16, device="cuda")
+    return pixels, torch.from_numpy(grid).cuda()
+
+
+def test_qwen_front_coalesces_replays_equal_per_request():
+    hf = qwen_tower()
+    adapter = wrap(copy.deepcopy(hf))
+    runner = encgraph.EncoderGraphRunner(adapter, budgets=[64, 256, 1024, 2048])
+    static = encgraph.EncoderGraphRunner(adapter, budgets=[64, 256, 1024, 2048], mode=RunMode.STATIC)
+    rng = np.random.default_rng(0)
+    requests = [qwen_request(rng) for _ in range(CLIENTS)]
+    with BatchingFront(runner, capture=True, max_wait_ms=20) as front:
+        poison(runner)
+        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
+            futures = list(ex.map(lambda r: front.submit(adapter.inputs(*r)), requests))
+        results = [f.result(TIMEOUT) for f in futures]
+        stats = front.stats
+    assert max(stats["requests_per_call"]) > 1, stats  # 32 threads at once: some calls held several requests
+    with torch.inference_mode():
+        for (pixels, grid), items in zip(requests, results):
+            alone = torch.cat([r["pooler_output"] for r in static(adapter.inputs(pixels, grid))])
+            ref = hf(pixels, grid_thw=grid).pooler_output
+            got = torch.cat([r["pooler_output"] for r in items])
+            assert got.shape == ref.shape and torch.isfinite(got).all()
+            assert rel(got, alone) < STATIC_RTOL and rel(got, ref) < HF_RTOL
+
+
+def test_siglip_graphed_front_equal_per_request():
+    hf = siglip_tower()
+    fast = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8, 16, 32])
+    static = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8, 16, 32], mode=RunMode.STATIC)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    requests = [torch.randn(int(n), 3, 384, 384, generator=gen, device="cuda", dtype=torch.bfloat16)
+                for n in np.random.default_rng(1).integers(1, 5, CLIENTS)]
+    with BatchingFront(fast, capture=True, max_wait_ms=20) as front:
+        poison(fast.runner)
+        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
+            futures = list(ex.map(lambda x: front.submit(pixel_values=x), requests))
+        outs = [f.result(TIMEOUT) for f in futures]
+        stats = front.stats
+    assert max(stats["requests_per_call"]) > 1, stats
+    with torch.inference_mode():
+        for x, out in zip(requests, outs):
+            ref, alone = hf(pixel_values=x), static(pixel_values=x)
+            for field in ("last_hidden_state", "pooler_output"):
+                got, want = getattr(out, field), getattr(ref, field)
+                assert got.shape == want.shape and torch.isfinite(got).all()
+                assert rel(got, want) < HF_RTOL and rel(got, getattr(alone, field)) < STATIC_RTOL, field

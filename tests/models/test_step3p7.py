@@ -1,0 +1,188 @@
+"""Step-3.7 two-path adapter on the CPU (tiny random model, fp32): per image, the runner's padded static forward
+(``RunMode.STATIC``) equals the model's own ``get_image_features`` (every field), with 0..N crops per image, in
+every grad mode; the local path overflowing its ladder (partial eager) while the global path keeps its static
+forward; the shim inside the model's forward; no host read in the static forwards.
+
+Geometry (fixtures_multipath): patch 4, 56 px global views (16 tokens) and 40 px crops (9 tokens, the position
+table interpolated); ladders global 16 * (1, 2, 4), local 0, 9 * (1, 2, 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from encgraph.capture.records import RunMode
+from encgraph.capture.runner import EncoderGraphRunner
+from encgraph.errors import ConfigError, InputError, UnsupportedModelError
+from encgraph.models.deepseek_ocr2 import OcrImages
+from encgraph.models.protocol import StockCall
+from encgraph.models.registry import wrap
+from encgraph.models.step3p7 import Step3p7Adapter, view_tokens
+from tests.models.fixtures_multipath import (  # one_thread: an autouse fixture
+    one_thread, GRAD_MODES, STEP_IMAGE_TOKEN, STEP_LOCAL, STEP_TEXT, STEP_TINY, grad_mode, rel_err, static_forwards,
+    step3p7_model,
+    step3p7_views,
+)
+
+GLOBAL_SIZE = STEP_TINY["image_size"]
+OPTIONS = {"max_images": 4, "max_tiles": 4, "local_size": STEP_LOCAL}
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return step3p7_model()
+
+
+def views(tiles: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    return step3p7_views(tiles, GLOBAL_SIZE, STEP_LOCAL, seed=seed)
+
+
+def assert_same_output(got: Any, want: Any) -> None:
+    """Every field of ``get_image_features``' output: last_hidden_state, pooler_output per image, and the
+    per-layer fields (None unless asked for)."""
+    assert type(got) is type(want)
+    assert rel_err(got.last_hidden_state, want.last_hidden_state) < TOL
+    assert got.last_hidden_state.shape == want.last_hidden_state.shape
+    assert len(got.pooler_output) == len(want.pooler_output)
+    for i, (g, w) in enumerate(zip(got.pooler_output, want.pooler_output)):
+        assert g.shape == w.shape and rel_err(g, w) < TOL, f"image {i}: {rel_err(g, w):.3g}"
+    assert got.hidden_states is None and want.hidden_states is None
+    assert got.attentions is None and want.attentions is None
+
+
+def test_geometry_and_registry(model: torch.nn.Module) -> None:
+    adapter = wrap(model, **OPTIONS)
+    assert isinstance(adapter, Step3p7Adapter) and isinstance(wrap(model.model, **OPTIONS), Step3p7Adapter)
+    assert adapter.tokens == {"global": 16, "local": 9}
+    assert (view_tokens(728, 14), view_tokens(504, 14)) == (169, 81)
+    assert Step3p7Adapter(model).sizes == {"global": 56, "local": 144}  # the tower's image_size; 36 patches
+    assert EncoderGraphRunner(adapter).ladders == {"global": (16, 32, 64), "local": (0, 9, 18, 36)}
+    assert adapter.config.path("local").allow_empty and not adapter.config.path("global").allow_empty
+
+
+@pytest.mark.parametrize("mode", sorted(GRAD_MODES))
+@pytest.mark.parametrize("tiles", [[0], [2], [0, 1, 3, 2], [3, 0, 0, 1]])
+def test_static_equals_get_image_features(model: torch.nn.Module, tiles: list[int], mode: str) -> None:
+    adapter = wrap(model, **OPTIONS)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
+    pv, local, counts = views(tiles, seed=len(tiles) + sum(tiles))
+    with torch.no_grad():
+        want = model.get_image_features(pv, local, counts)
+    with grad_mode(mode):
+        inputs = adapter.inputs_from_call(pv, local, torch.tensor(counts))
+        got = adapter.output_for_call(runner(inputs), inputs)
+    assert_same_output(got, want)
+    assert [p.shape[0] for p in got.pooler_output] == [9 * t + 16 for t in tiles]
+    assert runner.stats["eager_items"] == 0 and runner.stats["graph_items"] == len(tiles)
+
+
+def test_partial_eager_local_overflow(model: torch.nn.Module) -> None:
+    """An image with more crops than the local ladder holds (6 > 4) runs its local path eagerly; the global views
+    still take the static forward; every image still equals the model's."""
+    adapter = wrap(model, **OPTIONS)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
+    pv, local, counts = views([6, 0, 1, 2], seed=7)
+    inputs = adapter.inputs_from_call(pv, local, counts)
+    with torch.no_grad():
+        assert_same_output(adapter.output_for_call(runner(inputs), inputs), model.get_image_features(pv, local, counts))
+    paths = runner.stats["paths"]
+    assert paths["local"]["eager_items"] > 0
+    assert paths["global"]["eager_items"] == 0 and sum(paths["global"]["replays"].values()) > 0
+
+
+def test_shim_inside_the_model_forward(model: torch.nn.Module) -> None:
+    """The docstring's shim: the model's forward (and its generate) encode through the graphs; logits unchanged.
+    Per-layer outputs go to the model's own function, counted."""
+    adapter = wrap(model, **OPTIONS)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
+    pv, local, counts = views([2, 0], seed=3)
+    image_tokens = sum(9 * c + 16 for c in counts)
+    input_ids = torch.tensor([[1] + [STEP_IMAGE_TOKEN] * image_tokens + [2, 3]])
+    with torch.no_grad():
+        want = model(input_ids=input_ids, pixel_values=pv, pixel_values_local=local, num_local_patches=counts).logits
+    model.model.get_image_features = adapter.shim(runner)
+    try:
+        got = model(input_ids=input_ids, pixel_values=pv, pixel_values_local=local, num_local_patches=counts).logits
+        assert rel_err(got, want) < TOL and runner.stats["graph_items"] == 2
+        as_tuple = model.get_image_features(pv, None, None, return_dict=False)
+        assert isinstance(as_tuple, tuple) and [t.shape[0] for t in as_tuple[1]] == [16, 16]
+        with torch.no_grad():
+            stock = model.get_image_features(pv, local, counts, output_hidden_states=True)
+        assert len(stock.hidden_states) == STEP_TINY["num_hidden_layers"] + 1
+        assert adapter.stock_calls == {"output_hidden_states requested": 1}
+    finally:
+        del model.model.get_image_features
+
+
+def test_stock_calls_and_keywords(model: torch.nn.Module) -> None:
+    adapter = wrap(model, **OPTIONS)
+    pv, local, counts = views([1], seed=4)
+    stock = adapter.inputs_from_call(pv, local, counts, output_attentions=True)
+    assert stock == StockCall("output_attentions requested")
+    assert adapter.inputs_from_call(pv, local, counts, seq_idx=0).reason == "keyword arguments ['seq_idx']"
+    inputs = adapter.inputs_from_call(pv, local, counts, use_cache=False, output_hidden_states=False)
+    assert isinstance(inputs, OcrImages) and inputs.return_dict
+
+
+def test_sample_inputs_and_concat(model: torch.nn.Module) -> None:
+    adapter = wrap(model, **OPTIONS)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
+    for path, tokens, images, crops in (("global", 48, 3, 0), ("global", 5, 1, 0), ("local", 27, 1, 3)):
+        sample = adapter.sample_inputs(path, tokens)
+        specs = adapter.item_specs(sample)
+        assert len(specs) == images and sum(s.tokens["local"] for s in specs) == 9 * crops
+        assert sample.pixel_values.dtype == torch.float32 and bool((sample.pixel_values != 0).any())
+    a = adapter.inputs_from_call(*views([1, 0], seed=5))
+    b = adapter.inputs_from_call(*views([0], seed=6))
+    c = adapter.inputs_from_call(*views([2], seed=8))
+    joined = adapter.concat([a, b, c])
+    assert joined.num_local_patches == (1, 0, 0, 2)
+    for g, w in zip(runner(joined), runner(a) + runner(b) + runner(c)):
+        assert torch.allclose(g["features"], w["features"], atol=1e-6)
+        assert torch.allclose(g["last_hidden_state"], w["last_hidden_state"], atol=1e-6)
+
+
+def test_no_host_sync() -> None:
+    """Both paths' static forwards run on the ``meta`` device, where reading a tensor value on the host raises."""
+    from transformers import Step3p7Config, Step3p7Model
+
+    with torch.device("meta"):
+        meta = Step3p7Model(Step3p7Config(vision_config=dict(STEP_TINY), text_config=dict(STEP_TEXT)))
+    outputs = static_forwards(Step3p7Adapter(meta, **OPTIONS), (("global", 32), ("local", 18)), "meta")
+    assert sorted(outputs["global"]) == ["features", "last_hidden_state"] and sorted(outputs["local"]) == ["features"]
+    for path, budget in (("global", 32), ("local", 18)):
+        assert all(t.device.type == "meta" and t.shape[0] == budget for t in outputs[path].values())
+        assert outputs[path]["features"].shape == (budget, STEP_TEXT["hidden_size"])
+
+
+def test_bad_inputs(model: torch.nn.Module) -> None:
+    adapter = wrap(model, **OPTIONS)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
+    pv, local, counts = views([1, 2])
+    with pytest.raises(InputError, match="sum to 2 tiles"):
+        runner(adapter.inputs_from_call(pv, local, [1, 1]))
+    with pytest.raises(InputError, match="expected shape"):
+        runner(adapter.inputs_from_call(pv, local[:, :, :32, :32], counts))
+    with pytest.raises(ConfigError, match="multiples of 9"):
+        EncoderGraphRunner(adapter, budgets={"global": [16], "local": [10]}, mode=RunMode.STATIC).capture()
+    with pytest.raises(ConfigError, match="path"):
+        adapter.sample_inputs("tiles", 9)
+    with pytest.raises(UnsupportedModelError, match="Step3p7Model"):
+        Step3p7Adapter(model.model.vision_model)
+
+
+def test_graphed_points_to_the_shim(model: torch.nn.Module) -> None:
+    """graphed() cannot stand in for the model (its forward is the language model) nor for the tower alone (the
+    features need the projector and the per-image assembly): both refuse, naming the shim."""
+    import encgraph
+
+    with pytest.raises(UnsupportedModelError, match="shim"):
+        encgraph.graphed(model)
+    with pytest.raises(UnsupportedModelError, match=r"adapter.shim\(runner\)"):
+        encgraph.graphed(model.model.vision_model)

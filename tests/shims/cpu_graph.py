@@ -1,0 +1,70 @@
+"""A CPU stand-in for ``torch.cuda.CUDAGraph`` / ``torch.cuda.graph``, to run vLLM's real encoder manager here.
+
+A CUDA graph records the kernels a block launches and replays them later on the same memory: inputs are read
+from the captured addresses at replay time, and everything the host decided during capture (shapes, Python
+branches, ``.item()`` values) is frozen. :class:`RecordedGraph` does the same with a ``TorchDispatchMode``:
+during capture it records every aten call with its arguments; ``replay()`` re-runs the calls in order, on the
+same input tensors, substituting each recorded intermediate by its replayed value. Tensors created outside the
+block (the manager's buffers) are read and written in place, as a graph would.
+
+It is a test double for the graph API only: vLLM's manager code (budgets, packing, buffer copies, padding
+logic, scatter) runs unchanged around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["RecordedGraph", "recorded_graph", "patch_cuda_graphs"]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class RecordedGraph:
+    """Stand-in for ``torch.cuda.CUDAGraph``: ``replay()`` re-runs the aten calls recorded at capture."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.ops: list = []
+        self.replays = 0
+
+    def replay(self) -> None:
+        env: dict[int, torch.Tensor] = {}
+
+        def sub(x: Any) -> Any:
+            return env.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+        for func, args, kwargs, out in self.ops:
+            new = func(*tree_map(sub, args), **tree_map(sub, kwargs))
+            for old_t, new_t in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
+                if isinstance(old_t, torch.Tensor):
+                    env[id(old_t)] = new_t
+        self.replays += 1
+
+
+@contextlib.contextmanager
+def recorded_graph(graph: RecordedGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
+    """Stand-in for ``torch.cuda.graph(graph, pool=..., stream=...)``: records the block's aten calls."""
+    with _Recorder(graph.ops):
+        yield
+
+
+def patch_cuda_graphs(monkeypatch: Any) -> None:
+    """Replace ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` by the stand-ins for the test's duration."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", recorded_graph)

@@ -1,0 +1,189 @@
+"""VllmProtocolAdapter without vLLM: protocol objects (the toy encoder with stand-in data classes, and a Hugging
+Face Qwen2.5-VL tower exposed through the protocol) behind the runner on the CPU, per item against the model's
+own eager forward (and the HF forward); frames limits, held buffers, errors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import encgraph
+from encgraph.capture.runner import EncoderGraphRunner
+from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
+from encgraph.shims.vllm import OUTPUT, VllmProtocolAdapter
+from tests.shims.protocol_models import LOCAL_DEFS, toy_inputs, toy_model_class
+
+ToyVit = toy_model_class(LOCAL_DEFS)
+GRIDS = [[1, 2, 4], [1, 4, 4], [1, 2, 2], [1, 6, 4], [1, 2, 8]]
+VIDEOS = [[2, 2, 4], [1, 4, 4], [2, 4, 2], [3, 2, 2]]
+
+
+def runner_for(model, **options):
+    adapter = VllmProtocolAdapter(model)
+    return adapter, EncoderGraphRunner(adapter, **options)
+
+
+@pytest.mark.parametrize("grad", ["inference_mode", "no_grad", "plain"])
+@pytest.mark.parametrize("grid,video", [(GRIDS, False), (VIDEOS, True)], ids=["images", "videos"])
+def test_runner_equals_eager_forward_per_item(grid, video, grad):
+    model = ToyVit().eval()
+    adapter, runner = runner_for(model, budgets=[4, 8, 16], max_items=4, max_frames=6)
+    inputs = toy_inputs(grid, video=video, seed=1)
+    mode = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}.get(grad)
+    with mode() if mode else torch.enable_grad():
+        got = runner(inputs)
+        want = [model.encoder_eager_forward(model.select_encoder_cudagraph_items(inputs, [i])) for i in range(len(grid))]
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    stats = runner.stats
+    assert stats["items"] == len(grid) and stats["graph_items"] > 0
+    assert sum(stats["paths"]["default"]["replays"].values()) > 0
+
+
+def test_held_buffers_follow_vllm_rules():
+    model = ToyVit()
+    adapter = VllmProtocolAdapter(model)
+    specs = adapter.buffer_specs("default", 8, 2, 4)
+    # Device tensors without a padding logic are runner buffers; cu_seqlens (padding logic) and max_seqlen
+    # (0-d, the capture bound) are kept per budget as the model returned them.
+    assert sorted(specs) == ["pixel_values", "pos"]
+    held = adapter._held[("default", 8)]
+    assert sorted(held) == ["cu_seqlens", "max_seqlen"] and int(held["max_seqlen"]) == 8 * 4
+    assert held["cu_seqlens"].shape == (5,)
+    inputs = toy_inputs([[1, 2, 2], [1, 2, 4]])
+    values = adapter.replay_values("default", inputs, 8)
+    assert sorted(values) == ["pixel_values", "pos"]
+    assert held["cu_seqlens"].tolist() == [0, 4, 12, 12, 12]  # repeat-last padding logic, in place
+    assert int(held["max_seqlen"]) == 8  # 0-d values are copied, as vLLM's manager does
+
+
+def test_frames_over_the_limit_run_eagerly():
+    model = ToyVit(max_frames_per_video=2)
+    adapter, runner = runner_for(model, budgets=[4, 8, 16], max_items=4, max_frames=4)
+    grid = [[2, 2, 4], [3, 2, 2], [2, 2, 2], [5, 2, 2]]  # the 5-frame video exceeds max_frames=4
+    inputs = toy_inputs(grid, video=True, seed=2)
+    with torch.inference_mode():
+        got = runner(inputs)
+        want = [model.encoder_eager_forward(model.select_encoder_cudagraph_items(inputs, [i])) for i in range(4)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for batch in runner.plan(inputs).batches:
+        assert sum(grid[i][0] for i in batch.items) <= 4 or batch.budgets["default"] is None
+    assert runner.stats["eager_items"] >= 1
+
+
+def test_item_specs_and_select():
+    adapter = VllmProtocolAdapter(ToyVit())
+    inputs = toy_inputs(VIDEOS, video=True)
+    specs = adapter.item_specs(inputs)
+    assert [s.tokens["default"] for s in specs] == [4, 4, 4, 3]
+    assert [s.frames for s in specs] == [2, 1, 2, 3] and [s.input_size for s in specs] == [16, 16, 16, 12]
+    sub = adapter.select(inputs, [3, 0])
+    assert sub["video_grid_thw"] == [VIDEOS[3], VIDEOS[0]] and sub["pixel_values_videos"].shape[0] == 12 + 16
+    frames = VllmProtocolAdapter(ToyVit(), frames=lambda kw: [1] * len(kw["video_grid_thw"]))
+    assert [s.frames for s in frames.item_specs(inputs)] == [1, 1, 1, 1]
+
+
+def test_budget_range_and_config():
+    adapter = VllmProtocolAdapter(ToyVit(min_budget=8, max_budget=40))
+    path = adapter.config.path("default")
+    assert (path.min_budget, path.max_budget, path.outputs) == (8, 40, (OUTPUT,))
+    assert adapter.config.max_frames_per_item == 2
+    assert EncoderGraphRunner(adapter).ladders == {"default": (8, 16, 32, 40)}
+    assert VllmProtocolAdapter(ToyVit(), budget_range=(16, 16)).config.path("default").min_budget == 16
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: VllmProtocolAdapter(object()), UnsupportedModelError, "missing methods"),
+        (lambda: VllmProtocolAdapter(ToyVit(min_budget=0)), ConfigError, "Both must be positive"),
+        (lambda: VllmProtocolAdapter(ToyVit(min_budget=200, max_budget=100)), ConfigError, "min_budget=200 > max_budget=100"),
+        (lambda: VllmProtocolAdapter(ToyVit(), budget_range=(4,)), ConfigError, "expected \\(min_budget, max_budget\\)"),
+        (lambda: VllmProtocolAdapter(ToyVit()).item_specs([1, 2]), InputTypeError, "mm_kwargs"),
+        (lambda: VllmProtocolAdapter(ToyVit(), frames=lambda kw: [1]).item_specs(toy_inputs(GRIDS)), InputError, "one per item"),
+        (lambda: VllmProtocolAdapter(ToyVit()).replay_values("default", toy_inputs(GRIDS), 8), ConfigError, "buffer_specs was never called"),
+    ],
+)
+def test_bad_models_and_arguments(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_unsupported_protocol_features_are_refused():
+    class WithAxes(ToyVit):
+        def get_encoder_cudagraph_config(self):
+            config = super().get_encoder_cudagraph_config()
+            config.capture_axes = ((1, 2),)
+            return config
+
+    class CustomPost(ToyVit):
+        def postprocess_encoder_output(self, outputs, indices, per_item_out_tokens, dest, clone=False, batch_mm_kwargs=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(UnsupportedModelError, match="capture_axes"):
+        VllmProtocolAdapter(WithAxes())
+    with pytest.raises(UnsupportedModelError, match="overrides postprocess_encoder_output"):
+        VllmProtocolAdapter(CustomPost())
+
+
+def test_none_for_a_runner_buffer_is_an_error():
+    class Forgetful(ToyVit):
+        def prepare_encoder_cudagraph_replay_buffers(self, mm_kwargs, *args, **kwargs):
+            out = super().prepare_encoder_cudagraph_replay_buffers(mm_kwargs, *args, **kwargs)
+            out.values["pos"] = None
+            return out
+
+    adapter, runner = runner_for(Forgetful(), budgets=[8])
+    with pytest.raises(ConfigError, match="'pos' is None, but it is a runner buffer"):
+        runner(toy_inputs([[1, 2, 2]]))
+
+
+def test_optional_methods_only_when_given():
+    plain = VllmProtocolAdapter(ToyVit())
+    assert not hasattr(plain, "sample_inputs") and not hasattr(plain, "concat")
+    hooked = VllmProtocolAdapter(ToyVit(), sample_inputs=lambda path, tokens: toy_inputs([[1, 2, 2 * tokens]]),
+                                 concat=lambda parts: parts[0])
+    assert hooked.item_specs(hooked.sample_inputs("default", 8))[0].tokens["default"] == 8
+
+
+def test_imports_no_engine():
+    # The shim modules import their engine only inside functions.
+    assert "vllm" not in sys.modules or "encgraph.shims.vllm" in sys.modules
+    import subprocess
+
+    code = "import encgraph.shims.vllm, encgraph.shims, sys; print('vllm' in sys.modules, 'sglang' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+def tiny_qwen2_5_vl():
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = Qwen2_5_VLVisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=48,
+                                    fullatt_block_indexes=[1], window_size=56)
+    torch.manual_seed(0)
+    return Qwen2_5_VisionTransformerPretrainedModel._from_config(config).eval()
+
+
+def test_hf_tower_through_the_protocol_equals_hf_forward():
+    from tests.shims.protocol_models import HFQwenProtocol
+
+    model = HFQwenProtocol(tiny_qwen2_5_vl(), max_frames_per_video=2)
+    adapter = VllmProtocolAdapter(model, budget_range=(8, 64))
+    assert set(adapter._padding) == {"cu_seqlens", "cu_window_seqlens", "window_index"}
+    runner = EncoderGraphRunner(adapter, budgets=[8, 16, 32], max_items=4)
+    grid = [[1, 4, 6], [1, 8, 8], [2, 4, 4], [1, 12, 12], [1, 2, 4]]  # 144 tokens: over the largest budget
+    channels = adapter.model.qwen.channels
+    inputs = {"pixel_values": torch.randn(sum(t * h * w for t, h, w in grid), channels), "image_grid_thw": grid}
+    with torch.inference_mode():
+        got = runner(inputs)
+        hf = model.hf_per_item(inputs)
+    for g, h in zip(got, hf):
+        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-5)
+    stats = runner.stats
+    assert stats["graph_items"] == 4 and stats["eager_items"] == 1

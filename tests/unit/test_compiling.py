@@ -1,0 +1,111 @@
+"""Compiling for capture (``encgraph.capture.compiling``), on the CPU: the regional compile of a tower's repeated
+blocks traces without a graph break and with one graph per kind of block for every budget (Dynamo only:
+``backend="eager"``, so the test needs no C++ compiler and takes seconds), the cache directory, the modes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from encgraph.capture.buffers import PathBuffers
+from encgraph.capture.compiling import (
+    CompiledRegions,
+    CompileMode,
+    compile_cache,
+    compile_stats,
+    default_cache_dir,
+    no_duck_sizing,
+    resolve_compile,
+)
+from encgraph.errors import ConfigError, ConfigTypeError
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def varlen_on_cpu(monkeypatch):
+    """The CUDA path of the packed attention (the VARLEN backend and its custom op), with a CPU kernel behind
+    it: what torch.compile traces on a GPU."""
+    import encgraph.models.attention as attention
+    from encgraph.models._varlen_op import make_op
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        return attention._masked_attention(q, k, v, cu_q, kw.get("scale"))
+
+    monkeypatch.setattr(attention, "pick_backend", lambda q: attention.AttentionBackend.VARLEN)
+    monkeypatch.setattr(attention, "_VARLEN", (kernel, True))
+    monkeypatch.setattr(attention, "_VARLEN_OP", make_op(kernel, True))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_regional_compile_has_no_graph_break_and_serves_every_budget(family, varlen_on_cpu):
+    import torch._dynamo
+
+    from encgraph.models import wrap
+    from tests.models.conftest import QWEN_TOWERS
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    adapter = wrap(QWEN_TOWERS[family](depth=4))
+    budgets = [64, 48, 32, 24]
+    buffers = PathBuffers("default", {b: adapter.buffer_specs("default", b, 8, 16) for b in budgets}, torch.device("cpu"))
+    regions = CompiledRegions(adapter, backend="eager")
+    assert len(regions.modules) == 4
+    before = compile_stats()
+    outs = {}
+    with no_duck_sizing(), torch.no_grad():
+        regions.compile()
+        try:
+            for b in budgets:
+                views = buffers.fill(b, None)
+                for t in views.values():
+                    if t.is_floating_point():
+                        t.normal_()
+                outs[b] = (adapter.forward_static("default", views, b), {k: v.clone() for k, v in views.items()})
+        finally:
+            regions.restore()
+        for b, (out, views) in outs.items():  # the same static forward, uncompiled, on the same buffers
+            ref = adapter.forward_static("default", views, b)
+            for name in ref:
+                torch.testing.assert_close(out[name], ref[name], rtol=1e-5, atol=1e-5)
+    after = compile_stats()
+    assert after["graph_breaks"] == before["graph_breaks"], "a graph break inside a block: a graph per piece"
+    # One graph per kind of block call (first block / the others; windowed / full attention), not per budget.
+    assert after["unique_graphs"] - before["unique_graphs"] <= 2
+    assert all(m._compiled_call_impl is None for m in regions.modules)  # the tower runs uncompiled again
+
+
+def test_compile_cache_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENCGRAPH_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert default_cache_dir() == tmp_path / "mine"
+    with compile_cache(None) as used:
+        assert used == str(tmp_path / "mine") and os.environ["TORCHINDUCTOR_CACHE_DIR"] == used
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # put back as it was
+    with compile_cache(tmp_path / "given") as used:
+        assert used == str(tmp_path / "given")
+    # The user's own TORCHINDUCTOR_CACHE_DIR wins; torch's default (which torch writes there itself) does not.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "user"))
+    with compile_cache(None) as used:
+        assert used == str(tmp_path / "user")
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", torch_default())
+    with compile_cache(None) as used:
+        assert used == str(tmp_path / "mine")
+    monkeypatch.delenv("ENCGRAPH_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "encgraph" / "torch"
+
+
+def test_resolve_compile():
+    assert resolve_compile("auto", graph_mode=True) is CompileMode.AUTO
+    assert resolve_compile("auto", graph_mode=False) is CompileMode.OFF  # nothing is captured there
+    assert resolve_compile(True, graph_mode=True) is CompileMode.ON
+    assert resolve_compile(False, graph_mode=True) is CompileMode.OFF
+    with pytest.raises(ConfigError, match="GRAPH mode"):
+        resolve_compile(True, graph_mode=False)
+    with pytest.raises(ConfigTypeError, match="compile"):
+        resolve_compile("fast", graph_mode=True)

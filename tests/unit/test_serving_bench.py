@@ -1,0 +1,60 @@
+"""``benches/serving.py`` on the CPU: ``--help`` as a script, the in-process path in smoke mode (tiny towers,
+short points), and its summary and target helpers on known numbers. Its HTTP client runs against the integration
+tests' server (tests/integration/test_serve.py), so that no extra server starts for it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from benches import serving  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = ["--cpu-smoke", "--concurrency", "2", "--duration", "0.2", "--warmup", "0.05"]
+
+
+def test_help_runs_as_a_script():
+    done = subprocess.run([sys.executable, str(REPO / "benches" / "serving.py"), "--help"], capture_output=True,
+                          text=True, timeout=60, cwd="/", check=False)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+
+
+def test_inprocess_smoke_writes_every_point(tmp_path):
+    data = serving.main(SMOKE + ["--transports", "inprocess", "--results-dir", str(tmp_path)])
+    written = json.loads((tmp_path / "serving_cpu-smoke_inprocess.json").read_text())
+    assert written["towers"].keys() == data["towers"].keys() == set(serving.TOWERS)
+    for tower in written["towers"].values():
+        result = tower["inprocess"]
+        assert result["capture"]["mode"] == "static"
+        assert set(result["points"]) == set(serving.SYSTEMS)
+        for system, by_c in result["points"].items():
+            assert set(by_c) == {"2"}
+            for p in by_c.values():
+                assert p["requests"] >= 1 and p["errors"] == 0 and p["images_per_s"] > 0
+                assert p["p50_ms"] <= p["p99_ms"]
+                if system in ("hf_eager", "graphed_per_request"):
+                    assert p["requests_per_call"] == 1.0
+                if system != "hf_eager":
+                    assert 0 <= p["padded_share"] < 1
+    table = (tmp_path / "serving_cpu-smoke_inprocess.md").read_text()
+    assert "| 2 | graphed_coalesce |" in table and "Qwen2.5-VL-7B tower, inprocess" in table
+
+
+def test_summary_and_targets():
+    s = serving.summarize([0.001 * i for i in range(1, 101)], 100, 2.0)
+    assert s["images_per_s"] == 50.0 and s["p50_ms"] == pytest.approx(51.0) and s["p99_ms"] == pytest.approx(100.0)
+    assert serving.summarize([], 0, 1.0)["requests"] == 0
+    point = lambda ips, p99: {"requests": 10, "images_per_s": ips, "p99_ms": p99}  # noqa: E731
+    points = {"hf_eager": {"8": point(10, 50), "32": point(10, 400), "128": point(10, 900)},
+              "graphed_per_request": {"8": point(40, 20), "32": point(40, 90), "128": point(40, 300)},
+              "graphed_coalesce": {"8": point(60, 15), "32": point(35, 80), "128": point(200, 100)}}
+    t = serving.targets(points)
+    assert t == {"clients": 32, "coalesce_vs_hf_eager_images_per_s": 3.5, "coalesce_3x_hf_eager": True,
+                 "coalesce_p99_not_worse_than_per_request": True}

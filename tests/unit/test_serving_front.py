@@ -1,0 +1,265 @@
+"""The batching front on the CPU: coalescing into one runner call, each request its own items back, failure
+isolation (validation and a raising coalesced call), the bounded queue, shutdown, asyncio, grad modes.
+
+Coalescing is made deterministic by a long ``max_wait_ms`` with ``max_requests`` (the worker closes a call when
+it holds that many requests) or by a target that blocks until the test releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import encgraph
+from encgraph.errors import ConfigError, ConfigTypeError, InputError, OverloadedError, ShutdownError
+from encgraph.serving import BatchingFront
+
+LONG_WAIT_MS = 5_000.0
+TIMEOUT = 30
+
+
+class Net(torch.nn.Module):
+    """A batch-first module that raises on a poisoned row (value 666), to make a coalesced call fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == 666).any()):
+            raise ValueError("poisoned row")
+        return torch.tanh(self.lin(x))
+
+
+class Gate:
+    """A callable target that blocks until released, counting its calls."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def __call__(self, x: int) -> int:
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(TIMEOUT)
+        return x * 2
+
+
+def _graphed() -> tuple[Net, encgraph.graphed]:
+    net = Net().eval()
+    return net, encgraph.graphed(net, budgets=[1, 2, 4, 8, 16])
+
+
+def test_concurrent_requests_coalesce_into_one_call_and_get_their_own_rows():
+    net, fast = _graphed()
+    sizes = [3, 1, 5, 2]
+    xs = [torch.randn(n, 6, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(sizes)]
+    with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=len(sizes)) as front:
+        futures = [front.submit(x) for x in xs]
+        outs = [f.result(TIMEOUT) for f in futures]
+        stats = front.stats
+    for x, out in zip(xs, outs):
+        assert out.shape == (x.shape[0], 5)
+        torch.testing.assert_close(out, net(x).detach(), rtol=1e-5, atol=1e-6)
+    assert stats["calls"] == 1 and stats["requests_per_call"] == {4: 1}
+    assert stats["completed"] == 4 and stats["items"] == sum(sizes) and stats["failed"] == 0
+    assert stats["runner"]["items"] == sum(sizes)  # one runner call held every request's items
+
+
+def test_submit_from_many_threads_matches_the_module():
+    net, fast = _graphed()
+    xs = [torch.randn(1 + i % 4, 6, generator=torch.Generator().manual_seed(i)) for i in range(24)]
+    outs: dict[int, torch.Tensor] = {}
+    with BatchingFront(fast, max_wait_ms=2.0) as front:
+        def client(i: int) -> None:
+            outs[i] = front.submit(xs[i]).result(TIMEOUT)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        stats = front.stats
+    assert sorted(outs) == list(range(len(xs)))
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(outs[i], net(x).detach(), rtol=1e-5, atol=1e-6)
+    assert stats["completed"] == len(xs) and sum(k * v for k, v in stats["requests_per_call"].items()) == len(xs)
+
+
+def test_a_bad_request_fails_alone_before_coalescing():
+    net, fast = _graphed()
+    good = [torch.randn(2, 6), torch.randn(3, 6)]
+    with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=2) as front:
+        fa = front.submit(good[0])
+        bad = front.submit(torch.randn(2, 7))  # another trailing shape than the graphs'
+        fb = front.submit(good[1])
+        with pytest.raises(InputError, match="trailing shapes"):
+            bad.result(TIMEOUT)
+        for f, x in zip((fa, fb), good):
+            torch.testing.assert_close(f.result(TIMEOUT), net(x).detach(), rtol=1e-5, atol=1e-6)
+        stats = front.stats
+    assert stats["calls"] == 1 and stats["requests_per_call"] == {2: 1} and stats["failed"] == 1
+
+
+def test_a_raising_coalesced_call_is_retried_one_by_one():
+    net, fast = _graphed()
+    xs = [torch.randn(2, 6), torch.full((1, 6), 666.0), torch.randn(3, 6)]
+    with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=3) as front:
+        futures = [front.submit(x) for x in xs]
+        with pytest.raises(ValueError, match="poisoned"):
+            futures[1].result(TIMEOUT)
+        for i in (0, 2):
+            torch.testing.assert_close(futures[i].result(TIMEOUT), net(xs[i]).detach(), rtol=1e-5, atol=1e-6)
+        stats = front.stats
+    assert stats["retried_calls"] == 1 and stats["requests_per_call"] == {3: 1, 1: 3}
+    assert stats["completed"] == 2 and stats["failed"] == 1
+
+
+def test_token_cap_splits_calls_and_a_large_request_runs_alone():
+    net, fast = _graphed()  # largest budget 16 rows: the default cap
+    sizes = [10, 5, 4, 20]
+    xs = [torch.randn(n, 6) for n in sizes]
+    with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=2) as front:
+        assert front.caps == {"default": 16}
+        futures = [front.submit(x) for x in xs]
+        for f, x in zip(futures, xs):
+            torch.testing.assert_close(f.result(TIMEOUT), net(x).detach(), rtol=1e-5, atol=1e-6)
+        stats = front.stats
+    # [10, 5] fits 16; 4 would make 19: carried into the next call with... 20 over the cap: [4], then [20] alone.
+    assert stats["requests_per_call"] == {2: 1, 1: 2}
+    with BatchingFront(fast, max_tokens=64, max_wait_ms=0) as front:
+        assert front.caps == {"default": 64}
+
+
+def test_overload_raises_at_once_and_the_queue_recovers():
+    gate = Gate()
+    front = BatchingFront(gate, max_queue=2)
+    try:
+        first = front.submit(1)
+        assert gate.entered.wait(TIMEOUT)  # the worker holds request 1; the queue is empty
+        queued = [front.submit(2), front.submit(3)]
+        t0 = time.monotonic()
+        with pytest.raises(OverloadedError, match="max_queue=2") as info:
+            front.submit(4)
+        assert time.monotonic() - t0 < 1.0 and isinstance(info.value, RuntimeError)
+        assert front.queue_depth == 2 and front.stats["rejected"] == 1
+        gate.release.set()
+        assert [first.result(TIMEOUT)] + [f.result(TIMEOUT) for f in queued] == [2, 4, 6]
+        assert front.submit(5).result(TIMEOUT) == 10
+        assert gate.calls == 4  # a callable target never coalesces
+    finally:
+        gate.release.set()
+        front.close()
+
+
+def test_close_drains_by_default_and_then_refuses():
+    gate = Gate()
+    front = BatchingFront(gate)
+    futures = [front.submit(i) for i in range(3)]
+    assert gate.entered.wait(TIMEOUT)
+    closer = threading.Thread(target=front.close)
+    closer.start()
+    gate.release.set()
+    closer.join(TIMEOUT)
+    assert not closer.is_alive()
+    assert [f.result(0) for f in futures] == [0, 2, 4]
+    with pytest.raises(ShutdownError, match="closed"):
+        front.submit(9)
+
+
+def test_close_without_drain_fails_the_queue_and_never_hangs():
+    gate = Gate()
+    front = BatchingFront(gate)
+    running = front.submit(1)
+    assert gate.entered.wait(TIMEOUT)
+    queued = [front.submit(i) for i in range(2, 5)]
+    t0 = time.monotonic()
+    front.close(drain=False, timeout=0.2)  # the call in progress is stuck: close still returns
+    assert time.monotonic() - t0 < 5
+    for f in queued:
+        with pytest.raises(ShutdownError, match="not run"):
+            f.result(0)
+    gate.release.set()
+    assert running.result(TIMEOUT) == 2  # the call in progress still finishes
+
+
+def test_encode_from_asyncio_and_cancel_a_queued_request():
+    net, fast = _graphed()
+    gate = Gate()
+    x = torch.randn(3, 6)
+
+    async def main() -> torch.Tensor:
+        with BatchingFront(fast, max_wait_ms=0) as front:
+            return await front.encode(x)
+
+    torch.testing.assert_close(asyncio.run(main()), net(x).detach(), rtol=1e-5, atol=1e-6)
+
+    async def cancelled() -> dict:
+        front = BatchingFront(gate)
+        front.submit(0)
+        assert await asyncio.to_thread(gate.entered.wait, TIMEOUT)
+        task = asyncio.ensure_future(front.encode(1))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.release.set()
+        front.close()
+        return front.stats
+
+    stats = asyncio.run(cancelled())
+    assert stats["cancelled"] == 1 and gate.calls == 1
+
+
+@pytest.mark.parametrize("mode", ["plain", "no_grad", "inference_mode"])
+def test_the_runner_still_answers_every_grad_mode_after_the_front(mode):
+    """The front's first call allocates the static buffers outside inference mode (rule 12)."""
+    net, fast = _graphed()
+    x = torch.randn(3, 6)
+    with BatchingFront(fast) as front:
+        out = front.submit(x).result(TIMEOUT)  # the first call allocates the buffers under no_grad
+        assert front.submit(x).result(TIMEOUT).is_inference()  # later calls run under inference_mode
+    ctx = {"plain": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with ctx():
+        again = fast(x)
+    torch.testing.assert_close(again.detach(), out.clone(), rtol=1e-5, atol=1e-6)
+
+
+def test_runner_target_returns_per_item_results():
+    net = Net().eval()
+    from encgraph.models.generic import GenericModuleAdapter
+
+    runner = encgraph.EncoderGraphRunner(GenericModuleAdapter(net, max_batch=8, example=torch.randn(1, 6)))
+    xs = [torch.randn(2, 6), torch.randn(1, 6)]
+    with BatchingFront(runner, max_wait_ms=LONG_WAIT_MS, max_requests=2, capture=True) as front:
+        outs = [f.result(TIMEOUT) for f in [front.submit((x,)) for x in xs]]
+        with pytest.raises(Exception, match="one argument"):
+            front.submit((xs[0],), extra=1).result(TIMEOUT)
+    for x, out in zip(xs, outs):
+        assert len(out) == x.shape[0]
+        torch.testing.assert_close(torch.cat([r["out"] for r in out]), net(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"max_wait_ms": -1}, ConfigError, "max_wait_ms"),
+    ({"max_wait_ms": "1"}, ConfigError, "max_wait_ms"),
+    ({"max_queue": 0}, ConfigError, "max_queue"),
+    ({"max_requests": 0}, ConfigError, "max_requests"),
+    ({"max_tokens": {"other": 4}}, ConfigError, "unknown paths"),
+    ({"capture": 1}, ConfigTypeError, "capture"),
+])
+def test_bad_options(kwargs, error, match):
+    _, fast = _graphed()
+    with pytest.raises(error, match=match):
+        BatchingFront(fast, **kwargs)
+
+
+def test_bad_target():
+    with pytest.raises(ConfigTypeError, match="target"):
+        BatchingFront(42)

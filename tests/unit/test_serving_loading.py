@@ -1,0 +1,188 @@
+"""Loading what ``encgraph serve --model PATH`` serves, from tiny checkpoints saved here with ``save_pretrained``
+(a full SigLIP dual encoder and a full Qwen2.5-VL model: only the vision tower is loaded), and the served
+embeddings of the graphs and of ``--eager`` against the original model's own tower, per image."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from PIL import Image  # noqa: E402
+
+from encgraph.cli import build_parser  # noqa: E402
+from encgraph.cli.serve import build_models  # noqa: E402
+from encgraph.errors import ConfigError, UnsupportedModelError  # noqa: E402
+from encgraph.serving import loading  # noqa: E402
+
+TOL = 1e-5
+TIMEOUT = 60
+
+
+def _images(n: int, seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (40 + 13 * i, 60 - 5 * i, 3), dtype=np.uint8)) for i in range(n)]
+
+
+CHECKPOINTS = {
+    # name: (config class, model class, processor class, config kwargs, processor kwargs), all in transformers
+    "siglip": ("SiglipConfig", "SiglipModel", "SiglipImageProcessor", dict(
+        text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                         vocab_size=64),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+    ), dict(size={"height": 28, "width": 28})),
+    "qwen": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2VLImageProcessor", dict(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=60, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[1], window_size=56),
+    ), dict(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 32})),
+}
+
+
+def _save(tmp_path_factory, which: str):
+    """A full random-weight model and its image processor, saved with save_pretrained: (directory, model)."""
+    import transformers
+
+    config_cls, model_cls, processor_cls, config, processor = CHECKPOINTS[which]
+    path = tmp_path_factory.mktemp(which)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).eval()
+    model.save_pretrained(path)
+    getattr(transformers, processor_cls)(**processor).save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def siglip_dir(tmp_path_factory):
+    return _save(tmp_path_factory, "siglip")
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return _save(tmp_path_factory, "qwen")
+
+
+def _reference(model_name: str, model, processor, images):
+    processed = processor(images=images, return_tensors="pt")
+    with torch.no_grad():
+        if model_name == "qwen":
+            tokens = model.model.visual(processed["pixel_values"], grid_thw=processed["image_grid_thw"]).pooler_output
+            sizes = (processed["image_grid_thw"].prod(-1) // 4).tolist()
+            return [t.mean(0).numpy() for t in torch.split(tokens, sizes)]
+        return list(model.vision_model(pixel_values=processed["pixel_values"]).pooler_output.numpy())
+
+
+@pytest.mark.parametrize("which", ["siglip", "qwen"])
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_checkpoint_tower_serves_the_models_own_embeddings(which, eager, request):
+    path, model = request.getfixturevalue(f"{which}_dir")
+    tower, processor, description = loading.load_checkpoint(path, device=torch.device("cpu"), dtype=torch.float32)
+    original = model.vision_model if which == "siglip" else model.model.visual
+    assert type(tower).__name__ == type(original).__name__ and "parameters" in description
+    for (name, a), b in zip(tower.state_dict().items(), original.state_dict().values()):
+        assert torch.equal(a, b), name  # the tower's weights, read from the full checkpoint
+    served = loading.build_model(which, tower, processor, description, eager=eager)
+    try:
+        images = _images(3)
+        results = served.front.submit(served.inputs(images)).result(TIMEOUT)
+        got = served.embeddings(results, tokens=True)
+    finally:
+        served.front.close()
+    want = _reference(which, model, processor, images)
+    assert len(got) == len(want)
+    for (pooled, seq), ref in zip(got, want):
+        assert pooled.shape == ref.shape and seq.ndim == 2
+        assert np.abs(pooled - ref).max() / np.abs(ref).max() < TOL
+    assert served.info()["engine"] == ("hf-eager" if eager else "static")
+
+
+def test_cli_builds_named_checkpoints_with_their_budgets(siglip_dir):
+    path, _ = siglip_dir
+    args = build_parser().parse_args(["serve", "--model", f"tiny={path}", "--budgets", "tiny=1,2,4",
+                                      "--max-wait-ms", "0"])
+    models = build_models(args)
+    try:
+        assert list(models) == ["tiny"]
+        front = models["tiny"].front
+        assert front.caps == {"default": 4} and front.max_wait_s == 0
+    finally:
+        for m in models.values():
+            m.front.close()
+
+
+def test_cli_rejects_budgets_of_an_unknown_model():
+    args = build_parser().parse_args(["serve", "--budgets", "nope=1,2"])
+    from encgraph.cli._common import UsageError
+
+    with pytest.raises(UsageError, match="no model 'nope'"):
+        build_models(args)
+
+
+def test_load_errors_name_what_to_fix(tmp_path, siglip_dir):
+    with pytest.raises(ConfigError, match="config.json"):
+        loading.load_checkpoint(tmp_path, device="cpu", dtype=torch.float32)
+    (tmp_path / "config.json").write_text((siglip_dir[0] / "config.json").read_text())
+    with pytest.raises(ConfigError, match="preprocessor_config.json"):
+        loading.load_checkpoint(tmp_path, device="cpu", dtype=torch.float32)
+    (tmp_path / "preprocessor_config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(UnsupportedModelError, match="not served"):
+        loading.load_checkpoint(tmp_path, device="cpu", dtype=torch.float32)
+
+
+def test_embedded_processors_and_towers_build():
+    for name in loading.EMBEDDED:
+        processor = loading.load_processor(name)
+        tower, description = loading.embedded_tower(name, device=torch.device("cpu"), dtype=torch.float32)
+        assert description and next(tower.parameters()).dtype == torch.float32
+        assert processor(images=_images(1), return_tensors="pt")["pixel_values"].is_floating_point()
+    with pytest.raises(ConfigError, match="embedded models"):
+        loading.embedded_tower("clip", device="cpu", dtype=torch.float32)
+
+
+def test_parser_accepts_named_and_plain_values():
+    args = build_parser().parse_args(["serve", "--model", "/a/b", "--model", "x=/c", "--budgets", "8,4"])
+    assert args.model == [(None, "/a/b"), ("x", "/c")] and args.budgets == [(None, (4, 8))]
+    assert isinstance(args, argparse.Namespace)
+
+
+@pytest.mark.parametrize("which", ["siglip", "qwen"])
+def test_a_tower_saved_alone_loads_too(which, request, tmp_path):
+    from transformers import SiglipImageProcessor
+
+    _, model = request.getfixturevalue(f"{which}_dir")
+    original = model.vision_model if which == "siglip" else model.model.visual
+    if which == "siglip":  # SiglipVisionModel around the dual encoder's tower
+        from transformers import SiglipVisionModel
+
+        standalone = SiglipVisionModel(model.config.vision_config).eval()
+        standalone.load_state_dict(original.state_dict())
+        original = standalone
+    original.save_pretrained(tmp_path)
+    SiglipImageProcessor().save_pretrained(tmp_path)
+    tower, _, _ = loading.load_checkpoint(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    assert type(tower) is type(original)
+    for (name, a), b in zip(tower.state_dict().items(), original.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["serve", "--help"], 0),
+    (["serve", "--max-wait-ms", "-1"], 2),
+    (["serve", "--budgets", "a=0,1"], 2),
+    (["serve", "--max-requests", "0"], 2),
+])
+def test_serve_command_line_exit_codes(argv, code, capsys):
+    from encgraph.cli import main
+
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    assert ("usage:" in captured.out) if code == 0 else ("error" in captured.err and "\n" == captured.err[-1])
