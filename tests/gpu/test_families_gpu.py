@@ -129,9 +129,34 @@ def hf_per_item(name: str, reference: torch.nn.Module, rows: torch.Tensor, grid:
                              grid[i:i + 1])[0] for i in range(grid.shape[0])]
 
 
+def replay_mix(name: str, adapter: Any, runners: tuple[Any, Any], gen: np.random.Generator, n: int, run: Run,
+               big: bool) -> tuple[torch.Tensor, np.ndarray, list[dict], list[dict]]:
+    """A fresh random mix through both runners (the graphs, the eager static forward): rows, grid, results."""
+    grid = random_mix(gen, name, n, run, big)
+    rows = pixel_rows(adapter, grid, run)
+    inputs = adapter_inputs(name, adapter, rows, grid)
+    with torch.inference_mode():
+        got, want = runners[0](inputs), runners[1](inputs)
+    return rows, grid, got, want
+
+
+def worst_vs_hf(name: str, adapter: Any, reference: torch.nn.Module, rows: torch.Tensor, grid: np.ndarray,
+                got: list[dict]) -> float:
+    """Per item and field, the replay (as the tower's own output) against the HF tower on the item alone; asserts
+    each within ``HF_RTOL`` and returns the worst norm-relative error."""
+    worst = 0.0
+    for i, (g, ref) in enumerate(zip(got, hf_per_item(name, reference, rows, grid))):
+        one = adapter_inputs(name, adapter, *_item(rows, grid, i))
+        mine = FAMILIES[name].split(adapter.output_for_call([g], one), grid[i:i + 1])[0]
+        for key in ref:
+            err = rel(mine[key], ref[key])
+            worst = max(worst, err)
+            assert err < HF_RTOL, (name, i, grid[i].tolist(), key, err)
+    return worst
+
+
 def check_packed(name: str, run: Run) -> dict[str, Any]:
     """Capture, poison, replay random mixes; compare with the eager static forward and the HF tower per item."""
-    family = FAMILIES[name]
     tower, reference = build(name, run)
     adapter = wrap(tower)
     # Plain graphs (the compiled default has its own test) planned greedily (a cost model could send the poisoning
@@ -153,11 +178,8 @@ def check_packed(name: str, run: Run) -> dict[str, Any]:
     exact = total = 0
     worst_static = worst_hf = 0.0
     for case in range(run.cases):
-        grid = random_mix(gen, name, int(gen.integers(1, 3 * MAX_ITEMS // 2)), run, big=case % 4 == 1)
-        rows = pixel_rows(adapter, grid, run)
-        inputs = adapter_inputs(name, adapter, rows, grid)
-        with torch.inference_mode():
-            got, want = graph(inputs), static(inputs)
+        n = int(gen.integers(1, 3 * MAX_ITEMS // 2))
+        rows, grid, got, want = replay_mix(name, adapter, (graph, static), gen, n, run, big=case % 4 == 1)
         for i, (g, w) in enumerate(zip(got, want)):
             for key in w:
                 assert torch.isfinite(g[key]).all(), (name, case, i, key)
@@ -169,14 +191,7 @@ def check_packed(name: str, run: Run) -> dict[str, Any]:
                     worst_static = max(worst_static, err)
                     assert err < STATIC_RTOL_FOR.get((name, key), STATIC_RTOL), (name, case, i, grid[i].tolist(), key, err)
         if case < HF_CASES:
-            refs = hf_per_item(name, reference, rows, grid)
-            for i, (g, ref) in enumerate(zip(got, refs)):
-                one = adapter_inputs(name, adapter, *_item(rows, grid, i))
-                mine = family.split(adapter.output_for_call([g], one), grid[i:i + 1])[0]
-                for key in ref:
-                    err = rel(mine[key], ref[key])
-                    worst_hf = max(worst_hf, err)
-                    assert err < HF_RTOL, (name, case, i, grid[i].tolist(), key, err)
+            worst_hf = max(worst_hf, worst_vs_hf(name, adapter, reference, rows, grid, got))
     stats = graph.stats
     assert stats["graph_items"] > 0 and stats["eager_items"] > 0
     return {
@@ -265,23 +280,15 @@ def check_compiled_default(name: str, run: Run) -> dict[str, Any]:
     gen = np.random.default_rng(5)
     worst_static = worst_hf = 0.0
     for case in range(4):
-        grid = random_mix(gen, name, int(gen.integers(1, 9)), attrs.evolve(run, max_side=24), big=False)
-        rows = pixel_rows(adapter, grid, run)
-        inputs = adapter_inputs(name, adapter, rows, grid)
-        with torch.inference_mode():
-            got, want = graph(inputs), static(inputs)
+        n = int(gen.integers(1, 9))
+        rows, grid, got, want = replay_mix(name, adapter, (graph, static), gen, n, attrs.evolve(run, max_side=24), False)
         for i, (g, w) in enumerate(zip(got, want)):
             for key in w:
                 err = rel(g[key], w[key])
                 worst_static = max(worst_static, err)
                 assert torch.isfinite(g[key]).all() and err < HF_RTOL, (name, case, i, grid[i].tolist(), key, err)
         if case == 0:
-            for i, (g, ref) in enumerate(zip(got, hf_per_item(name, reference, rows, grid))):
-                one = adapter_inputs(name, adapter, *_item(rows, grid, i))
-                mine = FAMILIES[name].split(adapter.output_for_call([g], one), grid[i:i + 1])[0]
-                for key in ref:
-                    worst_hf = max(worst_hf, rel(mine[key], ref[key]))
-                    assert worst_hf < HF_RTOL, (name, i, grid[i].tolist(), key, worst_hf)
+            worst_hf = worst_vs_hf(name, adapter, reference, rows, grid, got)
     return {"family": name, "capture_s": round(info["seconds"], 1),
             "first_compile_s": compiled.get("first_compile_seconds"), "dynamo": compiled.get("dynamo"),
             "worst_static_norm_rel": worst_static, "worst_hf_norm_rel": worst_hf,
