@@ -215,10 +215,11 @@ def run(args: argparse.Namespace) -> int:
     repeats = args.repeats or (20 if device.type == "cuda" else 3)
     show = not args.quiet and sys.stderr.isatty()
     threshold = THRESHOLDS[dtype_name]
-    if device.type == "cpu" and max(ladder) > CPU_MAX_BUDGET:
+    largest = max(max(lad) for lad in ladder.values()) if isinstance(ladder, Mapping) else max(ladder)
+    if device.type == "cpu" and largest > CPU_MAX_BUDGET:
         raise UsageError(
             f"encgraph demo: error: --budgets: the CPU runs the padded static forward of each budget eagerly, and "
-            f"budgets over {CPU_MAX_BUDGET} take minutes there; got {max(ladder)}: use smaller budgets or --device cuda"
+            f"budgets over {CPU_MAX_BUDGET} take minutes there; got {largest}: use smaller budgets or --device cuda"
         )
     if not args.quiet:
         print(f"encgraph demo: building the {spec.name} tower and a seeded batch on {device}, then wrapping, capturing "

@@ -15,11 +15,14 @@ import torch
 __all__ = ["make_op"]
 
 _OP: Optional[Callable[..., torch.Tensor]] = None
+_IMPL: tuple = (None, False)  # (varlen_attn, takes_scale): what the op calls, set by make_op
 
 
 def make_op(varlen_attn: Callable[..., torch.Tensor], takes_scale: bool) -> Callable[..., torch.Tensor]:
-    """The op (defined once per process) calling ``varlen_attn``; same positional signature, plus ``scale``."""
-    global _OP
+    """The op calling ``varlen_attn``; same positional signature, plus ``scale``. A name is registered once per
+    process: later calls keep that op and point it at the ``varlen_attn`` given last."""
+    global _OP, _IMPL
+    _IMPL = (varlen_attn, takes_scale)
     if _OP is not None:
         return _OP
 
@@ -34,8 +37,9 @@ def make_op(varlen_attn: Callable[..., torch.Tensor], takes_scale: bool) -> Call
         max_k: int,
         scale: Optional[float] = None,
     ) -> torch.Tensor:
-        kwargs = {"scale": scale} if scale is not None and takes_scale else {}
-        return varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
+        impl, scaled = _IMPL
+        kwargs = {"scale": scale} if scale is not None and scaled else {}
+        return impl(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
 
     @varlen_op.register_fake
     def _(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None):  # noqa: ANN001, ANN202

@@ -71,12 +71,20 @@ class PixelBatch:
 
 
 def _selects_full_indices() -> bool:
-    # transformers changed what an index list in `output_hidden_states` means: 5.17 reads it as layer outputs
-    # (no initial embedding state, one slot per layer); later versions (5.24 has it) as indices into the full
-    # tuple, negative ones allowed, resolved by this helper.
+    # transformers changed what an index list in `output_hidden_states` means: 5.15 and 5.16 read it as a flag
+    # (every hidden state), 5.17 as layer outputs (no initial embedding state, one slot per layer); later versions
+    # (5.24 has it) as indices into the full tuple, negative ones allowed, resolved by this helper.
     from transformers.utils import output_capturing
 
     return hasattr(output_capturing, "resolve_hidden_states_indices")
+
+
+def _selects_layer_outputs() -> bool:
+    # 5.17 and later read an index list as layer outputs (measured: 5.15.1 and 5.16.1 return every hidden state
+    # for output_hidden_states=[1], as for True).
+    from encgraph.models._hf import _parse, transformers_version
+
+    return _parse(transformers_version() or "0") >= (5, 17)
 
 
 def hidden_states_layout(value: Any, num_layers: int) -> tuple[int | None, ...] | None:
@@ -104,9 +112,9 @@ def hidden_states_layout(value: Any, num_layers: int) -> tuple[int | None, ...] 
     if _selects_full_indices():
         picked = {int(i) % full for i in chosen if -full <= i < full}
         return tuple(i if i in picked else None for i in range(full))
-    if as_list:
+    if as_list and _selects_layer_outputs():
         return tuple(j + 1 if j in set(chosen) else None for j in range(num_layers))
-    return tuple(range(full))  # 5.17 reads a lone int as a flag
+    return tuple(range(full))  # 5.17 reads a lone int as a flag; 5.15 and 5.16 read any truthy value as one
 
 
 def _pair(name: str, value: Any) -> tuple[int, int]:

@@ -31,5 +31,9 @@ class EagerTower:
             out = self.tower(pixel_values=inputs.pixel_values)
         named = {n: getattr(out, n) for n in self.names if isinstance(getattr(out, n, None), torch.Tensor)}
         sizes = [spec.tokens[self.path] for spec in specs]
+        total = sum(sizes)
+        # Per-patch outputs (a Qwen tower's last_hidden_state: merge^2 rows per token) come out per token, as the
+        # adapter's own forwards give them: (tokens, merge^2 * hidden).
+        named = {n: t if t.shape[0] == total else t.reshape(total, -1) for n, t in named.items()}
         parts = {n: torch.split(t, sizes) for n, t in named.items()}
         return [{n: parts[n][i] for n in named} for i in range(len(sizes))]

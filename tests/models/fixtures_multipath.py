@@ -106,7 +106,8 @@ def gemma4_tower(*, depth: int = 2, device: str = "cpu", dtype: torch.dtype = to
     torch.manual_seed(0)
     tower = Gemma4VisionModel._from_config(Gemma4VisionConfig(**options))
     _randomise_gemma_buffers(tower)
-    return tower.to(device=device, dtype=dtype).eval()
+    # Frozen, as served: a plain call with trainable parameters asks for autograd (the tower's own forward).
+    return tower.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def gemma4_model(**vision: Any) -> torch.nn.Module:
@@ -116,7 +117,7 @@ def gemma4_model(**vision: Any) -> torch.nn.Module:
     torch.manual_seed(0)
     model = Gemma4Model(Gemma4Config(text_config=GEMMA_TEXT, vision_config={**GEMMA_TINY, **vision}, audio_config=None))
     _randomise_gemma_buffers(model.vision_tower)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def gemma4_batch(
@@ -168,7 +169,7 @@ def step3p7_model(*, depth: int = 2, device: str = "cpu", dtype: torch.dtype = t
     torch.manual_seed(0)
     with torch.device(device):
         model = Step3p7ForConditionalGeneration(config)
-    return model.to(dtype).eval()
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def step3p7_views(

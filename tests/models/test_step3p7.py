@@ -62,7 +62,11 @@ def test_geometry_and_registry(model: torch.nn.Module) -> None:
     assert adapter.tokens == {"global": 16, "local": 9}
     assert (view_tokens(728, 14), view_tokens(504, 14)) == (169, 81)
     assert Step3p7Adapter(model).sizes == {"global": 56, "local": 144}  # the tower's image_size; 36 patches
-    assert EncoderGraphRunner(adapter).ladders == {"global": (16, 32, 64), "local": (0, 9, 18, 36)}
+    from encgraph.packing import dense_ladder
+
+    # The dense default ladder, in multiples of one view's tokens.
+    assert EncoderGraphRunner(adapter).ladders == {
+        "global": dense_ladder(16, 64), "local": dense_ladder(9, 36, allow_zero=True)}
     assert adapter.config.path("local").allow_empty and not adapter.config.path("global").allow_empty
 
 

@@ -92,7 +92,9 @@ def test_budget_range_and_config():
     path = adapter.config.path("default")
     assert (path.min_budget, path.max_budget, path.outputs) == (8, 40, (OUTPUT,))
     assert adapter.config.max_frames_per_item == 2
-    assert EncoderGraphRunner(adapter).ladders == {"default": (8, 16, 32, 40)}
+    from encgraph.packing import dense_ladder
+
+    assert EncoderGraphRunner(adapter).ladders == {"default": dense_ladder(8, 40)}
     assert VllmProtocolAdapter(ToyVit(), budget_range=(16, 16)).config.path("default").min_budget == 16
 
 

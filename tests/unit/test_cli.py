@@ -356,3 +356,12 @@ def test_demo_on_cuda_replays_graphs(capsys, model, dtype):
     eager = [it for it in data["items"] if it["eager_reason"]]
     assert data["stats"]["graph_items"] == len(data["items"]) - len(eager)
     assert data["timings_ms"]["encgraph"] > 0 and data["timings_ms"]["tower_eager"] > 0
+
+
+def test_demo_refuses_a_budget_the_cpu_cannot_run(capsys):
+    # Issue 14: `encgraph demo --budgets 100000` died with a 160 GB allocation; on the CPU it exits 2, one line.
+    from encgraph.cli import main
+
+    assert main(["demo", "--budgets", "100000", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--budgets" in err[0] and "100000" in err[0]

@@ -36,7 +36,12 @@ def varlen_on_cpu(monkeypatch):
 
     monkeypatch.setattr(attention, "pick_backend", lambda q: attention.AttentionBackend.VARLEN)
     monkeypatch.setattr(attention, "_VARLEN", (kernel, True))
+    from encgraph.models import _varlen_op
+
+    previous = _varlen_op._IMPL
     monkeypatch.setattr(attention, "_VARLEN_OP", make_op(kernel, True))
+    yield
+    _varlen_op._IMPL = previous
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
