@@ -173,3 +173,16 @@ def reference(adapter: ToyAdapter, inputs: ToyInputs) -> list[torch.Tensor]:
     """Each item alone through the eager forward."""
     return [adapter.assemble({p: adapter.forward_eager(p, adapter.select(inputs, [i]))
                               for p in adapter.towers if sum(inputs.seqs[p][i])}) for i in range(inputs.n)]
+
+
+class SequenceFirst(torch.nn.Module):
+    """Mixes rows along dim 0 (``y - mean_over_batch(y)``): not batch-first, so a generic adapter is right for it
+    only when the batch equals a budget; the runner's self-check must find that out."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y - y.mean(0, keepdim=True)

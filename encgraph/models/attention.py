@@ -153,6 +153,8 @@ def packed_attention(
     head_dim = query.shape[-1]
     if backend is AttentionBackend.VARLEN:
         return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale, head_dim)
+    if key.shape[1] != query.shape[1]:
+        key, value = _repeat_heads(key, value, query.shape[1])
     if backend is AttentionBackend.SEGMENTS:
         return _segment_attention(query, key, value, cu_seqlens, scale)
     return _masked_attention(query, key, value, cu_seqlens, scale)
@@ -213,9 +215,8 @@ def _repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[t
 def _segment_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
+    # key and value have the query's heads here (packed_attention repeats grouped ones).
     tokens = query.shape[0]
-    if key.shape[1] != query.shape[1]:
-        key, value = _repeat_heads(key, value, query.shape[1])
     bounds = cu_seqlens.tolist()  # the CPU only: a host read costs nothing and nothing is captured
     out = query.new_empty(query.shape)
     # (1, heads, tokens, head_dim): the 4-D layout torch's CPU flash kernel takes (3-D inputs fall back to the
@@ -233,9 +234,8 @@ def _segment_attention(
 def _masked_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
+    # key and value have the query's heads here (packed_attention repeats grouped ones).
     tokens = query.shape[0]
-    if key.shape[1] != query.shape[1]:
-        key, value = _repeat_heads(key, value, query.shape[1])
     # Segment id of each row: the number of sequence ends at or before it. Zero-length sequences add equal ends
     # and so never split a segment; rows past cu[-1] share one extra segment (they attend among themselves).
     rows = torch.arange(tokens, device=query.device, dtype=cu_seqlens.dtype)

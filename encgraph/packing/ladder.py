@@ -7,6 +7,7 @@ path.  Budget ``0`` is never captured: it marks a path that may be empty in a ba
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from encgraph._validate import check_int, check_iterable, check_path, describe
 from encgraph.errors import ConfigError, ConfigTypeError
@@ -15,6 +16,19 @@ __all__ = ["DEFAULT_PATH", "budget_ladder", "dense_ladder", "normalize_ladder", 
 
 #: The name of the only path of a one-tower encoder (and of an ``int``-token :class:`ItemSpec`).
 DEFAULT_PATH = "default"
+
+
+def _check_bounds(name: str, min_budget: Any, max_budget: Any, allow_zero: Any) -> tuple[int, int]:
+    lo = check_int(f"{name}(min_budget)", min_budget, minimum=1, hint="Budgets are token counts: use 1 or more.")
+    hi = check_int(f"{name}(max_budget)", max_budget, minimum=1, hint="Budgets are token counts: use 1 or more.")
+    if not isinstance(allow_zero, bool):
+        raise ConfigTypeError(f"{name}(allow_zero): expected a bool, got {describe(allow_zero)}.")
+    if hi < lo:
+        raise ConfigError(
+            f"{name}: expected max_budget >= min_budget, got min_budget={lo}, max_budget={hi}. "
+            f"Swap the bounds, or pass equal bounds for a one-budget ladder."
+        )
+    return lo, hi
 
 
 def budget_ladder(min_budget: int, max_budget: int, *, allow_zero: bool = False) -> tuple[int, ...]:
@@ -35,15 +49,7 @@ def budget_ladder(min_budget: int, max_budget: int, *, allow_zero: bool = False)
         ConfigTypeError: a bound is not an int, or ``allow_zero`` is not a bool.
         ConfigError: a bound is < 1, or ``max_budget < min_budget``.
     """
-    lo = check_int("budget_ladder(min_budget)", min_budget, minimum=1, hint="Budgets are token counts: use 1 or more.")
-    hi = check_int("budget_ladder(max_budget)", max_budget, minimum=1, hint="Budgets are token counts: use 1 or more.")
-    if not isinstance(allow_zero, bool):
-        raise ConfigTypeError(f"budget_ladder(allow_zero): expected a bool, got {describe(allow_zero)}.")
-    if hi < lo:
-        raise ConfigError(
-            f"budget_ladder: expected max_budget >= min_budget, got min_budget={lo}, max_budget={hi}. "
-            f"Swap the bounds, or pass equal bounds for a one-budget ladder."
-        )
+    lo, hi = _check_bounds("budget_ladder", min_budget, max_budget, allow_zero)
     ladder = [0] if allow_zero else []
     budget = lo
     while budget < hi:
@@ -81,20 +87,12 @@ def dense_ladder(
             bool.
         ConfigError: a bound is < 1, ``max_budget < min_budget``, ``ratio <= 1`` or ``granularity < 1``.
     """
-    lo = check_int("dense_ladder(min_budget)", min_budget, minimum=1, hint="Budgets are token counts: use 1 or more.")
-    hi = check_int("dense_ladder(max_budget)", max_budget, minimum=1, hint="Budgets are token counts: use 1 or more.")
+    lo, hi = _check_bounds("dense_ladder", min_budget, max_budget, allow_zero)
     step = lo if granularity is None else check_int("dense_ladder(granularity)", granularity, minimum=1)
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
         raise ConfigTypeError(f"dense_ladder(ratio): expected a number > 1, got {describe(ratio)}.")
     if not ratio > 1:
         raise ConfigError(f"dense_ladder(ratio): expected a number > 1 (1.2: neighbours 20% apart), got {ratio!r}.")
-    if not isinstance(allow_zero, bool):
-        raise ConfigTypeError(f"dense_ladder(allow_zero): expected a bool, got {describe(allow_zero)}.")
-    if hi < lo:
-        raise ConfigError(
-            f"dense_ladder: expected max_budget >= min_budget, got min_budget={lo}, max_budget={hi}. "
-            f"Swap the bounds, or pass equal bounds for a one-budget ladder."
-        )
     ladder = [0] if allow_zero else []
     budget = lo
     while budget < hi:

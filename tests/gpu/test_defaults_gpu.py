@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import encgraph
+from tests.toy_models import SequenceFirst
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import wrap
@@ -121,18 +122,8 @@ def test_a_nan_item_never_reaches_its_batch_mates():
             assert rel(out[i][name], want) < HF_RTOL, (i, name)
 
 
-class SequenceFirst(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        y = self.lin(x)
-        return y - y.mean(0, keepdim=True)
-
-
 def test_self_check_catches_a_module_that_mixes_rows_on_the_gpu():
-    net = SequenceFirst().cuda().requires_grad_(False)
+    net = SequenceFirst(16).cuda().requires_grad_(False)
     fast = encgraph.graphed(net, budgets=[1, 2, 4, 8])
     for n in (3, 6):
         x = torch.randn(n, 16, device="cuda")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import encgraph
+from tests.toy_models import SequenceFirst
 from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError, UnsupportedModelError
 from encgraph.models.graphed import AUTOGRAD
 from tests.models.fixtures_fixed import tiny_siglip
@@ -218,18 +219,6 @@ def test_generic_keeps_a_model_output_type():
 
 
 # ------------------------------------------------------------------ 5. self-check
-
-
-class SequenceFirst(torch.nn.Module):
-    """Mixes rows along dim 0: right for the generic adapter only when the batch equals a budget."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(6, 6)
-
-    def forward(self, x):
-        y = self.lin(x)
-        return y - y.mean(0, keepdim=True)
 
 
 def test_self_check_drops_budgets_of_a_module_that_mixes_rows(caplog):

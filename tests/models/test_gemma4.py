@@ -18,6 +18,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.models.versions import skip_module_below  # noqa: E402
+
+skip_module_below("5.17", "the Gemma-4 adapter")
+
 import encgraph
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner

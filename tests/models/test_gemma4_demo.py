@@ -9,6 +9,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tests.models.versions import skip_module_below  # noqa: E402
+
+skip_module_below("5.17", "the Gemma-4 adapter")
+
 from encgraph.cli import main
 from tests.models.fixtures_multipath import one_thread  # noqa: F401  (autouse)
 

@@ -16,6 +16,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.models.versions import skip_module_below  # noqa: E402
+
+skip_module_below("5.17", "the Step-3.7 adapter")
+
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import ConfigError, InputError, UnsupportedModelError

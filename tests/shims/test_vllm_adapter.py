@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-import encgraph
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.shims.vllm import OUTPUT, VllmProtocolAdapter

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.compiling import (

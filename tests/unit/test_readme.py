@@ -57,7 +57,10 @@ def quickstart_commands() -> list[str]:
 def test_quickstart_is_two_commands_and_ci_runs_the_same_tests() -> None:
     commands = quickstart_commands()
     assert len(commands) == 2
-    assert commands[0] == "pip install torch==2.13.0 && pip install -e \".[test]\" && encgraph demo"
+    assert commands[0] == (
+        "pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && "
+        "pip install -e \".[test]\" && encgraph demo"
+    )
     assert commands[1] == "python -m pytest -q tests"
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "python3 -m pytest -q tests" in ci or "python -m pytest -q tests" in ci

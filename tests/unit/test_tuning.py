@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from tests.strategies import cost_models
 
 from encgraph.errors import ConfigError, ConfigTypeError
-from encgraph.packing import CostModel, ItemSpec, budget_ladder, pack
-from encgraph.packing.tuning import DEFAULT_COSTS, TunedLadder, default_cost_model, tune_ladder
+from encgraph.packing import ItemSpec, pack
+from encgraph.packing.tuning import DEFAULT_COSTS, default_cost_model, tune_ladder
 
 
 def traffic(draw, paths=("default",)) -> list:
