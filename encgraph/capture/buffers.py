@@ -148,7 +148,9 @@ def _fill_one(
     if spec.fill is FillRule.SEQUENCE_BOUNDS:
         host = np.zeros(0, np.int64) if value is None else np.asarray(value, dtype=np.int64).reshape(-1)
         full = sequence_bounds(host, rows, int(spec.total), int(spec.chunk))  # type: ignore[arg-type]
-        view.copy_(torch.from_numpy(full).to(view.dtype), non_blocking=False)
+        # Non-blocking: ordered on the stream before the replay, and no host wait on the previous replay (a copy
+        # from pageable memory has read its source when it returns, so the temporary may go).
+        view.copy_(torch.from_numpy(full).to(view.dtype), non_blocking=True)
         return
     n = 0 if value is None else value.shape[0]
     if n > rows or (value is not None and tuple(value.shape[1:]) != tuple(view.shape[1:])):

@@ -61,7 +61,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def runners(model: torch.nn.Module, graph_mode: RunMode = RunMode.GRAPH) -> tuple[EncoderGraphRunner, EncoderGraphRunner]:
     """A captured runner and a STATIC reference runner, each over its own adapter of ``model``."""
     # Plain graphs: these tests check replay against the eager static forward on the same kernels.
-    graph = EncoderGraphRunner(wrap(model, **OPTIONS), mode=graph_mode, compile=False)
+    graph = EncoderGraphRunner(wrap(model, **OPTIONS), mode=graph_mode, compile=False, costs=False)
     info = graph.capture()
     print(
         f"\nDeepSeek-OCR2: {info['graphs']} graphs in {info['seconds']} s, pool "

@@ -99,7 +99,9 @@ class Report:
 
 def captured(adapter_of: Any, **runner_options: Any) -> tuple[EncoderGraphRunner, EncoderGraphRunner]:
     """A captured runner and a STATIC reference runner, each over its own adapter."""
-    graph = EncoderGraphRunner(adapter_of(), **runner_options)
+    # Plain graphs and the greedy plan, as the STATIC reference has: the replay must match it on the same kernels
+    # and batch compositions (a cost-aware plan may batch items otherwise, and bf16 sums then round otherwise).
+    graph = EncoderGraphRunner(adapter_of(), **{"compile": False, "costs": False, **runner_options})
     info = graph.capture()
     print(
         f"\n{type(graph.adapter).__name__}: {info['graphs']} graphs in {info['seconds']} s, pool "

@@ -206,11 +206,12 @@ class Family:
              **kwargs: Any) -> Any:
         """Run ``module`` (the tower, or its graphed drop-in) on ``rows`` / ``grid`` in the family's convention;
         ``reference``: the tower itself (GLM-4V's takes videos as their frames)."""
+        # Grids on the rows' device, as a model hands them over (some towers index with them on the device).
         if self.call_style == "strip":
-            return module(strip(rows), target_sizes=torch.from_numpy(grid[:, 1:]), **kwargs)
+            return module(strip(rows), target_sizes=torch.from_numpy(grid[:, 1:]).to(rows.device), **kwargs)
         if self.call_style == "glm" and reference:
             grid = frames_grid(grid)
-        return module(rows, torch.from_numpy(grid), **kwargs)
+        return module(rows, torch.from_numpy(grid).to(rows.device), **kwargs)
 
     def feature_calls(self) -> list[tuple[str, tuple[Any, ...]]]:
         """``(name, args)`` of the full model's feature functions to test: four images (one over the test
