@@ -13,9 +13,12 @@ What is compiled: where the adapter names the tower's repeated blocks (``compile
 vision blocks of Qwen2.5-VL), each block is compiled with ``nn.Module.compile`` - one trace and one inductor
 compilation serve every block and every budget, since the blocks share their code - and the rest of the
 static forward (patch embedding, rotary tables, merger: a few kernels) is captured as it is. Measured on an
-H200 (torch 2.11, Qwen2.5-VL-7B depth 32): compiling the whole static forward once took 86 s cold and 58 s in a
-second process (Dynamo re-traces all 32 layers every start), over the 60 s / 15 s targets; see
-``benches/results/compile_start_*.md`` for the regional figures. The blocks are compiled only while the runner
+H200 (torch 2.11, Qwen2.5-VL-7B tower, depth 32, the dense 20-budget ladder): compiling the whole static forward
+once with dynamic shapes took 97 s cold and 68 s in a second process (9 graph breaks, 16 graphs); regional, once
+a graph break at the varlen call was removed (a ``math.isclose`` of a symbolic scale), the whole ``capture()``,
+compile, 20 graphs, self-check and cost model included, took 16.1 s cold and 14.7 s in a second process
+(``benches/results/traffic_nvidia-h200.json``; 14.7 s and 16.2 s for Qwen3-VL-8B), with one graph per kind of
+block and no break. The blocks are compiled only while the runner
 captures: afterwards their ``_compiled_call_impl`` is cleared, so the tower's own forward, the adapter's eager
 forward and calls answered by the stock tower run uncompiled (the graphs hold the compiled kernels).
 

@@ -57,8 +57,12 @@ FRAME_GRIDS = [(21, 30), (30, 21), (24, 24), (18, 33), (3, 3), (21, 30)]
 
 def poison(graph: EncoderGraphRunner) -> None:
     """NaN in every graph's intermediates (each replays on NaN inputs first) and in every floating buffer."""
-    for records in graph.records.values():
+    for path, records in graph.records.items():
         for record in records.values():
+            # Valid metadata for this budget first, as the runner writes before every replay: the buffers are
+            # shared by the path's budgets, and the capture's self-check leaves a larger budget's sequence bounds
+            # in them (replaying a smaller graph on those read past its rows: an illegal memory access on the H200).
+            graph.buffers[path].fill(record.budget, None)
             for t in record.inputs.values():
                 if t.is_floating_point():
                     t.fill_(float("nan"))
