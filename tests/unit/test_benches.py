@@ -321,7 +321,8 @@ def test_targets_read_the_defaults_row():
 def test_the_report_reads_a_committed_single_tower_run():
     """The traffic JSON of before both towers ran in one file: one tower at the top level, baseline adapter
     eager; the system table, the plot's lines and the README block still read it."""
-    data = json.loads((RESULTS / "traffic_nvidia-h200.json").read_text())
+    # Kept under another name when the two-tower run replaced it (benches/results/traffic_nvidia-h200.json).
+    data = json.loads((RESULTS / "traffic_nvidia-h200_single-tower.json").read_text())
     assert list(report.tower_docs(data)) == ["qwen2_5_vl_7b"]
     text = report.render(data)
     assert "| encgraph graphs of compiled forward | " in text and "vs adapter eager" in text
@@ -330,6 +331,13 @@ def test_the_report_reads_a_committed_single_tower_run():
     ((baseline, latency, ratios),) = lines.values()
     assert baseline == "adapter_eager" and set(ratios) == {"graph", "graph_compile"}
     assert all(y[-1] == 1.0 for _, y in latency.values())
+
+
+def test_the_report_reads_the_committed_two_tower_run():
+    data = json.loads((RESULTS / "traffic_nvidia-h200.json").read_text())
+    assert list(report.tower_docs(data)) == ["qwen2_5_vl_7b", "qwen3_vl_8b"]
+    headline = report.headline(data)
+    assert "Qwen2.5-VL-7B" in headline and "Qwen3-VL-8B" in headline and "target" in headline
 
 
 # ---------------------------------------------------------------------------------------------------- scripts
