@@ -75,11 +75,12 @@ class EncoderGraphRunner:
             graphs' output buffers, **valid only until the next call** of this runner.
         warmup: eager runs of each budget's static forward on the side stream before its capture.
         progress: show a progress bar while capturing; default when stderr is a terminal.
-        compile: ``"auto"`` (default): in GRAPH mode, compile the static forward of each path once with
-            ``torch.compile`` (a symbolic token dimension: one compilation serves every budget) and capture the
-            compiled kernels; if compiling fails, log it once, capture the plain forward and record why in
-            ``capture_info["compile"]``. ``True``: compile, failures are errors. ``False``: never compile.
-            Outside GRAPH mode nothing is compiled.
+        compile: ``"auto"`` (default): in GRAPH mode, compile before capturing, with a symbolic token
+            dimension so that one compilation serves every budget: the tower's repeated blocks where the adapter
+            names them (``compile_regions()``; compiled only while capturing), else the whole static forward of
+            each path (:mod:`encgraph.capture.compiling`). If compiling fails, log it once, capture the plain
+            forward and record why in ``capture_info["compile"]``. ``True``: compile, failures are errors.
+            ``False``: never compile. Outside GRAPH mode nothing is compiled.
         cache_dir: where torch's compile caches persist across processes (default
             :func:`encgraph.capture.compiling.default_cache_dir`; a user's ``TORCHINDUCTOR_CACHE_DIR`` wins).
         costs: ``None`` (default): in GRAPH mode, ``capture()`` measures a :class:`~encgraph.packing.CostModel`
@@ -308,11 +309,6 @@ class EncoderGraphRunner:
             self._specs(inputs)
             if not self.captured and (self.lazy or self.mode is not RunMode.GRAPH):
                 self.capture()
-
-    def _time_replay(self, record: GraphRecord, repeats: int = 5) -> float:
-        from encgraph.capture.capture import _time_replay
-
-        return _time_replay(self, record, repeats)
 
     # ------------------------------------------------------------------ running
     def __call__(self, inputs: Any) -> list[Any]:
