@@ -12,9 +12,9 @@ culprit fails. Overload: past ``max_queue`` waiting requests, ``submit`` raises
 :class:`~encgraph.OverloadedError` at once. Shutdown: ``close()`` stops new requests, then either finishes the
 queued ones (``drain=True``) or fails them with :class:`~encgraph.ShutdownError`; nothing waits forever.
 
-Grad mode: the worker runs every call under ``torch.inference_mode()``, except while the runner has not captured
-yet (then ``torch.no_grad()``, so that the static buffers allocated by that call stay ordinary tensors that
-later calls from any grad mode can write). Results are inference tensors: they carry no autograd.
+Grad mode: the worker runs every call under ``torch.inference_mode()`` (the runner keeps its static buffers
+ordinary tensors whatever mode allocates them, so later calls from any grad mode still write them). Results are
+inference tensors: they carry no autograd.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -279,7 +278,7 @@ class BatchingFront:
     def _run(self, group: list[tuple[_Request, Parsed]]) -> None:
         parsed = [p for _, p in group]
         try:
-            with self._grad_mode():
+            with _inference_mode():
                 results = self._target.run(parsed)
         except Exception as exc:
             self._count_call(len(group))
@@ -298,16 +297,11 @@ class BatchingFront:
 
     def _guarded(self, request: _Request, fn: Any) -> Any:
         try:
-            with self._grad_mode():
+            with _inference_mode():
                 return fn()
         except Exception as exc:
             self._answer((request, None), exc=exc)
             return None
-
-    def _grad_mode(self) -> contextlib.AbstractContextManager:
-        import torch
-
-        return torch.inference_mode() if self._target.captured else torch.no_grad()
 
     def _count_call(self, requests: int) -> None:
         runner = self._target.runner
@@ -341,3 +335,10 @@ class BatchingFront:
                 request.future.set_exception(ShutdownError(f"request not run: {why}."))
             else:
                 self._stats.cancelled += 1
+
+
+def _inference_mode() -> Any:
+    # torch imported here: encgraph.serving itself imports without torch (the front is also used over plain callables).
+    import torch
+
+    return torch.inference_mode()

@@ -66,10 +66,6 @@ class RunnerTarget:
         if not self.coalesces:
             log.info("encgraph serving: %s has no concat(parts); requests run one by one", type(self.adapter).__name__)
 
-    @property
-    def captured(self) -> bool:
-        return bool(self.runner.captured)
-
     def capture(self) -> None:
         self.runner.capture()
 
@@ -137,7 +133,6 @@ class CallableTarget:
 
     coalesces = False
     runner = None
-    captured = True
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
