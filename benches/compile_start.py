@@ -166,6 +166,7 @@ def main() -> None:
     cold = capture_default(args.depth)
     results["cold"] = summary(cold)
     print("cold:", json.dumps(results["cold"], default=str), flush=True)
+    write(results)  # after every stage: a run cut short keeps what it measured
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--child", "--depth", str(args.depth)],
@@ -175,6 +176,7 @@ def main() -> None:
     results["warm"] = json.loads(line.split(" ", 1)[1]) if line else {"error": proc.stderr[-2000:]}
     results["warm"]["process_seconds"] = round(time.perf_counter() - t0, 2)
     print("warm:", json.dumps(results["warm"], default=str), flush=True)
+    write(results)
 
     runner = cold["runner"]
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -191,10 +193,12 @@ def main() -> None:
             results["replay_ms"]["plain"][b] = median_replay_ms(
                 record.graph, record.inputs, lambda b=b, r=plain["runner"]: r.buffers["default"].fill(b, None))
     results["ladders"] = {"dense_plain": summary(plain)}
+    write(results)
     del plain
     torch.cuda.empty_cache()
     doubling = capture_default(args.depth, compile=False, costs=False, verify=False, budgets=budget_ladder(64, 4096))
     results["ladders"]["doubling_plain"] = summary(doubling)
+    write(results)
     del doubling
     torch.cuda.empty_cache()
     if not args.skip_static:

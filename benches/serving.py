@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point (default 4)")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each point (default 1)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="graphed_coalesce's max_wait_ms (default 2)")
-    p.add_argument("--compile", action="store_true", help="compile each budget's static forward before capture")
+    p.add_argument("--compile", choices=("default", "off"), default="default",
+                   help="default: the runner's own compile default (compile='auto': regional compile on CUDA); "
+                        "off: compile=False, plain graphs")
     p.add_argument("--time-budget", type=float, default=540.0, help="start no point past this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", type=Path, default=REPO / "benches" / "results")
@@ -128,7 +130,8 @@ class Bench:
             self.hf = _load(model_ref)._from_config(config).to(dtype).eval()
         self.graph_tower = copy.deepcopy(self.hf)  # before wrapping: a wrapped tower must not be copied
         self.adapter = wrap(self.graph_tower)
-        self.runner = encgraph.EncoderGraphRunner(self.adapter, compile=args.compile)
+        options = {} if args.compile == "default" else {"compile": False}
+        self.runner = encgraph.EncoderGraphRunner(self.adapter, **options)  # the defaults unless --compile off
         t0 = time.perf_counter()
         self.capture = dict(self.runner.capture(), wall_seconds=round(time.perf_counter() - t0, 2))
         self.sizes = TINY_SIZES[name] if args.cpu_smoke else spec["sizes"]

@@ -1,0 +1,187 @@
+"""Packed (varlen) attention kernels at the towers' head geometry, inside CUDA graphs: which kernel the captured
+forward should call.
+
+For each head geometry (heads x head_dim of a tower) and packed layout (sequence lengths filling a budget, the
+last one the padding sequence), the median time of one attention call replayed from a CUDA graph (CUDA events,
+``--runs`` replays of a graph holding ``--calls`` calls), for:
+
+- ``flash``: ``torch.nn.attention.varlen.varlen_attn`` (torch's Flash Attention 2 build), what the adapters call;
+- ``cudnn_ragged``: ``aten._cudnn_attention_forward`` with ``cum_seq_q`` / ``cum_seq_k`` (cuDNN's ragged-offset
+  SDPA, the kernel nested-tensor SDPA uses), same ``(tokens, heads, head_dim)`` layout;
+- ``efficient``: ``aten._efficient_attention_forward`` with ``cu_seqlens`` (the memory-efficient kernel);
+- ``cudnn_dense``: one dense ``(1, heads, len, head_dim)`` SDPA call per sequence on the cuDNN backend (what
+  Hugging Face's sdpa path runs per image), a reference that a single packed graph cannot use as is.
+
+Each kernel's output is compared with ``flash`` (max relative difference over valid rows), and each graph is
+replayed a second time after the cumulative lengths are rewritten in place (a different split of the same
+tokens) and compared with a fresh eager call: a kernel that baked the lengths into the graph fails that check.
+
+Writes ``benches/results/attention_kernels_<gpu>.json`` and ``.md``. CUDA only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benches.lib.cli import base_parser
+from benches.lib.env import make_env
+from benches.lib.results import Results, gpu_name, markdown_table
+
+SCRIPT = "attention_kernels"
+GEOMETRIES = {  # tower: (heads, head_dim)
+    "qwen3_vl / siglip / qwen3_5 / kimi / minicpm": (16, 72),
+    "qwen2_5_vl / ernie": (16, 80),
+    "glm4v": (12, 128),
+    "internvit_300m": (16, 64),
+}
+LAYOUTS = {  # name: (sequence lengths, the alternative split used for the rewrite check)
+    "1 x 5120 (one 896 px image)": ([5120], [2560, 2560]),
+    "4 x 1280 + pad 256": ([1280] * 4 + [256], [2000, 1000, 1000, 1280, 256]),
+    "2 x 4096 + pad 896": ([4096, 4096, 896], [4096, 2048, 2048, 896]),
+    "16 x 256 + pad 1024": ([256] * 16 + [1024], [512] * 8 + [1024]),
+    "1 x 12800": ([12800], [6400, 6400]),
+}
+
+
+def _cu(lengths: list[int], device: Any) -> Any:
+    import torch
+
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def kernels() -> dict[str, Callable[..., Any]]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.varlen import varlen_attn
+
+    def flash(q, k, v, cu, max_len, lengths):
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len)
+
+    def cudnn_ragged(q, k, v, cu, max_len, lengths):
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, False, 0.0, False,
+                                                       False)[0]
+
+    def efficient(q, k, v, cu, max_len, lengths):
+        out = torch.ops.aten._efficient_attention_forward(q[None], k[None], v[None], None, cu, cu, max_len, max_len,
+                                                          0.0, 0, False)[0]
+        return out[0]
+
+    def cudnn_dense(q, k, v, cu, max_len, lengths):  # static split: the lengths are baked in (reference only)
+        outs, start = [], 0
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            for n in lengths:
+                s = slice(start, start + n)
+                outs.append(F.scaled_dot_product_attention(*(t[s].transpose(0, 1)[None] for t in (q, k, v)))[0]
+                            .transpose(0, 1))
+                start += n
+        return torch.cat(outs)
+
+    return {"flash": flash, "cudnn_ragged": cudnn_ragged, "efficient": efficient, "cudnn_dense": cudnn_dense}
+
+
+def _rel(a: Any, b: Any) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def measure(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], other: list[int], calls: int,
+            runs: int) -> dict[str, Any]:
+    import torch
+
+    cu = _cu(lengths, q.device)
+    max_len = max(max(lengths), max(other))
+    reference = fn(q, k, v, cu, max_len, lengths)  # eager, also the warm-up (builds any kernel plans)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(q, k, v, cu, max_len, lengths)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fn(q, k, v, cu, max_len, lengths) for _ in range(calls)]
+    graph.replay()
+    torch.cuda.synchronize()
+    replay_vs_eager = _rel(outs[0], reference)
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    times.sort()
+    cu.copy_(_cu(other, q.device))  # a different split of the same rows, written into the captured buffer
+    graph.replay()
+    fresh = fn(q, k, v, cu, max_len, other)
+    torch.cuda.synchronize()
+    return {"median_ms": round(times[len(times) // 2], 5), "replay_vs_eager": replay_vs_eager,
+            "rewritten_lengths_vs_eager": _rel(outs[0], fresh), "out": reference}
+
+
+def main() -> int:
+    p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=120.0)
+    p.add_argument("--calls", type=int, default=10, help="attention calls per captured graph (default 10)")
+    args = p.parse_args()
+    import torch
+
+    if args.cpu_smoke:
+        print("attention_kernels.py times CUDA kernels; it has no CPU smoke (run it on a GPU)")
+        return 2
+    env = make_env(args)
+    results = Results(SCRIPT, args, env)
+    rows = []
+    for geometry, (heads, dim) in GEOMETRIES.items():
+        for layout, (lengths, other) in LAYOUTS.items():
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            total = sum(lengths)
+            q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                       for _ in range(3))
+            entry: dict[str, Any] = {"geometry": geometry, "heads": heads, "head_dim": dim, "layout": layout,
+                                     "tokens": total, "tflop": 4 * heads * dim * sum(n * n for n in lengths) / 1e12}
+            base = None
+            for name, fn in kernels().items():
+                try:
+                    got = measure(fn, q, k, v, lengths, other if name != "cudnn_dense" else lengths, args.calls,
+                                  env.runs)
+                except Exception as exc:  # noqa: BLE001 -- a kernel this build or geometry lacks: recorded, the others go on
+                    entry[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                    traceback.print_exc()
+                    continue
+                out = got.pop("out")
+                if base is None and name == "flash":
+                    base = out
+                got["vs_flash"] = None if base is None else _rel(out, base)
+                got["tflops"] = round(entry["tflop"] / (got["median_ms"] / 1e3), 1)
+                entry[name] = got
+                print(geometry, layout, name, got, flush=True)
+            rows.append(entry)
+            results.data["rows"] = rows
+            results.flush()
+    names = list(kernels())
+    table = [[r["geometry"], r["layout"], *(
+        f"{r[n]['median_ms']:.3f} ({r[n]['tflops']:.0f} TF/s)" if "median_ms" in r[n] else r[n]["error"][:40]
+        for n in names), *(
+        f"{r[n]['rewritten_lengths_vs_eager']:.1e}" if "median_ms" in r[n] else "-" for n in names[:3])]
+        for r in rows]
+    md = [f"## attention kernels in CUDA graphs ({gpu_name(env)}, bfloat16): ms per call (useful TFLOP/s)", "",
+          markdown_table(["heads x dim", "layout", *names, *(f"{n}: rewritten lengths vs eager" for n in names[:3])],
+                         table)]
+    results.data["rows"] = rows
+    results.finish("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
