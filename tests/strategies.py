@@ -93,5 +93,10 @@ def cost_models(draw: Any, paths: tuple[str, ...]) -> Any:
         base = draw(st.floats(0.0, 5.0))
         slope = draw(st.floats(0.0, 0.01))
         graph[p] = {b: base + slope * b + draw(st.floats(0.0, 0.5)) for b in sorted(budgets)}
-        eager[p] = EagerCost(draw(st.floats(0.0, 10.0)), draw(st.floats(0.0, 0.02)), draw(st.floats(0.0, 1.0)))
+        fixed, per_token, per_item = draw(st.floats(0.0, 10.0)), draw(st.floats(0.0, 0.02)), draw(st.floats(0.0, 1.0))
+        curve = ()
+        if draw(st.booleans()):  # a measured one-item curve (what capture builds): launch floor, convex growth
+            sizes = sorted(draw(st.lists(st.integers(1, 8000), min_size=2, max_size=5, unique=True)))
+            curve = tuple((t, fixed + per_token * t + draw(st.floats(0.0, 1e-5)) * t * t) for t in sizes)
+        eager[p] = EagerCost(fixed, per_token, per_item, curve=curve)
     return CostModel(graph_ms=graph, eager=eager)

@@ -27,7 +27,7 @@ import numpy as np
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, ConfigTypeError
-from encgraph.packing.costs import CostModel
+from encgraph.packing.costs import CostModel, EagerCost
 from encgraph.packing.plan import Batch, EagerReason, _fast_batch
 
 __all__ = ["check_costs", "cost_batches"]
@@ -60,9 +60,7 @@ class _PathTable(NamedTuple):
     graph: tuple[float, ...]  # graph replay ms per budget of ``ladder``
     ladder_np: np.ndarray  # (L,) int64, ``ladder``
     graph_np: np.ndarray  # (L,) float64, ``graph``
-    fixed_ms: float
-    per_token_ms: float
-    per_item_ms: float
+    eager: EagerCost
 
 
 def _table(costs: CostModel, path: str, ladder: tuple[int, ...]) -> _PathTable:
@@ -72,8 +70,7 @@ def _table(costs: CostModel, path: str, ladder: tuple[int, ...]) -> _PathTable:
         graph = costs._ladder_costs(path, ladder)
         e = costs.eager[path]
         out = costs._table_cache[key] = _PathTable(
-            ladder, graph, np.asarray(ladder, dtype=np.int64), np.asarray(graph, dtype=np.float64),
-            e.fixed_ms, e.per_token_ms, e.per_item_ms,
+            ladder, graph, np.asarray(ladder, dtype=np.int64), np.asarray(graph, dtype=np.float64), e
         )
     return out
 
@@ -84,8 +81,7 @@ def _choose(tab: _PathTable, t: int, items: int) -> tuple[int | None, float]:
         return 0, 0.0
     k = bisect_left(tab.ladder, t)
     g = tab.graph[k]
-    # The same sum, in the same order, as EagerCost.cost and the vectorised costs of _best_runs.
-    e = tab.fixed_ms + tab.per_token_ms * t + tab.per_item_ms * items
+    e = tab.eager.cost(t, items)  # EagerCost.cost_array in _best_runs: the same sums in the same order
     return (None, e) if e < g else (tab.ladder[k], g)
 
 
@@ -102,7 +98,7 @@ def _lone(
         if not t:
             budgets[path] = 0
             continue
-        e = tab.fixed_ms + tab.per_token_ms * t + tab.per_item_ms  # EagerCost.cost(t, 1)
+        e = tab.eager.cost(t, 1)
         if frames_over or t > tab.ladder[-1]:
             budgets[path] = None
             eager[path] = _FRAMES if frames_over else _TOKENS
@@ -190,7 +186,7 @@ def cost_batches(
                 budgets[path] = padded[path] = 0
                 continue
             k = bisect_left(tab.ladder, t)
-            if tab.fixed_ms + tab.per_token_ms * t + tab.per_item_ms * n_run < tab.graph[k]:
+            if tab.eager.cost(t, n_run) < tab.graph[k]:
                 budgets[path] = None
                 eager[path] = _COST
                 padded[path] = 0
@@ -248,7 +244,7 @@ def _best_runs(
         ok &= t <= caps[p]
         idx = np.searchsorted(tab.ladder_np, t)
         np.minimum(idx, len(tab.ladder) - 1, out=idx)
-        c = tab.fixed_ms + tab.per_token_ms * t + tab.per_item_ms * lens  # eager
+        c = tab.eager.cost_array(t, lens)  # eager
         np.minimum(tab.graph_np[idx], c, out=c)
         c[t == 0] = 0.0
         if cost is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from encgraph.errors import ConfigError, ConfigTypeError
@@ -57,12 +58,53 @@ def test_fit_clamps_to_non_negative_and_drops_unidentifiable_terms():
     assert m.eager["p"].fixed_ms == 0.0 and m.eager["p"].per_token_ms > 0
 
 
+# Measured on the H200 at capture (benches/results/traffic_nvidia-h200.json, Qwen3-VL-8B tower, defaults): eager
+# samples (tokens, items, ms) and replay ms of the smallest budgets.
+QWEN3_EAGER = [(30, 1, 15.82), (400, 1, 20.30), (1406, 1, 38.36), (3968, 1, 184.0), (896, 4, 25.96)]
+QWEN3_GRAPHS = {64: 1.95, 128: 2.88, 192: 3.89, 1280: 29.47, 1536: 37.89, 4096: 150.0}
+
+
+def test_fit_builds_the_one_item_curve_small_items_are_not_predicted_cheap():
+    m = CostModel.from_measurements({"default": QWEN3_GRAPHS}, {"default": QWEN3_EAGER})
+    e = m.eager["default"]
+    assert [p[0] for p in e.curve] == [30, 400, 1406, 3968]
+    for t, n, ms in QWEN3_EAGER[:4]:
+        assert m.eager_cost("default", t, n) == pytest.approx(ms)  # exact at the measured points
+    assert m.eager_cost("default", 4) == pytest.approx(15.82)  # launch-bound floor below the first point
+    assert m.eager_cost("default", 5000) > 184.0  # the last segment's slope past the last point
+    assert e.per_item_ms == 0.0  # the 4-item sample is below the curve: no per-item excess
+    # The line fit through the same samples (kept for reports) predicted 1.3 ms for 30 tokens.
+    assert e.fixed_ms + e.per_token_ms * 30 < 2.0
+
+
+def test_two_icons_replay_with_the_measured_qwen3_model():
+    """Two of the H200 trace's slow requests (two icons, 29 and 40 tokens: 34-37 ms against HF's 20-36 ms) were
+    planned eager: the line predicted eager at ~1.7 ms, below the 64-token graph's 1.95 ms."""
+    m = CostModel.from_measurements({"default": QWEN3_GRAPHS}, {"default": QWEN3_EAGER})
+    plan = pack([ItemSpec({"default": 20}), ItemSpec({"default": 20})], {"default": tuple(QWEN3_GRAPHS)},
+                max_items=8, costs=m)
+    assert [b.budgets for b in plan.batches] == [{"default": 64}]
+
+
+def test_curve_is_made_non_decreasing_and_the_array_form_matches():
+    e = EagerCost(0, 0, 0.25, curve=[(10, 5.0), (100, 4.0), (1000, 14.0)])
+    assert e.cost(50, 1) == 5.0 and e.cost(100, 1) == 5.0 and e.cost(550, 1) == pytest.approx(9.5)
+    t = np.array([0, 1, 10, 11, 99, 100, 101, 999, 1000, 1001, 5000])
+    n = np.array([1, 1, 2, 1, 3, 1, 1, 1, 4, 1, 1])
+    got = e.cost_array(t, n)
+    assert [float(x) for x in got[1:]] == [e.cost(int(a), int(b)) for a, b in zip(t[1:], n[1:])]
+
+
 def test_json_round_trip(tmp_path):
     m = CostModel.from_measurements(
         {"global": {272: 1.5, 544: 2.5}, "local": {100: 0.5}},
         {"global": [(256, 1, 3.0), (512, 2, 4.0)], "local": [(144, 1, 2.0), (1440, 1, 6.0)]},
     )
+    assert m.eager["local"].curve and not m.eager["global"].curve
     assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    old = m.to_dict()  # a model saved before curves existed reads back as the line
+    del old["paths"]["local"]["eager"]["curve"]
+    assert not CostModel.from_dict(old).eager["local"].curve
     m.save(tmp_path / "c.json")
     assert CostModel.load(tmp_path / "c.json") == m
 
@@ -77,6 +119,10 @@ def test_json_round_trip(tmp_path):
         (lambda: CostModel(graph_ms={"p": {8: 1.0}}, eager={"q": EagerCost(1, 1)}), ConfigError, "same paths"),
         (lambda: CostModel(graph_ms={"p": {8: 1.0}}, eager={"p": (1, 1)}), ConfigTypeError, "EagerCost"),
         (lambda: EagerCost(float("nan"), 1), ConfigError, "fixed_ms"),
+        (lambda: EagerCost(0, 0, curve=[(10, 1.0)]), ConfigError, "at least 2 points"),
+        (lambda: EagerCost(0, 0, curve=[(10, 1.0), (10, 2.0)]), ConfigError, "curve[1]"),
+        (lambda: EagerCost(0, 0, curve=[(10, 1.0), (20, -2.0)]), ConfigError, "curve[1]"),
+        (lambda: EagerCost(0, 0, curve=[(10, 1.0), 20]), ConfigTypeError, "(tokens, ms) pair"),
         (lambda: CostModel.from_measurements({"p": {8: 1}}, {"p": [(8, 1, 1.0)]}), ConfigError, "at least 2"),
         (lambda: CostModel.from_measurements({"p": {8: 1}}, {"p": [(8, 1)]}), ConfigTypeError, "eager_samples['p']"),
         (lambda: CostModel.from_dict({"format": "x"}), ConfigError, "format"),
