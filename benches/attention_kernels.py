@@ -21,7 +21,10 @@ Writes ``benches/results/attention_kernels_<gpu>.json`` and ``.md``. CUDA only.
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -42,12 +45,12 @@ GEOMETRIES = {  # tower: (heads, head_dim)
     "glm4v": (12, 128),
     "internvit_300m": (16, 64),
 }
-LAYOUTS = {  # name: (sequence lengths, the alternative split used for the rewrite check)
-    "1 x 5120 (one 896 px image)": ([5120], [2560, 2560]),
+LAYOUTS = {  # name: (sequence lengths, another split of the same rows into as many sequences, for the rewrite)
+    "1 x 5120 (one 896 px image)": ([5120, 0], [2560, 2560]),
     "4 x 1280 + pad 256": ([1280] * 4 + [256], [2000, 1000, 1000, 1280, 256]),
-    "2 x 4096 + pad 896": ([4096, 4096, 896], [4096, 2048, 2048, 896]),
-    "16 x 256 + pad 1024": ([256] * 16 + [1024], [512] * 8 + [1024]),
-    "1 x 12800": ([12800], [6400, 6400]),
+    "2 x 4096 + pad 896": ([4096, 4096, 896], [4096, 2048, 2944]),
+    "16 x 256 + pad 1024": ([256] * 16 + [1024], [512] * 8 + [0] * 8 + [1024]),
+    "1 x 12800": ([12800, 0], [6400, 6400]),
 }
 
 
@@ -78,7 +81,7 @@ def kernels() -> dict[str, Callable[..., Any]]:
     def cudnn_dense(q, k, v, cu, max_len, lengths):  # static split: the lengths are baked in (reference only)
         outs, start = [], 0
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            for n in lengths:
+            for n in (n for n in lengths if n):
                 s = slice(start, start + n)
                 outs.append(F.scaled_dot_product_attention(*(t[s].transpose(0, 1)[None] for t in (q, k, v)))[0]
                             .transpose(0, 1))
@@ -130,55 +133,73 @@ def measure(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], 
             "rewritten_lengths_vs_eager": _rel(outs[0], fresh), "out": reference}
 
 
-def main() -> int:
-    p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=120.0)
-    p.add_argument("--calls", type=int, default=10, help="attention calls per captured graph (default 10)")
-    args = p.parse_args()
+def child(name: str, calls: int, runs: int) -> None:
+    """One kernel over every geometry and layout, in this process: prints one ``ROW <json>`` line per row."""
     import torch
 
-    if args.cpu_smoke:
-        print("attention_kernels.py times CUDA kernels; it has no CPU smoke (run it on a GPU)")
-        return 2
-    env = make_env(args)
-    results = Results(SCRIPT, args, env)
-    rows = []
+    fn, flash = kernels()[name], kernels()["flash"]
     for geometry, (heads, dim) in GEOMETRIES.items():
         for layout, (lengths, other) in LAYOUTS.items():
             gen = torch.Generator(device="cuda").manual_seed(0)
             total = sum(lengths)
             q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                        for _ in range(3))
-            entry: dict[str, Any] = {"geometry": geometry, "heads": heads, "head_dim": dim, "layout": layout,
-                                     "tokens": total, "tflop": 4 * heads * dim * sum(n * n for n in lengths) / 1e12}
-            base = None
-            for name, fn in kernels().items():
-                try:
-                    got = measure(fn, q, k, v, lengths, other if name != "cudnn_dense" else lengths, args.calls,
-                                  env.runs)
-                except Exception as exc:  # noqa: BLE001 -- a kernel this build or geometry lacks: recorded, the others go on
-                    entry[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-                    traceback.print_exc()
-                    continue
-                out = got.pop("out")
-                if base is None and name == "flash":
-                    base = out
-                got["vs_flash"] = None if base is None else _rel(out, base)
-                got["tflops"] = round(entry["tflop"] / (got["median_ms"] / 1e3), 1)
-                entry[name] = got
-                print(geometry, layout, name, got, flush=True)
-            rows.append(entry)
-            results.data["rows"] = rows
-            results.flush()
+            reference = flash(q, k, v, _cu(lengths, q.device), max(lengths), lengths)
+            try:
+                got = measure(fn, q, k, v, lengths, lengths if name == "cudnn_dense" else other, calls, runs)
+            except Exception as exc:  # noqa: BLE001 -- a kernel this build or geometry lacks: recorded
+                traceback.print_exc()
+                got = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                print("ROW " + json.dumps({"geometry": geometry, "layout": layout, "result": got}), flush=True)
+                if isinstance(exc, torch.AcceleratorError):
+                    return  # the context is gone: the parent records the rest as not run
+                continue
+            got["vs_flash"] = _rel(got.pop("out"), reference)
+            print("ROW " + json.dumps({"geometry": geometry, "layout": layout, "result": got}), flush=True)
+
+
+def main() -> int:
+    p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=120.0)
+    p.add_argument("--calls", type=int, default=10, help="attention calls per captured graph (default 10)")
+    p.add_argument("--kernel", choices=tuple(kernels()), default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.cpu_smoke:
+        print("attention_kernels.py times CUDA kernels; it has no CPU smoke (run it on a GPU)")
+        return 2
+    env = make_env(args)
+    if args.kernel:
+        child(args.kernel, args.calls, env.runs)
+        return 0
+    results = Results(SCRIPT, args, env)
+    rows = {(g, lay): {"geometry": g, "heads": h, "head_dim": d, "layout": lay, "tokens": sum(lengths),
+                       "tflop": 4 * h * d * sum(n * n for n in lengths) / 1e12}
+            for g, (h, d) in GEOMETRIES.items() for lay, (lengths, _) in LAYOUTS.items()}
     names = list(kernels())
+    for name in names:  # each kernel in its own process: a failed capture can poison the CUDA context
+        proc = subprocess.run([sys.executable, __file__, "--kernel", name, "--runs", str(env.runs), "--calls",
+                               str(args.calls)], capture_output=True, text=True, timeout=300)
+        sys.stderr.write(proc.stderr[-4000:])
+        for line in proc.stdout.splitlines():
+            if line.startswith("ROW "):
+                row = json.loads(line[4:])
+                entry = rows[(row["geometry"], row["layout"])]
+                got = row["result"]
+                if "median_ms" in got:
+                    got["tflops"] = round(entry["tflop"] / (got["median_ms"] / 1e3), 1)
+                entry[name] = got
+                print(name, row["geometry"], row["layout"], got, flush=True)
+        for entry in rows.values():
+            entry.setdefault(name, {"error": f"not run (the {name} process exited {proc.returncode} before it)"})
+        results.data["rows"] = list(rows.values())
+        results.flush()
     table = [[r["geometry"], r["layout"], *(
-        f"{r[n]['median_ms']:.3f} ({r[n]['tflops']:.0f} TF/s)" if "median_ms" in r[n] else r[n]["error"][:40]
+        f"{r[n]['median_ms']:.3f} ({r[n]['tflops']:.0f} TF/s)" if "median_ms" in r[n] else r[n]["error"][:60]
         for n in names), *(
         f"{r[n]['rewritten_lengths_vs_eager']:.1e}" if "median_ms" in r[n] else "-" for n in names[:3])]
-        for r in rows]
+        for r in rows.values()]
     md = [f"## attention kernels in CUDA graphs ({gpu_name(env)}, bfloat16): ms per call (useful TFLOP/s)", "",
           markdown_table(["heads x dim", "layout", *names, *(f"{n}: rewritten lengths vs eager" for n in names[:3])],
                          table)]
-    results.data["rows"] = rows
     results.finish("\n".join(md))
     return 0
 

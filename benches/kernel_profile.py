@@ -187,7 +187,7 @@ def run(args: Any, env: Env, deadline: Deadline, results: Results) -> None:
             "floor_ms": round(floor_ms(bench.params, x.sizes.patches, rate["tflops"]), 4),
             "systems": {},
         })
-        if spec.kind is TowerKind.PACKED and "patch_embed" not in entry:
+        if spec.kind is TowerKind.PACKED and "patch_embed" not in entry and bench.enc is not None:
             entry["patch_embed"] = patch_embed_ab(bench.enc.patch_embed, x.hf_args[0], env)
             results.flush()
         for system in args.systems:
