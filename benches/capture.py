@@ -42,7 +42,7 @@ from benches.lib.env import SKIPPED_TIME, Deadline, Env, free_memory, inference,
 from benches.lib.results import Results, json_ready, markdown_table, status_of
 from benches.lib.startup import cache_env
 from benches.lib.systems import System, TowerBench
-from benches.lib.towers import SMOKE_TOWERS, TOWERS
+from benches.lib.towers import CORE_TOWERS, SMOKE_TOWERS, TOWERS
 
 SCRIPT = "capture"
 TOWER_MIN_SECONDS = 10.0
@@ -53,7 +53,7 @@ LADDERS = ("doubling", "default")
 def build_parser() -> Any:
     p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=60.0)
     p.add_argument("--towers", type=parse_names(TOWERS), default=None,
-                   help=f"comma list out of {','.join(TOWERS)} (default all; with --cpu-smoke "
+                   help=f"comma list out of {','.join(TOWERS)} (default {','.join(CORE_TOWERS)}; with --cpu-smoke "
                         f"{','.join(SMOKE_TOWERS)})")
     p.add_argument("--ladders", type=parse_names(LADDERS), default=LADDERS,
                    help="comma list out of doubling,default (default both, in that order)")
@@ -65,7 +65,7 @@ def build_parser() -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    smoke_defaults(args, towers=tuple(TOWERS))
+    smoke_defaults(args, towers=CORE_TOWERS)
     env = make_env(args)
     deadline = Deadline(args.time_budget)
     results = Results(SCRIPT, args, env)

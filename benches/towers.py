@@ -7,6 +7,20 @@ at 224 and 384 px, InternViT-300M at 448 px. Cases (``benches.lib.cases``): 1 x 
 (Qwen3-VL: 336 -> 320, 252 -> 256); fixed-resolution towers see tiles of their own side (an image that does not
 fit: min(ceil(h/S) ceil(w/S), 12) tiles plus a thumbnail; a video: one tile per frame).
 
+The families added after the seed are rows too, run only when named (``--towers``), each at its full released
+depth, on the cases 1 x 448 px and 8 x 336 px unless ``--cases`` says otherwise, as its processor makes them:
+GLM-4.1V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5 (packed patch rows; Qwen3.5 sees 336 as 320), MiniCPM-V 4.6 (one
+strip; both sizes become 448 px, 32 x 32 patches, unsliced), Llama 4 (336 px tiles: 2 x 2 plus a global tile for
+448 px, one tile for 336), Gemma-4 (patches padded to 2520 rows: any square image is 48 x 48 patches, 256 soft
+tokens) and Step-3.7 (the model's ``get_image_features``: a 728 px global view per image; neither size gets 504 px
+crops, ``1x896`` gets 4). Their table beside the main one: HF sdpa, ``defaults``, the speedup and the largest
+relative difference of the outputs::
+
+    python benches/towers.py --towers glm4v,qwen3_5,ernie4_5_vl_moe,kimi_k25,minicpmv4_6,llama4,gemma4,step3p7 \
+        --systems hf_sdpa,defaults,adapter_eager --runs 10 --warmup 2 --time-budget 240 --tag families
+
+A family whose module the installed transformers lacks is reported unavailable, and the run goes on.
+
 Two phases, so that the core table is complete before the slow part: (1) every tower through hf_sdpa, hf_varlen,
 adapter_eager, defaults (``encgraph.graphed(tower)`` with no options, captured first) and graph; (2) the compiled systems, only for ``--compile-towers`` x ``--compile-cases`` (default
 Qwen2.5-VL-7B at 1x224 and 4x224: each new budget is a compile of tens of seconds), in ``--systems`` order while
@@ -45,16 +59,16 @@ if __package__ in (None, ""):
 
 import attrs
 
-from benches.lib.cases import ALL_CASES, BenchInputs, CASE_NAMES, Case, DEFAULT_CASE_NAMES, SMOKE_CASES
+from benches.lib.cases import ALL_CASES, BenchInputs, CASE_NAMES, Case, CaseError, DEFAULT_CASE_NAMES, SMOKE_CASES
 from benches.lib.cli import base_parser, parse_names, smoke_defaults
 from benches.lib.compiled import counter_delta, dynamo_counters
-from benches.lib.env import Deadline, Env, SKIPPED_TIME, inference, log, make_env, short_error
+from benches.lib.env import Deadline, Env, SKIPPED_TIME, free_memory, inference, log, make_env, short_error
 from benches.lib.outputs import max_rel_diff
 from benches.lib.results import Results, fmt, markdown_table, median_of, ratio, status_of
 from benches.lib.startup import cache_env
 from benches.lib.systems import COMPILED, System, TowerBench, parse_systems
 from benches.lib.timing import floor_ms, matmul_rate, measure, time_once
-from benches.lib.towers import SMOKE_TOWERS, TOWERS
+from benches.lib.towers import CORE_TOWERS, FAMILY_TOWERS, SMOKE_TOWERS, TOWERS
 
 SCRIPT = "towers"
 PHASE1 = (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER, System.DEFAULTS, System.GRAPH)
@@ -70,11 +84,12 @@ TOWER_MIN_SECONDS = 15.0
 def build_parser() -> Any:
     p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=150.0)
     p.add_argument("--towers", type=parse_names(TOWERS), default=None,
-                   help=f"comma list out of {','.join(TOWERS)} (default all, in that order; with --cpu-smoke "
-                        f"{','.join(SMOKE_TOWERS)})")
+                   help=f"comma list out of {','.join(TOWERS)} (default {','.join(CORE_TOWERS)}, in that order; "
+                        f"with --cpu-smoke {','.join(SMOKE_TOWERS)}; the families {','.join(FAMILY_TOWERS)} run "
+                        "when named)")
     p.add_argument("--cases", type=parse_names(CASE_NAMES), default=None,
                    help=f"comma list out of {','.join(CASE_NAMES)} (default {','.join(DEFAULT_CASE_NAMES)}; with "
-                        f"--cpu-smoke {','.join(SMOKE_CASES)})")
+                        f"--cpu-smoke {','.join(SMOKE_CASES)}; a family tower: its own, 1x448,8x336)")
     p.add_argument("--systems", type=parse_systems, default=DEFAULT_SYSTEMS,
                    help="comma list out of " + ",".join(s.value for s in (*PHASE1, *COMPILED)) + " (default all)")
     p.add_argument("--compile-towers", type=parse_names(TOWERS), default=("qwen2_5_vl_7b",),
@@ -88,12 +103,14 @@ def build_parser() -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    smoke_defaults(args, towers=tuple(TOWERS), cases=DEFAULT_CASE_NAMES)
+    own_cases = args.cases is None  # each tower its own cases where its row names them
+    smoke_defaults(args, towers=CORE_TOWERS, cases=DEFAULT_CASE_NAMES)
     env = make_env(args)
     deadline = Deadline(args.time_budget)
     results = Results(SCRIPT, args, env)
     data = results.data
     cases = [c for c in ALL_CASES if c.name in args.cases]
+    by_name = {c.name: c for c in ALL_CASES}
     with inference():
         data["matmul"] = matmul_rate(env)
         log(f"matmul rate {data['matmul']['tflops']} TFLOP/s")
@@ -101,8 +118,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results.flush()
         phase1 = [s for s in args.systems if s in PHASE1]
         for name in args.towers:
+            spec_cases = TOWERS[name].cases if own_cases else None
+            tower_cases = [by_name[n] for n in spec_cases] if spec_cases else cases
             with cache_env():  # defaults' capture starts from empty compile caches, as in a fresh install
-                run_tower(name, cases, phase1, env, deadline, results)
+                run_tower(name, tower_cases, phase1, env, deadline, results)
         compiled = [s for s in args.systems if s in COMPILED]
         if compiled:
             for name in args.towers:
@@ -121,6 +140,8 @@ def _case_entry(bench: TowerBench, inputs: BenchInputs, tflops: float) -> dict[s
         entry["grids"] = [list(g) for g in s.grids]
     else:
         entry["tiles"] = s.tiles
+    if s.crops:
+        entry["crops"] = list(s.crops)
     entry["floor_ms"] = round(floor_ms(bench.params, s.patches, tflops), 4)
     entry["systems"] = {}
     return entry
@@ -136,7 +157,14 @@ def run_tower(name: str, cases: list[Case], systems: list[System], env: Env,
         results.flush()
         return
     log(f"{name}: building")
-    bench = TowerBench(spec, env, systems)
+    try:
+        bench = TowerBench(spec, env, systems)
+    except Exception as exc:  # noqa: BLE001 (one tower that cannot be built must not end the run)
+        traceback.print_exc()
+        towers[name] = {"label": spec.label, "skipped": f"error: build failed ({short_error(exc)})"}
+        free_memory()
+        results.flush()
+        return
     entry = towers[name] = {
         "label": spec.label,
         "params": bench.params,
@@ -154,7 +182,11 @@ def run_tower(name: str, cases: list[Case], systems: list[System], env: Env,
             except Exception as exc:
                 bench.unavailable[system] = f"error: capture failed ({short_error(exc)})"
     for case in cases:
-        inputs = bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name))
+        try:
+            inputs = bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name))
+        except CaseError as exc:
+            entry["cases"][case.name] = {"skipped": f"n/a: {exc}"}
+            continue
         c = entry["cases"][case.name] = _case_entry(bench, inputs, results.data["matmul"]["tflops"])
         if bench.adapter is not None and System.GRAPH not in bench.unavailable:
             c["plan"] = bench.plan_summary(inputs)
@@ -227,7 +259,7 @@ def run_compile(name: str, cases: list[Case], systems: list[System], env: Env,
     weights and inputs as phase 1). ``compile``: the first call of each case compiles; ``graph_compile``: the
     runner compiles and captures the cases' budgets when it is made. Both record dynamo's counters."""
     entry = results.data["towers"].get(name, {})
-    todo = [c for c in cases if c.name in entry.get("cases", {})]
+    todo = [c for c in cases if "systems" in entry.get("cases", {}).get(c.name, {})]
     if not todo:
         return
 
@@ -304,15 +336,62 @@ def prepare_graph_compile(bench: TowerBench, inputs: list[BenchInputs], deadline
 
 
 def render(data: dict[str, Any], systems: tuple[System, ...]) -> str:
-    """The markdown table: one row per tower and case, median ms per system, speedups and the floor."""
+    """The markdown tables: one row per tower and case, median ms per system, speedups and the floor (the seed's
+    towers); HF sdpa against ``defaults`` (the family towers). Notes on captures and compiles after them."""
+    towers = data.get("towers", {})
+    core = {k: v for k, v in towers.items() if k not in FAMILY_TOWERS}
+    families = {k: v for k, v in towers.items() if k in FAMILY_TOWERS}
+    mm = data.get("matmul", {})
+    where = f"{data['environment']['gpu']}, {data['environment']['dtype']}"
+    parts = []
+    if core or not families:
+        parts.append(f"## towers: median latency per call ({where}, matmul {mm.get('tflops')} TFLOP/s)\n\n"
+                     + _core_table(core, systems))
+    if families:
+        parts.append(f"## towers, the newer families: HF sdpa vs encgraph defaults ({where})\n\n"
+                     + _family_table(families))
+    notes = _notes(data)
+    return "\n\n".join(parts) + ("\n\n" + notes if notes else "")
+
+
+def _unmeasured(tower: dict[str, Any], width: int) -> list[list[Any]]:
+    """Rows of a tower, or of its cases, that were not measured (skipped, not applicable, failed)."""
+    if "cases" not in tower:
+        return [[tower["label"], tower.get("skipped", "-")] + ["-"] * (width - 2)]
+    return [[tower["label"], name, c["skipped"]] + ["-"] * (width - 3)
+            for name, c in tower["cases"].items() if "systems" not in c]
+
+
+def _family_table(towers: dict[str, Any]) -> str:
+    headers = ["tower", "case", "items", "patches", "tokens", "HF eager (sdpa) ms", "encgraph defaults ms",
+               "adapter eager ms", "defaults vs HF sdpa", "max rel diff defaults vs HF", "defaults capture s"]
+    rows = []
+    for tower in towers.values():
+        rows += _unmeasured(tower, len(headers))
+        capture = (tower.get("defaults_capture") or {}).get("wall_seconds")
+        for case_name, c in tower.get("cases", {}).items():
+            if "systems" not in c:
+                continue
+            cells = []
+            for s in (System.HF_SDPA, System.DEFAULTS, System.ADAPTER_EAGER):
+                entry = c["systems"].get(s.value)
+                m = median_of(entry)
+                cells.append(m if m is not None else status_of(entry))
+            diff = c.get("defaults_vs_hf_sdpa_max_rel_diff")
+            rows.append([tower["label"], case_name, c["items"], c["patches"], c["tokens"], *cells,
+                         c["speedup"].get("defaults_vs_hf_sdpa"), diff if diff is not None else "-", capture])
+    return markdown_table(headers, rows)
+
+
+def _core_table(towers: dict[str, Any], systems: tuple[System, ...]) -> str:
     headers = ["tower", "case", "items", "patches"] + [s.label + " ms" for s in systems] + [
         "defaults vs HF sdpa", "graph vs HF sdpa", "graph vs adapter eager", "matmul floor ms", "graph / floor"]
     rows = []
-    for tower in data.get("towers", {}).values():
-        if "cases" not in tower:
-            rows.append([tower["label"], tower.get("skipped", "-")] + ["-"] * (len(headers) - 2))
-            continue
-        for case_name, c in tower["cases"].items():
+    for tower in towers.values():
+        rows += _unmeasured(tower, len(headers))
+        for case_name, c in tower.get("cases", {}).items():
+            if "systems" not in c:
+                continue
             cells = []
             for s in systems:
                 entry = c["systems"].get(s.value)
@@ -323,11 +402,7 @@ def render(data: dict[str, Any], systems: tuple[System, ...]) -> str:
                          c["speedup"].get("defaults_vs_hf_sdpa"), c["speedup"].get("graph_vs_hf_sdpa"),
                          c["speedup"].get("graph_vs_adapter_eager"),
                          c["floor_ms"], ratio(graph, c["floor_ms"])])
-    mm = data.get("matmul", {})
-    title = (f"## towers: median latency per call ({data['environment']['gpu']}, {data['environment']['dtype']}, "
-             f"matmul {mm.get('tflops')} TFLOP/s)\n\n")
-    notes = _notes(data)
-    return title + markdown_table(headers, rows) + ("\n\n" + notes if notes else "")
+    return markdown_table(headers, rows)
 
 
 def _notes(data: dict[str, Any]) -> str:

@@ -3,7 +3,22 @@ tower sees for them (rounded as the processors round), and the tensors of one ca
 
 Input layouts are a table by :class:`~benches.lib.towers.TowerKind`: ``_SIZES`` (how many patches and output
 tokens a visual becomes) and ``_TENSORS`` (the random pixels and the keyword arguments of the tower's forward);
-a tower kind with another layout adds one function to each.
+a tower kind with another layout adds one function to each. Each kind follows its family's processor at its
+default settings:
+
+- ``PACKED``, ``PATCHES`` (Qwen-VL, GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5): sides rounded to multiples of
+  patch x merge (``smart_resize``), so 448 px stays 448 (Qwen3.5 at factor 32 too) and 336 px becomes 320 at
+  factor 32;
+- ``FIXED`` (SigLIP, InternViT, Llama 4's 336 px tiles): tiles of the tower's side (a 448 px image: 2 x 2 tiles
+  plus a thumbnail, as Llama 4's processor makes it: 5 tiles);
+- ``STRIP`` (MiniCPM-V 4.6): an image of at most 448 x 448 px is resized to about that area (up or down), sides
+  multiples of 4 patches, and not sliced: 448 and 336 px both become 32 x 32 patches (256 tokens after the
+  tower's window merger); a larger image (the processor slices it) or a video is refused;
+- ``PADDED`` (Gemma-4): every image resized to the patch budget of ``max_soft_tokens = 280`` (2520 patches,
+  sides multiples of the 3 x 3 pooling), then padded to 2520 rows: any square image is 48 x 48 patches (256 soft
+  tokens); videos are refused;
+- ``VIEWS`` (Step-3.7): one 728 px global view per image, plus 504 px crops where the processor cuts them
+  (only images over 728 px, or elongated ones: none at 448 or 336 px; ``1x896`` has 4); videos are refused.
 """
 
 from __future__ import annotations
@@ -42,6 +57,11 @@ class Case:
     visuals: tuple[Visual, ...]
 
 
+class CaseError(ValueError):
+    """A visual a tower's input layout does not model (its processor would slice it, or the tower takes no video):
+    ``towers.py`` records the case as not applicable."""
+
+
 CASES: tuple[Case, ...] = (
     Case("1x224", (Visual(224, 224),)),
     Case("4x224", (Visual(224, 224),) * 4),
@@ -51,7 +71,9 @@ CASES: tuple[Case, ...] = (
 )
 SMOKE_VIDEO = Case("video4x112", (Visual(112, 112, frames=4, kind="video"),))
 """A small video for the CPU smoke (the video path without the quadratic cost of masked attention on a CPU)."""
-ALL_CASES = CASES + (SMOKE_VIDEO,)
+FAMILY_CASES_EXTRA = (Case("1x448", (Visual(448, 448),)),)
+"""Cases of the family rows beyond :data:`CASES` (their cases are ``towers.FAMILY_CASES``: 1x448 and 8x336)."""
+ALL_CASES = CASES + (SMOKE_VIDEO, *FAMILY_CASES_EXTRA)
 CASE_NAMES = tuple(c.name for c in ALL_CASES)
 DEFAULT_CASE_NAMES = tuple(c.name for c in CASES)
 SMOKE_CASES = ("1x224", "video4x112")
@@ -85,13 +107,16 @@ def fixed_tiles(visual: Visual, geom: Geometry) -> int:
 @attrs.frozen
 class Sizes:
     """Token counts of one call on one tower: ``items`` (images/videos), ``patches`` (rows through the blocks),
-    ``tokens`` (the tower's output tokens: merged patches, or tiles x patches per tile), ``grids``."""
+    ``tokens`` (the tower's output tokens: merged patches, or tiles x patches per tile), ``grids`` (``(t, h, w)``
+    in patches per item, for every layout with per-item sizes)."""
 
     items: int
     patches: int
     tokens: int
     grids: tuple[tuple[int, int, int], ...] = ()
     tiles: int = 0
+    crops: tuple[int, ...] = ()
+    """Local crops per image of a ``VIEWS`` tower (its ``tiles`` count global views and crops)."""
 
 
 def _packed_sizes(visuals: Sequence[Visual], geom: Geometry, image_cap: float, frame_cap: float) -> Sizes:
@@ -106,9 +131,106 @@ def _fixed_sizes(visuals: Sequence[Visual], geom: Geometry, image_cap: float, fr
     return Sizes(len(visuals), tiles * per_tile, tiles * per_tile, tiles=tiles)
 
 
+MINICPM_SCALE = 448
+"""MiniCPM-V's ``scale_resolution``: the area (its square) an unsliced image is resized to."""
+MINICPM_SIDE_PATCHES = 4
+"""MiniCPM-V's sides are multiples of 4 patches: its default "16x" mode merges 2 x 2 twice (the tower's window
+merger, then the model's)."""
+GEMMA4_MAX_SOFT_TOKENS = 280
+"""Gemma-4's image processor default: at most 280 soft tokens, i.e. 280 x 3 x 3 patches, the padded row count."""
+STEP_CROP_PATCHES = 36
+"""Step-3.7's crops are 36 patches a side (504 px at patch 14: the processor's ``patch_size``)."""
+STEP_MAX_IMAGE = 3024
+"""Step-3.7's ``max_image_size``: larger images are scaled down before cropping."""
+
+
+def _images_only(visuals: Sequence[Visual], layout: str) -> None:
+    if any(v.is_video for v in visuals):
+        raise CaseError(f"a {layout} tower's benchmark inputs are images only, got a video")
+
+
+def strip_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
+    """``(1, h, w)`` in patches of an image as MiniCPM-V's processor resizes it (``find_best_resize`` with
+    upscaling, no slices); refuses an image over ``MINICPM_SCALE`` squared, which the processor slices."""
+    if visual.height * visual.width > MINICPM_SCALE**2:
+        raise CaseError(f"MiniCPM-V slices an image over {MINICPM_SCALE} x {MINICPM_SCALE} px (not modelled), got "
+                        f"{visual.height} x {visual.width}")
+    aspect = visual.width / visual.height
+    height = int(MINICPM_SCALE / math.sqrt(aspect))
+    width = int(height * aspect)
+    side = geom.patch * MINICPM_SIDE_PATCHES
+    h, w = (max(round(x / side) * side, side) for x in (height, width))
+    return 1, h // geom.patch, w // geom.patch
+
+
+def padded_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
+    """``(1, h, w)`` in patches of an image as Gemma-4's processor resizes it: aspect kept, as large as
+    ``GEMMA4_MAX_SOFT_TOKENS`` allows, sides multiples of pooling x patch (``get_aspect_ratio_preserving_size``)."""
+    p, side = geom.patch, geom.merge * geom.patch
+    max_patches = GEMMA4_MAX_SOFT_TOKENS * geom.merge**2
+    factor = math.sqrt(max_patches * p * p / (visual.height * visual.width))
+    h, w = (math.floor(factor * x / side) * side for x in (visual.height, visual.width))
+    longest = GEMMA4_MAX_SOFT_TOKENS * side
+    if h == 0:
+        h, w = side, min(math.floor(visual.width / visual.height) * side, longest)
+    elif w == 0:
+        h, w = min(math.floor(visual.height / visual.width) * side, longest), side
+    return 1, h // p, w // p
+
+
+def view_crops(visual: Visual, geom: Geometry) -> int:
+    """Local crops Step-3.7's processor cuts from an image (``_plan_patches``): none when the image fits the
+    global view and is not elongated (long side over 1.5 x the short), else a grid of windows of the crop side
+    (of the short side for a very elongated image), each side snapped up when its rest passes 20% of a window."""
+    width, height, crop, view = visual.width, visual.height, STEP_CROP_PATCHES * geom.patch, int(geom.image_size)
+    if min(width, height) < 32 and max(width / height, height / width) > 4:
+        width = height = max(width, height)
+    if max(width, height) > STEP_MAX_IMAGE:
+        scale = STEP_MAX_IMAGE / max(width, height)
+        width, height = int(width * scale), int(height * scale)
+    short, long = min(width, height), max(width, height)
+    if long <= view:
+        window = short if long / short > 1.5 else 0
+    else:
+        window = min(short, crop) if long / short > 4 else crop
+    if window == 0:
+        return 0
+
+    def count(dim: int) -> int:
+        snapped = window * (dim // window + (dim % window > 0.2 * window)) if dim >= window else dim
+        return max(1, snapped // window)
+
+    return count(width) * count(height)
+
+
+def _grid_sizes(grid_of: Callable[[Visual, Geometry], tuple[int, int, int]], layout: str) -> Callable[..., Sizes]:
+    def sizes(visuals: Sequence[Visual], geom: Geometry, image_cap: float, frame_cap: float) -> Sizes:
+        _images_only(visuals, layout)
+        grids = tuple(grid_of(v, geom) for v in visuals)
+        patches = sum(t * h * w for t, h, w in grids)
+        return Sizes(len(visuals), patches, patches // geom.merge**2, grids)
+
+    return sizes
+
+
+def _views_sizes(visuals: Sequence[Visual], geom: Geometry, image_cap: float, frame_cap: float) -> Sizes:
+    from encgraph.models.step3p7 import view_tokens
+
+    _images_only(visuals, "Step-3.7")
+    crops = tuple(view_crops(v, geom) for v in visuals)
+    view, crop = int(geom.image_size), STEP_CROP_PATCHES * geom.patch  # type: ignore[arg-type]
+    patches = len(visuals) * (view // geom.patch) ** 2 + sum(crops) * STEP_CROP_PATCHES**2
+    tokens = len(visuals) * view_tokens(view, geom.patch) + sum(crops) * view_tokens(crop, geom.patch)
+    return Sizes(len(visuals), patches, tokens, tiles=len(visuals) + sum(crops), crops=crops)
+
+
 _SIZES: dict[TowerKind, Callable[[Sequence[Visual], Geometry, float, float], Sizes]] = {
     TowerKind.PACKED: _packed_sizes,
     TowerKind.FIXED: _fixed_sizes,
+    TowerKind.PATCHES: _packed_sizes,
+    TowerKind.STRIP: _grid_sizes(strip_grid, "MiniCPM-V"),
+    TowerKind.PADDED: _grid_sizes(padded_grid, "Gemma-4"),
+    TowerKind.VIEWS: _views_sizes,
 }
 
 
@@ -146,17 +268,70 @@ def _fixed_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tu
     return (), {"pixel_values": pixels}
 
 
+def _patch_rows_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    pixels = torch.randn(sizes.patches, geom.channels, geom.patch, geom.patch, device=env.device, dtype=env.dtype,
+                         generator=gen)
+    return (pixels,), {"grid_thw": torch.tensor(sizes.grids, dtype=torch.int64).to(env.device)}
+
+
+def _strip_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    strip = torch.randn(1, geom.channels, geom.patch, sizes.patches * geom.patch, device=env.device, dtype=env.dtype,
+                        generator=gen)
+    target_sizes = torch.tensor([(h, w) for _, h, w in sizes.grids], dtype=torch.int64)
+    return (strip,), {"target_sizes": target_sizes.to(env.device)}
+
+
+def _padded_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # As the processor pads: each image's patches in raster order, then zero rows at position (-1, -1); values
+    # in [0, 1] (it rescales and does not normalise).
+    import numpy as np
+    import torch
+
+    from encgraph.models.gemma4_layout import grid_positions
+
+    rows = GEMMA4_MAX_SOFT_TOKENS * geom.merge**2
+    pixels = torch.zeros(sizes.items, rows, geom.row_size, device=env.device, dtype=env.dtype)
+    positions = np.full((sizes.items, rows, 2), -1, np.int64)
+    for i, (_, h, w) in enumerate(sizes.grids):
+        positions[i, : h * w] = grid_positions(w, h)
+        pixels[i, : h * w] = torch.rand(h * w, geom.row_size, device=env.device, generator=gen).to(env.dtype)
+    return (pixels, torch.from_numpy(positions).to(env.device)), {}
+
+
+def _views_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    def views(n: int, side: int) -> Any:
+        return torch.randn(n, geom.channels, side, side, device=env.device, dtype=env.dtype, generator=gen)
+
+    crops = sum(sizes.crops)
+    local = views(crops, STEP_CROP_PATCHES * geom.patch) if crops else None
+    return (views(sizes.items, int(geom.image_size)), local, list(sizes.crops)), {}  # type: ignore[arg-type]
+
+
 _TENSORS: dict[TowerKind, Callable[[Sizes, Geometry, Env, Any], tuple[tuple[Any, ...], dict[str, Any]]]] = {
     TowerKind.PACKED: _packed_tensors,
     TowerKind.FIXED: _fixed_tensors,
+    TowerKind.PATCHES: _patch_rows_tensors,
+    TowerKind.STRIP: _strip_tensors,
+    TowerKind.PADDED: _padded_tensors,
+    TowerKind.VIEWS: _views_tensors,
 }
+_HOST_GRIDS = {TowerKind.PACKED: "grid_thw", TowerKind.PATCHES: "grid_thw", TowerKind.STRIP: "target_sizes"}
+"""The keyword of each kind's per-item sizes, which the adapter systems get on the host."""
 
 
 def adapter_inputs(adapter: Any, kind: TowerKind, hf_args: tuple[Any, ...], hf_kwargs: Mapping[str, Any]) -> Any:
-    """The adapter's inputs for a call, from the tower's own arguments. A packed tower's grid is handed over on
-    the host (the adapter plans on it; a host grid spares the runner systems a device sync per call)."""
-    if kind is TowerKind.PACKED:
-        return adapter.inputs_from_call(*hf_args, grid_thw=hf_kwargs["grid_thw"].cpu())
+    """The adapter's inputs for a call, from the tower's own arguments. A packed tower's grid (a strip's target
+    sizes) is handed over on the host (the adapter plans on it; a host grid spares the runner systems a device
+    sync per call)."""
+    key = _HOST_GRIDS.get(kind)
+    if key is not None:
+        return adapter.inputs_from_call(*hf_args, **{**hf_kwargs, key: hf_kwargs[key].cpu()})
     return adapter.inputs_from_call(*hf_args, **hf_kwargs)
 
 

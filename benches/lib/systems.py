@@ -12,7 +12,9 @@ Systems, all under ``torch.inference_mode()``:
 - ``adapter_eager``: ``EncoderGraphRunner(adapter, mode=RunMode.EAGER)``: the adapter's eager forward per planned
   batch;
 - ``defaults``: ``encgraph.graphed(tower)`` with no options at all, on a copy of its own, called with the tower's
-  own arguments: whatever the library's defaults are when it runs (``capture()`` called first and timed);
+  own arguments: whatever the library's defaults are when it runs (``capture()`` called first and timed); for a
+  model whose features function the adapter replaces (``TowerSpec.features``: Step-3.7), that function's shim
+  over ``EncoderGraphRunner(wrap(model))`` with no options (:class:`FeatureShim`);
 - ``graph``: ``EncoderGraphRunner(adapter, mode=RunMode.GRAPH)`` after ``capture()`` (``STATIC`` on the CPU);
 - ``compile``: the same runner plan and buffers in ``STATIC`` mode, with the adapter's static-shape forward passed
   through ``torch.compile(mode="reduce-overhead", dynamic=False)`` (CUDA only; one compile per budget);
@@ -27,8 +29,8 @@ import copy
 import enum
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 from benches.lib.cases import BenchInputs, Visual, make_inputs
 from benches.lib.compiled import CompiledStatic, compile_dynamic
@@ -79,6 +81,32 @@ _COPIES: dict[str, tuple[System, ...]] = {
 ``defaults`` is wrapped by ``graphed()`` alone (a wrapped tower must not be copied, so copies come first)."""
 
 
+class FeatureShim:
+    """``graphed()``'s stand-in for a model whose adapter replaces a features function rather than a forward
+    (Step-3.7's ``get_image_features``): the adapter's ``shim`` over ``EncoderGraphRunner(wrap(model),
+    **runner_options)``, with the members of :class:`~encgraph.GraphedModule` the benchmarks read (``capture()``,
+    ``stats``, ``runner``, ``inner``)."""
+
+    def __init__(self, model: Any, **runner_options: Any) -> None:
+        from encgraph.capture import EncoderGraphRunner
+        from encgraph.models import wrap
+
+        self.inner = model
+        self.adapter = wrap(model)
+        self.runner = EncoderGraphRunner(self.adapter, **runner_options)
+        self._features = self.adapter.shim(self.runner)
+
+    def capture(self) -> dict[str, Any]:
+        return self.runner.capture()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.runner.stats
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._features(*args, **kwargs)
+
+
 def parse_systems(text: str) -> tuple[System, ...]:
     """``"graph,adapter_eager"`` -> systems, in that order (argparse ``type``)."""
     names = [s.strip() for s in text.split(",") if s.strip()]
@@ -97,6 +125,10 @@ class TowerBench:
     summaries land in ``capture_infos`` (``wall_seconds`` included). Where an adapter is missing
     (``encgraph.models.wrap`` or ``graphed`` raised) those systems report ``unavailable``.
     """
+
+    defaults_options: ClassVar[Mapping[str, Any]] = {}
+    """Runner options of ``defaults``: none, the library's defaults. Only the CPU tests set one (``verify=False``:
+    skipping the capture's self-check spares them seconds per tower)."""
 
     def __init__(self, spec: TowerSpec, env: Env, systems: Iterable[System]) -> None:
         self.spec = spec
@@ -140,8 +172,10 @@ class TowerBench:
             except Exception as exc:  # the adapter of this family may not exist yet: measure the rest
                 for s in RUNNER_SYSTEMS:
                     self.unavailable[s] = f"unavailable: no adapter ({short_error(exc)})"
-            if self.spec.kind is not TowerKind.PACKED:
+            if self.spec.kind is TowerKind.FIXED:
                 self.unavailable[System.HF_VARLEN] = "n/a: a fixed-size tower has no packed sequences"
+            elif self.spec.kind is not TowerKind.PACKED:
+                self.unavailable[System.HF_VARLEN] = "n/a: encgraph's varlen switch is for Qwen-VL layout towers"
             elif System.HF_VARLEN in self.systems:
                 try:
                     from encgraph.models.attention import use_packed_attention
@@ -153,9 +187,16 @@ class TowerBench:
             try:
                 import encgraph
 
-                self.graphed = encgraph.graphed(self._defaults_tower)  # no options: the library's defaults
+                if self.spec.features:
+                    self.graphed = FeatureShim(self._defaults_tower, **self.defaults_options)
+                else:  # no options: the library's defaults
+                    self.graphed = encgraph.graphed(self._defaults_tower, **self.defaults_options)
             except Exception as exc:
-                self.unavailable[System.DEFAULTS] = f"unavailable: graphed() raised ({short_error(exc)})"
+                what = "the adapter's shim" if self.spec.features else "graphed()"
+                self.unavailable[System.DEFAULTS] = f"unavailable: {what} raised ({short_error(exc)})"
+        if self.spec.features:
+            self.unavailable[System.HF_COMPILE_DYNAMIC] = (
+                f"n/a: the benchmark calls {self.spec.features}, not a forward to compile")
 
     # -- inputs
     def inputs(self, visuals: Sequence[Visual], *, max_image_tokens: float = math.inf,
@@ -185,7 +226,9 @@ class TowerBench:
         from encgraph.capture import EncoderGraphRunner, RunMode
 
         if system is System.ADAPTER_EAGER:
-            runner = EncoderGraphRunner(self.adapter, mode=RunMode.EAGER, progress=False)
+            # No self-check: it compares the padded static forward with the eager one, and this runner never
+            # runs the static forward (the check would only add seconds to its first call).
+            runner = EncoderGraphRunner(self.adapter, mode=RunMode.EAGER, verify=False, progress=False)
         elif system is System.GRAPH:
             mode = RunMode.GRAPH if self.env.cuda else RunMode.STATIC
             runner = EncoderGraphRunner(self.adapter, mode=mode, budgets=self.graph_budgets, progress=False)
@@ -228,13 +271,17 @@ class TowerBench:
         if system in self.unavailable:
             raise RuntimeError(self.unavailable[system])
         args, kwargs = inputs.hf_args, inputs.hf_kwargs
-        module = {System.HF_SDPA: lambda: self.hf, System.HF_VARLEN: lambda: self.enc,
+        module = {System.HF_SDPA: lambda: self._entry(self.hf), System.HF_VARLEN: lambda: self._entry(self.enc),
                   System.HF_COMPILE_DYNAMIC: self.compiled_hf, System.DEFAULTS: self.defaults}.get(system)
         if module is not None:
             fn = module()
             return lambda: fn(*args, **kwargs)
         runner = self.runner(system)
         return lambda: runner(inputs.adapter)
+
+    def _entry(self, model: Any) -> Callable[..., Any]:
+        """What a call of the model's own runs: its forward, or the features function the row names."""
+        return getattr(model, self.spec.features) if self.spec.features else model
 
     def stats(self, system: System) -> dict[str, Any]:
         """The runner's counters of a graph or runner system (``runner.stats``)."""

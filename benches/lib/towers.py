@@ -14,9 +14,34 @@ version it needs. Adding a tower is adding a row::
         transformers="5.24",
     ),
 
-A tower that stores a fact elsewhere (Kimi-K2.5's merge is ``merge_kernel_size``, it has no temporal patch)
-says so in ``facts`` (``Facts(merge="merge_kernel_size", temporal_patch=1, channels=3)``); a tower that takes
-another input layout adds a :class:`TowerKind` and its builder in :mod:`benches.lib.cases`.
+A tower that stores a fact elsewhere (ERNIE-4.5-VL has no temporal patch) says so in ``facts``
+(``Facts(temporal_patch=1)``); a tower that takes another input layout adds a :class:`TowerKind` (its default
+facts in ``DEFAULT_FACTS``) and its builders in :mod:`benches.lib.cases`.
+
+The rows of the families added after the seed (:data:`FAMILY_TOWERS`) are the one table of their real geometry:
+the GPU tests build their towers from these rows too (``tests/gpu/family_geometry.py``, Gemma-4 and Step-3.7 in
+``tests/models/fixtures_multipath.py``), with the depth cut. Sources: the transformers config docstrings'
+checkpoints (their defaults are those models' values) and the models' published ``config.json``:
+
+- GLM-4.1V-9B (and GLM-4.6V; GLM-4.5V's tower has the same shape): depth 24, hidden 1536, 12 heads, MLP 13696,
+  patch 14, merge 2, output 4096, a 336 px (24 x 24) position table.
+- Qwen3.5-27B: depth 27, hidden 1152, 16 heads, MLP 4304, patch 16, merge 2, a 48 x 48 position table, output
+  5120 (the 27B text model's width).
+- ERNIE-4.5-VL-28B-A3B: depth 32, hidden 1280, 16 heads, MLP 5120, patch 14, merge 2 (no temporal patch).
+- Kimi-K2.5 (MoonViT): 27 layers, hidden 1152, 16 heads, MLP 4304, patch 14, a 64 x 64 position table, 4 frames
+  of time table, 2 x 2 temporal-merge kernel.
+- MiniCPM-V 4.6: SigLIP-so400m, 27 layers, hidden 1152, 16 heads, MLP 4304, patch 14, 980 px (70 x 70) position
+  table, the window merger after layer 6.
+- Llama 4 Scout: 34 layers, hidden 1408, 16 heads, MLP 5632, 336 px tiles of patch 14, pixel shuffle to
+  4096-wide tokens.
+- Gemma-4's vision tower: 16 layers of 768, 12 heads (as many KV heads), head 64, MLP 3072, patch 16, pooling
+  3 x 3 patches into a soft token, a 10240-entry position table, standardised outputs.
+- Step-3.7: 47 layers of 1536, 16 heads, MLP 8960, patch 14, 728 px global views and 504 px crops, two stride-2
+  downsamplers and the projector into the 4096-wide text model (built as ``Step3p7Model`` with a one-layer text
+  stub: the benchmark calls ``get_image_features``, never the language model).
+
+Their ``tiny`` overrides keep the real patch sizes and position tables (so a case has its real token counts)
+and shrink widths and depth, as the seed's rows do.
 """
 
 from __future__ import annotations
@@ -38,25 +63,39 @@ class TowerKind(enum.Enum):
     """Qwen-VL style: ``(pixel rows (patches, C*T*P*P), grid_thw (items, 3))``, any image size, videos."""
     FIXED = "fixed"
     """SigLIP, InternViT style: ``pixel_values (tiles, C, S, S)`` at the tower's one resolution."""
+    PATCHES = "patches"
+    """Kimi-K2.5 style: the packed layout with one patch per row, ``(patches, C, P, P)``, + ``grid_thw``."""
+    STRIP = "strip"
+    """MiniCPM-V style: one strip of patches ``(1, C, P, patches * P)`` + ``target_sizes (images, 2)``."""
+    PADDED = "padded"
+    """Gemma-4 style: patches padded per image, ``(images, rows, C*P*P)``, + ``pixel_position_ids``."""
+    VIEWS = "views"
+    """Step-3.7 style: the model's ``get_image_features(global views (B, C, S, S), local crops, crops per
+    image)``."""
 
 
 @attrs.frozen
 class Facts:
-    """Where a tower's geometry lives in its config: each field names a config attribute, or is the value
-    itself (an ``int``). A list or tuple value (``patch_size=[14, 14]``) counts by its first element."""
+    """Where a tower's geometry lives in its config: each field names a config attribute (dotted for a
+    sub-config's), or is the value itself (an ``int``). A list or tuple value (``patch_size=[14, 14]``) counts by
+    its first element."""
 
     patch: str | int = "patch_size"
     merge: str | int = "spatial_merge_size"
     temporal_patch: str | int = "temporal_patch_size"
     channels: str | int = "in_channels"
     image_size: str | int | None = None
-    """The one side a fixed-resolution tower takes (``None``: any size, a packed tower)."""
+    """The one side a fixed-resolution tower takes, or a global view's (``None``: any size)."""
 
     def read(self, kind: TowerKind, config: Any) -> Geometry:
         def value(fact: str | int | None) -> int | None:
             if fact is None:
                 return None
-            raw = getattr(config, fact) if isinstance(fact, str) else fact
+            raw = fact
+            if isinstance(fact, str):  # "vision_config.patch_size": an attribute of a sub-config
+                raw = config
+                for part in fact.split("."):
+                    raw = getattr(raw, part)
             return int(raw[0] if isinstance(raw, (list, tuple)) else raw)
 
         patch, merge, temporal, channels = (value(f) for f in (self.patch, self.merge, self.temporal_patch,
@@ -64,10 +103,19 @@ class Facts:
         return Geometry(kind, patch, merge, temporal, value(self.image_size), channels)  # type: ignore[arg-type]
 
 
+_STEP = "vision_config."
 DEFAULT_FACTS: dict[TowerKind, Facts] = {
     TowerKind.PACKED: Facts(),
     TowerKind.FIXED: Facts(merge=1, temporal_patch=1, channels="num_channels", image_size="image_size"),
+    TowerKind.PATCHES: Facts(merge="merge_kernel_size", temporal_patch=1, channels=3),
+    TowerKind.STRIP: Facts(merge="window_kernel_size", temporal_patch=1, channels="num_channels"),
+    TowerKind.PADDED: Facts(merge="pooling_kernel_size", temporal_patch=1, channels=3),
+    TowerKind.VIEWS: Facts(patch=f"{_STEP}patch_size", merge=1, temporal_patch=1, channels=f"{_STEP}num_channels",
+                           image_size=f"{_STEP}image_size"),
 }
+"""Where each kind's geometry lives by default: Qwen-VL's names (``PACKED``), SigLIP's (``FIXED``), Kimi-K2.5's,
+MiniCPM-V's (``merge``: the window merger's side), Gemma-4's (``merge``: the pooling kernel), Step-3.7's (its
+vision sub-config; ``image_size`` the global view's side)."""
 
 
 @attrs.frozen
@@ -110,6 +158,12 @@ class TowerSpec:
     facts: Facts | None = attrs.field(default=None, kw_only=True)
     transformers: str = attrs.field(default="5.15", kw_only=True)
     """The lowest transformers version that has the tower (older ones report it unavailable)."""
+    features: str | None = attrs.field(default=None, kw_only=True)
+    """The model function the benchmark calls instead of ``forward`` (Step-3.7: ``get_image_features``); the
+    ``defaults`` system is then the adapter's shim of it over a default runner (``graphed()`` stands in for a
+    forward only)."""
+    cases: tuple[str, ...] | None = attrs.field(default=None, kw_only=True)
+    """The cases ``towers.py`` runs for this tower when ``--cases`` is not given (``None``: the script's)."""
 
     def config_class(self) -> Any:
         return _load(self.config)
@@ -161,9 +215,10 @@ _SIGLIP_FULL = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=
 TINY_PACKED = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48)
 """Tiny widths of a packed (Qwen-VL style) tower for the CPU smoke; rows add depth and their own indexes."""
 TINY_FIXED = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-"""Tiny widths of a fixed-resolution tower; rows add their tiny image side."""
+"""Tiny widths of a fixed-resolution tower (rows add their tiny image side), and of most family towers (their
+Hugging Face names are SigLIP's)."""
 
-TOWERS: dict[str, TowerSpec] = _table(
+_CORE_ROWS = (
     TowerSpec(
         "qwen2_5_vl_7b", "Qwen2.5-VL-7B tower", TowerKind.PACKED,
         model=f"{_Q25}.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
@@ -200,8 +255,71 @@ TOWERS: dict[str, TowerSpec] = _table(
         tiny=dict(TINY_FIXED, image_size=[56, 56]),
     ),
 )
+FAMILY_CASES = ("1x448", "8x336")
+"""The cases of the family rows (``benches.lib.cases``; each family sees them as its processor makes them)."""
+_T = "transformers.models"
+_STEP_VISION = dict(num_hidden_layers=47, hidden_size=1536, intermediate_size=8960, num_attention_heads=16,
+                    image_size=728, patch_size=14)
+_STEP_TEXT = dict(vocab_size=64, hidden_size=4096, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=16, intermediate_size=64, mlp_layer_types=["dense"], layer_types=["full_attention"])
+"""A one-layer stub of Step-3.7's text model: only its width matters (the projector's output, 4096)."""
+
+
+def _family(name: str, label: str, kind: TowerKind, model: str, config: str, **fields: Any) -> TowerSpec:
+    """A family row: ``model`` and ``config`` are class names in ``transformers.models.<name>``."""
+    return TowerSpec(name, label, kind, model=f"{_T}.{name}.modeling_{name}:{model}",
+                     config=f"{_T}.{name}.configuration_{name}:{config}", cases=FAMILY_CASES, **fields)
+
+
+_FAMILY_ROWS = (
+    _family("glm4v", "GLM-4.1V-9B tower", TowerKind.PACKED, "Glm4vVisionModel", "Glm4vVisionConfig",
+            full=dict(depth=24, hidden_size=1536, num_heads=12, intermediate_size=13696, out_hidden_size=4096,
+                      patch_size=14, image_size=336, spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu"),
+            tiny=dict(TINY_PACKED, depth=2)),
+    _family("qwen3_5", "Qwen3.5-27B tower", TowerKind.PACKED, "Qwen3_5VisionModel", "Qwen3_5VisionConfig",
+            full=dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=5120,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                      hidden_act="gelu_pytorch_tanh"),
+            tiny=dict(TINY_PACKED, depth=2)),
+    _family("ernie4_5_vl_moe", "ERNIE-4.5-VL-28B tower", TowerKind.PACKED,
+            "Ernie4_5_VLMoeVisionTransformerPretrainedModel", "Ernie4_5_VLMoeVisionConfig",
+            full=dict(depth=32, hidden_size=1280, num_heads=16, intermediate_size=5120, patch_size=14,
+                      spatial_merge_size=2, hidden_act="quick_gelu"),
+            tiny=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2), facts=Facts(temporal_patch=1)),
+    _family("kimi_k25", "Kimi-K2.5 MoonViT", TowerKind.PATCHES, "Kimi_K25VisionModel", "Kimi_K25VisionConfig",
+            full=dict(num_hidden_layers=27, hidden_size=1152, num_attention_heads=16, intermediate_size=4304,
+                      patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_emb_time=4, merge_kernel_size=[2, 2],
+                      hidden_act="gelu_pytorch_tanh"),
+            tiny=TINY_FIXED, transformers="5.24"),
+    _family("minicpmv4_6", "MiniCPM-V 4.6 SigLIP-so400m", TowerKind.STRIP, "MiniCPMV4_6VisionModel",
+            "MiniCPMV4_6VisionConfig",
+            full=dict(num_hidden_layers=27, hidden_size=1152, num_attention_heads=16, intermediate_size=4304,
+                      patch_size=14, image_size=980, insert_layer_id=6, hidden_act="gelu_pytorch_tanh"),
+            tiny=dict(TINY_FIXED, insert_layer_id=0), transformers="5.24"),
+    _family("llama4", "Llama 4 Scout tower", TowerKind.FIXED, "Llama4VisionModel", "Llama4VisionConfig",
+            full=dict(num_hidden_layers=34, hidden_size=1408, num_attention_heads=16, intermediate_size=5632,
+                      image_size=336, patch_size=14, vision_output_dim=4096, projector_input_dim=4096,
+                      projector_output_dim=4096, pixel_shuffle_ratio=0.5),
+            # The pixel shuffle's MLP takes 4 x hidden (intermediate_size).
+            tiny=dict(TINY_FIXED, intermediate_size=128, vision_output_dim=48, projector_input_dim=48,
+                      projector_output_dim=48)),
+    _family("gemma4", "Gemma-4 vision tower", TowerKind.PADDED, "Gemma4VisionModel", "Gemma4VisionConfig",
+            full=dict(num_hidden_layers=16, hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                      num_key_value_heads=12, head_dim=64, patch_size=16, pooling_kernel_size=3,
+                      position_embedding_size=10240, standardize=True),
+            tiny=dict(TINY_FIXED, num_key_value_heads=1, head_dim=16), transformers="5.17"),
+    _family("step3p7", "Step-3.7 tower + projector", TowerKind.VIEWS, "Step3p7Model", "Step3p7Config",
+            full=dict(vision_config=_STEP_VISION, text_config=_STEP_TEXT),
+            tiny=dict(vision_config=dict(_STEP_VISION, **TINY_FIXED), text_config=dict(_STEP_TEXT, hidden_size=24)),
+            transformers="5.17", features="get_image_features"),
+)
+TOWERS: dict[str, TowerSpec] = _table(*_CORE_ROWS, *_FAMILY_ROWS)
 SMOKE_TOWERS = ("qwen2_5_vl_7b", "siglip_so400m_224")
 """The CPU smoke's default towers: one packed and one fixed-resolution family (every code path, in seconds)."""
+CORE_TOWERS = tuple(spec.name for spec in _CORE_ROWS)
+"""The seed's towers: what ``towers.py``, ``capture.py`` and ``floor.py`` run when ``--towers`` is not given."""
+FAMILY_TOWERS = tuple(spec.name for spec in _FAMILY_ROWS)
+"""The families added after the seed (issues 15 and 16): ``towers.py --towers`` picks them by name."""
 QWEN_TOWERS = ("qwen2_5_vl_7b", "qwen3_vl_8b")
 """The towers of the traffic benchmark (issue 13's targets are about these two)."""
 

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -29,7 +30,9 @@ from benches.lib.env import Deadline, inference, make_env  # noqa: E402
 from benches.lib.results import SMOKE_SLUG, Results, median_of  # noqa: E402
 from benches.lib.systems import System, TowerBench  # noqa: E402
 from benches.lib.timing import floor_ms, time_once  # noqa: E402
-from benches.lib.towers import SMOKE_TOWERS, TINY_PACKED, TOWERS, Facts, Geometry, TowerKind, TowerSpec  # noqa: E402
+from benches.lib.towers import (  # noqa: E402
+    CORE_TOWERS, FAMILY_CASES, FAMILY_TOWERS, SMOKE_TOWERS, TINY_PACKED, TOWERS, Facts, Geometry, TowerKind, TowerSpec,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benches" / "results"
@@ -141,16 +144,87 @@ def test_case_sizes_at_real_geometry():
     assert cases.sizes_of(by_name["8x336"].visuals, gi).tiles == 8
 
 
+@pytest.mark.parametrize("tower, case, grids, tiles, crops", [
+    ("glm4v", "1x448", ((1, 32, 32),), 0, ()),
+    ("qwen3_5", "8x336", ((1, 20, 20),) * 8, 0, ()),  # patch 16 x merge 2: 336 -> 320 px
+    ("ernie4_5_vl_moe", "8x336", ((1, 24, 24),) * 8, 0, ()),
+    ("kimi_k25", "1x448", ((1, 32, 32),), 0, ()),
+    ("minicpmv4_6", "8x336", ((1, 32, 32),) * 8, 0, ()),  # resized up to about 448 x 448 px, unsliced
+    ("llama4", "1x448", (), 5, ()),  # 2 x 2 tiles of 336 px and the global tile
+    ("llama4", "8x336", (), 8, ()),
+    ("gemma4", "1x448", ((1, 48, 48),), 0, ()),  # the patch budget of 280 soft tokens, sides multiples of 3
+    ("step3p7", "8x336", (), 8, (0,) * 8),  # global views only: the processor crops only larger images
+    ("step3p7", "1x896", (), 5, (4,)),
+])
+def test_family_case_sizes_follow_their_processors(tower, case, grids, tiles, crops):
+    by_name = {c.name: c for c in cases.ALL_CASES}
+    sizes = cases.sizes_of(by_name[case].visuals, TOWERS[tower].geometry(False))
+    assert (sizes.grids, sizes.tiles, sizes.crops) == (grids, tiles, crops)
+    if grids:
+        assert sizes.patches == sum(t * h * w for t, h, w in grids)
+
+
+def test_family_layouts_refuse_what_they_do_not_model():
+    for tower in ("minicpmv4_6", "gemma4", "step3p7"):
+        with pytest.raises(cases.CaseError, match="images only"):
+            cases.sizes_of([Visual(252, 448, frames=8, kind="video")], TOWERS[tower].geometry(False))
+    with pytest.raises(cases.CaseError, match="slices"):
+        cases.sizes_of([Visual(896, 896)], TOWERS["minicpmv4_6"].geometry(False))
+
+
+SIDES = [(448, 448), (336, 336), (224, 448), (640, 360), (300, 1000), (50, 2000), (20, 200), (1000, 3000),
+         (4000, 3000), (728, 730), (1100, 800)]
+"""Image sizes (h, w) the processor rules are checked on: squares, landscapes, portraits, elongated, tiny, huge."""
+
+
+def test_the_processor_rules_are_the_processors():
+    """The family layouts' resizing and cropping equal the Hugging Face processors' own (where importable)."""
+    def load(module, name):
+        try:
+            return getattr(importlib.import_module(f"transformers.models.{module}"), name)
+        except (ImportError, AttributeError) as exc:  # an older transformers, or a backend it needs is missing
+            pytest.skip(f"{module}.{name}: {exc}")
+
+    step = load("step3p7.image_processing_step3p7", "Step3p7ImageProcessor")()
+    minicpm = load("minicpmv4_6.image_processing_minicpmv4_6", "MiniCPMV4_6ImageProcessor")()
+    gemma_size = load("gemma4.image_processing_pil_gemma4", "get_aspect_ratio_preserving_size")
+    g_step, g_minicpm, g_gemma = (TOWERS[n].geometry(False) for n in ("step3p7", "minicpmv4_6", "gemma4"))
+    for h, w in SIDES:
+        v = Visual(h, w)
+        assert cases.view_crops(v, g_step) == step.get_number_of_image_patches(h, w), (h, w)
+        ph, pw = gemma_size(h, w, 16, cases.GEMMA4_MAX_SOFT_TOKENS * 9, 3)
+        assert cases.padded_grid(v, g_gemma) == (1, ph // 16, pw // 16), (h, w)
+        if h * w <= cases.MINICPM_SCALE**2:
+            mh, mw = minicpm.find_best_resize((h, w), cases.MINICPM_SCALE, 14, "16x", allow_upscale=True)
+            assert minicpm.get_sliced_grid((h, w), minicpm.max_slice_nums, cases.MINICPM_SCALE) is None
+            assert cases.strip_grid(v, g_minicpm) == (1, mh // 14, mw // 14), (h, w)
+
+
 # ---------------------------------------------------------------------------------------------------- the tower table
+GEOMETRY_OF_KIND = {  # (merge, has a fixed side) per kind: what each layout's facts must read
+    TowerKind.PACKED: (2, False), TowerKind.PATCHES: (2, False), TowerKind.STRIP: (2, False),
+    TowerKind.FIXED: (1, True), TowerKind.PADDED: (3, False), TowerKind.VIEWS: (1, True),
+}
+
+
 @pytest.mark.parametrize("name", sorted(TOWERS))
 def test_every_tower_row_builds_its_geometry(name):
     spec = TOWERS[name]
+    if spec.missing() and "needs transformers" in spec.missing():
+        pytest.skip(spec.missing())  # a family row on the older transformers of a CI job
     assert spec.missing() is None
+    assert spec.cases is None or set(spec.cases) <= set(cases.CASE_NAMES)
+    merge, fixed = GEOMETRY_OF_KIND[spec.kind]
     for tiny in (False, True):
         geom = spec.geometry(tiny)
         assert geom.kind is spec.kind and geom.patch > 0 and geom.channels == 3
-        assert (geom.image_size is None) == (spec.kind is TowerKind.PACKED)
-        assert geom.merge == (2 if spec.kind is TowerKind.PACKED else 1)
+        assert (geom.image_size is not None) == fixed and geom.merge == merge
+
+
+def test_the_table_is_the_seed_towers_and_the_families():
+    assert set(CORE_TOWERS) | set(FAMILY_TOWERS) == set(TOWERS) and not set(CORE_TOWERS) & set(FAMILY_TOWERS)
+    assert all(TOWERS[n].cases == FAMILY_CASES for n in FAMILY_TOWERS)
+    assert all(TOWERS[n].cases is None for n in CORE_TOWERS)  # the scripts' own defaults, unchanged
 
 
 def test_facts_read_values_names_and_lists():
@@ -385,6 +459,37 @@ def test_towers_smoke(smoke_dir):
     assert "needs CUDA" in qwen["systems"][System.COMPILE.value]["skipped"]  # a default compile case
     assert median_of(qwen["systems"][System.HF_VARLEN.value]) is not None
     assert qwen["patches"] == 256 and qwen["graph_stats"]["padded_share"] == 0.0
+
+
+def test_towers_smoke_families(tmp_path, monkeypatch):
+    """Every family row on its first case through hf_sdpa, defaults and adapter_eager (tiny widths, real patch
+    sizes), the family table rendered; a row the installed transformers is too old for is reported, not raised.
+    ``defaults`` skips the capture's self-check here (15-25 s per family on a CPU; the script's own smoke runs it)."""
+    monkeypatch.setattr(TowerBench, "defaults_options", {"verify": False})
+    future = attrs.evolve(TOWERS["llama4"], name="future_family", transformers="99.0")
+    monkeypatch.setitem(towers.TOWERS, "future_family", future)
+    data = towers.main(FAST + ["--results-dir", str(tmp_path), "--towers", ",".join((*FAMILY_TOWERS, "future_family")),
+                               "--cases", "1x448", "--systems", "hf_sdpa,defaults,adapter_eager"])
+    assert "needs transformers >= 99.0" in data["towers"]["future_family"]["skipped"]
+    for name in FAMILY_TOWERS:
+        case = data["towers"][name]["cases"]["1x448"]
+        for s in ("hf_sdpa", "defaults", "adapter_eager"):
+            assert median_of(case["systems"][s]) is not None, (name, s, case["systems"][s])
+        assert case["defaults_vs_hf_sdpa_max_rel_diff"] < 1e-4, name
+        assert case["speedup"]["defaults_vs_hf_sdpa"] > 0 and case["defaults_stats"]["eager_items_per_call"] == 0
+    assert data["towers"]["step3p7"]["cases"]["1x448"]["crops"] == [0]
+    table = (tmp_path / f"towers_{SMOKE_SLUG}.md").read_text()
+    assert "## towers, the newer families: HF sdpa vs encgraph defaults" in table
+    assert "| Gemma-4 vision tower | 1x448 | 1 | 2304 | 256 |" in table
+
+
+def test_towers_render_marks_what_was_not_measured():
+    data = {"environment": {"gpu": "G", "dtype": "bf16"}, "matmul": {"tflops": 1.0},
+            "towers": {"minicpmv4_6": {"label": "M", "cases": {"1x896": {"skipped": "n/a: slices"}}},
+                       "gemma4": {"label": "G4", "skipped": "error: build failed (X)"}}}
+    text = towers.render(data, (System.HF_SDPA, System.DEFAULTS))
+    assert "| M | 1x896 | n/a: slices |" in text and "| G4 | error: build failed (X) |" in text
+    assert "## towers: median latency" not in text  # no seed tower in this run
 
 
 def test_towers_time_budget_skips_and_still_writes(tmp_path):
