@@ -14,7 +14,8 @@ Also: a batch whose tokens overflow one path's ladder runs that path eagerly whi
 capture summary, exactness and errors. Needs transformers >= 5.17 (the GPU image's 5.17 has both families). About a
 minute on one H200 (20 graphs of 4 layers, ~10 s of capture).
 
-Real geometry, for ``benches/towers.py`` rows: :data:`GEMMA4_GEOMETRY` and :data:`STEP3P7_GEOMETRY`.
+Real geometry: the benchmarks' rows (``benches.lib.towers.TOWERS``, through ``tests.models.fixtures_multipath``),
+the depth cut to ``DEPTH``.
 """
 
 from __future__ import annotations
@@ -30,20 +31,12 @@ from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models.registry import wrap
 from tests.models.fixtures_multipath import (
-    GEMMA_REAL, STEP_REAL, gemma4_batch, gemma4_tower, norm_rel_err, rel_err, split_rows, static_forwards,
-    step3p7_model,
-    step3p7_views,
+    gemma4_batch, gemma4_tower, norm_rel_err, rel_err, split_rows, static_forwards, step3p7_model, step3p7_views,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEPTH = 4
-GEMMA4_GEOMETRY = dict(GEMMA_REAL, num_hidden_layers=16)
-"""``Gemma4VisionConfig`` kwargs of the Gemma-4 vision tower (16 layers of 768, 12 heads, patch 16, pooling 3);
-inputs: images padded to 2520 patches (280 soft tokens), video frames to 630 (70)."""
-STEP3P7_GEOMETRY = dict(STEP_REAL, num_hidden_layers=47)
-"""``Step3p7VisionConfig`` kwargs of the Step-3.7 tower (47 layers of 1536, 16 heads, MLP 8960, patch 14); inputs:
-728 px global views (169 tokens) and 504 px crops (81 tokens)."""
 STATIC_TOL = 1e-3
 HF_TOL = 3e-2
 """bf16, 4 layers, packed varlen attention (Gemma-4) or other batch shapes against the Hugging Face forward."""

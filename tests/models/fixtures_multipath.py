@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from benches.lib.towers import TOWERS
 from encgraph.models.gemma4_layout import grid_positions
 
 @pytest.fixture(autouse=True)
@@ -69,11 +70,9 @@ GEMMA_TINY = dict(
     head_dim=16, patch_size=2, pooling_kernel_size=3, position_embedding_size=64, standardize=True,
     use_clipped_linears=True,
 )
-GEMMA_REAL = dict(
-    hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_key_value_heads=12, head_dim=64,
-    patch_size=16, pooling_kernel_size=3, position_embedding_size=10240, standardize=True,
-)
-"""The Gemma-4 vision tower's geometry (its config defaults, standardised); tests choose the depth."""
+GEMMA_REAL = TOWERS["gemma4"].full
+"""The Gemma-4 vision tower's geometry (the benchmarks' row: its config defaults, standardised); tests choose the
+depth."""
 GEMMA_TEXT = dict(
     vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
     num_key_value_heads=1, head_dim=8, vocab_size_per_layer_input=64, hidden_size_per_layer_input=4,
@@ -147,9 +146,9 @@ def split_rows(rows: torch.Tensor, tokens: Sequence[int]) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------- Step-3.7
 STEP_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=4)
 STEP_LOCAL = 40
-STEP_REAL = dict(hidden_size=1536, num_attention_heads=16, image_size=728, patch_size=14)
-"""Step-3.7's vision tower geometry (hidden 1536, 16 heads, MLP 8960, 728 px views at patch 14); tests pick the
-depth. Crops are 504 px."""
+STEP_REAL = TOWERS["step3p7"].full["vision_config"]
+"""Step-3.7's vision tower geometry (the benchmarks' row: hidden 1536, 16 heads, MLP 8960, 728 px views at patch
+14); tests pick the depth. Crops are 504 px."""
 STEP_TEXT = dict(
     vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=2, num_attention_groups=1, head_dim=12,
     intermediate_size=32, mlp_layer_types=["dense"], max_position_embeddings=512, sliding_window=16,
