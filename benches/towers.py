@@ -1,4 +1,4 @@
-"""Fixed cases per tower, every system side by side: median latency of each call (CUDA events, 30 timed runs after
+r"""Fixed cases per tower, every system side by side: median latency of each call (CUDA events, 30 timed runs after
 5 warm-ups), the matmul floor beside it, and the graph's speedups.
 
 Towers (random bf16 weights at real geometry, ``benches.lib.towers``): Qwen2.5-VL-7B, Qwen3-VL-8B, SigLIP-so400m
@@ -16,10 +16,14 @@ tokens) and Step-3.7 (the model's ``get_image_features``: a 728 px global view p
 crops, ``1x896`` gets 4). Their table beside the main one: HF sdpa, ``defaults``, the speedup and the largest
 relative difference of the outputs::
 
-    python benches/towers.py --towers glm4v,qwen3_5,ernie4_5_vl_moe,kimi_k25,minicpmv4_6,llama4,gemma4,step3p7 \
+    python benches/towers.py --towers glm4v,qwen3_5,ernie4_5_vl_moe,kimi_k25,minicpmv4_6,llama4,gemma4 \
         --systems hf_sdpa,defaults,adapter_eager --runs 10 --warmup 2 --time-budget 240 --tag families
+    python benches/towers.py --towers step3p7 --systems hf_sdpa,defaults,adapter_eager --runs 10 --warmup 2 \
+        --time-budget 540 --tag families-step3p7
 
-A family whose module the installed transformers lacks is reported unavailable, and the run goes on.
+(Step-3.7 on its own: its adapter names no ``compile_regions``, so the default ``compile="auto"`` compiles its whole
+static forward, once per path: on an H200 with empty caches the local path's first graph took 200 s.) A family
+whose module the installed transformers lacks is reported unavailable, and the run goes on.
 
 Two phases, so that the core table is complete before the slow part: (1) every tower through hf_sdpa, hf_varlen,
 adapter_eager, defaults (``encgraph.graphed(tower)`` with no options, captured first) and graph; (2) the compiled systems, only for ``--compile-towers`` x ``--compile-cases`` (default
