@@ -72,6 +72,10 @@ def test_geometry_and_registry(model: torch.nn.Module) -> None:
     assert EncoderGraphRunner(adapter).ladders == {
         "global": dense_ladder(16, 64), "local": dense_ladder(9, 36, allow_zero=True)}
     assert adapter.config.path("local").allow_empty and not adapter.config.path("global").allow_empty
+    regions = adapter.compile_regions()  # compile="auto" compiles the tower's layers, not the whole forward
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and m and m[0] is regions[0]]
+    assert len(regions) >= 2 and len({type(r) for r in regions}) == 1 and list(layers[0]) == regions
+    assert all(any(r is m for m in adapter.tower.modules()) for r in regions)
 
 
 @pytest.mark.parametrize("mode", sorted(GRAD_MODES))
