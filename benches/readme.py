@@ -8,7 +8,10 @@ rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nv
   machine, versions and commit;
 - ``towers``: median latency per fixed case of HF sdpa, ``defaults``, encgraph's graphs, compiled graphs and the
   matmul floor;
-- ``capture``: graphs, capture seconds and pool memory of the doubling and the default ladders.
+- ``capture``: graphs, capture seconds and pool memory of the doubling and the default ladders;
+- ``families``: HF sdpa against ``defaults`` on the families added after the seed (``towers.py --tag families``);
+- ``serving``: images/s and latency per closed-loop concurrency of the batching front (``serving.py
+  --transports inprocess``), with its plot.
 
     python benches/readme.py           # rewrite the blocks
     python benches/readme.py --check   # exit 1 if a block differs from its rendering (CI: no hand-typed figures)
@@ -79,16 +82,41 @@ def capture_block(data: Mapping[str, Any], slug: str) -> str:
     return provenance(data, "capture", slug) + "\n\n" + capture.summary_table(data)
 
 
+def families_block(data: Mapping[str, Any], slug: str) -> str:
+    from benches import towers
+
+    note = data["environment"].get("commit_note")
+    return "\n\n".join(p for p in (provenance(data, "towers", f"{slug}_families"), note,
+                                    towers._family_table(data.get("towers", {}))) if p)
+
+
+def serving_block(data: Mapping[str, Any], slug: str) -> str:
+    from benches import serving
+
+    env = data["environment"]
+    head = (f"{env['gpu']}; commit {(env.get('commit') or '?')[:7]}, {str(env.get('time', '?'))[:10]}; "
+            f"`benches/results/serving_{slug}_inprocess.json`")
+    body = serving.render(dict(data)).split("\n", 2)[2]  # without its own title
+    body = body.replace("\n## ", "\n#### ")
+    parts = [head, env.get("commit_note"), body.strip()]
+    plot = RESULTS_DIR / f"serving_{slug}_inprocess_images_per_s.png"
+    if plot.exists():
+        parts.append(f"![images/s against closed-loop clients](benches/results/{plot.name})")
+    return "\n\n".join(p for p in parts if p)
+
+
 BLOCKS: dict[str, tuple[str, Callable[[Mapping[str, Any], str], str]]] = {
-    "traffic": ("traffic", traffic_block),
-    "towers": ("towers", towers_block),
-    "capture": ("capture", capture_block),
+    "traffic": ("traffic_{slug}", traffic_block),
+    "towers": ("towers_{slug}", towers_block),
+    "capture": ("capture_{slug}", capture_block),
+    "families": ("towers_{slug}_families", families_block),
+    "serving": ("serving_{slug}_inprocess", serving_block),
 }
 
 
 def render_block(name: str, results_dir: Path, slug: str) -> str:
-    script, render = BLOCKS[name]
-    path = Path(results_dir) / f"{script}_{slug}.json"
+    stem, render = BLOCKS[name]
+    path = Path(results_dir) / f"{stem.format(slug=slug)}.json"
     if not path.exists():
         return f"No results yet: `{path.relative_to(REPO) if path.is_relative_to(REPO) else path}` is missing."
     return render(json.loads(path.read_text()), slug)
