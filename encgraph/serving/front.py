@@ -6,6 +6,14 @@ more while they fit (until ``max_wait_ms`` after the first one arrived, ``max_to
 ``max_requests``), and runs them as one call of the target: the adapter's ``concat(parts)`` joins their inputs,
 the runner plans and replays them together and restores their order, and each request gets back its own items.
 
+Waiting adapts to the traffic: ``max_wait_ms`` is an upper bound. After :data:`USELESS_WAITS` waits in a row
+during which no request arrived, calls take only what is already queued instead of waiting, except every
+:data:`PROBE_EVERY`-th call, which waits as a probe; a wait that sees a new request restores waiting. So a lone
+client pays the wait on about one call in :data:`PROBE_EVERY` (measured on an H200, SigLIP-so400m, one
+closed-loop client: 5.71 ms per request with a 2 ms wait on every call, 3.69 ms without waiting), while
+concurrent clients, whose waits gather requests, keep coalescing. ``stats["waits_skipped"]`` counts the calls
+that did not wait; ``adaptive_wait=False`` waits on every call.
+
 Failure isolation: each request is validated alone (the adapter's ``item_specs``) before it joins a call, so a
 bad request fails alone; if a coalesced call raises anyway, its requests run again one by one and only the
 culprit fails. Overload: past ``max_queue`` waiting requests, ``submit`` raises
@@ -39,6 +47,12 @@ __all__ = ["BatchingFront", "FrontStats"]
 log = logging.getLogger("encgraph")
 
 
+USELESS_WAITS = 3
+"""Waits in a row that saw no new request before calls stop waiting (``adaptive_wait``)."""
+PROBE_EVERY = 8
+"""While calls do not wait, every this many-th call waits anyway, to see whether requests arrive again."""
+
+
 @attrs.define
 class _Request:
     args: tuple[Any, ...]
@@ -53,7 +67,9 @@ class FrontStats:
 
     ``requests`` submitted and accepted; ``rejected`` (queue full or closed); ``completed``, ``failed`` and
     ``cancelled`` requests; ``calls`` of the target and ``requests_per_call`` (a histogram: requests -> calls);
-    ``retried_calls``: coalesced calls that raised and were run again one request at a time; ``items`` answered.
+    ``retried_calls``: coalesced calls that raised and were run again one request at a time; ``items`` answered;
+    ``waits_skipped``: calls that did not wait for more requests because recent waits gathered none (see the
+    module docs).
     """
 
     requests: int = 0
@@ -64,6 +80,7 @@ class FrontStats:
     calls: int = 0
     retried_calls: int = 0
     items: int = 0
+    waits_skipped: int = 0
     requests_per_call: collections.Counter = attrs.field(factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -82,6 +99,8 @@ class BatchingFront:
             other callable (each request ``target(*args, **kwargs)`` alone, serialised on the worker).
         max_wait_ms: how long, after the first request of a call arrived, the worker waits for more while the
             call has room (default 1.0). ``0``: only what is already queued joins.
+        adaptive_wait: skip the wait while recent waits gathered no request (default ``True``; see the module
+            docs). ``False``: every call waits up to ``max_wait_ms``.
         max_tokens: the most budget units per path one call gathers (an int for every path, or ``{path: int}``);
             default the largest budget of each path's ladder. A request larger than that runs alone.
         max_requests: the most requests per call (default: no limit; ``1``: no coalescing).
@@ -100,6 +119,7 @@ class BatchingFront:
         target: Any,
         *,
         max_wait_ms: float = 1.0,
+        adaptive_wait: bool = True,
         max_tokens: int | Mapping[str, int] | None = None,
         max_requests: int | None = None,
         max_queue: int = 1024,
@@ -110,6 +130,11 @@ class BatchingFront:
         if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)) or not max_wait_ms >= 0:
             raise ConfigError(f"max_wait_ms: expected a number of milliseconds >= 0, got {describe(max_wait_ms)}.")
         self.max_wait_s = float(max_wait_ms) / 1e3
+        if not isinstance(adaptive_wait, bool):
+            raise ConfigTypeError(f"adaptive_wait: expected True or False, got {describe(adaptive_wait)}.")
+        self.adaptive_wait = adaptive_wait
+        self._useless = 0  # waits in a row that saw no new request
+        self._skipped = 0  # calls since the last wait
         self.max_requests = check_optional_int("max_requests", max_requests, minimum=1)
         self.max_queue = check_int("max_queue", max_queue, minimum=1)
         self.caps = self._resolve_caps(max_tokens)
@@ -259,21 +284,41 @@ class BatchingFront:
     def _gather(self, group: list[tuple[_Request, Parsed]]) -> None:
         used = dict(group[0][1].tokens)
         deadline = group[0][0].arrived + self.max_wait_s
+        skip = self.adaptive_wait and self._useless >= USELESS_WAITS and self._skipped < PROBE_EVERY - 1
+        with self._cond:
+            submitted = self._stats.requests
+            if skip and self.max_wait_s > 0:
+                self._stats.waits_skipped += 1
+        if skip:
+            deadline = time.monotonic()  # only what is already queued
+            self._skipped += 1
+        else:
+            self._skipped = 0
+        timed_out = self._fill(group, used, deadline)
+        if skip or self.max_wait_s == 0:
+            return
+        with self._cond:
+            arrived = self._stats.requests > submitted  # a request came while this call waited
+        self._useless = self._useless + 1 if timed_out and not arrived else 0
+
+    def _fill(self, group: list[tuple[_Request, Parsed]], used: dict[str, int], deadline: float) -> bool:
+        """Take requests into ``group`` while they fit; ``True`` when it stopped because ``deadline`` passed."""
         while self.max_requests is None or len(group) < self.max_requests:
             if any(used.get(p, 0) >= cap for p, cap in self.caps.items()):
-                return
+                return False
             taken = self._take(deadline)
             if taken is None:
-                return
+                return True
             parsed = taken[1]
             fits = all(used.get(p, 0) + parsed.tokens.get(p, 0) <= cap for p, cap in self.caps.items())
             if parsed.alone or not fits:
                 with self._cond:
                     self._carry = taken
-                return
+                return False
             group.append(taken)
             for p, n in parsed.tokens.items():
                 used[p] = used.get(p, 0) + n
+        return False
 
     def _run(self, group: list[tuple[_Request, Parsed]]) -> None:
         parsed = [p for _, p in group]

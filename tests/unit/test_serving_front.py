@@ -263,3 +263,38 @@ def test_bad_options(kwargs, error, match):
 def test_bad_target():
     with pytest.raises(ConfigTypeError, match="target"):
         BatchingFront(42)
+
+
+def _sequential(front: BatchingFront, n: int) -> list[float]:
+    """``n`` requests one after another (a lone closed-loop client): each one's latency (s)."""
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        front.submit(x).result(TIMEOUT)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def test_a_lone_client_stops_paying_the_wait_and_probes_now_and_then():
+    from encgraph.serving.front import PROBE_EVERY, USELESS_WAITS
+
+    _, fast = _graphed()
+    wait_s = 0.2
+    with BatchingFront(fast, max_wait_ms=wait_s * 1e3) as front:
+        lat = _sequential(front, USELESS_WAITS + PROBE_EVERY + 1)
+        stats = front.stats
+    # The first waits see no other request; then calls go at once, except one probe that waits again.
+    waited = [i for i, t in enumerate(lat) if t >= wait_s]
+    assert waited == [*range(USELESS_WAITS), USELESS_WAITS + PROBE_EVERY - 1], [round(t, 3) for t in lat]
+    assert stats["waits_skipped"] == PROBE_EVERY and stats["requests_per_call"] == {1: len(lat)}
+
+
+def test_adaptive_wait_off_waits_on_every_call():
+    _, fast = _graphed()
+    with BatchingFront(fast, max_wait_ms=100.0, adaptive_wait=False) as front:
+        lat = _sequential(front, 5)
+        assert front.stats["waits_skipped"] == 0
+    assert min(lat) >= 0.1
+    with pytest.raises(ConfigTypeError, match="adaptive_wait"):
+        BatchingFront(fast, adaptive_wait=1)
