@@ -35,8 +35,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benches.lib.cli import base_parser
-from benches.lib.env import make_env
+from benches.lib.env import Env, make_env
 from benches.lib.results import Results, gpu_name, markdown_table
+from benches.lib.timing import time_call
 
 SCRIPT = "attention_kernels"
 GEOMETRIES = {  # tower: (heads, head_dim)
@@ -97,7 +98,7 @@ def _rel(a: Any, b: Any) -> float:
 
 
 def measure(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], other: list[int], calls: int,
-            runs: int) -> dict[str, Any]:
+            env: Env) -> dict[str, Any]:
     import torch
 
     cu = _cu(lengths, q.device)
@@ -116,24 +117,16 @@ def measure(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], 
     graph.replay()
     torch.cuda.synchronize()
     replay_vs_eager = _rel(outs[0], reference)
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    times.sort()
+    median_ms = time_call(graph.replay, env, warmup=0).summary()["median_ms"] / calls
     cu.copy_(_cu(other, q.device))  # a different split of the same rows, written into the captured buffer
     graph.replay()
     fresh = fn(q, k, v, cu, max_len, other)
     torch.cuda.synchronize()
-    return {"median_ms": round(times[len(times) // 2], 5), "replay_vs_eager": replay_vs_eager,
+    return {"median_ms": round(median_ms, 5), "replay_vs_eager": replay_vs_eager,
             "rewritten_lengths_vs_eager": _rel(outs[0], fresh), "out": reference}
 
 
-def child(name: str, calls: int, runs: int) -> None:
+def child(name: str, calls: int, env: Env) -> None:
     """One kernel over every geometry and layout, in this process: prints one ``ROW <json>`` line per row."""
     import torch
 
@@ -146,7 +139,7 @@ def child(name: str, calls: int, runs: int) -> None:
                        for _ in range(3))
             reference = flash(q, k, v, _cu(lengths, q.device), max(lengths), lengths)
             try:
-                got = measure(fn, q, k, v, lengths, lengths if name == "cudnn_dense" else other, calls, runs)
+                got = measure(fn, q, k, v, lengths, lengths if name == "cudnn_dense" else other, calls, env)
             except Exception as exc:  # noqa: BLE001 -- a kernel this build or geometry lacks: recorded
                 traceback.print_exc()
                 got = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -168,7 +161,7 @@ def main() -> int:
         return 2
     env = make_env(args)
     if args.kernel:
-        child(args.kernel, args.calls, env.runs)
+        child(args.kernel, args.calls, env)
         return 0
     results = Results(SCRIPT, args, env)
     rows = {(g, lay): {"geometry": g, "heads": h, "head_dim": d, "layout": lay, "tokens": sum(lengths),
