@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,9 @@ from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benches.lib.env import cuda_env
+from benches.lib.timing import time_call
 
 REPO = Path(__file__).resolve().parents[1]
 TIMED = 30
@@ -51,24 +53,12 @@ def qwen2_5_vl_7b(depth: int) -> Any:
 
 
 def median_replay_ms(graph: Any, inputs: dict[str, Any], fill: Any = None) -> float:
-    import torch
-
     if fill is not None:
         fill()  # every row of the budget's views (padding): indices of another batch would be out of bounds
     for t in inputs.values():
         if t.is_floating_point():
             t.normal_()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(TIMED):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_call(graph.replay, cuda_env(TIMED, warmup=3)).summary()["median_ms"]
 
 
 def capture_default(depth: int, **options: Any) -> dict[str, Any]:

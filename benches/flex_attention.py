@@ -21,6 +21,12 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benches.lib.env import cuda_env  # noqa: E402
+from benches.lib.timing import time_call  # noqa: E402
+
 HEADS, HEAD_DIM = 16, 80
 CASES = [  # (name, rows, sequence length)
     ("full, 1024 rows, 4 x 256", 1024, 256),
@@ -40,15 +46,7 @@ def replay_ms(fn, runs: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(runs):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
+    return time_call(graph.replay, cuda_env(runs)).summary()["median_ms"]
 
 
 def main() -> None:

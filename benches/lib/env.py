@@ -49,6 +49,13 @@ def make_env(args: argparse.Namespace) -> Env:
                args.seed)
 
 
+def cuda_env(runs: int, warmup: int = 0) -> Env:
+    """An :class:`Env` of the current CUDA device (bf16) for scripts without the common options: timing only."""
+    import torch
+
+    return Env(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, False, runs, warmup, 0)
+
+
 class Deadline:
     """A time budget: measurements check ``left()`` before they start (never in the middle)."""
 
