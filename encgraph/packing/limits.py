@@ -11,7 +11,14 @@ from encgraph._validate import check_int, check_optional_int
 from encgraph.errors import ConfigError
 from encgraph.packing.ladder import normalize_ladders
 
-__all__ = ["Limits", "default_limits", "check_limits"]
+__all__ = ["MIN_DEFAULT_ITEMS", "Limits", "default_limits", "check_limits"]
+
+MIN_DEFAULT_ITEMS = 16
+"""The least default ``max_items`` (where the smallest budget allows it).  ``b_max // b_min`` alone gives a
+one-budget ladder ``max_items=1`` and a ``(1024, 2048)`` ladder 2: every small image then replays alone in a
+large graph (measured on the H200: eight 400-patch Qwen3-VL images in eight replays of a 3136-patch graph took
+116 ms, where one replay of all eight takes about 15).  A sequence slot costs a few bytes of metadata per buffer,
+and a trailing zero-length sequence's attention blocks return at once."""
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -106,9 +113,10 @@ def default_limits(
 
     Rules (``b_min`` is a path's smallest non-zero budget, ``b_max`` its largest):
 
-    - default ``max_items`` = the minimum over paths of ``min(b_max // b_min, b_min)``: as many smallest-size
-      items as the largest budget holds, and never more items than the smallest budget has tokens (vLLM PR
-      38040: more items than the smallest budget crashes capture);
+    - default ``max_items`` = the minimum over paths of ``min(max(b_max // b_min, MIN_DEFAULT_ITEMS), b_min)``:
+      as many smallest-size items as the largest budget holds but at least :data:`MIN_DEFAULT_ITEMS` (a ladder
+      of one or two budgets still batches small items), and never more items than the smallest budget has
+      tokens (vLLM PR 38040: more items than the smallest budget crashes capture);
     - default ``max_frames`` = ``max_items * max_frames_per_item``;
     - only ``max_items`` given: ``max_frames = max_items * max_frames_per_item``;
     - only ``max_frames`` given: ``max_items = min(default max_items, max_frames)``;
@@ -118,9 +126,11 @@ def default_limits(
     ``max_frames < max_items`` (every item has at least one frame).
 
     >>> default_limits((64, 128, 256, 512, 800))
-    Limits(max_items=12, max_frames=12)
-    >>> default_limits((64, 800), max_frames_per_item=4)
-    Limits(max_items=12, max_frames=48)
+    Limits(max_items=16, max_frames=16)
+    >>> default_limits((64, 8192), max_frames_per_item=4)
+    Limits(max_items=64, max_frames=256)
+    >>> default_limits((8, 1024))
+    Limits(max_items=8, max_frames=8)
     >>> default_limits((64, 800), max_items=2, max_frames_per_item=4)
     Limits(max_items=2, max_frames=8)
     >>> default_limits((64, 800), max_frames=5)
@@ -134,7 +144,9 @@ def default_limits(
         hint="An image has 1 frame; a video has its temporal grid size.",
     )
     default_items = min(
-        min(ladder[-1] // b_min, b_min) for ladder in norm.values() for b_min in (next(b for b in ladder if b > 0),)
+        min(max(ladder[-1] // b_min, MIN_DEFAULT_ITEMS), b_min)
+        for ladder in norm.values()
+        for b_min in (next(b for b in ladder if b > 0),)
     )
     if max_items is None and max_frames is None:
         return Limits(max_items=default_items, max_frames=default_items * per_item)

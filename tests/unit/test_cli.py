@@ -47,14 +47,14 @@ def assert_usage_error(code, err, *words):
 def test_plan_numbers_for_known_items(capsys, monkeypatch):
     code, out, err = run_cli(["plan", "--budgets", "1024,256,512"], capsys, ITEMS, monkeypatch)
     assert code == 0, err
-    assert "ladder: 256, 512, 1024 tokens; at most 4 items and 8 frames per batch" in out
+    assert "ladder: 256, 512, 1024 tokens; at most 16 items and 32 frames per batch" in out
     assert "items: 5 (4 images, 1 video), 4159 tokens" in out
     # item rows: index, tokens, frames, grid, size (resized by the processor rule)
     assert re.search(r"0\s+391\s+1\s+1,34,46\s+640x480 -> 644x476", out)
     assert re.search(r"1\s+999\s+1\s+1,54,74\s+1024x768 -> 1036x756", out)
     assert re.search(r"2\s+192\s+2\s+2,16,24\s+grid 2,16,24", out)
     assert re.search(r"3\s+77\s+1\s+1,14,22\s+300x200 -> 308x196", out)
-    # batches: ascending tokens, next-fit under the largest budget, max 4 items
+    # batches: ascending tokens, next-fit under the largest budget
     assert re.search(r"0\s+1024\s+660\s+364\s+4\s+3, 2, 0\n", out)
     assert re.search(r"1\s+1024\s+999\s+25\s+1\s+1\n", out)
     assert re.search(r"2\s+eager\s+2500\s+-\s+1\s+4\s+\(tokens over the largest budget\)", out)

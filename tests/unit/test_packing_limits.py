@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import Limits, budget_ladder, default_limits
+from encgraph.packing.limits import MIN_DEFAULT_ITEMS
 from tests.strategies import path_ladders
 from tests.unit._helpers import check_bad_argument
 
@@ -16,15 +17,23 @@ TWO = {"global": budget_ladder(272, 13824), "local": budget_ladder(100, 4000, al
 
 
 def test_defaults_one_path() -> None:
-    # 800 // 64 = 12 items of the smallest size fit the largest budget; 12 <= 64.
-    assert default_limits(budget_ladder(64, 800)) == Limits(max_items=12, max_frames=12)
-    assert default_limits(budget_ladder(64, 800), max_frames_per_item=4) == Limits(12, 48)
+    # 8192 // 64 = 128 items of the smallest size fit the largest budget; capped at the smallest budget, 64.
+    assert default_limits(budget_ladder(64, 8192)) == Limits(max_items=64, max_frames=64)
+    assert default_limits((64, 2048), max_frames_per_item=4) == Limits(32, 128)
 
 
 def test_default_items_never_exceed_the_smallest_budget() -> None:
     # 100000 // 16 = 6250 but the smallest budget holds only 16 items (vLLM PR 38040).
     assert default_limits((16, 100_000)).max_items == 16
-    assert default_limits((64,)).max_items == 1
+    assert default_limits((4, 1024)).max_items == 4
+
+
+def test_a_narrow_ladder_still_batches_small_items() -> None:
+    # b_max // b_min is 1 for one budget and 2 for (1024, 2048): without the floor every small image of a
+    # request would replay alone in a large graph.
+    assert default_limits((896,)) == Limits(MIN_DEFAULT_ITEMS, MIN_DEFAULT_ITEMS)
+    assert default_limits((1024, 2048)).max_items == MIN_DEFAULT_ITEMS
+    assert default_limits({"global": (272,), "local": (0, 144, 576)}).max_items == MIN_DEFAULT_ITEMS
 
 
 def test_defaults_two_paths_take_the_tightest_path() -> None:
@@ -39,7 +48,7 @@ def test_user_items_only_scales_frames() -> None:
 
 def test_user_frames_only_caps_items() -> None:
     assert default_limits((64, 800), max_frames=5) == Limits(5, 5)
-    assert default_limits((64, 800), max_frames=100) == Limits(12, 100)
+    assert default_limits((64, 800), max_frames=100) == Limits(16, 100)
 
 
 def test_both_user_values_kept() -> None:
