@@ -361,6 +361,13 @@ class Gemma4Adapter:
                 pooled = (pooled - tower.std_bias.float()) * tower.std_scale.float()
             return {OUTPUT: pooled.to(dtype)}
 
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The encoder layers: what ``compile="auto"`` compiles, once for every layer, budget and path. Without
+        them the whole static forward was compiled per path (6 graph breaks); on transformers 5.24 that left the
+        layers' kernels uncompiled (H200, 8 x 336 px: 59.3 ms against 32.4 ms on 5.17, the adapter's eager
+        forward 55.3 ms)."""
+        return list(self._module.encoder.layers[: self._module.encoder.config.num_hidden_layers])
+
     @contextlib.contextmanager
     def _packed_attention(self) -> Iterator[None]:
         # Switched for the adapter's own forwards only: the tower's forward builds a padding mask by the attention

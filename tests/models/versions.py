@@ -8,8 +8,13 @@ import pytest
 
 def skip_module_below(minimum: str, what: str) -> None:
     """Skip the calling test module when the installed transformers is older than ``minimum``."""
+    skip_below(minimum, what, module=True)
+
+
+def skip_below(minimum: str, what: str, *, module: bool = False) -> None:
+    """Skip the calling test (its module with ``module=True``) when transformers is older than ``minimum``."""
     from encgraph.models._hf import _parse, transformers_version
 
     installed = transformers_version() or "0"
     if _parse(installed) < _parse(minimum):
-        pytest.skip(f"{what} needs transformers>={minimum}, found {installed}", allow_module_level=True)
+        pytest.skip(f"{what} needs transformers>={minimum}, found {installed}", allow_module_level=module)

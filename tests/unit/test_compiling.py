@@ -43,41 +43,74 @@ def varlen_on_cpu(monkeypatch):
     _varlen_op._IMPL = previous
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_regional_compile_has_no_graph_break_and_serves_every_budget(family, varlen_on_cpu):
-    import torch._dynamo
-
+def _qwen(family):
     from encgraph.models import wrap
     from tests.models.conftest import QWEN_TOWERS
 
+    return wrap(QWEN_TOWERS[family](depth=4)), {"default": [64, 48, 32, 24]}, 4
+
+
+def _gemma4():
+    from encgraph.models import wrap
+    from tests.models.fixtures_multipath import gemma4_tower
+
+    options = {"frame_tokens": 4, "max_image_tokens": 16, "max_video_tokens": 8}
+    return wrap(gemma4_tower(depth=3), **options), {"image": [16, 8], "video": [8, 4]}, 3
+
+
+def _step3p7():
+    from encgraph.models import wrap
+    from tests.models.fixtures_multipath import STEP_LOCAL, step3p7_model
+
+    adapter = wrap(step3p7_model(depth=3), max_images=4, max_tiles=4, local_size=STEP_LOCAL)
+    return adapter, {"global": [64, 32, 16], "local": [36, 18, 9]}, 3
+
+
+REGIONAL = {"qwen2_5_vl": lambda: _qwen("qwen2_5_vl"), "qwen3_vl": lambda: _qwen("qwen3_vl"), "gemma4": _gemma4,
+            "step3p7": _step3p7}
+"""Towers whose adapters name compile regions: (adapter, budgets per path, layers)."""
+
+
+@pytest.mark.parametrize("family", sorted(REGIONAL))
+def test_regional_compile_has_no_graph_break_and_serves_every_budget(family, varlen_on_cpu):
+    import torch
+    import torch._dynamo
+
+    from tests.models.versions import skip_below
+
+    if family in ("gemma4", "step3p7"):
+        skip_below("5.17", f"the {family} adapter")
     torch._dynamo.reset()
     torch.manual_seed(0)
-    adapter = wrap(QWEN_TOWERS[family](depth=4))
-    budgets = [64, 48, 32, 24]
-    buffers = PathBuffers("default", {b: adapter.buffer_specs("default", b, 8, 16) for b in budgets}, torch.device("cpu"))
+    adapter, ladders, layers = REGIONAL[family]()
     regions = CompiledRegions(adapter, backend="eager")
-    assert len(regions.modules) == 4
+    assert len(regions.modules) == layers
     before = compile_stats()
     outs = {}
     with no_duck_sizing(), torch.no_grad():
         regions.compile()
         try:
-            for b in budgets:
-                views = buffers.fill(b, None)
-                for t in views.values():
-                    if t.is_floating_point():
-                        t.normal_()
-                outs[b] = (adapter.forward_static("default", views, b), {k: v.clone() for k, v in views.items()})
+            for path, budgets in ladders.items():
+                specs = {b: adapter.buffer_specs(path, b, 4, 8) for b in budgets}
+                buffers = PathBuffers(path, specs, torch.device("cpu"))
+                for b in budgets:
+                    views = buffers.fill(b, None)
+                    for t in views.values():
+                        if t.is_floating_point():
+                            t.normal_()
+                    outs[path, b] = (adapter.forward_static(path, views, b), {k: v.clone() for k, v in views.items()})
         finally:
             regions.restore()
-        for b, (out, views) in outs.items():  # the same static forward, uncompiled, on the same buffers
-            ref = adapter.forward_static("default", views, b)
+        for (path, b), (out, views) in outs.items():  # the same static forward, uncompiled, on the same buffers
+            ref = adapter.forward_static(path, views, b)
             for name in ref:
                 torch.testing.assert_close(out[name], ref[name], rtol=1e-5, atol=1e-5)
     after = compile_stats()
     assert after["graph_breaks"] == before["graph_breaks"], "a graph break inside a block: a graph per piece"
-    # One graph per kind of block call (first block / the others; windowed / full attention), not per budget.
+    # One graph per kind of block call (first block / the others; windowed / full attention), not per budget
+    # or path.
     assert after["unique_graphs"] - before["unique_graphs"] <= 2
+    assert after["recompiles"] == before["recompiles"]
     assert all(m._compiled_call_impl is None for m in regions.modules)  # the tower runs uncompiled again
 
 
