@@ -32,6 +32,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -502,10 +503,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # One transport alone gets its own files, so that the two runs of a GPU session do not overwrite each other.
     only = f"_{args.transports[0]}" if len(args.transports) == 1 else ""
     name = f"{SCRIPT}_{slug(env, args.cpu_smoke)}{only}{'_' + args.tag if args.tag else ''}"
-    args.results_dir.mkdir(parents=True, exist_ok=True)
+    # Under the device tool, $OUT/results gets a copy of every file: what stays in the device's checkout is lost.
+    dirs = [args.results_dir] + ([Path(os.environ["OUT"]) / "results"] if os.environ.get("OUT") and not
+                                 args.cpu_smoke else [])
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+
+    def write(suffix: str, text: str) -> None:
+        for d in dirs:
+            (d / f"{name}{suffix}").write_text(text)
 
     def flush() -> None:
-        (args.results_dir / f"{name}.json").write_text(json.dumps(data, indent=1))
+        write(".json", json.dumps(data, indent=1))
 
     for tower in args.towers:
         print(f"[serving] {tower}: building and capturing", file=sys.stderr, flush=True)
@@ -525,8 +534,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     flush()
-    (args.results_dir / f"{name}.md").write_text(render(data))
+    write(".md", render(data))
     picture = plot(data, args.results_dir / f"{name}_images_per_s.png")
+    for d in dirs[1:]:
+        if picture:
+            shutil.copy(picture, d / picture.name)
     data["plot"] = str(picture) if picture else None
     flush()
     print(render(data))
