@@ -16,6 +16,11 @@ Each kernel's output is compared with ``flash`` (max relative difference over va
 replayed a second time after the cumulative lengths are rewritten in place (a different split of the same
 tokens) and compared with a fresh eager call: a kernel that baked the lengths into the graph fails that check.
 
+Each kernel is also timed eagerly (``eager_ms``: median of ``--runs`` synchronized runs of ``--calls`` calls,
+divided by ``--calls``) and checked for host syncs (``syncs_host``: whether a call raises under
+``torch.cuda.set_sync_debug_mode("error")``), in a process of its own that captures nothing, so a kernel whose
+capture fails still gets both: what a piecewise design (graphs between eager attention calls) would pay.
+
 Writes ``benches/results/attention_kernels_<gpu>.json`` and ``.md``. CUDA only.
 """
 
@@ -101,6 +106,29 @@ def _rel(a: Any, b: Any) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
 
 
+def measure_eager(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], calls: int,
+                  env: Env) -> dict[str, Any]:
+    """Eager calls only: ``eager_ms`` per call and ``syncs_host``."""
+    import torch
+
+    cu = _cu(lengths, q.device)
+    max_len = max(lengths)
+    reference = fn(q, k, v, cu, max_len, lengths)  # also builds any kernel plans
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn(q, k, v, cu, max_len, lengths)
+        syncs = False
+    except RuntimeError as exc:  # the sync debug mode raises at the first synchronizing call
+        syncs = "synchroniz" in str(exc)
+        if not syncs:
+            raise
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    timing = time_call(lambda: [fn(q, k, v, cu, max_len, lengths) for _ in range(calls)], env, warmup=1)
+    return {"eager_ms": round(timing.summary()["median_ms"] / calls, 5), "syncs_host": syncs, "out": reference}
+
+
 def measure(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], other: list[int], calls: int,
             env: Env) -> dict[str, Any]:
     import torch
@@ -130,8 +158,9 @@ def measure(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], 
             "rewritten_lengths_vs_eager": _rel(outs[0], fresh), "out": reference}
 
 
-def child(name: str, calls: int, env: Env) -> None:
-    """One kernel over every geometry and layout, in this process: prints one ``ROW <json>`` line per row."""
+def child(name: str, calls: int, env: Env, eager: bool = False) -> None:
+    """One kernel over every geometry and layout, in this process: prints one ``ROW <json>`` line per row (with
+    ``eager``: :func:`measure_eager`, nothing captured)."""
     import torch
 
     fn, flash = kernels()[name], kernels()["flash"]
@@ -143,7 +172,10 @@ def child(name: str, calls: int, env: Env) -> None:
                        for _ in range(3))
             reference = flash(q, k, v, _cu(lengths, q.device), max(lengths), lengths)
             try:
-                got = measure(fn, q, k, v, lengths, lengths if name == "cudnn_dense" else other, calls, env)
+                if eager:
+                    got = measure_eager(fn, q, k, v, lengths, calls, env)
+                else:
+                    got = measure(fn, q, k, v, lengths, lengths if name == "cudnn_dense" else other, calls, env)
             except Exception as exc:  # noqa: BLE001 -- a kernel this build or geometry lacks: recorded
                 traceback.print_exc()
                 got = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -159,34 +191,40 @@ def main() -> int:
     p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=120.0)
     p.add_argument("--calls", type=int, default=10, help="attention calls per captured graph (default 10)")
     p.add_argument("--kernel", choices=tuple(kernels()), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.cpu_smoke:
         print("attention_kernels.py times CUDA kernels; it has no CPU smoke (run it on a GPU)")
         return 2
     env = make_env(args)
     if args.kernel:
-        child(args.kernel, args.calls, env)
+        child(args.kernel, args.calls, env, eager=args.eager)
         return 0
     results = Results(SCRIPT, args, env)
     rows = {(g, lay): {"geometry": g, "heads": h, "head_dim": d, "layout": lay, "tokens": sum(lengths),
                        "tflop": 4 * h * d * sum(n * n for n in lengths) / 1e12}
             for g, (h, d) in GEOMETRIES.items() for lay, (lengths, _) in LAYOUTS.items()}
     names = list(kernels())
-    for name in names:  # each kernel in its own process: a failed capture can poison the CUDA context
+    # Each kernel in its own process, captured, then eagerly in another: a failed capture can poison the CUDA
+    # context, and the eager run must not depend on it.
+    for name, eager in [(n, e) for n in names for e in (False, True)]:
         proc = subprocess.run([sys.executable, __file__, "--kernel", name, "--runs", str(env.runs), "--calls",
-                               str(args.calls)], capture_output=True, text=True, timeout=300)
+                               str(args.calls), *(["--eager"] if eager else [])],
+                              capture_output=True, text=True, timeout=300)
         sys.stderr.write(proc.stderr[-4000:])
+        key = f"{name}_eager" if eager else name
         for line in proc.stdout.splitlines():
             if line.startswith("ROW "):
                 row = json.loads(line[4:])
                 entry = rows[(row["geometry"], row["layout"])]
                 got = row["result"]
-                if "median_ms" in got:
-                    got["tflops"] = round(entry["tflop"] / (got["median_ms"] / 1e3), 1)
-                entry[name] = got
-                print(name, row["geometry"], row["layout"], got, flush=True)
+                for ms, tf in (("median_ms", "tflops"), ("eager_ms", "eager_tflops")):
+                    if ms in got:
+                        got[tf] = round(entry["tflop"] / (got[ms] / 1e3), 1)
+                entry[key] = got
+                print(key, row["geometry"], row["layout"], got, flush=True)
         for entry in rows.values():
-            entry.setdefault(name, {"error": f"not run (the {name} process exited {proc.returncode} before it)"})
+            entry.setdefault(key, {"error": f"not run (the {key} process exited {proc.returncode} before it)"})
         results.data["rows"] = list(rows.values())
         results.flush()
     table = [[r["geometry"], r["layout"], *(
@@ -194,9 +232,15 @@ def main() -> int:
         for n in names), *(
         f"{r[n]['rewritten_lengths_vs_eager']:.1e}" if "median_ms" in r[n] else "-" for n in names[:3])]
         for r in rows.values()]
+    eager = [[r["geometry"], r["layout"], *(
+        f"{r[n + '_eager']['eager_ms']:.3f} ({r[n + '_eager']['eager_tflops']:.0f} TF/s"
+        f"{', syncs' if r[n + '_eager']['syncs_host'] else ''})" if "eager_ms" in r[n + "_eager"]
+        else r[n + "_eager"]["error"][:60] for n in names)] for r in rows.values()]
     md = [f"## attention kernels in CUDA graphs ({gpu_name(env)}, bfloat16): ms per call (useful TFLOP/s)", "",
           markdown_table(["heads x dim", "layout", *names, *(f"{n}: rewritten lengths vs eager" for n in names[:3])],
-                         table)]
+                         table), "",
+          "### the same kernels called eagerly: ms per call (useful TFLOP/s; 'syncs': the call syncs the host)", "",
+          markdown_table(["heads x dim", "layout", *names], eager)]
     results.finish("\n".join(md))
     return 0
 
