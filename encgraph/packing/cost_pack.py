@@ -9,7 +9,11 @@ Algorithm (deterministic, ``O(n * L)`` for ``n`` items and runs of at most ``L``
 2. The other items keep that order; every contiguous run of them that fits ``max_items``, ``max_frames`` and
    every path's largest budget is a candidate batch.  Its cost is, per path, the cheaper of the graph of the
    smallest budget that holds its tokens and an eager run (:attr:`EagerReason.COST` when eager is strictly
-   cheaper); 0 on a path with no tokens.  The costs of all runs are computed at once with numpy.
+   cheaper); 0 on a path with no tokens.  Where the model has an attention coefficient for the path, the
+   graph's cost follows the run's content (:func:`~encgraph.packing.costs.with_squares`: the items'
+   ``tokens^2 / frames`` and the padding's ``(budget - tokens)^2``), so that several large images may share one
+   larger replay when that is cheaper than one replay each.  The costs of all runs are computed at once with
+   numpy.
 3. Dynamic programming over run ends picks the split of least total cost (ties: the shorter last run).
    Greedy's batches are such runs, so the result never costs more than the greedy plan under the same model.
 4. Batches come out in the sorted order of their first item, lone items in place.
@@ -27,7 +31,7 @@ import numpy as np
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, ConfigTypeError
-from encgraph.packing.costs import CostModel, EagerCost
+from encgraph.packing.costs import CostModel, EagerCost, with_squares
 from encgraph.packing.plan import Batch, EagerReason, _fast_batch
 
 __all__ = ["check_costs", "cost_batches"]
@@ -61,6 +65,8 @@ class _PathTable(NamedTuple):
     ladder_np: np.ndarray  # (L,) int64, ``ladder``
     graph_np: np.ndarray  # (L,) float64, ``graph``
     eager: EagerCost
+    att: float  # ms per token^2 (0.0: replays cost ``graph``)
+    ladder_sq_np: np.ndarray  # (L,) float64, ``ladder`` squared
 
 
 def _table(costs: CostModel, path: str, ladder: tuple[int, ...]) -> _PathTable:
@@ -69,18 +75,28 @@ def _table(costs: CostModel, path: str, ladder: tuple[int, ...]) -> _PathTable:
     if out is None:
         graph = costs._ladder_costs(path, ladder)
         e = costs.eager[path]
+        lad = np.asarray(ladder, dtype=np.int64)
         out = costs._table_cache[key] = _PathTable(
-            ladder, graph, np.asarray(ladder, dtype=np.int64), np.asarray(graph, dtype=np.float64), e
+            ladder, graph, lad, np.asarray(graph, dtype=np.float64), e, costs.attention.get(path, 0.0),
+            lad.astype(np.float64) ** 2,
         )
     return out
 
 
-def _choose(tab: _PathTable, t: int, items: int) -> tuple[int | None, float]:
+def _graph(tab: _PathTable, k: int, t: int, sq: float) -> float:
+    """The graph cost of budget ``tab.ladder[k]`` for ``t`` tokens whose items' squares sum to ``sq``."""
+    if not tab.att:
+        return tab.graph[k]
+    b = tab.ladder[k]
+    return with_squares(tab.graph[k], tab.att, b, sq + float(b - t) ** 2)
+
+
+def _choose(tab: _PathTable, t: int, items: int, sq: float) -> tuple[int | None, float]:
     """One path of one batch (tokens fit the ladder): (budget or None for eager-by-cost, cost)."""
     if t == 0:
         return 0, 0.0
     k = bisect_left(tab.ladder, t)
-    g = tab.graph[k]
+    g = _graph(tab, k, t, sq)
     e = tab.eager.cost(t, items)  # EagerCost.cost_array in _best_runs: the same sums in the same order
     return (None, e) if e < g else (tab.ladder[k], g)
 
@@ -105,7 +121,7 @@ def _lone(
             total += e
             continue
         k = bisect_left(tab.ladder, t)
-        g = tab.graph[k]
+        g = _graph(tab, k, t, t * t / f)
         if e < g:
             budgets[path] = None
             eager[path] = _COST
@@ -159,13 +175,16 @@ def cost_batches(
     m = len(keep)
     if not m:
         return [b for _, b in lone_out] if build else [], total
+    squared = any(tab.att for tab in tables)
     if m == 1:
         # One item (most requests): no split to choose, skip numpy.
-        total += sum(_choose(tab, t, 1)[1] for tab, t in zip(tables, values[keep[0]]))
+        f1 = frames[keep[0]]
+        total += sum(_choose(tab, t, 1, t * t / f1)[1] for tab, t in zip(tables, values[keep[0]]))
         runs = [(0, 1)]
         cum = [[0] * len(paths), list(values[keep[0]])]
+        cum_sq = [[0.0] * len(paths), [t * t / f1 for t in values[keep[0]]]] if squared else None
     else:
-        c, runs, cum = _best_runs(values, frames, keep, tables, caps, n_max, f_cap)
+        c, runs, cum, cum_sq = _best_runs(values, frames, keep, tables, caps, n_max, f_cap, squared)
         total += c
     if not build:
         return [], total
@@ -180,13 +199,14 @@ def cost_batches(
         padded: dict[str, int] = {}
         eager: dict[str, EagerReason] = {}
         # _choose inlined (this loop runs once per batch and path).
-        for path, tab, t_lo, t_hi in zip(paths, tables, cum[lo], cum[hi]):
+        for p, (path, tab, t_lo, t_hi) in enumerate(zip(paths, tables, cum[lo], cum[hi])):
             t = tokens[path] = t_hi - t_lo
             if t == 0:
                 budgets[path] = padded[path] = 0
                 continue
             k = bisect_left(tab.ladder, t)
-            if tab.eager.cost(t, n_run) < tab.graph[k]:
+            g = _graph(tab, k, t, cum_sq[hi][p] - cum_sq[lo][p]) if cum_sq is not None and tab.att else tab.graph[k]
+            if tab.eager.cost(t, n_run) < g:
                 budgets[path] = None
                 eager[path] = _COST
                 padded[path] = 0
@@ -210,14 +230,21 @@ def _best_runs(
     caps: list[int],
     n_max: int,
     f_cap: int,
-) -> tuple[float, list[tuple[int, int]], list[list[int]]]:
-    """Least total cost of splitting ``keep`` (sorted, none lone) into runs, the runs ``(lo, hi)``, and the
-    cumulative tokens per path (``cum[j][p]``: path ``p``'s tokens of the first ``j`` kept items)."""
+    squared: bool = False,
+) -> tuple[float, list[tuple[int, int]], list[list[int]], list[list[float]] | None]:
+    """Least total cost of splitting ``keep`` (sorted, none lone) into runs, the runs ``(lo, hi)``, the
+    cumulative tokens per path (``cum[j][p]``: path ``p``'s tokens of the first ``j`` kept items) and, with
+    ``squared``, the cumulative ``tokens^2 / frames`` likewise (else ``None``)."""
     m = len(keep)
     n_paths = len(tables)
     vals = np.array([values[i] for i in keep], dtype=np.int64).reshape(m, n_paths)
     cum = np.zeros((m + 1, n_paths), dtype=np.int64)
     np.cumsum(vals, axis=0, out=cum[1:])
+    cum_sq = None
+    if squared:
+        fr_all = np.array([frames[i] for i in keep], dtype=np.float64)[:, None]
+        cum_sq = np.zeros((m + 1, n_paths), dtype=np.float64)
+        np.cumsum(vals.astype(np.float64) ** 2 / fr_all, axis=0, out=cum_sq[1:])
     # The longest run that can fit: bounded by the k smallest items on every path and in frames.
     span = min(n_max, m)
     for p in range(n_paths):
@@ -245,7 +272,14 @@ def _best_runs(
         idx = np.searchsorted(tab.ladder_np, t)
         np.minimum(idx, len(tab.ladder) - 1, out=idx)
         c = tab.eager.cost_array(t, lens)  # eager
-        np.minimum(tab.graph_np[idx], c, out=c)
+        if tab.att:  # with_squares, elementwise: the run's items' squares plus the padding's
+            b = tab.ladder_np[idx]
+            b2 = tab.ladder_sq_np[idx]
+            sq = (cum_sq[ends, p] - cum_sq[starts, p]) + (b - t).astype(np.float64) ** 2
+            g = np.maximum(tab.graph_np[idx] - tab.att * (b2 - np.clip(sq, 0.0, b2)), 0.0)
+            np.minimum(g, c, out=c)
+        else:
+            np.minimum(tab.graph_np[idx], c, out=c)
         c[t == 0] = 0.0
         if cost is None:
             cost = c
@@ -272,4 +306,4 @@ def _best_runs(
         runs.append((j - k, j))
         j -= k
     runs.reverse()
-    return dpp[m + 1], runs, cum.tolist()
+    return dpp[m + 1], runs, cum.tolist(), (cum_sq.tolist() if cum_sq is not None else None)

@@ -10,6 +10,13 @@ Per path:
   capture).  A budget without a measurement (the tuner asks about budgets not captured yet) is read off the
   piecewise-linear curve through the measured points, extended past the ends with the nearest segment's slope
   (one point: flat below it, proportional above), never below 0.  Budget ``0`` (an empty path) costs 0.
+- **attention** (optional): ``{path: ms per token^2}``.  A replay's time depends on its content where the tower
+  attends over whole images: the captured ``graph`` time is that of the budget as one attention sequence (what
+  the runner times), and a batch of several items attends within each item.  With a coefficient ``a``, a batch
+  whose sequences' squared lengths sum to ``s`` (its items' ``tokens^2 / frames`` plus the padding sequence's
+  ``(budget - tokens)^2``) costs ``graph - a * (budget^2 - s)``, never below 0.  The runner measures ``a`` at
+  capture from one replay of its largest graph split into equal sequences; without it (0) every replay costs
+  ``graph``, as before.
 - **eager**: for a batch with ``tokens > 0`` real tokens on the path and ``items`` items (0 when the path has no
   tokens), either the line ``fixed_ms + per_token_ms * tokens + per_item_ms * items``, or, where eager runs
   of one item were measured at two sizes or more (what the runner does at capture), the piecewise-linear
@@ -44,7 +51,7 @@ import numpy as np
 from encgraph._validate import check_int, check_mapping, check_path, check_sequence, describe
 from encgraph.errors import ConfigError, ConfigTypeError
 
-__all__ = ["EagerCost", "CostModel"]
+__all__ = ["EagerCost", "CostModel", "with_squares"]
 
 _FORMAT = "encgraph.costs"
 _VERSION = 1
@@ -169,6 +176,19 @@ def _graph_table(value: Any) -> dict[str, dict[int, float]]:
     return out
 
 
+def _attention_table(value: Any) -> dict[str, float]:
+    if value is None:
+        return {}
+    check_mapping("CostModel(attention)", value, hint="Pass {path: ms per token^2} (or None for none).")
+    out: dict[str, float] = {}
+    for path, coef in value.items():
+        check_path("CostModel(attention) path name", path)
+        c = _ms(f"CostModel(attention[{path!r}])", coef)
+        if c:
+            out[path] = c
+    return out
+
+
 def _eager_table(value: Any) -> dict[str, EagerCost]:
     check_mapping("CostModel(eager)", value, hint="Pass {path: EagerCost(fixed_ms, per_token_ms)}.")
     out: dict[str, EagerCost] = {}
@@ -185,12 +205,16 @@ class CostModel:
     """Expected times (ms) per path: graph replay per budget and an eager model (see the module docs).
 
     Attributes:
-        graph_ms: ``{path: {budget: ms}}``, measured replay times, budgets sorted.
+        graph_ms: ``{path: {budget: ms}}``, measured replay times (the budget as one attention sequence),
+            budgets sorted.
         eager: ``{path: EagerCost}``; the same paths as ``graph_ms``.
+        attention: ``{path: ms per token^2}``, the part of a replay that follows its sequences' squared lengths
+            (paths without one, or with 0, are left out: their replays cost ``graph_ms``).
     """
 
     graph_ms: dict[str, dict[int, float]] = attrs.field(converter=_graph_table, hash=False)
     eager: dict[str, EagerCost] = attrs.field(converter=_eager_table, hash=False)
+    attention: dict[str, float] = attrs.field(factory=dict, converter=_attention_table, hash=False, kw_only=True)
     _curves: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = attrs.field(
         init=False, eq=False, repr=False, hash=False
     )
@@ -208,6 +232,12 @@ class CostModel:
             raise ConfigError(
                 f"CostModel: expected the same paths in graph_ms and eager, got graph_ms {sorted(self.graph_ms)} "
                 f"and eager {sorted(self.eager)}. Measure both the graphs and eager runs of every path."
+            )
+        extra = sorted(set(self.attention) - set(self.graph_ms))
+        if extra:
+            raise ConfigError(
+                f"CostModel(attention): path {extra[0]!r} is not one of graph_ms's {sorted(self.graph_ms)}; give "
+                f"attention coefficients only for measured paths."
             )
         curves = {p: (tuple(t), tuple(t.values())) for p, t in self.graph_ms.items()}
         object.__setattr__(self, "_curves", curves)
@@ -228,20 +258,27 @@ class CostModel:
 
     # -- costs --------------------------------------------------------------------------------------------
 
-    def graph_cost(self, path: str, budget: int) -> float:
-        """Expected replay time (ms) of ``path``'s graph for ``budget`` (interpolated when not measured)."""
+    def graph_cost(self, path: str, budget: int, squares: float | None = None) -> float:
+        """Expected replay time (ms) of ``path``'s graph for ``budget`` (interpolated when not measured);
+        with ``squares`` (the sum of the replay's sequences' squared lengths in tokens, padding included) and an
+        attention coefficient, the content-dependent cost of the module docs."""
         budgets, times = self._curves[self._path("CostModel.graph_cost", path)]
         b = check_int("CostModel.graph_cost(budget)", budget, minimum=0, hint="Budgets are token counts.")
         if b == 0:
             return 0.0
         k = bisect_left(budgets, b)
         if k < len(budgets) and budgets[k] == b:
-            return times[k]
-        if len(budgets) == 1:
-            return times[0] if b < budgets[0] else times[0] * b / budgets[0]
-        lo = min(max(k - 1, 0), len(budgets) - 2)  # the segment around b, or the nearest one past the ends
-        b0, b1, t0, t1 = budgets[lo], budgets[lo + 1], times[lo], times[lo + 1]
-        return max(0.0, t0 + (t1 - t0) * (b - b0) / (b1 - b0))
+            full = times[k]
+        elif len(budgets) == 1:
+            full = times[0] if b < budgets[0] else times[0] * b / budgets[0]
+        else:
+            lo = min(max(k - 1, 0), len(budgets) - 2)  # the segment around b, or the nearest one past the ends
+            b0, b1, t0, t1 = budgets[lo], budgets[lo + 1], times[lo], times[lo + 1]
+            full = max(0.0, t0 + (t1 - t0) * (b - b0) / (b1 - b0))
+        a = self.attention.get(path, 0.0)
+        if squares is None or not a:
+            return full
+        return with_squares(full, a, b, squares)
 
     def eager_cost(self, path: str, tokens: int, items: int = 1) -> float:
         """Expected eager time (ms) of ``tokens`` real tokens in ``items`` items on ``path`` (0.0 for none)."""
@@ -252,10 +289,17 @@ class CostModel:
         )
 
     def batch_cost(
-        self, batch_tokens_per_path: Mapping[str, int], budgets: Mapping[str, int | None], *, items: int = 1
+        self,
+        batch_tokens_per_path: Mapping[str, int],
+        budgets: Mapping[str, int | None],
+        *,
+        items: int = 1,
+        squares: Mapping[str, float] | None = None,
     ) -> float:
         """Expected time (ms) of one batch: per path, the graph of its budget, eager where the budget is
-        ``None``, nothing where the path has no tokens; ``items`` counts for the eager per-item term."""
+        ``None``, nothing where the path has no tokens; ``items`` counts for the eager per-item term.
+        ``squares``: per path, the items' ``tokens^2 / frames`` summed (the padding sequence is added here);
+        without it a replay costs the budget's measured time."""
         check_mapping("CostModel.batch_cost(batch_tokens_per_path)", batch_tokens_per_path)
         check_mapping("CostModel.batch_cost(budgets)", budgets)
         total = 0.0
@@ -276,14 +320,21 @@ class CostModel:
                         f"CostModel.batch_cost(budgets[{path!r}]): expected a budget >= the path's {tokens} tokens "
                         f"or None (eager), got {budget}."
                     )
-                total += self.graph_cost(path, budget)
+                sq = None if squares is None or path not in squares else squares[path] + (budget - tokens) ** 2
+                total += self.graph_cost(path, budget, sq)
         return total
 
-    def plan_cost(self, plan: Any) -> float:
-        """Expected time (ms) of every batch of ``plan`` (a :class:`~encgraph.packing.Plan`), summed."""
-        return sum(
-            self.batch_cost(b.tokens, b.budgets, items=len(b.items)) for b in plan.batches
-        )
+    def plan_cost(self, plan: Any, items: Sequence[Any] | None = None) -> float:
+        """Expected time (ms) of every batch of ``plan`` (a :class:`~encgraph.packing.Plan`), summed; with the
+        ``items`` it was planned from (:class:`~encgraph.packing.ItemSpec`), replays cost what their content
+        does (the attention term), as the cost-aware planner reckons them."""
+        total = 0.0
+        for b in plan.batches:
+            squares = None
+            if items is not None and self.attention:
+                squares = {p: sum(items[i].tokens.get(p, 0) ** 2 / items[i].frames for i in b.items) for p in b.tokens}
+            total += self.batch_cost(b.tokens, b.budgets, items=len(b.items), squares=squares)
+        return total
 
     def _ladder_costs(self, path: str, ladder: tuple[int, ...]) -> tuple[float, ...]:
         key = (path, ladder)
@@ -299,6 +350,7 @@ class CostModel:
         cls,
         graph_ms: Mapping[str, Mapping[int, float]],
         eager_samples: Mapping[str, Sequence[tuple[int, int, float]]],
+        attention: Mapping[str, float] | None = None,
     ) -> CostModel:
         """Build a model from replay times and eager samples ``{path: [(tokens, items, ms), ...]}``.
 
@@ -308,14 +360,15 @@ class CostModel:
         when every sample has one item, is left at 0).  Where one-item samples cover two sizes or more, the
         model also carries their curve (repeated sizes averaged), which then gives the cost, and ``per_item``
         is refitted as the multi-item samples' least-squares excess over it (>= 0; 0 without such samples).
-        Needs at least two samples per path.
+        Needs at least two samples per path.  ``attention``: ``{path: ms per token^2}`` as measured (see the
+        module docs), or ``None``.
         """
         check_mapping("CostModel.from_measurements(eager_samples)", eager_samples, hint="Pass {path: [(tokens, items, ms)]}.")
         eager = {}
         for path, samples in eager_samples.items():
             check_path("CostModel.from_measurements(eager_samples) path name", path)
             eager[path] = _fit_eager(f"CostModel.from_measurements(eager_samples[{path!r}])", samples)
-        return cls(graph_ms=graph_ms, eager=eager)
+        return cls(graph_ms=graph_ms, eager=eager, attention=attention)
 
     # -- serialisation ------------------------------------------------------------------------------------
 
@@ -328,6 +381,7 @@ class CostModel:
                 p: {
                     "graph_ms": {str(b): ms for b, ms in self.graph_ms[p].items()},
                     "eager": _eager_dict(self.eager[p]),
+                    **({"attention": self.attention[p]} if p in self.attention else {}),
                 }
                 for p in self.graph_ms
             },
@@ -343,7 +397,7 @@ class CostModel:
                 f"{data.get('format')!r} version {data.get('version')!r}. Pass the dict CostModel.to_dict() returned."
             )
         paths = check_mapping("CostModel.from_dict(data['paths'])", data.get("paths"))
-        graph, eager = {}, {}
+        graph, eager, attention = {}, {}, {}
         for p, entry in paths.items():
             check_mapping(f"CostModel.from_dict(data['paths'][{p!r}])", entry)
             if "graph_ms" not in entry or "eager" not in entry:
@@ -352,12 +406,14 @@ class CostModel:
                     f"{sorted(entry)}. Pass the dict CostModel.to_dict() returned."
                 )
             graph[p] = entry["graph_ms"]
+            if "attention" in entry:  # absent from files of before the attention term
+                attention[p] = entry["attention"]
             fields = check_mapping(f"CostModel.from_dict(data['paths'][{p!r}]['eager'])", entry["eager"])
             try:
                 eager[p] = EagerCost(**fields)
             except TypeError as exc:
                 raise ConfigError(f"CostModel.from_dict(data['paths'][{p!r}]['eager']): {exc}.") from None
-        return cls(graph_ms=graph, eager=eager)
+        return cls(graph_ms=graph, eager=eager, attention=attention)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the model as JSON to the file ``path``."""
@@ -391,6 +447,16 @@ class CostModel:
         b = _ms("CostModel.linear(graph_per_budget_ms)", graph_per_budget_ms)
         eager = EagerCost(eager_fixed_ms, eager_per_token_ms)
         return cls(graph_ms={p: {1: a + b, 1 << 20: a + b * (1 << 20)} for p in paths}, eager={p: eager for p in paths})
+
+
+def with_squares(full: float, coef: float, budget: int, squares: float) -> float:
+    """A replay's cost from its budget's measured ``full`` time (one sequence of ``budget`` tokens), the path's
+    attention ``coef`` (ms per token^2) and the replay's ``squares`` (its sequences' squared lengths summed):
+    ``full - coef * (budget^2 - squares)``, ``squares`` clipped to ``[0, budget^2]``, never below 0.  The
+    planner's vectorised form (``cost_pack``) computes the same expression."""
+    b2 = float(budget) * float(budget)
+    s = min(max(float(squares), 0.0), b2)
+    return max(0.0, full - coef * (b2 - s))
 
 
 _TERMS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))

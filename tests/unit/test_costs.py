@@ -141,3 +141,41 @@ def test_load_rejects_non_json(tmp_path):
     (tmp_path / "bad.json").write_text("{", encoding="utf-8")
     with pytest.raises(ConfigError, match="not JSON"):
         CostModel.load(tmp_path / "bad.json")
+
+
+def test_attention_term_prices_a_replay_by_its_sequences() -> None:
+    from encgraph.packing.costs import with_squares
+
+    m = CostModel(graph_ms={"default": {1024: 10.0}}, eager={"default": EagerCost(1.0, 0.01)},
+                  attention={"default": 4e-6})
+    assert m.graph_cost("default", 1024) == 10.0  # no squares: the measured (one-sequence) time
+    assert m.graph_cost("default", 1024, 1024**2) == 10.0
+    assert m.graph_cost("default", 1024, 2 * 512**2) == pytest.approx(10.0 - 4e-6 * 512**2 * 2)
+    assert m.graph_cost("default", 1024, 0) == pytest.approx(10.0 - 4e-6 * 1024**2)
+    assert with_squares(10.0, 2e-5, 1024, -5.0) == with_squares(10.0, 2e-5, 1024, 0.0) == 0.0  # floored at 0
+    assert with_squares(10.0, 2e-5, 1024, 5 * 1024**2) == 10.0  # squares clipped to budget^2
+    # batch_cost adds the padding sequence: 300 tokens in 1024 leave a 724-token padding sequence.
+    assert m.batch_cost({"default": 300}, {"default": 1024}, squares={"default": 300**2}) == pytest.approx(
+        10.0 - 4e-6 * (1024**2 - 300**2 - 724**2))
+    assert m.batch_cost({"default": 300}, {"default": 1024}) == 10.0
+    again = CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again == m and again.attention == {"default": 4e-6}
+    # Files of before the attention term load with none; a zero coefficient is left out.
+    old = m.to_dict()
+    del old["paths"]["default"]["attention"]
+    assert CostModel.from_dict(old).attention == {}
+    assert CostModel(graph_ms=m.graph_ms, eager=m.eager, attention={"default": 0.0}).attention == {}
+
+
+@pytest.mark.parametrize(
+    "attention, error, match",
+    [
+        ({"default": -1.0}, ConfigError, "attention"),
+        ({"default": "1"}, ConfigTypeError, "attention"),
+        ({"other": 1e-6}, ConfigError, "not one of graph_ms"),
+        ([1e-6], ConfigTypeError, "attention"),
+    ],
+)
+def test_bad_attention(attention, error, match) -> None:
+    with pytest.raises(error, match=match):
+        CostModel(graph_ms={"default": {1024: 10.0}}, eager={"default": EagerCost(1.0, 0.01)}, attention=attention)

@@ -33,7 +33,7 @@ def expected(observed, ladders, costs, max_items, max_frames=None) -> float:
     total = 0.0
     for req in observed:
         items = [it if isinstance(it, ItemSpec) else ItemSpec(it) for it in req]
-        total += costs.plan_cost(pack(items, lad, max_items=max_items, max_frames=max_frames, costs=costs))
+        total += costs.plan_cost(pack(items, lad, max_items=max_items, max_frames=max_frames, costs=costs), items)
     return total
 
 
