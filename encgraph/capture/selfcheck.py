@@ -124,7 +124,8 @@ def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool
     info["checked"] = checked
     if measure:
         attention = _attention_terms(runner)
-        costs = _cost_model(runner, eager, {p: a["ms_per_token2"] for p, a in attention.items() if "ms_per_token2" in a})
+        coefs = {p: a["ms_per_token2"] for p, a in attention.items() if "ms_per_token2" in a}
+        costs = _cost_model(runner, eager, coefs)
         if costs is not None:
             runner.costs = costs
             info["eager_samples"] = {p: [list(s) for s in v] for p, v in eager.items()}
