@@ -8,6 +8,7 @@ it holds that many requests) or by a target that blocks until the test releases 
 from __future__ import annotations
 
 import asyncio
+from itertools import accumulate
 import threading
 import time
 
@@ -288,6 +289,20 @@ def test_a_lone_client_stops_paying_the_wait_and_probes_now_and_then():
     waited = [i for i, t in enumerate(lat) if t >= wait_s]
     assert waited == [*range(USELESS_WAITS), USELESS_WAITS + PROBE_EVERY - 1], [round(t, 3) for t in lat]
     assert stats["waits_skipped"] == PROBE_EVERY and stats["requests_per_call"] == {1: len(lat)}
+
+
+def test_useless_probes_back_off_to_the_longest_interval():
+    from encgraph.serving.front import MAX_PROBE_EVERY, PROBE_EVERY, USELESS_WAITS
+
+    _, fast = _graphed()
+    wait_s = 0.15
+    intervals = [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, MAX_PROBE_EVERY, MAX_PROBE_EVERY]
+    with BatchingFront(fast, max_wait_ms=wait_s * 1e3) as front:
+        lat = _sequential(front, USELESS_WAITS + sum(intervals))
+    waited = [i for i, t in enumerate(lat) if t >= wait_s]
+    # The first waits; then one probe per interval, each interval twice the last, up to the longest.
+    probes = list(accumulate(intervals, initial=USELESS_WAITS - 1))[1:]
+    assert waited == [*range(USELESS_WAITS), *probes], [round(t, 3) for t in lat]
 
 
 def test_adaptive_wait_off_waits_on_every_call():
