@@ -30,8 +30,7 @@ import numpy as np
 import torch
 
 from encgraph.models.protocol import BufferSpec, FillRule
-from encgraph.models.qwen_grid import UnitGrid
-from encgraph.models.qwen_vl import QwenVisionAdapter
+from encgraph.models.qwen_vl import QwenVisionAdapter, UnitGrid
 
 __all__ = ["Glm4vAdapter", "adapter"]
 
