@@ -207,31 +207,32 @@ def _attention_terms(runner: EncoderGraphRunner) -> dict[str, dict[str, Any]]:
     logged and leaves the path without the term (replays then cost their measured times, as before)."""
     out: dict[str, dict[str, Any]] = {}
     for path, records in runner.records.items():
-        timed = {b: r for b, r in records.items() if r.replay_ms is not None and r.graph is not None}
-        if runner.config.path(path).unit is BudgetUnit.ITEMS or not timed:
-            out[path] = {"skipped": "budgets count items" if timed else "no timed graph"}
-            continue
-        budget = min(b for b in timed if 4 * b >= max(timed))
-        specs = runner.buffers[path].specs[budget]
-        bounds = {n: sp for n, sp in specs.items()
-                  if sp.fill is FillRule.SEQUENCE_BOUNDS and sp.total and sp.chunk >= sp.total}
-        k = min([SPLIT_SEQUENCES] + [sp.shape[0] - 1 for sp in bounds.values()])
-        if not bounds or k < 2:
-            out[path] = {"skipped": "no full-attention sequence bounds" if not bounds else "too few sequence slots"}
-            continue
-        split = {n: np.linspace(0, sp.total, k + 1).round().astype(np.int64) for n, sp in bounds.items()}
         try:
-            full_ms = _time_filled(runner, path, budget, None)
-            split_ms = _time_filled(runner, path, budget, split)
-        except Exception as exc:  # timing only: the model then prices replays as measured
+            out[path] = _attention_term(runner, path, records)
+        except Exception as exc:  # measurement only: the model then prices replays as measured
             log.warning("encgraph: path %r: the attention term of the cost model was not measured (%s: %s); "
                         "replays are priced at their measured times.", path, type(exc).__name__, exc)
             out[path] = {"skipped": f"{type(exc).__name__}: {exc}"}
-            continue
-        coef = max(0.0, full_ms - split_ms) / (float(budget) ** 2 * (1.0 - 1.0 / k))
-        out[path] = {"budget": budget, "sequences": k, "full_ms": round(full_ms, 4), "split_ms": round(split_ms, 4),
-                     "ms_per_token2": coef}
     return out
+
+
+def _attention_term(runner: EncoderGraphRunner, path: str, records: Mapping[int, Any]) -> dict[str, Any]:
+    timed = {b: r for b, r in records.items() if r.replay_ms is not None and r.graph is not None}
+    if runner.config.path(path).unit is BudgetUnit.ITEMS or not timed:
+        return {"skipped": "budgets count items" if timed else "no timed graph"}
+    budget = min(b for b in timed if 4 * b >= max(timed))
+    specs = runner.buffers[path].specs[budget]
+    bounds = {n: sp for n, sp in specs.items()
+              if sp.fill is FillRule.SEQUENCE_BOUNDS and sp.total and sp.chunk >= sp.total}
+    k = min([SPLIT_SEQUENCES] + [sp.shape[0] - 1 for sp in bounds.values()])
+    if not bounds or k < 2:
+        return {"skipped": "no full-attention sequence bounds" if not bounds else "too few sequence slots"}
+    split = {n: np.linspace(0, sp.total, k + 1).round().astype(np.int64) for n, sp in bounds.items()}
+    full_ms = _time_filled(runner, path, budget, None)
+    split_ms = _time_filled(runner, path, budget, split)
+    coef = max(0.0, full_ms - split_ms) / (float(budget) ** 2 * (1.0 - 1.0 / k))
+    return {"budget": budget, "sequences": k, "full_ms": round(full_ms, 4), "split_ms": round(split_ms, 4),
+            "ms_per_token2": coef}
 
 
 def _time_filled(runner: EncoderGraphRunner, path: str, budget: int, values: Mapping[str, Any] | None) -> float:

@@ -109,3 +109,11 @@ def test_a_failed_timing_is_logged_and_leaves_the_path_without_the_term(caplog) 
         terms = _attention_terms(r)["default"]
     assert "ms_per_token2" not in terms and "RuntimeError" in terms["skipped"]
     assert "attention term of the cost model was not measured" in caplog.text
+
+
+def test_any_error_in_a_path_leaves_only_that_path_without_the_term(caplog) -> None:
+    r, _ = runner((64, 256))
+    r.buffers = {}  # a runner state the measurement does not expect: KeyError before any timing
+    with caplog.at_level(logging.WARNING, logger="encgraph"):
+        assert "KeyError" in _attention_terms(r)["default"]["skipped"]
+    assert "attention term of the cost model was not measured" in caplog.text
