@@ -48,6 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
+from benches.lib.results import result_dirs  # noqa: E402
+
 SCRIPT = "serving"
 SYSTEMS = ("hf_eager", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
 TRANSPORTS = ("inprocess", "server")
@@ -503,9 +505,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # One transport alone gets its own files, so that the two runs of a GPU session do not overwrite each other.
     only = f"_{args.transports[0]}" if len(args.transports) == 1 else ""
     name = f"{SCRIPT}_{slug(env, args.cpu_smoke)}{only}{'_' + args.tag if args.tag else ''}"
-    # Under the device tool, $OUT/results gets a copy of every file: what stays in the device's checkout is lost.
-    dirs = [args.results_dir] + ([Path(os.environ["OUT"]) / "results"] if os.environ.get("OUT") and not
-                                 args.cpu_smoke else [])
+    dirs = result_dirs(args.results_dir, tiny=args.cpu_smoke)  # + $OUT/results under the device tool
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
 

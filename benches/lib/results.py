@@ -26,6 +26,15 @@ RESULTS_DIR = REPO / "benches" / "results"
 SMOKE_SLUG = "cpu-smoke"
 
 
+def result_dirs(results_dir: Any, mirror_dir: Any = None, *, tiny: bool = False) -> list[Path]:
+    """Where a script writes its result files: ``results_dir``, and a mirror (``mirror_dir``, else
+    ``$OUT/results`` when ``$OUT`` is set and the towers are real): the device tool copies back only ``$OUT``."""
+    mirror = mirror_dir
+    if mirror is None and os.environ.get("OUT") and not tiny:
+        mirror = Path(os.environ["OUT"]) / "results"
+    return [Path(results_dir)] + ([Path(mirror)] if mirror is not None else [])
+
+
 def gpu_name(env: Env) -> str:
     import torch
 
@@ -95,10 +104,7 @@ class Results:
     def __init__(self, script: str, args: argparse.Namespace, env: Env) -> None:
         self.script = script
         self.slug = gpu_slug(env) + (f"_{args.tag}" if getattr(args, "tag", None) else "")
-        mirror = args.mirror_dir
-        if mirror is None and os.environ.get("OUT") and not env.tiny:
-            mirror = Path(os.environ["OUT"]) / "results"
-        self.dirs = [Path(args.results_dir)] + ([Path(mirror)] if mirror is not None else [])
+        self.dirs = result_dirs(args.results_dir, args.mirror_dir, tiny=env.tiny)
         self.data: dict[str, Any] = {
             "script": script,
             "environment": environment(env),

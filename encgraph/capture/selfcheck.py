@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from encgraph.capture.capture import time_replay
 from encgraph.capture.protocol import BudgetUnit, FillRule
 from encgraph.packing import CostModel
 
@@ -40,11 +41,12 @@ __all__ = ["check_and_measure", "tolerance", "relative_error", "SAMPLE_SIZES"]
 log = logging.getLogger("encgraph")
 
 SAMPLE_SIZES = 4
-SPLIT_SEQUENCES = 16
-"""Equal sequences the largest graph of a path is split into, for the attention term of the cost model."""
-SPLIT_REPEATS = 3
 """Eager timings per path for the cost model (one item each, geometrically spread over the ladder), plus one
 sample of several items where the adapter can concatenate inputs (so the per-item term can be fitted)."""
+SPLIT_SEQUENCES = 16
+"""Equal sequences one graph of a path is split into, for the attention term of the cost model."""
+SPLIT_REPEATS = 3
+"""Timed replays of each of that graph's two fills."""
 
 
 def tolerance(dtype: torch.dtype, device: torch.device) -> float:
@@ -228,17 +230,8 @@ def _attention_term(runner: EncoderGraphRunner, path: str, records: Mapping[int,
     if not bounds or k < 2:
         return {"skipped": "no full-attention sequence bounds" if not bounds else "too few sequence slots"}
     split = {n: np.linspace(0, sp.total, k + 1).round().astype(np.int64) for n, sp in bounds.items()}
-    full_ms = _time_filled(runner, path, budget, None)
-    split_ms = _time_filled(runner, path, budget, split)
+    full_ms = time_replay(runner, timed[budget], SPLIT_REPEATS)
+    split_ms = time_replay(runner, timed[budget], SPLIT_REPEATS, split)
     coef = max(0.0, full_ms - split_ms) / (float(budget) ** 2 * (1.0 - 1.0 / k))
     return {"budget": budget, "sequences": k, "full_ms": round(full_ms, 4), "split_ms": round(split_ms, 4),
             "ms_per_token2": coef}
-
-
-def _time_filled(runner: EncoderGraphRunner, path: str, budget: int, values: Mapping[str, Any] | None) -> float:
-    # Random floats as capture's replay timing does (zeros can run faster than real data).
-    views = runner.buffers[path].fill(budget, values)
-    for t in views.values():
-        if t.is_floating_point():
-            t.normal_()
-    return runner._time_host(runner.records[path][budget].graph.replay, SPLIT_REPEATS)

@@ -205,7 +205,7 @@ def cost_batches(
                 budgets[path] = padded[path] = 0
                 continue
             k = bisect_left(tab.ladder, t)
-            g = _graph(tab, k, t, cum_sq[hi][p] - cum_sq[lo][p]) if cum_sq is not None and tab.att else tab.graph[k]
+            g = tab.graph[k] if cum_sq is None else _graph(tab, k, t, cum_sq[hi][p] - cum_sq[lo][p])
             if tab.eager.cost(t, n_run) < g:
                 budgets[path] = None
                 eager[path] = _COST

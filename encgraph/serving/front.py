@@ -12,8 +12,8 @@ during which no request arrived, calls take only what is already queued instead 
 :data:`MAX_PROBE_EVERY`, and a wait that sees a new request restores waiting. So a lone client pays the wait on
 one call in 8, then 16, 32 and 64 (measured on an H200, SigLIP-so400m, one closed-loop client: 5.71 ms per
 request with a 2 ms wait on every call, 3.69 ms without waiting), while concurrent clients, whose waits gather
-requests, keep coalescing (and a call that does not wait still takes every request already queued). ``stats["waits_skipped"]`` counts the calls
-that did not wait; ``adaptive_wait=False`` waits on every call.
+requests, keep coalescing (and a call that does not wait still takes every request already queued).
+``stats["waits_skipped"]`` counts the calls that did not wait; ``adaptive_wait=False`` waits on every call.
 
 Failure isolation: each request is validated alone (the adapter's ``item_specs``) before it joins a call, so a
 bad request fails alone; if a coalesced call raises anyway, its requests run again one by one and only the
@@ -288,8 +288,9 @@ class BatchingFront:
     def _gather(self, group: list[tuple[_Request, Parsed]]) -> None:
         used = dict(group[0][1].tokens)
         deadline = group[0][0].arrived + self.max_wait_s
-        skip = self.adaptive_wait and self._useless >= USELESS_WAITS and self._skipped < self._probe_every - 1
-        probe = self.adaptive_wait and self._useless >= USELESS_WAITS and not skip
+        idle = self.adaptive_wait and self._useless >= USELESS_WAITS  # recent waits gathered nothing
+        skip = idle and self._skipped < self._probe_every - 1
+        probe = idle and not skip
         with self._cond:
             submitted = self._stats.requests
             if skip and self.max_wait_s > 0:

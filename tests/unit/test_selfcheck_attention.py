@@ -53,7 +53,7 @@ def runner(ladder: tuple[int, ...], *, unit: BudgetUnit = BudgetUnit.TOKENS, slo
     records = {}
     for b in ladder:
         graph = Graph(buffers.view(b), seen, fail)
-        records[b] = types.SimpleNamespace(graph=graph, replay_ms=1.0)
+        records[b] = types.SimpleNamespace(path="default", budget=b, graph=graph, inputs=buffers.view(b), replay_ms=1.0)
     spec = PathSpec("default", min(ladder), max(ladder), unit=unit)
 
     def time_host(fn, repeats):
