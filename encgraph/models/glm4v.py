@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from encgraph.models.protocol import BufferSpec, FillRule
-from encgraph.models.qwen_vl import QwenVisionAdapter, UnitGrid
+from encgraph.models.qwen_grid import UnitGrid
+from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["Glm4vAdapter", "adapter"]
 

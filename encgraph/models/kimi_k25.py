@@ -33,7 +33,8 @@ import torch
 from encgraph.errors import ConfigError, InputError
 from encgraph.models._hf import require_transformers
 from encgraph.models.protocol import BufferSpec, FillRule
-from encgraph.models.qwen_vl import QwenVisionAdapter, QwenVisionInputs, UnitGrid, raster_positions
+from encgraph.models.qwen_grid import UnitGrid, raster_positions
+from encgraph.models.qwen_vl import QwenVisionAdapter, QwenVisionInputs
 
 __all__ = ["KimiK25Adapter", "adapter", "bicubic_taps", "merge_layout"]
 

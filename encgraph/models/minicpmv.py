@@ -36,15 +36,8 @@ from encgraph.errors import ConfigError, InputError, InputTypeError
 from encgraph.models._hf import require_transformers
 from encgraph.models.protocol import BufferSpec, FillRule, StockCall
 from encgraph.models.qwen2_5_vl import window_layout
-from encgraph.models.qwen_vl import (
-    _RECORDING,
-    QwenVisionAdapter,
-    QwenVisionInputs,
-    UnitGrid,
-    _grid_array,
-    raster_positions,
-    unit_grid,
-)
+from encgraph.models.qwen_grid import UnitGrid, grid_array, raster_positions, unit_grid
+from encgraph.models.qwen_vl import _RECORDING, QwenVisionAdapter, QwenVisionInputs
 
 __all__ = ["MiniCPMVAdapter", "adapter", "nearest_positions"]
 
@@ -125,7 +118,7 @@ class MiniCPMVAdapter(QwenVisionAdapter):
                 f"pixel_values: expected the processor's packed strip {hint}, got {shape}; pass pixel_values[:1] "
                 "as the model does."
             )
-        sizes = _grid_array(target_sizes, "target_sizes", "h, w")
+        sizes = grid_array(target_sizes, "target_sizes", "h, w")
         if sizes.min() < 1:
             raise InputError(f"target_sizes: every h, w must be >= 1, got {sizes.tolist()}.")
         odd = np.nonzero((sizes % self.merge).any(axis=1))[0]

@@ -21,7 +21,8 @@ import torch
 
 from encgraph.models.layout import LayoutPatch, align_gated_mlp
 from encgraph.models.protocol import BufferSpec, FillRule
-from encgraph.models.qwen_vl import QwenVisionAdapter, UnitGrid, check_window
+from encgraph.models.qwen_grid import UnitGrid, check_window
+from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["Qwen25VLAdapter", "adapter", "window_layout"]
 

@@ -20,7 +20,8 @@ import torch
 
 from encgraph.errors import ConfigError
 from encgraph.models.protocol import BufferSpec, FillRule
-from encgraph.models.qwen_vl import QwenVisionAdapter, UnitGrid, patch_coords
+from encgraph.models.qwen_grid import UnitGrid, patch_coords
+from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["Qwen3VLAdapter", "adapter", "interpolation"]
 

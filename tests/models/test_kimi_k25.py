@@ -14,7 +14,7 @@ import encgraph  # noqa: E402
 from encgraph.errors import InputError  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models.kimi_k25 import bicubic_taps, merge_layout  # noqa: E402
-from encgraph.models.qwen_vl import raster_positions, unit_grid  # noqa: E402
+from encgraph.models.qwen_grid import raster_positions, unit_grid  # noqa: E402
 from tests.models.fixtures_families import random_grid, require  # noqa: E402
 
 KIMI = require("kimi_k25")

@@ -10,7 +10,7 @@ vision_utils = pytest.importorskip("transformers.vision_utils")
 
 from encgraph.models.qwen2_5_vl import window_layout  # noqa: E402
 from encgraph.models.qwen3_vl import interpolation  # noqa: E402
-from encgraph.models.qwen_vl import frame_bounds, rotary_positions, unit_grid  # noqa: E402
+from encgraph.models.qwen_grid import frame_bounds, rotary_positions, unit_grid  # noqa: E402
 
 CASES = 40
 
@@ -101,7 +101,7 @@ def test_adapter_metadata_with_cache_equals_transformers(qwen_towers, make_grid)
 
 
 def test_frame_table_cache_is_bounded_lru():
-    from encgraph.models.qwen_vl import FrameTableCache
+    from encgraph.models.qwen_grid import FrameTableCache
 
     computed = []
 
