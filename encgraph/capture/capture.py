@@ -39,7 +39,7 @@ from encgraph.errors import EncgraphError
 if TYPE_CHECKING:  # pragma: no cover
     from encgraph.capture.runner import EncoderGraphRunner
 
-__all__ = ["capture_graphs", "pool_bytes"]
+__all__ = ["capture_graphs", "pool_bytes", "time_replay"]
 
 log = logging.getLogger("encgraph")
 
@@ -106,7 +106,7 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
             compile_info["dynamo"] = {k: after[k] - before[k] for k in after}
     for path_records in runner.records.values():
         for record in path_records.values():
-            record.replay_ms = _time_replay(runner, record)
+            record.replay_ms = time_replay(runner, record)
     seconds = time.perf_counter() - start
     pool = pool_bytes(device, runner._pool)
     graphs = [r for rs in runner.records.values() for r in rs.values()]
@@ -211,9 +211,13 @@ def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:
     )
 
 
-def _time_replay(runner: EncoderGraphRunner, record: GraphRecord, repeats: int = 5) -> float:
+def time_replay(
+    runner: EncoderGraphRunner, record: GraphRecord, repeats: int = 5, values: Mapping[str, Any] | None = None
+) -> float:
+    """Median host-seen ms of ``record``'s replay, its buffers filled with ``values`` (``None``: all padding, one
+    attention sequence over the budget; the self-check also times other sequence bounds) and random floats."""
     # Time on random floats: zeros can run faster than real data.
-    runner.buffers[record.path].fill(record.budget, None)
+    runner.buffers[record.path].fill(record.budget, values)
     for t in record.inputs.values():
         if t.is_floating_point():
             t.normal_()

@@ -26,9 +26,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from encgraph.capture.protocol import BudgetUnit
+from encgraph.capture.capture import time_replay
+from encgraph.capture.protocol import BudgetUnit, FillRule
 from encgraph.packing import CostModel
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,6 +43,10 @@ log = logging.getLogger("encgraph")
 SAMPLE_SIZES = 4
 """Eager timings per path for the cost model (one item each, geometrically spread over the ladder), plus one
 sample of several items where the adapter can concatenate inputs (so the per-item term can be fitted)."""
+SPLIT_SEQUENCES = 16
+"""Equal sequences one graph of a path is split into, for the attention term of the cost model."""
+SPLIT_REPEATS = 3
+"""Timed replays of each of that graph's two fills."""
 
 
 def tolerance(dtype: torch.dtype, device: torch.device) -> float:
@@ -119,10 +125,13 @@ def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool
             eager[path].extend(_multi_item_sample(runner, path, positive))
     info["checked"] = checked
     if measure:
-        costs = _cost_model(runner, eager)
+        attention = _attention_terms(runner)
+        coefs = {p: a["ms_per_token2"] for p, a in attention.items() if "ms_per_token2" in a}
+        costs = _cost_model(runner, eager, coefs)
         if costs is not None:
             runner.costs = costs
             info["eager_samples"] = {p: [list(s) for s in v] for p, v in eager.items()}
+            info["attention"] = attention
         else:
             info["costs"] = "greedy planner (too few eager samples)"
     info["seconds"] = round(time.perf_counter() - t0, 3)
@@ -172,11 +181,57 @@ def _drop(runner: EncoderGraphRunner, path: str, budget: int, worst: tuple[float
     )
 
 
-def _cost_model(runner: EncoderGraphRunner, eager: Mapping[str, list[tuple[int, int, float]]]) -> CostModel | None:
+def _cost_model(
+    runner: EncoderGraphRunner, eager: Mapping[str, list[tuple[int, int, float]]], attention: Mapping[str, float]
+) -> CostModel | None:
     graph_ms = {
         path: {b: r.replay_ms for b, r in records.items() if r.replay_ms is not None}
         for path, records in runner.records.items()
     }
     if any(not graph_ms[p] or len(eager.get(p, ())) < 2 for p in runner.ladders):
         return None
-    return CostModel.from_measurements(graph_ms, eager)
+    return CostModel.from_measurements(graph_ms, eager, {p: a for p, a in attention.items() if graph_ms.get(p)})
+
+
+def _attention_terms(runner: EncoderGraphRunner) -> dict[str, dict[str, Any]]:
+    """Per path, the cost model's attention coefficient (``CostModel.attention``) and how it was measured.
+
+    The replay times of capture fill each graph's buffers as padding: one attention sequence over the whole
+    budget (in buffers whose padding is not chunked: full attention). A batch of several items attends within
+    each, which costs less where a tower attends over whole images (Qwen3-VL-8B on an H200: 29.6 ms for budget
+    1280 as one sequence, 67.6 ms for 2240; two 1100-token images would not share one replay at those prices).
+    So one graph of each token-budget path (the smallest budget of at least a quarter of the largest: a clear
+    attention share at a fraction of the largest replay's time) is timed with those buffers split into
+    :data:`SPLIT_SEQUENCES` equal sequences, right after a timing of the one-sequence fill: the coefficient is
+    ``max(0, full - split) / (budget^2 * (1 - 1 / k))`` ms per token^2 (attention's cost grows with each
+    sequence's length squared, so it holds at every budget). Paths whose budgets count items, or with
+    no unchunked sequence-bounds buffer, or too few sequence slots, get none (their entry says why); a failure is
+    logged and leaves the path without the term (replays then cost their measured times, as before)."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, records in runner.records.items():
+        try:
+            out[path] = _attention_term(runner, path, records)
+        except Exception as exc:  # measurement only: the model then prices replays as measured
+            log.warning("encgraph: path %r: the attention term of the cost model was not measured (%s: %s); "
+                        "replays are priced at their measured times.", path, type(exc).__name__, exc)
+            out[path] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def _attention_term(runner: EncoderGraphRunner, path: str, records: Mapping[int, Any]) -> dict[str, Any]:
+    timed = {b: r for b, r in records.items() if r.replay_ms is not None and r.graph is not None}
+    if runner.config.path(path).unit is BudgetUnit.ITEMS or not timed:
+        return {"skipped": "budgets count items" if timed else "no timed graph"}
+    budget = min(b for b in timed if 4 * b >= max(timed))
+    specs = runner.buffers[path].specs[budget]
+    bounds = {n: sp for n, sp in specs.items()
+              if sp.fill is FillRule.SEQUENCE_BOUNDS and sp.total and sp.chunk >= sp.total}
+    k = min([SPLIT_SEQUENCES] + [sp.shape[0] - 1 for sp in bounds.values()])
+    if not bounds or k < 2:
+        return {"skipped": "no full-attention sequence bounds" if not bounds else "too few sequence slots"}
+    split = {n: np.linspace(0, sp.total, k + 1).round().astype(np.int64) for n, sp in bounds.items()}
+    full_ms = time_replay(runner, timed[budget], SPLIT_REPEATS)
+    split_ms = time_replay(runner, timed[budget], SPLIT_REPEATS, split)
+    coef = max(0.0, full_ms - split_ms) / (float(budget) ** 2 * (1.0 - 1.0 / k))
+    return {"budget": budget, "sequences": k, "full_ms": round(full_ms, 4), "split_ms": round(split_ms, 4),
+            "ms_per_token2": coef}

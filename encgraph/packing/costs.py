@@ -14,10 +14,9 @@ Per path:
   attends over whole images: the captured ``graph`` time is that of the budget as one attention sequence (what
   the runner times), and a batch of several items attends within each item.  With a coefficient ``a``, a batch
   whose sequences' squared lengths sum to ``s`` (its items' ``tokens^2 / frames`` plus the padding sequence's
-  ``(budget - tokens)^2``) costs ``graph - a * (budget^2 - s)``, never below 0.  ``a`` comes from one replay
-  of a budget timed both as one sequence and split into ``k`` equal ones: ``(full - split) / (budget^2 (1 -
-  1/k))``.  The runner does not measure it at capture yet (a model built or loaded with one uses it); without
-  it (0) every replay costs ``graph``.
+  ``(budget - tokens)^2``) costs ``graph - a * (budget^2 - s)``, never below 0.  The runner measures ``a`` at
+  capture from one replay of its largest graph split into equal sequences; without it (0) every replay costs
+  ``graph``, as before.
 - **eager**: for a batch with ``tokens > 0`` real tokens on the path and ``items`` items (0 when the path has no
   tokens), either the line ``fixed_ms + per_token_ms * tokens + per_item_ms * items``, or, where eager runs
   of one item were measured at two sizes or more (what the runner does at capture), the piecewise-linear

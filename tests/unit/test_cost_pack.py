@@ -139,7 +139,7 @@ def test_attention_term_packs_large_images_into_one_larger_replay() -> None:
     eager = {"default": EagerCost(0.0, 0.0, curve=((30, 13.0), (1406, 37.7), (3968, 184.0)))}
     items = [ItemSpec(1100), ItemSpec(1100)]
     plain = CostModel(graph_ms=graph, eager=eager)
-    a = 14.0 / (1280**2 * (1 - 1 / 16))  # ms per token^2, from a replay timed whole and split into 16
+    a = 14.0 / (1280**2 * (1 - 1 / 16))  # ms per token^2, as the runner derives it from the split replay
     aware = CostModel(graph_ms=graph, eager=eager, attention={"default": a})
     apart = pack(items, (1280, 2240), max_items=8, costs=plain)
     assert [b.budgets["default"] for b in apart.batches] == [1280, 1280]
