@@ -158,33 +158,36 @@ def measure(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], 
             "rewritten_lengths_vs_eager": _rel(outs[0], fresh), "out": reference}
 
 
-def child(name: str, calls: int, env: Env, eager: bool = False) -> None:
-    """One kernel over every geometry and layout, in this process: prints one ``ROW <json>`` line per row (with
-    ``eager``: :func:`measure_eager`, nothing captured)."""
+ROWS = [(geometry, heads, dim, layout) for geometry, (heads, dim) in GEOMETRIES.items() for layout in LAYOUTS]
+
+
+def child(name: str, calls: int, env: Env, eager: bool = False, skip: int = 0) -> None:
+    """One kernel over the rows of :data:`ROWS` from ``skip`` on, in this process: prints one ``ROW <json>`` line
+    per row (with ``eager``: :func:`measure_eager`, nothing captured)."""
     import torch
 
     fn, flash = kernels()[name], kernels()["flash"]
-    for geometry, (heads, dim) in GEOMETRIES.items():
-        for layout, (lengths, other) in LAYOUTS.items():
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            total = sum(lengths)
-            q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-                       for _ in range(3))
-            reference = flash(q, k, v, _cu(lengths, q.device), max(lengths), lengths)
-            try:
-                if eager:
-                    got = measure_eager(fn, q, k, v, lengths, calls, env)
-                else:
-                    got = measure(fn, q, k, v, lengths, lengths if name == "cudnn_dense" else other, calls, env)
-            except Exception as exc:  # noqa: BLE001 -- a kernel this build or geometry lacks: recorded
-                traceback.print_exc()
-                got = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-                print("ROW " + json.dumps({"geometry": geometry, "layout": layout, "result": got}), flush=True)
-                if isinstance(exc, torch.AcceleratorError):
-                    return  # the context is gone: the parent records the rest as not run
-                continue
-            got["vs_flash"] = _rel(got.pop("out"), reference)
+    for geometry, heads, dim, layout in ROWS[skip:]:
+        lengths, other = LAYOUTS[layout]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        total = sum(lengths)
+        q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(3))
+        reference = flash(q, k, v, _cu(lengths, q.device), max(lengths), lengths)
+        try:
+            if eager:
+                got = measure_eager(fn, q, k, v, lengths, calls, env)
+            else:
+                got = measure(fn, q, k, v, lengths, lengths if name == "cudnn_dense" else other, calls, env)
+        except Exception as exc:  # noqa: BLE001 -- a kernel this build or geometry lacks: recorded
+            traceback.print_exc()
+            got = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             print("ROW " + json.dumps({"geometry": geometry, "layout": layout, "result": got}), flush=True)
+            if isinstance(exc, torch.AcceleratorError):
+                return  # the context is gone: the parent starts a fresh child at the next row
+            continue
+        got["vs_flash"] = _rel(got.pop("out"), reference)
+        print("ROW " + json.dumps({"geometry": geometry, "layout": layout, "result": got}), flush=True)
 
 
 def main() -> int:
@@ -192,13 +195,14 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=10, help="attention calls per captured graph (default 10)")
     p.add_argument("--kernel", choices=tuple(kernels()), default=None, help=argparse.SUPPRESS)
     p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.cpu_smoke:
         print("attention_kernels.py times CUDA kernels; it has no CPU smoke (run it on a GPU)")
         return 2
     env = make_env(args)
     if args.kernel:
-        child(args.kernel, args.calls, env, eager=args.eager)
+        child(args.kernel, args.calls, env, eager=args.eager, skip=args.skip)
         return 0
     results = Results(SCRIPT, args, env)
     rows = {(g, lay): {"geometry": g, "heads": h, "head_dim": d, "layout": lay, "tokens": sum(lengths),
@@ -208,23 +212,31 @@ def main() -> int:
     # Each kernel in its own process, captured, then eagerly in another: a failed capture can poison the CUDA
     # context, and the eager run must not depend on it.
     for name, eager in [(n, e) for n in names for e in (False, True)]:
-        proc = subprocess.run([sys.executable, __file__, "--kernel", name, "--runs", str(env.runs), "--calls",
-                               str(args.calls), *(["--eager"] if eager else [])],
-                              capture_output=True, text=True, timeout=300)
-        sys.stderr.write(proc.stderr[-4000:])
         key = f"{name}_eager" if eager else name
-        for line in proc.stdout.splitlines():
-            if line.startswith("ROW "):
-                row = json.loads(line[4:])
-                entry = rows[(row["geometry"], row["layout"])]
-                got = row["result"]
-                for ms, tf in (("median_ms", "tflops"), ("eager_ms", "eager_tflops")):
-                    if ms in got:
-                        got[tf] = round(entry["tflop"] / (got[ms] / 1e3), 1)
-                entry[key] = got
-                print(key, row["geometry"], row["layout"], got, flush=True)
+        done, returncode = 0, 0
+        # An error that kills the CUDA context ends the child after its row (recorded); a fresh child goes on
+        # from the next row, so one layout a kernel cannot run does not hide the others.
+        while done < len(ROWS):
+            proc = subprocess.run([sys.executable, __file__, "--kernel", name, "--runs", str(env.runs), "--calls",
+                                   str(args.calls), "--skip", str(done), *(["--eager"] if eager else [])],
+                                  capture_output=True, text=True, timeout=300, check=False)
+            sys.stderr.write(proc.stderr[-4000:])
+            returncode, before = proc.returncode, done
+            for line in proc.stdout.splitlines():
+                if line.startswith("ROW "):
+                    row = json.loads(line[4:])
+                    entry = rows[(row["geometry"], row["layout"])]
+                    got = row["result"]
+                    for ms, tf in (("median_ms", "tflops"), ("eager_ms", "eager_tflops")):
+                        if ms in got:
+                            got[tf] = round(entry["tflop"] / (got[ms] / 1e3), 1)
+                    entry[key] = got
+                    done += 1
+                    print(key, row["geometry"], row["layout"], got, flush=True)
+            if done == before:  # no row came back: the child cannot start; the rest are recorded as not run
+                break
         for entry in rows.values():
-            entry.setdefault(key, {"error": f"not run (the {key} process exited {proc.returncode} before it)"})
+            entry.setdefault(key, {"error": f"not run (the {key} process exited {returncode} before it)"})
         results.data["rows"] = list(rows.values())
         results.flush()
     table = [[r["geometry"], r["layout"], *(
