@@ -54,7 +54,7 @@ ENV_ENABLE = "ENCGRAPH_VLLM"
 ENV_COSTS = "ENCGRAPH_VLLM_COSTS"
 """Path of a saved :class:`encgraph.packing.CostModel` to plan with."""
 ENV_COMPILE = "ENCGRAPH_VLLM_COMPILE"
-"""``1``: compile each budget's static forward before capturing it (CUDA only)."""
+"""``1``: compile each budget's static forward before capturing it (CUDA only); unset: plain graphs."""
 
 _MANAGER_MODULE = "vllm.v1.worker.encoder_cudagraph"
 _ALSO_PATCHED = ("vllm.v1.worker.gpu.model_states.interface",)
@@ -210,8 +210,10 @@ def _runner_options() -> dict[str, Any]:
     costs = os.environ.get(ENV_COSTS, "").strip()
     if costs:
         options["costs"] = costs
-    if _truthy(ENV_COMPILE):
-        options["compile"] = True
+    # Plain graphs unless asked for: the protocol model's buffers carry no symbolic token dimension, so the
+    # runner's default compile="auto" would recompile once per budget (torch's recompile limit, 8, then runs
+    # the rest uncompiled), inside a vLLM process that may compile the model itself.
+    options["compile"] = _truthy(ENV_COMPILE)
     return options
 
 

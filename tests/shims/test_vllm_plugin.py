@@ -99,3 +99,12 @@ def test_environment_options(monkeypatch, tmp_path):
     monkeypatch.setenv(shim.ENV_COSTS, str(path))
     with_costs = shim.EncoderCudaGraphManager(vllm_config(budgets=[16, 64], max_items=4), torch.device("cpu"), torch.float32, ToyVit()).runner
     assert runner.costs is None and with_costs.costs is not None
+
+
+def test_compile_is_opt_in(monkeypatch):
+    # The runner's own default is compile="auto"; behind vLLM it must be plain graphs unless the variable asks.
+    monkeypatch.delenv(shim.ENV_COMPILE, raising=False)
+    assert shim._runner_options()["compile"] is False
+    for value, want in (("1", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv(shim.ENV_COMPILE, value)
+        assert shim._runner_options()["compile"] is want, value
