@@ -39,12 +39,15 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benches.lib.cli import base_parser
+from benches.lib.cli import base_parser, parse_names
 from benches.lib.env import Env, make_env
 from benches.lib.results import Results, gpu_name, markdown_table
 from benches.lib.timing import time_call
 
 SCRIPT = "attention_kernels"
+KERNELS = ("flash", "cudnn_ragged", "efficient", "cudnn_dense")  # the keys of kernels(), in table order
+REWRITABLE = ("flash", "cudnn_ragged", "efficient")  # read the lengths from a buffer: the rewrite check applies
+MODES = ("graph", "eager")
 GEOMETRIES = {  # tower: (heads, head_dim)
     "qwen3_vl / siglip / qwen3_5 / kimi / minicpm": (16, 72),
     "qwen2_5_vl / ernie": (16, 80),
@@ -207,6 +210,10 @@ def main() -> int:
     p.add_argument("--kernel", choices=tuple(kernels()), default=None, help=argparse.SUPPRESS)
     p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--kernels", type=parse_names(tuple(KERNELS)), default=KERNELS,
+                   help=f"comma-separated subset of {','.join(KERNELS)} (default all)")
+    p.add_argument("--modes", type=parse_names(MODES), default=MODES,
+                   help="graph (captured), eager, or both (default graph,eager)")
     args = p.parse_args()
     if args.cpu_smoke:
         print("attention_kernels.py times CUDA kernels; it has no CPU smoke (run it on a GPU)")
@@ -219,10 +226,12 @@ def main() -> int:
     rows = {(g, lay): {"geometry": g, "heads": h, "head_dim": d, "layout": lay, "tokens": sum(lengths),
                        "tflop": 4 * h * d * sum(n * n for n in lengths) / 1e12}
             for g, (h, d) in GEOMETRIES.items() for lay, (lengths, _) in LAYOUTS.items()}
-    names = list(kernels())
+    assert tuple(kernels()) == KERNELS, "KERNELS must list kernels()"
+    names = list(args.kernels)
+    not_run = {"error": "not measured in this run (--kernels / --modes)"}
     # Each kernel in its own process, captured, then eagerly in another: a failed capture can poison the CUDA
     # context, and the eager run must not depend on it.
-    for name, eager in [(n, e) for n in names for e in (False, True)]:
+    for name, eager in [(n, m == "eager") for n in names for m in args.modes]:
         key = f"{name}_eager" if eager else name
         done, returncode = 0, 0
         # An error that kills the CUDA context ends the child after its row (recorded); a fresh child goes on
@@ -250,18 +259,22 @@ def main() -> int:
             entry.setdefault(key, {"error": f"not run (the {key} process exited {returncode} before it)"})
         results.data["rows"] = list(rows.values())
         results.flush()
+    for r in rows.values():
+        for key in (*names, *(n + "_eager" for n in names)):
+            r.setdefault(key, not_run)
+    captured = [n for n in names if n in REWRITABLE]
     table = [[r["geometry"], r["layout"], *(
         f"{r[n]['median_ms']:.3f} ({r[n]['tflops']:.0f} TF/s)" if "median_ms" in r[n] else r[n]["error"][:60]
         for n in names), *(
         f"{r[n]['rewritten_lengths_vs_eager']:.1e}" if "rewritten_lengths_vs_eager" in r[n]
-        else r[n].get("rewrite_error", "-")[:60] for n in names[:3])]
+        else r[n].get("rewrite_error", "-")[:60] for n in captured)]
         for r in rows.values()]
     eager = [[r["geometry"], r["layout"], *(
         f"{r[n + '_eager']['eager_ms']:.3f} ({r[n + '_eager']['eager_tflops']:.0f} TF/s"
         f"{', syncs' if r[n + '_eager']['syncs_host'] else ''})" if "eager_ms" in r[n + "_eager"]
         else r[n + "_eager"]["error"][:60] for n in names)] for r in rows.values()]
     md = [f"## attention kernels in CUDA graphs ({gpu_name(env)}, bfloat16): ms per call (useful TFLOP/s)", "",
-          markdown_table(["heads x dim", "layout", *names, *(f"{n}: rewritten lengths vs eager" for n in names[:3])],
+          markdown_table(["heads x dim", "layout", *names, *(f"{n}: rewritten lengths vs eager" for n in captured)],
                          table), "",
           "### the same kernels called eagerly: ms per call (useful TFLOP/s; 'syncs': the call syncs the host)", "",
           markdown_table(["heads x dim", "layout", *names], eager)]

@@ -30,7 +30,6 @@ import copy
 import importlib
 import io
 import json
-import os
 import platform
 import shutil
 import signal
@@ -48,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
-from benches.lib.results import result_dirs  # noqa: E402
+from benches.lib.results import child_env, result_dirs  # noqa: E402
 
 SCRIPT = "serving"
 SYSTEMS = ("hf_eager", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
@@ -305,7 +304,7 @@ def serve(checkpoint: str, system: str, args: argparse.Namespace, device: str, d
            "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags[system]]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+                            env=child_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:

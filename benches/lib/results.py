@@ -26,6 +26,13 @@ RESULTS_DIR = REPO / "benches" / "results"
 SMOKE_SLUG = "cpu-smoke"
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a bench's child process: this one's, the repository first on ``PYTHONPATH`` (so the
+    child imports this checkout) and what was already there after it (wheels installed with ``--target``)."""
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, **extra, "PYTHONPATH": path}
+
+
 def result_dirs(results_dir: Any, mirror_dir: Any = None, *, tiny: bool = False) -> list[Path]:
     """Where a script writes its result files: ``results_dir``, and a mirror (``mirror_dir``, else
     ``$OUT/results`` when ``$OUT`` is set and the towers are real): the device tool copies back only ``$OUT``."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benches.lib.env import Env, short_error
-from benches.lib.results import REPO, json_ready
+from benches.lib.results import REPO, child_env, json_ready
 
 WARM_TIMEOUT = 120.0
 
@@ -70,11 +70,10 @@ def warm_capture(tower: str, env: Env, directory: Path, *, timeout: float = WARM
            "--device", str(env.device), "--dtype", str(env.dtype).replace("torch.", "")]
     if env.tiny:
         cmd.append("--tiny")
-    child_env = {**os.environ, **cache_vars(Path(directory)),
-                 "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env_vars = child_env(**cache_vars(Path(directory)))
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout,
+        done = subprocess.run(cmd, cwd=REPO, env=env_vars, capture_output=True, text=True, timeout=timeout,
                               check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:g} s (killed)", "process_seconds": round(timeout, 1)}
