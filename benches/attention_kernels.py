@@ -228,7 +228,6 @@ def main() -> int:
             for g, (h, d) in GEOMETRIES.items() for lay, (lengths, _) in LAYOUTS.items()}
     assert tuple(kernels()) == KERNELS, "KERNELS must list kernels()"
     names = list(args.kernels)
-    not_run = {"error": "not measured in this run (--kernels / --modes)"}
     # Each kernel in its own process, captured, then eagerly in another: a failed capture can poison the CUDA
     # context, and the eager run must not depend on it.
     for name, eager in [(n, m == "eager") for n in names for m in args.modes]:
@@ -259,27 +258,35 @@ def main() -> int:
             entry.setdefault(key, {"error": f"not run (the {key} process exited {returncode} before it)"})
         results.data["rows"] = list(rows.values())
         results.flush()
-    for r in rows.values():
-        for key in (*names, *(n + "_eager" for n in names)):
-            r.setdefault(key, not_run)
+    results.finish(render(results.data["rows"], names, gpu_name(env)))
+    return 0
+
+
+def render(rows: list[dict[str, Any]], names: list[str], gpu: str) -> str:
+    """The two markdown tables (captured, eager) of ``rows`` for the kernels ``names``; a kernel a row lacks
+    is shown as not measured."""
+    not_run = {"error": "not measured in this run"}
+
+    def get(r: dict[str, Any], key: str) -> dict[str, Any]:
+        return r.get(key, not_run)
+
     captured = [n for n in names if n in REWRITABLE]
     table = [[r["geometry"], r["layout"], *(
-        f"{r[n]['median_ms']:.3f} ({r[n]['tflops']:.0f} TF/s)" if "median_ms" in r[n] else r[n]["error"][:60]
-        for n in names), *(
-        f"{r[n]['rewritten_lengths_vs_eager']:.1e}" if "rewritten_lengths_vs_eager" in r[n]
-        else r[n].get("rewrite_error", "-")[:60] for n in captured)]
-        for r in rows.values()]
+        f"{get(r, n)['median_ms']:.3f} ({get(r, n)['tflops']:.0f} TF/s)" if "median_ms" in get(r, n)
+        else get(r, n)["error"][:60] for n in names), *(
+        f"{get(r, n)['rewritten_lengths_vs_eager']:.1e}" if "rewritten_lengths_vs_eager" in get(r, n)
+        else get(r, n).get("rewrite_error", "-")[:60] for n in captured)]
+        for r in rows]
     eager = [[r["geometry"], r["layout"], *(
-        f"{r[n + '_eager']['eager_ms']:.3f} ({r[n + '_eager']['eager_tflops']:.0f} TF/s"
-        f"{', syncs' if r[n + '_eager']['syncs_host'] else ''})" if "eager_ms" in r[n + "_eager"]
-        else r[n + "_eager"]["error"][:60] for n in names)] for r in rows.values()]
-    md = [f"## attention kernels in CUDA graphs ({gpu_name(env)}, bfloat16): ms per call (useful TFLOP/s)", "",
-          markdown_table(["heads x dim", "layout", *names, *(f"{n}: rewritten lengths vs eager" for n in captured)],
-                         table), "",
-          "### the same kernels called eagerly: ms per call (useful TFLOP/s; 'syncs': the call syncs the host)", "",
-          markdown_table(["heads x dim", "layout", *names], eager)]
-    results.finish("\n".join(md))
-    return 0
+        f"{get(r, n + '_eager')['eager_ms']:.3f} ({get(r, n + '_eager')['eager_tflops']:.0f} TF/s"
+        f"{', syncs' if get(r, n + '_eager')['syncs_host'] else ''})" if "eager_ms" in get(r, n + "_eager")
+        else get(r, n + "_eager")["error"][:60] for n in names)] for r in rows]
+    return "\n".join([
+        f"## attention kernels in CUDA graphs ({gpu}, bfloat16): ms per call (useful TFLOP/s)", "",
+        markdown_table(["heads x dim", "layout", *names, *(f"{n}: rewritten lengths vs eager" for n in captured)],
+                       table), "",
+        "### the same kernels called eagerly: ms per call (useful TFLOP/s; 'syncs': the call syncs the host)", "",
+        markdown_table(["heads x dim", "layout", *names], eager)])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nv
 - ``capture``: graphs, capture seconds and pool memory of the doubling and the default ladders;
 - ``families``: HF sdpa against ``defaults`` on the families added after the seed (``towers.py --tag families``);
 - ``serving``: images/s and latency per closed-loop concurrency of the batching front (``serving.py
-  --transports inprocess``), with its plot.
+  --transports inprocess``), with its plot;
+- ``serving_server``: the same through ``encgraph serve`` over loopback HTTP (``--transports server``).
 
     python benches/readme.py           # rewrite the blocks
     python benches/readme.py --check   # exit 1 if a block differs from its rendering (CI: no hand-typed figures)
@@ -20,6 +21,7 @@ rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nv
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -41,14 +43,22 @@ TOWER_COLUMNS = (System.HF_SDPA, System.DEFAULTS, System.GRAPH, System.GRAPH_COM
 
 
 def provenance(data: Mapping[str, Any], script: str, slug: str) -> str:
+    """Where a block's numbers come from: versions, commit and date (per tower when the file merges runs)."""
     env = data["environment"]
-    commit = (env.get("commit") or "?")[:7]
-    return (f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, {env['dtype']}; commit "
-            f"{commit}, {env.get('date_utc', '?')[:10]}; `benches/results/{script}_{slug}.json`")
+    runs = env.get("towers_from")
+    if runs:
+        labels = {name: doc.get("tower", {}).get("label", name) for name, doc in data.get("towers", {}).items()}
+        when = "; ".join(f"{labels.get(name, name)} from commit {run['commit'][:7]}, {run['date_utc'][:10]}"
+                         for name, run in runs.items())
+    else:
+        when = f"commit {(env.get('commit') or '?')[:7]}, {env.get('date_utc', '?')[:10]}"
+    return (f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, {env['dtype']}; {when}; "
+            f"`benches/results/{script}_{slug}.json`")
 
 
 def traffic_block(data: Mapping[str, Any], slug: str) -> str:
-    parts = [provenance(data, "traffic", slug), report.headline(data), "\n".join(report.target_lines(data))]
+    parts = [provenance(data, "traffic", slug), data["environment"].get("commit_note") if data["environment"].get(
+        "towers_from") else None, report.headline(data), "\n".join(report.target_lines(data))]
     for name, doc in report.tower_docs(data).items():  # every system of the run (old runs: what they measured)
         trace = doc.get("trace", {})
         planning = f", planning: {doc['planning']}" if doc.get("planning") else ""
@@ -90,16 +100,16 @@ def families_block(data: Mapping[str, Any], slug: str) -> str:
                                     towers._family_table(data.get("towers", {}))) if p)
 
 
-def serving_block(data: Mapping[str, Any], slug: str) -> str:
+def serving_block(data: Mapping[str, Any], slug: str, transport: str = "inprocess") -> str:
     from benches import serving
 
     env = data["environment"]
     head = (f"{env['gpu']}; commit {(env.get('commit') or '?')[:7]}, {str(env.get('time', '?'))[:10]}; "
-            f"`benches/results/serving_{slug}_inprocess.json`")
+            f"`benches/results/serving_{slug}_{transport}.json`")
     body = serving.render(dict(data)).split("\n", 2)[2]  # without its own title
     body = body.replace("\n## ", "\n#### ")
     parts = [head, env.get("commit_note"), body.strip()]
-    plot = RESULTS_DIR / f"serving_{slug}_inprocess_images_per_s.png"
+    plot = RESULTS_DIR / f"serving_{slug}_{transport}_images_per_s.png"
     if plot.exists():
         parts.append(f"![images/s against closed-loop clients](benches/results/{plot.name})")
     return "\n\n".join(p for p in parts if p)
@@ -111,6 +121,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Mapping[str, Any], str], str]]] = {
     "capture": ("capture_{slug}", capture_block),
     "families": ("towers_{slug}_families", families_block),
     "serving": ("serving_{slug}_inprocess", serving_block),
+    "serving_server": ("serving_{slug}_server", functools.partial(serving_block, transport="server")),
 }
 
 

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
-from benches.lib.results import child_env, result_dirs  # noqa: E402
+from benches.lib.results import child_env, git_commit, result_dirs  # noqa: E402
 
 SCRIPT = "serving"
 SYSTEMS = ("hf_eager", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
@@ -393,7 +393,8 @@ def environment(device: Any) -> dict[str, Any]:
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
     return {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(),
+            "argv": sys.argv[1:]}
 
 
 def slug(env: dict[str, Any], smoke: bool) -> str:

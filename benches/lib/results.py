@@ -55,6 +55,15 @@ def gpu_slug(env: Env) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in gpu_name(env).lower()).split())
 
 
+def git_commit() -> str | None:
+    """The checkout's HEAD (``None`` outside a git checkout). A device copy of a working tree reports the HEAD
+    it was copied at: result files note the tree they really ran on where that differs."""
+    with contextlib.suppress(Exception):
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=5, check=False).stdout.strip() or None
+    return None
+
+
 def environment(env: Env) -> dict[str, Any]:
     """Versions, device and commit, stored with every result."""
     import torch
@@ -65,10 +74,7 @@ def environment(env: Env) -> dict[str, Any]:
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
-    commit = None
-    with contextlib.suppress(Exception):
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=5, check=False).stdout.strip() or None
+    commit = git_commit()
     return {
         "gpu": gpu_name(env),
         "device": str(env.device),
