@@ -58,7 +58,7 @@ def test_fit_clamps_to_non_negative_and_drops_unidentifiable_terms():
     assert m.eager["p"].fixed_ms == 0.0 and m.eager["p"].per_token_ms > 0
 
 
-# Measured on the H200 at capture (benches/results/traffic_nvidia-h200.json, Qwen3-VL-8B tower, defaults): eager
+# Measured on the H200 at capture (benches/results/traffic_nvidia-h200.json as of 422ca38, Qwen3-VL-8B, defaults): eager
 # samples (tokens, items, ms) and replay ms of the smallest budgets.
 QWEN3_EAGER = [(30, 1, 15.82), (400, 1, 20.30), (1406, 1, 38.36), (3968, 1, 184.0), (896, 4, 25.96)]
 QWEN3_GRAPHS = {64: 1.95, 128: 2.88, 192: 3.89, 1280: 29.47, 1536: 37.89, 4096: 150.0}
