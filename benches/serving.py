@@ -48,6 +48,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
 from benches.lib.results import child_env, git_commit, result_dirs  # noqa: E402
+from encgraph.serving.metrics import STAGES  # noqa: E402
 
 SCRIPT = "serving"
 SYSTEMS = ("hf_eager", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
@@ -355,7 +356,8 @@ def run_server(url: str, images: list[str], concurrency: int, args: argparse.Nam
 
 def server_counters(url: str) -> dict[str, float]:
     """The server's ``/metrics`` counters this script reads: completed requests, runner calls, real and padded
-    units (summed over models)."""
+    units, and per request stage its seconds and count (``stage_s:<stage>``, ``stage_n:<stage>``), summed over
+    models."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -368,14 +370,21 @@ def server_counters(url: str) -> dict[str, float]:
                 out["calls"] += s.value
             elif s.name == "encgraph_tokens_total":
                 out[s.labels["kind"]] += s.value
+            elif s.name in ("encgraph_request_stage_seconds_sum", "encgraph_request_stage_seconds_count"):
+                key = f"stage_{'s' if s.name.endswith('_sum') else 'n'}:{s.labels['stage']}"
+                out[key] = out.get(key, 0.0) + s.value
     return out
 
 
 def counter_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    d = {k: after[k] - before[k] for k in before}
+    """A point's counter deltas: requests per runner call, padded share, and the server's mean ms per request in
+    each stage (``stage_ms``: where a host-bound server spends its time)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
     units = d["real"] + d["padded"]
+    stages = {k.split(":", 1)[1]: round(1e3 * d[k] / d[k.replace("stage_s:", "stage_n:")], 3)
+              for k in d if k.startswith("stage_s:") and d.get(k.replace("stage_s:", "stage_n:"))}
     return {"requests_per_call": round(d["completed"] / d["calls"], 2) if d["calls"] else None,
-            "padded_share": round(d["padded"] / units, 4) if units else None}
+            "padded_share": round(d["padded"] / units, 4) if units else None, "stage_ms": stages}
 
 
 def stop_server(proc: Any) -> None:
@@ -437,17 +446,23 @@ def render(data: dict[str, Any]) -> str:
             if "skipped" in result:
                 lines += [result["skipped"], ""]
                 continue
-            lines += ["| clients | system | images/s | P50 ms | P99 ms | requests/call | padded share |",
-                      "|---|---|---|---|---|---|---|"]
+            # The server's own split of a request's time, where the run measured it (servers with stage metrics).
+            staged = any(p.get("stage_ms") for by_c in result["points"].values() for p in by_c.values())
+            extra = (" server ms per request: " + " / ".join(STAGES) + " |") if staged else ""
+            lines += ["| clients | system | images/s | P50 ms | P99 ms | requests/call | padded share |" + extra,
+                      "|---|---|---|---|---|---|---|" + ("---|" if staged else "")]
             for system, by_c in result["points"].items():
                 for c, p in by_c.items():
                     if not p.get("requests"):
                         lines.append(f"| {c} | {system} | {p.get('skipped') or p.get('first_error') or 'no answer'} "
-                                     "| | | | |")
+                                     "| | | | |" + (" |" if staged else ""))
                         continue
                     share = "" if p.get("padded_share") is None else f"{100 * p['padded_share']:.1f}%"
+                    split = p.get("stage_ms") or {}
+                    cell = (" " + " / ".join(f"{split[k]:.2f}" if k in split else "-" for k in STAGES) + " |"
+                            if staged else "")
                     lines.append(f"| {c} | {system} | {p['images_per_s']:.1f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} "
-                                 f"| {p.get('requests_per_call') or ''} | {share} |")
+                                 f"| {p.get('requests_per_call') or ''} | {share} |" + cell)
             t = result.get("targets", {})
             if len(t) > 1:
                 lines += ["", f"At {t['clients']} clients: graphed_coalesce / hf_eager images/s = "

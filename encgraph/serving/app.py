@@ -188,9 +188,11 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         t0 = time.perf_counter()
+        clock = _StageClock(t0)
         label = "-"
         try:
             req = _parse(await _read_body(request, limits.max_body_bytes))
+            clock.lap("read")
             name = default if req.model is None else req.model
             model = models.get(name)
             if model is None:
@@ -204,9 +206,13 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
                                f"input: {len(req.input)} images is over the server's limit of {limits.max_images} "
                                "per request; split the request.")
             images = await run_in_threadpool(_decode_all, req.input, limits.image)
+            clock.lap("decode")
             inputs = await run_in_threadpool(_prepare, model, images)
+            clock.lap("preprocess")
             results = await _encode_on(model, inputs, limits)
+            clock.lap("encode")
             response = await run_in_threadpool(_answer, model, results, req)
+            clock.lap("answer")
         except ApiError as exc:
             metrics.observe(label, exc.status)
             return exc.response()
@@ -214,10 +220,23 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
             log.exception("encgraph serve: request failed")
             metrics.observe(label, 500)
             return ApiError(500, None, "internal_error", "internal error: see the server log.").response()
-        metrics.observe(label, 200, images=len(req.input), seconds=time.perf_counter() - t0)
+        metrics.observe(label, 200, images=len(req.input), seconds=time.perf_counter() - t0, stages=clock.spent)
         return response
 
     return app
+
+
+class _StageClock:
+    """Seconds per stage of one request (:data:`encgraph.serving.metrics.STAGES`), lap by lap."""
+
+    def __init__(self, start: float) -> None:
+        self.last = start
+        self.spent: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.spent[stage] = now - self.last
+        self.last = now
 
 
 async def _encode_on(model: Any, inputs: Any, limits: ServerLimits) -> list[Any]:

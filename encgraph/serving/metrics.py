@@ -5,6 +5,10 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
 
 - ``encgraph_requests_total{model,status}``, ``encgraph_images_total{model}``,
   ``encgraph_request_latency_seconds{model}`` (histogram);
+- ``encgraph_request_stage_seconds{model,stage}`` (histogram, answered requests): where a request's time went,
+  ``read`` (body and JSON), ``decode`` (base64 and image decoding), ``preprocess`` (the image processor and the
+  copy to the device), ``encode`` (queued in the batching front and run), ``answer`` (the embeddings to the host
+  and the JSON reply); each includes the wait for a worker thread, so a host-bound server shows it there;
 - ``encgraph_runner_items_total{model,kind=graph|eager}``, ``encgraph_replays_total{model,path,budget}``,
   ``encgraph_eager_items_total{model,reason}``, ``encgraph_tokens_total{model,path,kind=real|padded}``,
   ``encgraph_padded_share{model,path}``;
@@ -18,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["Metrics", "LATENCY_BUCKETS"]
+__all__ = ["Metrics", "LATENCY_BUCKETS", "STAGES"]
 
+STAGES = ("read", "decode", "preprocess", "encode", "answer")
+"""The stages of an answered request, in order (``encgraph_request_stage_seconds``)."""
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -82,14 +88,21 @@ class Metrics:
         self.images = Counter("encgraph_images", "Images embedded", ["model"], registry=self.registry)
         self.latency = Histogram("encgraph_request_latency_seconds", "Embedding request latency (answered requests)",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.stages = Histogram("encgraph_request_stage_seconds", "Time of an answered request per stage",
+                                ["model", "stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_StatsCollector(models))
 
-    def observe(self, model: str, status: int, *, images: int = 0, seconds: float | None = None) -> None:
+    def observe(self, model: str, status: int, *, images: int = 0, seconds: float | None = None,
+                stages: Mapping[str, float] | None = None) -> None:
+        """One finished request: its status; for an answered one its images, latency and ``stages`` (seconds
+        per name of :data:`STAGES`)."""
         self.requests.labels(model, str(status)).inc()
         if images:
             self.images.labels(model).inc(images)
         if seconds is not None:
             self.latency.labels(model).observe(seconds)
+        for stage, spent in (stages or {}).items():
+            self.stages.labels(model, stage).observe(spent)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

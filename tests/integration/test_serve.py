@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from encgraph.serving.metrics import STAGES
 from tests.integration.conftest import MODELS, References, encode, httpx, random_image
 
 TIMEOUT = 60.0
@@ -81,6 +82,16 @@ def test_64_concurrent_clients_each_get_their_own_correct_embeddings(server, ref
         assert after[("encgraph_requests_total", m, "200")] - before.get(("encgraph_requests_total", m, "200"), 0) == 64
         assert ("encgraph_padded_share", m, "default") in after and ("encgraph_queue_depth", m) in after
         assert after[("encgraph_request_latency_seconds_count", m)] >= 64
+        # Every answered request's time split over its stages: each stage counted once per request, and the
+        # stages together account for the request's latency (the laps run from the same start to the answer).
+        delta = {k: after[k] - before.get(k, 0) for k in after}
+        for stage in STAGES:
+            assert delta[("encgraph_request_stage_seconds_count", m, stage)] == 64, stage
+            assert delta[("encgraph_request_stage_seconds_sum", m, stage)] >= 0, stage
+        staged = sum(delta[("encgraph_request_stage_seconds_sum", m, stage)] for stage in STAGES)
+        latency = delta[("encgraph_request_latency_seconds_sum", m)]
+        assert 0.9 * latency <= staged <= latency + 1e-6, (staged, latency)
+        assert delta[("encgraph_request_stage_seconds_sum", m, "encode")] > 0
 
 
 def _metrics(server) -> dict[tuple[str, ...], float]:
@@ -196,6 +207,8 @@ def test_the_serving_bench_client_measures_this_server(server, pool):
     summary = serving.counter_summary(before, serving.server_counters(server.url))
     assert point["requests"] >= 4 and point["errors"] == 0 and point["p50_ms"] <= point["p99_ms"]
     assert summary["requests_per_call"] >= 1.0 and 0 <= summary["padded_share"] < 1
+    assert set(summary["stage_ms"]) == set(STAGES) and all(v >= 0 for v in summary["stage_ms"].values())
+    assert sum(summary["stage_ms"].values()) <= point["mean_ms"] * 1.5  # the server's share of the client's time
 
 
 def test_sigterm_under_load(server, refs: References, pool):
