@@ -12,7 +12,10 @@ at replay):
 - ``VARLEN``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention) on CUDA with fp16/bf16;
 - ``SEGMENTS``: on the CPU: ``scaled_dot_product_attention`` of each sequence on its own, the bounds read from
   ``cu_seqlens`` on the host (free on the CPU, where nothing is captured). Exact, isolated (one sequence's values
-  never enter another's rows), and memory-bounded: torch's CPU flash kernel needs no ``tokens^2`` scores;
+  never enter another's rows), and memory-bounded: torch's CPU flash kernel needs no ``tokens^2`` scores. Also on
+  CUDA for an eager forward that passes its bounds from the host (:func:`host_bounds`) when its sequences are
+  long (:data:`SEGMENT_MIN_ROWS`): there each is one dense SDPA call, which on an H200 runs cuDNN's kernel at
+  346-369 TF/s where Flash's varlen one reaches 207-226 at head dim 72 (``benches/attention_kernels.py``);
 - ``MASKED_SDPA``: on CUDA in fp32 or where varlen is missing (and on the ``meta`` device): a block-diagonal mask
   built from ``cu_seqlens`` with tensor ops only (``searchsorted`` segment ids: no host sync, capturable) and
   ``scaled_dot_product_attention``. Exact but ``tokens^2`` memory and 3-21x slower than varlen on a GPU
@@ -27,10 +30,12 @@ names, and otherwise split on ``cu_seqlens.tolist()``, which cannot be captured.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,8 +48,11 @@ from encgraph.models._hf import AttentionSwitch, require_transformers, switch_at
 __all__ = [
     "ATTENTION_NAME",
     "MIN_TRANSFORMERS",
+    "SEGMENT_MIN_ROWS",
+    "SEGMENT_MAX",
     "AttentionBackend",
     "hf_attention_forward",
+    "host_bounds",
     "packed_attention",
     "pick_backend",
     "register_attention",
@@ -59,6 +67,51 @@ MIN_TRANSFORMERS = "5.15"
 """The lowest transformers whose Qwen-VL towers accept every precomputed metadata keyword encgraph passes, an
 integer ``max_seqlen`` / ``max_window_seqlen`` among them (5.15; 5.14 still computes ``max_seqlen`` with
 ``.item()``), and hand ``cu_seq_lens_q/k`` and ``max_length_q/k`` to a "flash" attention function."""
+
+
+SEGMENT_MIN_ROWS = 2048
+"""Mean rows per sequence from which an eager forward with host bounds runs one dense SDPA call per sequence on
+CUDA: measured inside graphs on an H200 at 16 heads x 72, dense cuDNN against Flash varlen per call is 0.33 vs
+0.58 ms at 1 x 5120 rows and 0.46 vs 0.73 ms at 2 x 4096, about even at 4 x 1280, and 0.19 vs 0.08 ms at
+16 x 256 (one launch per sequence)."""
+SEGMENT_MAX = 64
+"""At most this many sequences for that path (one launch each)."""
+
+_HOST_BOUNDS: contextvars.ContextVar[dict[tuple[int, int], tuple[int, ...]] | None] = contextvars.ContextVar(
+    "encgraph_host_bounds", default=None
+)
+
+
+@contextlib.contextmanager
+def host_bounds(pairs: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> Iterator[None]:
+    """Inside the block, :func:`packed_attention` called (eagerly, with its default backend) with one of these
+    ``cu_seqlens`` tensors knows its bounds without reading the device: ``pairs`` of ``(cu_seqlens tensor, the
+    same values on the host)``. Where the sequences are long (:data:`SEGMENT_MIN_ROWS`, :data:`SEGMENT_MAX`) it
+    then runs each as one dense SDPA call (``SEGMENTS``); otherwise nothing changes. Never used inside a CUDA graph
+    capture or a compiled trace. The tensors must stay alive for the block (they are matched by storage)."""
+    mapping = {(t.data_ptr(), t.numel()): tuple(int(x) for x in b) for t, b in pairs}
+    token = _HOST_BOUNDS.set(mapping)
+    try:
+        yield
+    finally:
+        _HOST_BOUNDS.reset(token)
+
+
+def _long_segments(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
+    """The host bounds of ``cu_seqlens`` when :func:`host_bounds` gave them and its sequences are long enough for
+    one dense call each; else ``None``."""
+    mapping = _HOST_BOUNDS.get()
+    if not mapping:
+        return None
+    bounds = mapping.get((cu_seqlens.data_ptr(), cu_seqlens.numel()))
+    if bounds is None or torch.compiler.is_compiling():
+        return None
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    sequences = sum(1 for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
+    if not sequences or sequences > SEGMENT_MAX or (bounds[-1] - bounds[0]) / sequences < SEGMENT_MIN_ROWS:
+        return None
+    return bounds
 
 
 class AttentionBackend(enum.Enum):
@@ -149,14 +202,15 @@ def packed_attention(
             f"packed_attention(max_seqlen): expected a host int >= 1 fixed per layer at capture, got "
             f"{describe(max_seqlen)}; a tensor here would sync the host inside the graph."
         )
-    backend = pick_backend(query) if backend is None else backend
+    bounds = _long_segments(cu_seqlens) if backend is None else None
+    backend = (AttentionBackend.SEGMENTS if bounds is not None else pick_backend(query)) if backend is None else backend
     head_dim = query.shape[-1]
     if backend is AttentionBackend.VARLEN:
         return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale, head_dim)
     if key.shape[1] != query.shape[1]:
         key, value = _repeat_heads(key, value, query.shape[1])
     if backend is AttentionBackend.SEGMENTS:
-        return _segment_attention(query, key, value, cu_seqlens, scale)
+        return _segment_attention(query, key, value, cu_seqlens, scale, bounds)
     return _masked_attention(query, key, value, cu_seqlens, scale)
 
 
@@ -213,11 +267,13 @@ def _repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[t
 
 
 def _segment_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
+    bounds: Sequence[int] | None = None,
 ) -> torch.Tensor:
     # key and value have the query's heads here (packed_attention repeats grouped ones).
     tokens = query.shape[0]
-    bounds = cu_seqlens.tolist()  # the CPU only: a host read costs nothing and nothing is captured
+    if bounds is None:
+        bounds = cu_seqlens.tolist()  # the CPU only: a host read costs nothing and nothing is captured
     out = query.new_empty(query.shape)
     # (1, heads, tokens, head_dim): the 4-D layout torch's CPU flash kernel takes (3-D inputs fall back to the
     # math kernel, whose (tokens, tokens) scores a long padding sequence cannot afford).

@@ -270,3 +270,49 @@ def test_compiled_graphs_equal_static_eager():
                 assert err < HF_RTOL, (case, i, grid[i].tolist(), name, err)
     print(f"compiled replay vs eager static forward: worst norm-relative error {worst:.2e}")
     assert graph.stats["graph_items"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_eager_forward_attends_long_images_densely(family, monkeypatch):
+    # Eager items carry their bounds from the host: full-attention layers of long images run one dense SDPA call
+    # per image (cuDNN here) instead of Flash varlen. Each item still equals the tower's own forward; the time
+    # of both kernels is printed (the cost model measures the eager forward at capture and plans with it).
+    from encgraph.models import attention
+
+    tower, reference, patch = build(family)
+    adapter = wrap(tower)
+    grid = np.array([[1, 64, 80], [1, 48, 64], [1, 8, 8]])  # 5120 and 3072 patches: dense; 64: not
+    pixels = torch.randn(int(grid.prod(1).sum()), adapter.channels, device="cuda", dtype=torch.bfloat16)
+    inputs = adapter.inputs(pixels, grid)
+    dense: list[bool] = []
+    original = attention._segment_attention
+
+    def spy(q, k, v, cu, scale, bounds=None):
+        dense.append(bounds is not None)
+        return original(q, k, v, cu, scale, bounds)
+
+    monkeypatch.setattr(attention, "_segment_attention", spy)
+    with torch.inference_mode():
+        got = adapter.forward_eager("default", inputs)
+    assert dense and all(dense), dense  # full-attention layers only (Qwen2.5-VL's window layers stay varlen)
+    refs = hf_per_item(reference, pixels, grid)
+    counts = (grid.prod(1) // 4).tolist()
+    for i, (g, want) in enumerate(zip(torch.split(got["pooler_output"], counts), refs)):
+        assert torch.isfinite(g).all() and rel(g, want["pooler_output"]) < HF_RTOL, (i, grid[i].tolist())
+
+    def ms(fn, n=5):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    with torch.inference_mode():
+        dense_ms = ms(lambda: adapter.forward_eager("default", inputs))
+        monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 10**9)
+        varlen_ms = ms(lambda: adapter.forward_eager("default", inputs))
+    print(f"\n{family} eager, {grid.tolist()}: dense per image {dense_ms:.2f} ms, Flash varlen {varlen_ms:.2f} ms")

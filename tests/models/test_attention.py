@@ -4,6 +4,7 @@ registration, the reversible attention switch and the version guard."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -233,3 +234,85 @@ def test_tower_dtype_device():
     lin = torch.nn.Linear(2, 2).to(torch.float64)
     assert _hf.tower_dtype_device(lin) == (torch.float64, torch.device("cpu"))
     assert _hf.tower_dtype_device(torch.nn.ReLU()) == (torch.float32, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------- host bounds
+def _segment_spy(monkeypatch) -> list[bool]:
+    """Records, per SEGMENTS call, whether it got its bounds from the host (``host_bounds``)."""
+    calls: list[bool] = []
+    original = attention._segment_attention
+
+    def spy(q, k, v, cu, scale, bounds=None):
+        calls.append(bounds is not None)
+        return original(q, k, v, cu, scale, bounds)
+
+    monkeypatch.setattr(attention, "_segment_attention", spy)
+    return calls
+
+
+def test_host_bounds_pick_segments_for_few_long_sequences(monkeypatch):
+    calls = _segment_spy(monkeypatch)
+    q, k, v = qkv(40)
+    cu = torch.tensor([0, 24, 40, 40], dtype=torch.int32)
+    plain = packed_attention(q, k, v, cu, 24)
+    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 16)
+    with attention.host_bounds([(cu, [0, 24, 40, 40])]):
+        got = packed_attention(q, k, v, cu, 24)  # 2 sequences of 20 rows on average: long enough
+        other = cu.clone()
+        unknown = packed_attention(q, k, v, other, 24)  # another tensor: its bounds are not known
+    assert torch.equal(got, plain) and torch.equal(unknown, plain)
+    assert calls == [False, True, False]
+    assert torch.equal(got, reference(q, k, v, [24, 16]))
+    # Outside the block, or with short sequences, or too many of them: the bounds are not used.
+    calls.clear()
+    packed_attention(q, k, v, cu, 24)
+    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 21)
+    with attention.host_bounds([(cu, [0, 24, 40, 40])]):
+        packed_attention(q, k, v, cu, 24)
+    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 1)
+    monkeypatch.setattr(attention, "SEGMENT_MAX", 1)
+    with attention.host_bounds([(cu, [0, 24, 40, 40])]):
+        packed_attention(q, k, v, cu, 24)
+    assert calls == [False, False, False]
+    assert attention._HOST_BOUNDS.get() is None  # the block restores the context
+
+
+def test_host_bounds_never_apply_while_compiling(monkeypatch):
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 1)
+    with attention.host_bounds([(cu, [0, 40])]):
+        assert attention._long_segments(cu) == (0, 40)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert attention._long_segments(cu) is None
+
+
+def _eager_towers() -> dict[str, Callable[[], torch.nn.Module]]:
+    from tests.models import conftest as qwen
+    from tests.models.fixtures_families import FAMILIES
+
+    towers = {"qwen2_vl": qwen.qwen2_vl_tower, "qwen2_5_vl": qwen.qwen2_5_vl_tower, "qwen3_vl": qwen.qwen3_vl_tower}
+    towers.update((name, f.tower) for name, f in FAMILIES.items() if f.tower_tests)
+    return towers
+
+
+@pytest.mark.parametrize("name", sorted(_eager_towers()))
+def test_eager_forwards_give_their_full_attention_layers_host_bounds(name, monkeypatch):
+    """Every packed-grid adapter's eager forward hands its full-attention bounds from the host (so on CUDA its
+    long images attend with one dense call each); the result is the same as reading them from the device."""
+    from encgraph.models import wrap
+    from tests.models.fixtures_families import FAMILIES
+
+    if name in FAMILIES:
+        FAMILIES[name].skip_if_unsupported()
+    adapter = wrap(_eager_towers()[name]())
+    inputs = adapter.sample_inputs("default", 64)
+    with torch.no_grad():
+        before = adapter.forward_eager("default", inputs)
+    calls = _segment_spy(monkeypatch)
+    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 1)
+    with torch.no_grad():
+        after = adapter.forward_eager("default", inputs)
+    assert any(calls), calls  # at least the full-attention layers (Qwen2.5-VL's window layers keep the tensor)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
