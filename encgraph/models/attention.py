@@ -100,11 +100,14 @@ def host_bounds(pairs: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> Iterator
 def _long_segments(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
     """The host bounds of ``cu_seqlens`` when :func:`host_bounds` gave them and its sequences are long enough for
     one dense call each; else ``None``."""
+    if torch.compiler.is_compiling():
+        # First: dynamo cannot trace ContextVar.get (a graph break in every attention layer of a compiled region).
+        return None
     mapping = _HOST_BOUNDS.get()
     if not mapping:
         return None
     bounds = mapping.get((cu_seqlens.data_ptr(), cu_seqlens.numel()))
-    if bounds is None or torch.compiler.is_compiling():
+    if bounds is None:
         return None
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
