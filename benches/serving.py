@@ -381,8 +381,7 @@ def counter_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
     each stage (``stage_ms``: where a host-bound server spends its time)."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     units = d["real"] + d["padded"]
-    stages = {k.split(":", 1)[1]: round(1e3 * d[k] / d[k.replace("stage_s:", "stage_n:")], 3)
-              for k in d if k.startswith("stage_s:") and d.get(k.replace("stage_s:", "stage_n:"))}
+    stages = {s: round(1e3 * d[f"stage_s:{s}"] / d[f"stage_n:{s}"], 3) for s in STAGES if d.get(f"stage_n:{s}")}
     return {"requests_per_call": round(d["completed"] / d["calls"], 2) if d["calls"] else None,
             "padded_share": round(d["padded"] / units, 4) if units else None, "stage_ms": stages}
 
