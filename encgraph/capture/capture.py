@@ -32,6 +32,7 @@ from encgraph.capture.compiling import (
     compile_dynamic,
     compile_stats,
     no_duck_sizing,
+    recompile_headroom,
 )
 from encgraph.capture.records import GraphRecord
 from encgraph.errors import EncgraphError
@@ -67,6 +68,7 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
             compile_info["cache_dir"] = stack.enter_context(compile_cache(runner.cache_dir))
             compile_info["counters_before"] = compile_stats()
             stack.enter_context(no_duck_sizing())
+            stack.enter_context(recompile_headroom())
             if regions.modules:
                 # Regional: the repeated blocks are compiled (once: they share their code), the rest runs as is.
                 stack.callback(regions.restore)
@@ -104,6 +106,16 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
             before = compile_info.pop("counters_before")
             after = compile_stats()
             compile_info["dynamo"] = {k: after[k] - before[k] for k in after}
+            if compile_info["dynamo"]["recompile_limit"] and compile_info.get("status") == "compiled":
+                # Dynamo gave up on a frame at its recompile limit even with the headroom: that code ran (and
+                # was captured) uncompiled. The graphs are correct; they are slower than compiled ones.
+                compile_info["status"] = "partly compiled"
+                compile_info["reason"] = (
+                    f"torch's recompile limit was reached {compile_info['dynamo']['recompile_limit']} time(s) "
+                    "during capture: some compiled code ran uncompiled (raise torch._dynamo.config."
+                    "recompile_limit, or capture fewer kinds of towers in one process)"
+                )
+                log.warning("encgraph: %s.", compile_info["reason"])
     for path_records in runner.records.values():
         for record in path_records.values():
             record.replay_ms = time_replay(runner, record)

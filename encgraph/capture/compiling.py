@@ -43,7 +43,7 @@ from encgraph.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "CompileMode", "CompiledRegions", "resolve_compile", "default_cache_dir", "compile_cache", "compile_dynamic",
-    "compile_stats", "no_duck_sizing",
+    "compile_stats", "no_duck_sizing", "recompile_headroom", "RECOMPILE_HEADROOM",
 ]
 
 
@@ -148,6 +148,26 @@ def no_duck_sizing() -> Iterator[None]:
         yield
 
 
+RECOMPILE_HEADROOM = 64
+"""The least ``torch._dynamo.config.recompile_limit`` while a capture compiles. Compiled regions are often one
+shared code object (transformers' ``GradientCheckpointingLayer.__call__`` wraps every layer class), so each tower
+captured in a process adds a compilation of it; past torch's default of 8 (hit in one process running the GPU
+tests) dynamo would run the rest uncompiled, with only a warning. Replays never enter dynamo, so the limit is
+raised for the capture only."""
+
+
+@contextlib.contextmanager
+def recompile_headroom() -> Iterator[None]:
+    """``torch._dynamo.config.recompile_limit`` at least :data:`RECOMPILE_HEADROOM` inside the block (and the
+    accumulated limit at least as high), as it was after."""
+    from torch._dynamo import config as dynamo_config
+
+    limits = {name: max(getattr(dynamo_config, name), RECOMPILE_HEADROOM)
+              for name in ("recompile_limit", "accumulated_recompile_limit") if hasattr(dynamo_config, name)}
+    with dynamo_config.patch(**limits):
+        yield
+
+
 class CompiledRegions:
     """The repeated blocks an adapter names (``compile_regions()``), compiled for the duration of a capture.
 
@@ -179,14 +199,23 @@ class CompiledRegions:
         return {"count": len(self.modules), "classes": names}
 
 
+_LIMIT_PHRASES = ("recompile limit", "recompile_limit", "cache_size_limit", "cache size limit")
+
+
 def compile_stats() -> dict[str, int]:
-    """Dynamo's running counters (frames compiled, unique graphs, graph breaks, recompiles) for deltas."""
+    """Dynamo's running counters for deltas: frames it compiled (``frames_ok``) and tried (``frames_total``),
+    unique graphs, graph breaks, recompiles, and ``recompile_limit``: frames it gave up on at its recompile limit
+    (they then run uncompiled)."""
     from torch._dynamo.utils import counters
 
-    stats = counters["stats"]
+    frames = counters["frames"]
+    limit = sum(n for reason, n in counters["unimplemented"].items()
+                if any(p in reason.lower() for p in _LIMIT_PHRASES))
     return {
-        "frames_ok": int(stats.get("frames_ok", 0)),
-        "unique_graphs": int(stats.get("unique_graphs", 0)),
+        "frames_ok": int(frames.get("ok", 0)),
+        "frames_total": int(frames.get("total", 0)),
+        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
         "graph_breaks": int(sum(counters["graph_break"].values())),
         "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+        "recompile_limit": int(limit),
     }

@@ -34,7 +34,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -112,6 +112,11 @@ class BatchingFront:
         capture: capture the runner's graphs now, before any request (default ``False``: the first call does).
             On a GPU capture before other threads use the device: a capture fails while another thread runs
             CUDA work.
+        finish: called on the worker with each request's result right after the call that made it (in inference
+            mode); the request's future gets what it returns, or fails alone with what it raises. For work that
+            must follow the request's own replay on the worker's stream: starting its device-to-host copies
+            there (:func:`encgraph.serving.transfer.to_host`) lets the caller wait for those copies alone
+            rather than, as a ``.cpu()`` on its own thread would, for every replay launched since.
         name: the worker thread's name.
 
     Use as a context manager, or call :meth:`close`.
@@ -127,9 +132,13 @@ class BatchingFront:
         max_requests: int | None = None,
         max_queue: int = 1024,
         capture: bool = False,
+        finish: Callable[[Any], Any] | None = None,
         name: str = "encgraph-front",
     ) -> None:
         self._target = make_target(target)
+        if finish is not None and not callable(finish):
+            raise ConfigTypeError(f"finish: expected a callable or None, got {describe(finish)}.")
+        self._finish = finish
         if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)) or not max_wait_ms >= 0:
             raise ConfigError(f"max_wait_ms: expected a number of milliseconds >= 0, got {describe(max_wait_ms)}.")
         self.max_wait_s = float(max_wait_ms) / 1e3
@@ -348,6 +357,13 @@ class BatchingFront:
             return
         self._count_call(len(group))
         for one, result in zip(group, results):
+            if self._finish is not None:
+                try:
+                    with _inference_mode():
+                        result = self._finish(result)
+                except Exception as exc:  # this request's finishing failed: it alone fails
+                    self._answer(one, exc=exc)
+                    continue
             self._answer(one, result=result)
 
     def _guarded(self, request: _Request, fn: Any) -> Any:

@@ -18,6 +18,7 @@ is read for the tower's weights alone), and its ``preprocessor_config.json``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -29,8 +30,9 @@ import attrs
 import numpy as np
 
 from encgraph.errors import ConfigError, UnsupportedModelError, VersionError
+from encgraph.serving.transfer import HostCopy, to_host, upload
 
-__all__ = ["ServedModel", "EMBEDDED", "FAMILIES", "Family", "load_processor", "embedded_tower", "load_checkpoint",
+__all__ = ["ServedModel", "Finished", "EMBEDDED", "FAMILIES", "Family", "load_processor", "embedded_tower", "load_checkpoint",
            "build_model"]
 
 EMBEDDED: dict[str, tuple[int, ...]] = {"siglip": (1, 2, 4, 8, 16), "qwen2_5_vl": (16, 32, 64, 128)}
@@ -88,7 +90,9 @@ class ServedModel:
         """The adapter's inputs for decoded RGB images (the processor's tensors, on the tower's device and in its
         dtype). Runs on a request thread."""
         processed = self.processor(images=list(images), return_tensors="pt")
-        pixels = processed["pixel_values"].to(self.device, self.dtype)
+        # On a GPU through this thread's side stream: a copy on the default stream would wait for every replay
+        # the front's worker has queued there (encgraph.serving.transfer).
+        pixels = upload(processed["pixel_values"], self.device, self.dtype)
         if "image_grid_thw" in processed:
             return self.adapter.inputs_from_call(pixels, grid_thw=processed["image_grid_thw"])
         return self.adapter.inputs_from_call(pixel_values=pixels)
@@ -96,29 +100,24 @@ class ServedModel:
     @property
     def per_item_tokens(self) -> bool:
         """Whether a result's rows are tokens (Qwen-VL) rather than images (batch towers)."""
-        from encgraph.capture.protocol import BudgetUnit
+        return _per_item_tokens(self.adapter)
 
-        return self.adapter.config.paths[0].unit is BudgetUnit.TOKENS
-
-    def embeddings(self, results: Sequence[Mapping[str, Any]], tokens: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Per image: its pooled embedding ``(dim,)`` float32 and (``tokens``) its token sequence ``(n, dim)``."""
+    def embeddings(self, finished: Finished, tokens: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per image of a request's result (what its front's future gave): its pooled embedding ``(dim,)``
+        float32 and (``tokens``) its token sequence ``(n, dim)`` float32. Waits for the request's own host copy
+        only. Runs on a request thread."""
         import torch
 
+        pooled = finished.pooled.wait()
         out = []
-        for r in results:
-            if self.per_item_tokens:
-                seq = r["pooler_output"].float()
-                pooled = seq.mean(0)
-            else:
-                seq = r["last_hidden_state"][0].float()
-                pooled = r["pooler_output"][0].float() if "pooler_output" in r else seq.mean(0)
-            with torch.inference_mode():
-                out.append((pooled.cpu().numpy(), seq.cpu().numpy() if tokens else None))
+        with torch.inference_mode():
+            for p, r in zip(pooled, finished.results):
+                seq = _sequence(r, self.per_item_tokens).float().cpu().numpy() if tokens else None
+                out.append((p.numpy(), seq))
         return out
 
-    def token_count(self, results: Sequence[Mapping[str, Any]]) -> int:
-        key = "pooler_output" if self.per_item_tokens else "last_hidden_state"
-        return sum(int(r[key].shape[0 if self.per_item_tokens else 1]) for r in results)
+    def token_count(self, finished: Finished) -> int:
+        return sum(int(_sequence(r, self.per_item_tokens).shape[0]) for r in finished.results)
 
     def info(self) -> dict[str, Any]:
         runner = self.front.stats.get("runner", {})
@@ -129,6 +128,40 @@ class ServedModel:
             "engine": "hf-eager" if self.eager else (runner.get("mode") or "graphs"),
             "queue_depth": self.front.queue_depth,
         }
+
+
+@attrs.frozen
+class Finished:
+    """A request's result as its front answers it: ``pooled`` (the host copies of each image's pooled embedding,
+    ``(dim,)`` float32, in flight) and ``results`` (the runner's per-image device results, for the token
+    sequences; they live as long as this object)."""
+
+    pooled: HostCopy
+    results: Sequence[Mapping[str, Any]]
+
+
+def _per_item_tokens(adapter: Any) -> bool:
+    from encgraph.capture.protocol import BudgetUnit
+
+    return adapter.config.paths[0].unit is BudgetUnit.TOKENS
+
+
+def _sequence(result: Mapping[str, Any], per_item_tokens: bool) -> Any:
+    """One image's token sequence ``(n, dim)``: a token tower's merged tokens, a batch tower's last hidden state."""
+    return result["pooler_output"] if per_item_tokens else result["last_hidden_state"][0]
+
+
+def _finish(per_item_tokens: bool, results: Sequence[Mapping[str, Any]]) -> Finished:
+    """The front's ``finish`` (on its worker, right after the call): each image's pooled embedding, computed on
+    the device (a token tower: the mean of its merged tokens; a batch tower: its ``pooler_output`` where it has
+    one, else the mean of its last hidden state), and its copy to the host started behind this call's replay."""
+    pooled = []
+    for r in results:
+        if per_item_tokens or "pooler_output" not in r:
+            pooled.append(_sequence(r, per_item_tokens).float().mean(0))
+        else:
+            pooled.append(r["pooler_output"][0].float())
+    return Finished(to_host(pooled), results)
 
 
 def _resource(name: str) -> dict[str, Any]:
@@ -239,6 +272,7 @@ def build_model(
         target = EncoderGraphRunner(adapter, budgets=budgets)
         options["capture"] = True
     param = next(tower.parameters())
-    front = BatchingFront(target, name=f"encgraph-front-{name}", **options)
+    finish = functools.partial(_finish, _per_item_tokens(adapter))
+    front = BatchingFront(target, name=f"encgraph-front-{name}", finish=finish, **options)
     dtype = param.dtype if isinstance(param.dtype, torch.dtype) else None
     return ServedModel(name, description, processor, adapter, front, param.device, dtype, eager)

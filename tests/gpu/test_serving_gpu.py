@@ -113,3 +113,36 @@ def test_siglip_graphed_front_equal_per_request():
                 got, want = getattr(out, field), getattr(ref, field)
                 assert got.shape == want.shape and torch.isfinite(got).all()
                 assert rel(got, want) < HF_RTOL and rel(got, getattr(alone, field)) < STATIC_RTOL, field
+
+
+def test_side_stream_uploads_and_worker_host_copies_stay_exact():
+    """What ``encgraph serve`` does on a GPU: 32 threads upload host pixels on their own side streams
+    (``transfer.upload``) while the worker replays, and the worker starts each request's device-to-host copy
+    right after its call (``finish`` + ``transfer.to_host``); every request's host embedding equals the
+    per-request forward on the same pixels, and the upload is bit-identical to ``.to("cuda", bf16)``."""
+    from encgraph.serving.transfer import to_host, upload
+
+    hf = siglip_tower()
+    fast = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8, 16, 32])
+    static = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8, 16, 32], mode=RunMode.STATIC)
+    gen = torch.Generator().manual_seed(2)
+    host = [torch.randn(int(n), 3, 384, 384, generator=gen) for n in np.random.default_rng(3).integers(1, 5, CLIENTS)]
+
+    def client(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = upload(x, "cuda", torch.bfloat16)
+        return pixels, front.submit(pixel_values=pixels).result(TIMEOUT).wait()[0]
+
+    finish = lambda out: to_host([out.pooler_output.float()])  # noqa: E731
+    with BatchingFront(fast, capture=True, max_wait_ms=20, finish=finish) as front:
+        poison(fast.runner)
+        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
+            answers = list(ex.map(client, host))
+        stats = front.stats
+    assert max(stats["requests_per_call"]) > 1, stats
+    with torch.inference_mode():
+        for x, (pixels, got) in zip(host, answers):
+            assert torch.equal(pixels, x.to("cuda", torch.bfloat16))
+            assert got.device.type == "cpu" and got.is_pinned() and torch.isfinite(got).all()
+            want = hf(pixel_values=pixels).pooler_output.float().cpu()
+            alone = static(pixel_values=pixels).pooler_output.float().cpu()
+            assert rel(got, want) < HF_RTOL and rel(got, alone) < STATIC_RTOL

@@ -7,15 +7,18 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.compiling import (
+    RECOMPILE_HEADROOM,
     CompiledRegions,
     CompileMode,
     compile_cache,
     compile_stats,
     default_cache_dir,
     no_duck_sizing,
+    recompile_headroom,
     resolve_compile,
 )
 from encgraph.errors import ConfigError, ConfigTypeError
@@ -146,3 +149,42 @@ def test_resolve_compile():
         resolve_compile(True, graph_mode=False)
     with pytest.raises(ConfigTypeError, match="compile"):
         resolve_compile("fast", graph_mode=True)
+
+
+def _shapes(fn, n):
+    for size in range(1, n + 1):
+        fn(torch.ones(size))
+
+
+def test_compile_stats_count_frames_and_recompile_limit_hits():
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", dynamic=False)
+    def double(x):
+        return x * 2
+
+    before = compile_stats()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        _shapes(double, 4)  # shapes 1 and 2 compile, 3 is over the limit: it runs uncompiled, and so does 4
+    delta = {k: v - before[k] for k, v in compile_stats().items()}
+    assert delta["frames_ok"] == 2 and delta["frames_total"] >= 3
+    assert delta["recompile_limit"] >= 1
+
+
+def test_recompile_headroom_raises_the_limit_for_the_block_only():
+    from torch._dynamo import config as dynamo_config
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", dynamic=False)
+    def triple(x):
+        return x * 3
+
+    limit = dynamo_config.recompile_limit
+    before = compile_stats()
+    with torch._dynamo.config.patch(recompile_limit=8), recompile_headroom():
+        assert dynamo_config.recompile_limit >= RECOMPILE_HEADROOM
+        _shapes(triple, 12)  # 12 compilations of one code object: over torch's default 8, within the headroom
+    delta = {k: v - before[k] for k, v in compile_stats().items()}
+    assert delta["recompile_limit"] == 0 and delta["frames_ok"] == 12
+    assert dynamo_config.recompile_limit == limit

@@ -313,3 +313,29 @@ def test_adaptive_wait_off_waits_on_every_call():
     assert min(lat) >= 0.1
     with pytest.raises(ConfigTypeError, match="adaptive_wait"):
         BatchingFront(fast, adaptive_wait=1)
+
+
+def test_finish_runs_on_the_worker_after_the_call_and_fails_its_request_alone():
+    net, fast = _graphed()
+    xs = [torch.randn(2, 6), torch.randn(1, 6), torch.randn(3, 6)]
+    seen: list[tuple[str, int, bool]] = []
+
+    def finish(out: torch.Tensor) -> tuple[torch.Tensor, int]:
+        seen.append((threading.current_thread().name, out.shape[0], torch.is_inference_mode_enabled()))
+        if out.shape[0] == 1:
+            raise RuntimeError("finishing failed")
+        return out.sum(1), out.shape[0]
+
+    with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=3, finish=finish, name="front-x") as front:
+        futures = [front.submit(x) for x in xs]
+        with pytest.raises(RuntimeError, match="finishing failed"):
+            futures[1].result(TIMEOUT)
+        for i in (0, 2):
+            total, n = futures[i].result(TIMEOUT)
+            assert n == xs[i].shape[0]
+            torch.testing.assert_close(total, net(xs[i]).detach().sum(1), rtol=1e-5, atol=1e-5)
+        stats = front.stats
+    assert seen == [("front-x", 2, True), ("front-x", 1, True), ("front-x", 3, True)]  # in order, on the worker
+    assert stats["calls"] == 1 and stats["completed"] == 2 and stats["failed"] == 1
+    with pytest.raises(ConfigTypeError, match="finish: expected a callable"):
+        BatchingFront(fast, finish=3)
