@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationErr
 from starlette.concurrency import run_in_threadpool
 
 from encgraph.errors import InputError, InputTypeError, OverloadedError, ShutdownError
-from encgraph.serving.images import ImageError, ImageLimits, decode_image
+from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
 from encgraph.serving.metrics import Metrics
 
 __all__ = ["create_app", "ServerLimits", "EmbeddingRequest"]
@@ -75,6 +75,10 @@ class ApiError(Exception):
     def __init__(self, status: int, param: str | None, code: str, message: str, headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.headers = status, param, code, headers
+
+    @classmethod
+    def of_image(cls, exc: ImageError) -> ApiError:
+        return cls(exc.status, exc.param, exc.code, str(exc))
 
     def response(self) -> JSONResponse:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
@@ -119,22 +123,15 @@ def _decode_all(images: Sequence[str], limits: ImageLimits) -> list[Any]:
     try:
         return [decode_image(text, i, limits) for i, text in enumerate(images)]
     except ImageError as exc:
-        raise ApiError(exc.status, exc.param, exc.code, str(exc)) from None
+        raise ApiError.of_image(exc) from None
 
 
 def _prepare(model: Any, images: Sequence[Any]) -> Any:
     """The model's inputs for decoded images; an image its processor (or adapter) refuses is named."""
     try:
-        return model.inputs(images)
-    except Exception as exc:
-        for i, image in enumerate(images):  # the rare failure path: find the culprit
-            try:
-                model.inputs([image])
-            except Exception as one:
-                raise ApiError(400, f"input[{i}]", "unprocessable_image",
-                               f"input[{i}]: the model's image processor refused this image "
-                               f"({image.width}x{image.height}): {one}") from None
-        raise exc
+        return name_the_refused(model.inputs, images)
+    except ImageError as exc:
+        raise ApiError.of_image(exc) from None
 
 
 def _encode(array: Any, fmt: str) -> Any:

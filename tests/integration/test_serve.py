@@ -121,6 +121,7 @@ def _bad_requests(pool) -> list[tuple[str, bytes | dict, int, str]]:
     return [
         ("corrupt image", {"input": [pool[0], b64(rng.bytes(500)), pool[2]]}, 400, "input[1]"),
         ("truncated PNG", {"input": [b64(png[: len(png) // 2])]}, 400, "input[0]"),
+        ("JPEG cut in its header", {"input": [pool[1], b64(base64.b64decode(pool[2])[:300])]}, 400, "input[1]"),
         ("not base64", {"input": ["not base64 at all!"]}, 400, "input[0]"),
         ("GIF", {"input": [pool[0], b64(gif.getvalue())]}, 415, "input[1]"),
         ("gif data URI", {"input": ["data:image/gif;base64," + pool[1]]}, 415, "input[0]"),
