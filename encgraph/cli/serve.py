@@ -47,15 +47,12 @@ def _nonneg_float(text: str) -> float:
 
 def _workers(text: str) -> int | None:
     """``auto`` (None: decided by the towers' device) or a number of processes >= 0."""
-    if text == "auto":
-        return None
+    if text in ("auto", "0"):
+        return None if text == "auto" else 0
     try:
-        value = int(text)
-    except ValueError:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number of processes >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of processes >= 0, got {value}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

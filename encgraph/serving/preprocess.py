@@ -189,9 +189,9 @@ class PreprocessPool:
             pids = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in warm]
         except (BrokenProcessPool, threading.BrokenBarrierError, TimeoutError) as exc:
             self.close()
-            raise ConfigError(f"--preprocess-workers {self.workers}: the worker processes did not start within "
-                              f"{self.start_timeout_s} s ({type(exc).__name__}: {exc}); see the log above, or "
-                              "use --preprocess-workers 0.") from None
+            raise ConfigError(f"--preprocess-workers {self.workers}: the worker processes did not start "
+                              f"({type(exc).__name__}: {exc or 'timed out'}; the limit is {self.start_timeout_s} s); "
+                              "see the log above for a worker's traceback, or use --preprocess-workers 0.") from None
         self.pids = tuple(pids)
         log.info("encgraph serve: %d preprocessing workers ready (pids %s)", self.workers, pids)
         return self
