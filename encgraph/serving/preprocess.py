@@ -20,7 +20,8 @@ What crosses the process boundary (pickled through pipes, so copied, once each w
   :class:`~encgraph.serving.images.ImageError` (a bad image, or the image the processor refused).
 
 Workers are started with the ``spawn`` method, never forked: the server process holds a CUDA context and threads,
-which a forked child would inherit broken. Each worker imports torch and transformers (a few hundred MB of host
+which a forked child would inherit broken (so a program that makes a pool must guard its main module with
+``if __name__ == "__main__"``, as ``python -m encgraph`` does: each worker imports it). Each worker imports torch and transformers (a few hundred MB of host
 memory), runs with one torch thread and no visible CUDA device, and ignores SIGINT: a terminal's Ctrl-C reaches
 the whole process group, and the server's graceful shutdown still needs the workers for the requests it drains;
 the pool shuts them down after that (:meth:`PreprocessPool.close`). SIGTERM ends a worker as usual (the executor
