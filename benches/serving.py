@@ -12,7 +12,8 @@ A request is one image (SigLIP: 384 x 384; Qwen: a seeded mix of 224-640 px phot
 measured window (requests answered after the warm-up; none starts after the window, those in flight drain),
 P50 / P99 / mean latency, requests per runner call, padded share. In-process clients are threads calling ``front.submit(...).result()`` on preprocessed tensors and
 copying the embedding to the host (what a server does); server clients are asyncio aiohttp tasks posting base64
-JPEGs (so the server's decoding and preprocessing are in the figures). Target: ``graphed_coalesce`` >= 3x the
+JPEGs (so the server's decoding and preprocessing are in the figures; ``--preprocess-workers`` is passed to
+every server, and recorded in the options). Target: ``graphed_coalesce`` >= 3x the
 images/s of ``hf_eager`` at concurrency 32 with a P99 no worse than ``graphed_per_request``.
 
 Writes ``benches/results/serving_<gpu>[_<transport>].json`` and ``.md`` (+ ``_images_per_s.png`` with matplotlib;
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", choices=("default", "off"), default="default",
                    help="default: the runner's own compile default (compile='auto': regional compile on CUDA); "
                         "off: compile=False, plain graphs")
+    p.add_argument("--preprocess-workers", metavar="N|auto",
+                   help="encgraph serve's --preprocess-workers for every server started (default: the server's own, "
+                        "auto: worker processes when the tower is on a GPU)")
     p.add_argument("--time-budget", type=float, default=540.0, help="start no point past this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", type=Path, default=REPO / "benches" / "results")
@@ -303,6 +307,8 @@ def serve(checkpoint: str, system: str, args: argparse.Namespace, device: str, d
              "graphed_nowait": ["--max-wait-ms", "0"], "graphed_coalesce": ["--max-wait-ms", str(args.max_wait_ms)]}
     cmd = [sys.executable, "-m", "encgraph", "serve", "--model", f"bench={checkpoint}", "--device", device,
            "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags[system]]
+    if args.preprocess_workers is not None:
+        cmd += ["--preprocess-workers", args.preprocess_workers]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=child_env())
@@ -443,10 +449,12 @@ def targets(points: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> str:
+    workers = data["options"].get("preprocess_workers")  # absent from runs before the option
+    servers = "" if workers is None else f"; servers with --preprocess-workers {workers}"
     lines = [f"# Serving: {data['environment']['gpu']}", "",
              f"torch {data['environment']['torch']}, transformers {data['environment']['transformers']}; "
              f"{data['options']['duration']} s per point after {data['options']['warmup']} s warm-up; one image per "
-             f"request; graphed_coalesce max_wait_ms={data['options']['max_wait_ms']}.", ""]
+             f"request; graphed_coalesce max_wait_ms={data['options']['max_wait_ms']}{servers}.", ""]
     for tower, by_transport in data["towers"].items():
         for transport, result in by_transport.items():
             lines += [f"## {TOWERS[tower]['label']}, {transport}", ""]

@@ -46,6 +46,16 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _workers(text: str) -> int | None:
+    """``auto`` (None: decided by the towers' device) or a number of processes >= 0."""
+    if text in ("auto", "0"):
+        return None if text == "auto" else 0
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of processes >= 0, got {text!r}") from None
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = add_subcommand(
         subparsers, "serve", run,
@@ -74,6 +84,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-image-bytes", type=positive_int, default=8 * 2**20,
                    help="bytes of one encoded image (default 8 MiB)")
     p.add_argument("--max-pixels", type=positive_int, default=40_000_000, help="pixels of one image (default 40M)")
+    p.add_argument("--preprocess-workers", type=_workers, default=None, metavar="N|auto",
+                   help="worker processes that decode the images and run the image processors, off the server "
+                   "process's GIL (0: in the server's threads; default auto: 0 when the towers are on the CPU, whose "
+                   "forward needs those cores, else half the cores, 1 to 8)")
     p.add_argument("--eager", action="store_true",
                    help="serve the towers' own forward, one request at a time (a baseline for benchmarks)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -148,20 +162,25 @@ def run(args: argparse.Namespace) -> int:
 
     from encgraph.serving.app import ServerLimits, create_app
     from encgraph.serving.images import ImageLimits
+    from encgraph.serving.preprocess import default_workers
 
     models = build_models(args)
     limits = ServerLimits(max_images=args.max_images, image=ImageLimits(args.max_image_bytes, args.max_pixels),
                           max_body_bytes=args.max_images * (args.max_image_bytes * 4 // 3 + 1024) + 65536)
-    app = create_app(models, limits)
+    workers = args.preprocess_workers
+    if workers is None:
+        workers = default_workers(m.device for m in models.values())
+    app = create_app(models, limits, preprocess_workers=workers)
     if importlib.util.find_spec("httptools") is None:
         # uvicorn then falls back to h11 (pure Python): measured 2-4x slower per 60 KB request on a 2-core CPU.
         print("encgraph serve: httptools is not installed, so uvicorn parses HTTP in pure Python (h11), several "
               "times slower per request; pip install httptools (part of encgraph[serve]).", file=sys.stderr, flush=True)
     listed = ", ".join(f"{n} ({m.description})" for n, m in models.items())
-    print(f"encgraph serve: http://{args.host}:{args.port}/v1/embeddings - models: {listed}", file=sys.stderr,
-          flush=True)
-    # uvicorn stops on SIGINT/SIGTERM: it stops accepting, lets the requests in flight finish (at most 10 s), then
-    # the app's shutdown closes the fronts; the process then exits 0.
+    print(f"encgraph serve: http://{args.host}:{args.port}/v1/embeddings - models: {listed}; preprocessing "
+          f"{f'in {workers} worker processes' if workers else 'in the server threads'}", file=sys.stderr, flush=True)
+    # uvicorn starts the app (its preprocessing workers) before it listens. It stops on SIGINT/SIGTERM: it stops
+    # accepting, lets the requests in flight finish (at most 10 s), then the app's shutdown closes the fronts and
+    # the workers; the process then exits 0.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=10)
     return 0

@@ -15,7 +15,11 @@ bytes, as OpenAI's API), with each image's token sequence too when ``return_toke
 ``usage`` counts the images' output tokens. Errors are ``{"error": {"message", "type", "param", "code"}}``:
 400 (corrupt image, bad base64, invalid JSON), 404 (unknown model), 413 (body, image bytes or pixels over the
 limits; too many images), 415 (a format other than PNG or JPEG), 422 (wrong JSON shape, empty input list),
-503 with ``Retry-After`` (queue full, shutting down). ``GET /health``; ``GET /metrics`` (Prometheus).
+503 with ``Retry-After`` (queue full, shutting down, a preprocessing worker died). ``GET /health``; ``GET /metrics``
+(Prometheus).
+
+Decoding and the image processor run in the server's threads, or with ``preprocess_workers`` in a pool of worker
+processes (:mod:`encgraph.serving.preprocess`): the same images, errors and arrays either way.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationErr
 from starlette.concurrency import run_in_threadpool
 
 from encgraph.errors import InputError, InputTypeError, OverloadedError, ShutdownError
-from encgraph.serving.images import ImageError, ImageLimits, decode_image
+from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
 from encgraph.serving.metrics import Metrics
+from encgraph.serving.preprocess import PreprocessPool, WorkerDiedError
 
 __all__ = ["create_app", "ServerLimits", "EmbeddingRequest"]
 
@@ -75,6 +80,10 @@ class ApiError(Exception):
     def __init__(self, status: int, param: str | None, code: str, message: str, headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.headers = status, param, code, headers
+
+    @classmethod
+    def of_image(cls, exc: ImageError) -> ApiError:
+        return cls(exc.status, exc.param, exc.code, str(exc))
 
     def response(self) -> JSONResponse:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
@@ -119,22 +128,42 @@ def _decode_all(images: Sequence[str], limits: ImageLimits) -> list[Any]:
     try:
         return [decode_image(text, i, limits) for i, text in enumerate(images)]
     except ImageError as exc:
-        raise ApiError(exc.status, exc.param, exc.code, str(exc)) from None
+        raise ApiError.of_image(exc) from None
 
 
 def _prepare(model: Any, images: Sequence[Any]) -> Any:
     """The model's inputs for decoded images; an image its processor (or adapter) refuses is named."""
     try:
-        return model.inputs(images)
-    except Exception as exc:
-        for i, image in enumerate(images):  # the rare failure path: find the culprit
-            try:
-                model.inputs([image])
-            except Exception as one:
-                raise ApiError(400, f"input[{i}]", "unprocessable_image",
-                               f"input[{i}]: the model's image processor refused this image "
-                               f"({image.width}x{image.height}): {one}") from None
-        raise exc
+        return name_the_refused(model.inputs, images)
+    except ImageError as exc:
+        raise ApiError.of_image(exc) from None
+
+
+def _from_arrays(model: Any, arrays: Mapping[str, Any], texts: Sequence[str], limits: ImageLimits) -> Any:
+    """The model's inputs for a worker's arrays (the same second half as :func:`_prepare`'s)."""
+    try:
+        return model.inputs_from_arrays(arrays)
+    except Exception:
+        # The adapter refused the processor's arrays (rare): the in-thread path finds and names the image.
+        _prepare(model, _decode_all(texts, limits))
+        raise
+
+
+async def _prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str],
+                           limits: ServerLimits) -> tuple[Any, float]:
+    """The model's inputs for a request's image strings, decoded and preprocessed in ``pool``'s workers, and the
+    workers' seconds of decoding."""
+    try:
+        prepared = await pool.prepare(model.name, texts)
+    except ImageError as exc:
+        raise ApiError.of_image(exc) from None
+    except WorkerDiedError as exc:
+        raise ApiError(503, None, "preprocess_worker_died", f"{exc}", _retry(limits)) from None
+    except ShutdownError:
+        raise ApiError(503, None, "shutting_down", "the server is shutting down; retry on another replica.",
+                       _retry(limits)) from None
+    inputs = await run_in_threadpool(_from_arrays, model, prepared.arrays, texts, limits.image)
+    return inputs, prepared.decode_s
 
 
 def _encode(array: Any, fmt: str) -> Any:
@@ -157,28 +186,42 @@ def _answer(model: Any, results: list[Any], request: EmbeddingRequest) -> JSONRe
 
 
 def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(), *,
-               close_timeout_s: float = 10.0) -> FastAPI:
+               close_timeout_s: float = 10.0, preprocess_workers: int = 0) -> FastAPI:
     """The app over ``models`` (name -> :class:`~encgraph.serving.loading.ServedModel`; the first is the default
-    for a request without ``model``). On shutdown it closes the fronts (queued requests finish first, at most
-    ``close_timeout_s`` seconds)."""
+    for a request without ``model``).
+
+    ``preprocess_workers``: 0 decodes and preprocesses in the server's threads; N > 0 in one pool of N worker
+    processes for all the models (:class:`~encgraph.serving.preprocess.PreprocessPool`), started and warm before
+    the server answers. On shutdown it closes the fronts (queued requests finish first, at most ``close_timeout_s``
+    seconds), then the pool."""
     if not models:
         raise ValueError("models: expected at least one served model.")
     default = next(iter(models))
-    metrics = Metrics(models)
+    pool = None
+    if preprocess_workers:
+        pool = PreprocessPool({n: m.processor for n, m in models.items()}, preprocess_workers, limits.image)
+    metrics = Metrics(models, preprocess=pool)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if pool is not None:
+            await run_in_threadpool(pool.start)
         yield
         for model in models.values():
             await run_in_threadpool(model.front.close, drain=True, timeout=close_timeout_s)
+        if pool is not None:
+            await run_in_threadpool(pool.close)
 
     app = FastAPI(title="encgraph", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.models = models
     app.state.metrics = metrics
+    app.state.preprocess = pool
+    workers = pool.workers if pool is not None else 0
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "default_model": default, "models": {n: m.info() for n, m in models.items()}}
+        return {"status": "ok", "default_model": default,
+                "models": {n: {**m.info(), "preprocess_workers": workers} for n, m in models.items()}}
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -205,10 +248,14 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
                 raise ApiError(413, "input", "too_many_images",
                                f"input: {len(req.input)} images is over the server's limit of {limits.max_images} "
                                "per request; split the request.")
-            images = await run_in_threadpool(_decode_all, req.input, limits.image)
-            clock.lap("decode")
-            inputs = await run_in_threadpool(_prepare, model, images)
-            clock.lap("preprocess")
+            if pool is None:
+                images = await run_in_threadpool(_decode_all, req.input, limits.image)
+                clock.lap("decode")
+                inputs = await run_in_threadpool(_prepare, model, images)
+                clock.lap("preprocess")
+            else:
+                inputs, decode_s = await _prepare_in_pool(pool, model, req.input, limits)
+                clock.split("decode", "preprocess", decode_s)
             results = await _encode_on(model, inputs, limits)
             clock.lap("encode")
             response = await run_in_threadpool(_answer, model, results, req)
@@ -238,9 +285,21 @@ class _StageClock:
         self.spent[stage] = now - self.last
         self.last = now
 
+    def split(self, first: str, second: str, first_s: float) -> None:
+        """One lap shared by two stages: ``first_s`` of it to ``first`` (measured elsewhere: a worker's
+        decoding), the rest to ``second``."""
+        now = time.perf_counter()
+        self.spent[first] = min(max(first_s, 0.0), now - self.last)
+        self.spent[second] = now - self.last - self.spent[first]
+        self.last = now
+
+
+def _retry(limits: ServerLimits) -> dict[str, str]:
+    return {"Retry-After": str(limits.retry_after_s)}
+
 
 async def _encode_on(model: Any, inputs: Any, limits: ServerLimits) -> list[Any]:
-    retry = {"Retry-After": str(limits.retry_after_s)}
+    retry = _retry(limits)
     try:
         future = model.front.submit(inputs)
     except OverloadedError as exc:

@@ -11,11 +11,14 @@ import base64
 import binascii
 import io
 import re
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 
-__all__ = ["ImageError", "ImageLimits", "decode_image", "FORMATS"]
+__all__ = ["ImageError", "ImageLimits", "decode_image", "name_the_refused", "FORMATS"]
+
+T = TypeVar("T")
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg"}
 """The formats accepted: Pillow's format name -> the media type a data URI names."""
@@ -39,6 +42,11 @@ class ImageError(Exception):
         self.status = status
         self.param = param
         self.code = code
+
+    def __reduce__(self) -> tuple[Any, tuple[int, str, str, str]]:
+        # Pickled by a preprocessing worker process (encgraph.serving.preprocess): Exception's own pickling
+        # would call __init__ with the message alone.
+        return type(self), (self.status, self.param, self.code, str(self))
 
 
 def _payload(text: str, param: str) -> bytes:
@@ -83,6 +91,8 @@ def decode_image(text: Any, index: int, limits: ImageLimits) -> Any:
         raise ImageError(400, param, "corrupt_image", f"{param}: not a readable image (expected PNG or JPEG bytes).")
     except Image.DecompressionBombError as exc:
         raise ImageError(413, param, "image_too_large", f"{param}: {exc}")
+    except (OSError, SyntaxError, ValueError) as exc:  # a header cut short or damaged (a truncated JPEG's tables)
+        raise ImageError(400, param, "corrupt_image", f"{param}: the image's header is damaged ({exc}).")
     if image.format not in FORMATS:
         raise ImageError(415, param, "unsupported_format",
                          f"{param}: unsupported image format {image.format}; send PNG or JPEG.")
@@ -95,3 +105,20 @@ def decode_image(text: Any, index: int, limits: ImageLimits) -> Any:
     except (OSError, SyntaxError, ValueError) as exc:  # truncated or damaged data
         raise ImageError(400, param, "corrupt_image", f"{param}: the {image.format} data is damaged ({exc}).")
     return image.convert("RGB")
+
+
+def name_the_refused(fn: Callable[[list[Any]], T], images: Sequence[Any]) -> T:
+    """``fn(images)`` (the model's image processor, or all of a model's preprocessing) over decoded images; when it
+    raises, the :class:`ImageError` (400, ``unprocessable_image``) naming the first image it refuses alone, with
+    its size and ``fn``'s message; ``fn``'s own error when every image passes alone."""
+    try:
+        return fn(list(images))
+    except Exception:
+        for i, image in enumerate(images):  # the rare failure path: find the culprit
+            try:
+                fn([image])
+            except Exception as one:
+                raise ImageError(400, f"input[{i}]", "unprocessable_image",
+                                 f"input[{i}]: the model's image processor refused this image "
+                                 f"({image.width}x{image.height}): {one}") from None
+        raise

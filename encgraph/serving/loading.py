@@ -32,8 +32,8 @@ import numpy as np
 from encgraph.errors import ConfigError, UnsupportedModelError, VersionError
 from encgraph.serving.transfer import HostCopy, to_host, upload
 
-__all__ = ["ServedModel", "Finished", "EMBEDDED", "FAMILIES", "Family", "load_processor", "embedded_tower", "load_checkpoint",
-           "build_model"]
+__all__ = ["ServedModel", "Finished", "EMBEDDED", "FAMILIES", "Family", "load_processor", "process_images",
+           "embedded_tower", "load_checkpoint", "build_model"]
 
 EMBEDDED: dict[str, tuple[int, ...]] = {"siglip": (1, 2, 4, 8, 16), "qwen2_5_vl": (16, 32, 64, 128)}
 """The embedded default models and their ladders (images for SigLIP, merged tokens for Qwen2.5-VL: its processor
@@ -89,12 +89,19 @@ class ServedModel:
     def inputs(self, images: Sequence[Any]) -> Any:
         """The adapter's inputs for decoded RGB images (the processor's tensors, on the tower's device and in its
         dtype). Runs on a request thread."""
-        processed = self.processor(images=list(images), return_tensors="pt")
+        return self.inputs_from_arrays(process_images(self.processor, images))
+
+    def inputs_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> Any:
+        """The adapter's inputs for :func:`process_images`'s arrays, made in this process or in a preprocessing
+        worker's (:mod:`encgraph.serving.preprocess`): the pixels copied to the tower's device and dtype (on the
+        CPU in float32 they stay the arrays' memory), the grids as CPU int64 tensors."""
+        import torch
+
         # On a GPU through this thread's side stream: a copy on the default stream would wait for every replay
         # the front's worker has queued there (encgraph.serving.transfer).
-        pixels = upload(processed["pixel_values"], self.device, self.dtype)
-        if "image_grid_thw" in processed:
-            return self.adapter.inputs_from_call(pixels, grid_thw=processed["image_grid_thw"])
+        pixels = upload(torch.from_numpy(arrays["pixel_values"]), self.device, self.dtype)
+        if "image_grid_thw" in arrays:
+            return self.adapter.inputs_from_call(pixels, grid_thw=torch.from_numpy(arrays["image_grid_thw"]))
         return self.adapter.inputs_from_call(pixel_values=pixels)
 
     @property
@@ -162,6 +169,22 @@ def _finish(per_item_tokens: bool, results: Sequence[Mapping[str, Any]]) -> Fini
         else:
             pooled.append(r["pooler_output"][0].float())
     return Finished(to_host(pooled), results)
+
+
+PROCESSED = ("pixel_values", "image_grid_thw")
+"""The image processor's outputs a served tower reads (what :func:`process_images` keeps)."""
+
+
+def process_images(processor: Any, images: Sequence[Any]) -> dict[str, np.ndarray]:
+    """``processor``'s outputs for decoded RGB images, as numpy arrays in host memory that the caller owns:
+    ``pixel_values`` float32, ``(images, 3, H, W)`` for batch towers or ``(patch rows, 3 * T * P * P)`` for
+    Qwen-VL, and Qwen-VL's ``image_grid_thw`` int64 ``(images, 3)``.
+
+    The processor is asked for torch tensors (what every backend, Pillow or torchvision, returns alike) and they
+    are viewed as numpy without a copy: the same bits in this process as in a preprocessing worker's, and arrays
+    pickle across the process boundary without torch's shared-memory machinery."""
+    processed = processor(images=list(images), return_tensors="pt")
+    return {key: processed[key].numpy() for key in PROCESSED if key in processed}
 
 
 def _resource(name: str) -> dict[str, Any]:

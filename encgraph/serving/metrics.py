@@ -8,10 +8,14 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
 - ``encgraph_request_stage_seconds{model,stage}`` (histogram, answered requests): where a request's time went,
   ``read`` (body and JSON), ``decode`` (base64 and image decoding), ``preprocess`` (the image processor and the
   copy to the device), ``encode`` (queued in the batching front and run), ``answer`` (the embeddings to the host
-  and the JSON reply); each includes the wait for a worker thread, so a host-bound server shows it there;
+  and the JSON reply); each includes the wait for a worker thread, so a host-bound server shows it there. With
+  preprocessing worker processes, ``decode`` is the worker's own decoding time and ``preprocess`` the rest of
+  the round trip (the wait for a worker, the processor, the transfer, the copy to the device);
 - ``encgraph_runner_items_total{model,kind=graph|eager}``, ``encgraph_replays_total{model,path,budget}``,
   ``encgraph_eager_items_total{model,reason}``, ``encgraph_tokens_total{model,path,kind=real|padded}``,
   ``encgraph_padded_share{model,path}``;
+- ``encgraph_preprocess_restarts_total`` (with preprocessing worker processes): times the server's one pool was
+  restarted after a worker died;
 - ``encgraph_queue_depth{model}``, ``encgraph_front_calls_total{model}``, ``encgraph_front_requests_total{model,
   outcome}`` (completed, failed, rejected, cancelled), ``encgraph_coalesced_requests_total{model}`` (requests
   that ran in a call of more than one request).
@@ -32,8 +36,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class _StatsCollector:
     """Reads every served model's ``front.stats`` (with the runner's counters inside) at scrape time."""
 
-    def __init__(self, models: Mapping[str, Any]) -> None:
+    def __init__(self, models: Mapping[str, Any], preprocess: Any = None) -> None:
         self.models = models
+        self.preprocess = preprocess
 
     def describe(self) -> list[Any]:
         return []  # collected on demand only (the label sets depend on the traffic)
@@ -74,12 +79,16 @@ class _StatsCollector:
                 tokens.add_metric([name, path, "padded"], p["padded_tokens"])
                 padded.add_metric([name, path], p["padded_share"])
         yield from (items, replays, eager, tokens, padded, depth, calls, outcome, coalesced)
+        if self.preprocess is not None:
+            yield CounterMetricFamily("encgraph_preprocess_restarts", "Restarts of the preprocessing pool after a "
+                                      "worker process died", value=self.preprocess.restarts)
 
 
 class Metrics:
     """The app's registry: HTTP counters it updates, and the served models' stats read at scrape time."""
 
-    def __init__(self, models: Mapping[str, Any]) -> None:
+    def __init__(self, models: Mapping[str, Any], *, preprocess: Any = None) -> None:
+        """``preprocess``: the server's :class:`~encgraph.serving.preprocess.PreprocessPool`, if it has one."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
@@ -90,7 +99,7 @@ class Metrics:
                                  ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.stages = Histogram("encgraph_request_stage_seconds", "Time of an answered request per stage",
                                 ["model", "stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_StatsCollector(models))
+        self.registry.register(_StatsCollector(models, preprocess))
 
     def observe(self, model: str, status: int, *, images: int = 0, seconds: float | None = None,
                 stages: Mapping[str, float] | None = None) -> None:

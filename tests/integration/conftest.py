@@ -174,9 +174,12 @@ LIMITS = ("--max-images", "8", "--max-image-bytes", "200000", "--max-pixels", "1
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, Server]]:
-    """Both servers, started together (their start-up overlaps): ``main``, the embedded default with small limits
-    (so that the limit tests send little data); ``tight``, a queue of one request (the overload test)."""
-    started = {"main": Server(*LIMITS), "tight": Server("--max-queue", "1", "--max-wait-ms", "0")}
+    """The servers, started together (their start-up overlaps): ``main``, the embedded default with small limits
+    (so that the limit tests send little data); ``workers``, the same with its images decoded and preprocessed in
+    a worker process (on the CPU the default is the server's threads); ``tight``, a queue of one request (the
+    overload test)."""
+    started = {"main": Server(*LIMITS), "workers": Server(*LIMITS, "--preprocess-workers", "1"),
+               "tight": Server("--max-queue", "1", "--max-wait-ms", "0")}
     try:
         yield started
     finally:
@@ -187,3 +190,9 @@ def servers() -> Iterator[dict[str, Server]]:
 @pytest.fixture(scope="module")
 def server(servers: dict[str, Server]) -> Server:
     return servers["main"].wait_ready()
+
+
+@pytest.fixture(params=["main", "workers"])
+def served(request, servers: dict[str, Server]) -> Server:
+    """Each of the servers that differ only in where they preprocess: the tests that take it run against both."""
+    return servers[request.param].wait_ready()

@@ -3,7 +3,10 @@ forward on the same preprocessed pixels; 64 concurrent clients; every bad input 
 naming its field) interleaved with good requests that stay correct; overload answered 503 with Retry-After;
 SIGTERM under load (what was answered was right, the rest get an error, the process exits).
 
-Bounded: two server processes, a few hundred small requests, every wait with a timeout.
+The correctness and bad-input tests run against a second server that preprocesses in a worker process
+(``--preprocess-workers 1``) too.
+
+Bounded: three server processes, a few hundred small requests, every wait with a timeout.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ def test_health_lists_the_embedded_models(server):
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("fmt", ["float", "base64"])
-def test_embeddings_equal_the_tower(server, refs: References, pool, model, fmt):
-    with httpx.Client(base_url=server.url) as client:
+def test_embeddings_equal_the_tower(served, refs: References, pool, model, fmt):
+    with httpx.Client(base_url=served.url) as client:
         for images in (pool[:1], pool[1:4], pool[4:8]):
             r = post(client, {"model": model, "input": images, "encoding_format": fmt, "return_tokens": True})
             assert r.status_code == 200, r.text
@@ -82,16 +85,39 @@ def test_64_concurrent_clients_each_get_their_own_correct_embeddings(server, ref
         assert after[("encgraph_requests_total", m, "200")] - before.get(("encgraph_requests_total", m, "200"), 0) == 64
         assert ("encgraph_padded_share", m, "default") in after and ("encgraph_queue_depth", m) in after
         assert after[("encgraph_request_latency_seconds_count", m)] >= 64
-        # Every answered request's time split over its stages: each stage counted once per request, and the
-        # stages together account for the request's latency (the laps run from the same start to the answer).
-        delta = {k: after[k] - before.get(k, 0) for k in after}
-        for stage in STAGES:
-            assert delta[("encgraph_request_stage_seconds_count", m, stage)] == 64, stage
-            assert delta[("encgraph_request_stage_seconds_sum", m, stage)] >= 0, stage
-        staged = sum(delta[("encgraph_request_stage_seconds_sum", m, stage)] for stage in STAGES)
-        latency = delta[("encgraph_request_latency_seconds_sum", m)]
-        assert 0.9 * latency <= staged <= latency + 1e-6, (staged, latency)
-        assert delta[("encgraph_request_stage_seconds_sum", m, "encode")] > 0
+        _check_stages(before, after, m, 64)
+
+
+def _check_stages(before: dict, after: dict, model: str, requests: int) -> dict[tuple[str, ...], float]:
+    """Every answered request's time split over its stages: each stage counted once per request, and the stages
+    together account for the request's latency (the laps run from the same start to the answer). The deltas."""
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    for stage in STAGES:
+        assert delta[("encgraph_request_stage_seconds_count", model, stage)] == requests, stage
+        assert delta[("encgraph_request_stage_seconds_sum", model, stage)] >= 0, stage
+    staged = sum(delta[("encgraph_request_stage_seconds_sum", model, stage)] for stage in STAGES)
+    latency = delta[("encgraph_request_latency_seconds_sum", model)]
+    assert 0.9 * latency <= staged <= latency + 1e-6, (staged, latency)
+    assert delta[("encgraph_request_stage_seconds_sum", model, "encode")] > 0
+    return delta
+
+
+def test_preprocess_workers_in_health_metrics_and_stages(servers, pool):
+    """``/health`` gives each model's worker count (0: the server's threads); with a worker, decode is the worker's
+    own decoding time and preprocess the rest of the round trip, and the stages still add up."""
+    main, srv = servers["main"].wait_ready(), servers["workers"].wait_ready()
+    for server, workers in ((main, 0), (srv, 1)):
+        body = httpx.get(f"{server.url}/health", timeout=TIMEOUT).json()
+        assert {m["preprocess_workers"] for m in body["models"].values()} == {workers}
+    before = _metrics(srv)
+    with httpx.Client(base_url=srv.url) as c:
+        for i in range(4):
+            assert post(c, {"model": "qwen2_5_vl", "input": pool[i : i + 2]}).status_code == 200
+    after = _metrics(srv)
+    delta = _check_stages(before, after, "qwen2_5_vl", 4)
+    assert all(delta[("encgraph_request_stage_seconds_sum", "qwen2_5_vl", s)] > 0 for s in ("decode", "preprocess"))
+    assert after[("encgraph_preprocess_restarts_total",)] == 0
+    assert ("encgraph_preprocess_restarts_total",) not in _metrics(main)
 
 
 def _metrics(server) -> dict[tuple[str, ...], float]:
@@ -121,6 +147,7 @@ def _bad_requests(pool) -> list[tuple[str, bytes | dict, int, str]]:
     return [
         ("corrupt image", {"input": [pool[0], b64(rng.bytes(500)), pool[2]]}, 400, "input[1]"),
         ("truncated PNG", {"input": [b64(png[: len(png) // 2])]}, 400, "input[0]"),
+        ("JPEG cut in its header", {"input": [pool[1], b64(base64.b64decode(pool[2])[:300])]}, 400, "input[1]"),
         ("not base64", {"input": ["not base64 at all!"]}, 400, "input[0]"),
         ("GIF", {"input": [pool[0], b64(gif.getvalue())]}, 415, "input[1]"),
         ("gif data URI", {"input": ["data:image/gif;base64," + pool[1]]}, 415, "input[0]"),
@@ -140,13 +167,13 @@ def _bad_requests(pool) -> list[tuple[str, bytes | dict, int, str]]:
     ]
 
 
-def test_bad_inputs_interleaved_with_good_ones(server, refs: References, pool):
+def test_bad_inputs_interleaved_with_good_ones(served, refs: References, pool):
     bad = _bad_requests(pool)
     good = [(MODELS[i % 2], pool[i % len(pool): i % len(pool) + 2]) for i in range(len(bad))]
     jobs = [job for pair in zip(bad, good) for job in pair]
 
     def send(job):
-        with httpx.Client(base_url=server.url) as c:
+        with httpx.Client(base_url=served.url) as c:
             if len(job) == 4:
                 body = job[1]
                 if isinstance(body, bytes):
@@ -168,7 +195,7 @@ def test_bad_inputs_interleaved_with_good_ones(server, refs: References, pool):
         assert err["param"] == param and err["message"].startswith(param), (what, err)
         assert err["type"] == "invalid_request_error" and err["code"]
     # The server still answers correctly afterwards.
-    with httpx.Client(base_url=server.url) as c:
+    with httpx.Client(base_url=served.url) as c:
         r = post(c, {"model": "qwen2_5_vl", "input": pool[:3]})
     refs.check("qwen2_5_vl", pool[:3], r.json())
 

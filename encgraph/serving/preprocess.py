@@ -1,0 +1,286 @@
+"""Decoding and preprocessing of request images in worker processes (``encgraph serve --preprocess-workers N``).
+
+Why processes: a request's host work (base64, Pillow's decode, the transformers image processor; about 12 ms per
+384 px SigLIP image) is Python that holds the GIL. Run in the server's threads it competes with the batching
+front's worker thread that launches the graph replays, so the server slows down as clients are added. In a
+:class:`PreprocessPool` it runs in other processes, on other cores; the server process keeps the parsing, the
+copy to the device, the replays and the answers.
+
+One pool per server, shared by every served model: each worker holds every model's image processor (a few KB of
+configuration each) and a request names its model. The pool's size is a budget of host cores, not a property of a
+model, and one pool lets a busy model use all of it; a pool per model would leave the cores of an idle model's
+pool unused, or oversubscribe the host with several.
+
+What crosses the process boundary (pickled through pipes, so copied, once each way):
+
+- to a worker: the model's name and the request's image strings (base64, as the request sent them);
+- back: a :class:`Prepared`: the processor's arrays of :func:`~encgraph.serving.loading.process_images` (float32
+  ``pixel_values``: ``(images, 3, H, W)`` for batch towers, about 1.8 MB per 384x384 image; Qwen-VL's patch rows
+  and int64 ``image_grid_thw``) and the seconds the worker spent decoding; or the request's
+  :class:`~encgraph.serving.images.ImageError` (a bad image, or the image the processor refused).
+
+Workers are started with the ``spawn`` method, never forked: the server process holds a CUDA context and threads,
+which a forked child would inherit broken (so a program that makes a pool must guard its main module with
+``if __name__ == "__main__"``, as ``python -m encgraph`` does: each worker imports it). Each worker imports torch and transformers (a few hundred MB of host
+memory), runs with one torch thread and no visible CUDA device, and ignores SIGINT: a terminal's Ctrl-C reaches
+the whole process group, and the server's graceful shutdown still needs the workers for the requests it drains;
+the pool shuts them down after that (:meth:`PreprocessPool.close`). SIGTERM ends a worker as usual (the executor
+itself stops the workers of a broken pool with it).
+
+A worker that dies (killed, out of memory, a crash in a native decoder) breaks the executor: every request it
+held fails with :class:`WorkerDiedError` (the server answers 503 with ``Retry-After``), and the first of them
+replaces the executor with a new one, once per death (``restarts``); the requests after it run on the new workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures.process import BrokenProcessPool
+from functools import partial
+from typing import Any
+
+import attrs
+import numpy as np
+
+from encgraph.errors import ConfigError, EncgraphError, ShutdownError
+from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
+
+__all__ = ["PreprocessPool", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
+
+log = logging.getLogger("encgraph.serve")
+
+
+class WorkerDiedError(EncgraphError, RuntimeError):
+    """A preprocessing worker process died while the pool held this request: it was not run; retry it."""
+
+
+class WorkerError(EncgraphError, RuntimeError):
+    """An unexpected error in a worker (not a bad image), carried back as text with the worker's traceback: the
+    original exception may not pickle, and one that fails to unpickle would break the pool."""
+
+
+@attrs.frozen(eq=False)
+class Prepared:
+    """One request's preprocessed images: ``arrays`` (:func:`~encgraph.serving.loading.process_images`'s,
+    owned by the receiver: unpickled copies) and ``decode_s``, the worker's seconds decoding the images."""
+
+    arrays: Mapping[str, np.ndarray]
+    decode_s: float
+
+
+def default_workers(devices: Iterable[Any]) -> int:
+    """``--preprocess-workers auto``: 0 (the server's threads) when every served tower is on the CPU, whose
+    forward needs those cores; else half the cores this process may run on, 1 to 8."""
+    if all(getattr(d, "type", str(d)) == "cpu" for d in devices):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return min(8, max(1, cores // 2))
+
+
+# ------------------------------------------------------------------------------------------ in a worker process
+@attrs.define
+class _Worker:
+    processors: dict[str, Any]
+    limits: ImageLimits
+    started: Any  # a multiprocessing.Barrier of the pool's workers (see _started)
+    timeout_s: float
+
+
+_WORKER: _Worker | None = None
+"""This worker process's processors and limits (set by :func:`_init_worker`; ``None`` in the server process)."""
+
+
+def _init_worker(processors: Mapping[str, Any], limits: ImageLimits, started: Any, timeout_s: float) -> None:
+    """Set a worker up, then warm it: each processor preprocesses one tiny image, so that a request's first call
+    pays no lazy import."""
+    global _WORKER
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CUDA context would cost GPU memory per worker; none is needed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see the module's docstring
+    # Tearing torch and transformers down at exit takes 1-2 s per process (measured on a 2-core host), which the
+    # server's shutdown would wait for. A worker owns no files or state that needs it: multiprocessing has run its
+    # own exit hooks and flushed the streams before the interpreter's atexit callbacks, the callbacks registered
+    # after this one (the libraries') still run first, and the executor reads no exit status.
+    atexit.register(os._exit, 0)
+    import torch
+    from PIL import Image
+
+    from encgraph.serving.loading import process_images
+
+    torch.set_num_threads(1)  # one core per worker: the pool's size is its share of the host
+    _WORKER = _Worker(dict(processors), limits, started, timeout_s)
+    tiny = Image.new("RGB", (64, 64), (127, 127, 127))
+    for processor in _WORKER.processors.values():
+        process_images(processor, [tiny])
+
+
+def _started() -> int:
+    """A start-up task: this worker's pid, once every worker of the pool holds one such task. A worker runs one
+    task at a time, so the pool's tasks are then held by as many distinct workers: every one is spawned and warm,
+    and the pids are all of the pool's."""
+    assert _WORKER is not None
+    _WORKER.started.wait(_WORKER.timeout_s)
+    return os.getpid()
+
+
+def _prepare(model: str, texts: Sequence[str]) -> Prepared:
+    """Decode ``texts`` (``input[i]``, i from 0) and run ``model``'s processor over them, in a worker."""
+    from encgraph.serving.loading import process_images
+
+    worker = _WORKER
+    if worker is None:  # pragma: no cover - only reached if the module is misused in the server process
+        raise WorkerError("encgraph.serving.preprocess._prepare runs in a pool worker only.")
+    try:
+        t0 = time.perf_counter()
+        images = [decode_image(text, i, worker.limits) for i, text in enumerate(texts)]
+        decode_s = time.perf_counter() - t0
+        return Prepared(name_the_refused(partial(process_images, worker.processors[model]), images), decode_s)
+    except ImageError:
+        raise
+    except Exception as exc:
+        raise WorkerError(f"preprocessing in worker process {os.getpid()} failed: {type(exc).__name__}: {exc}\n"
+                          f"{traceback.format_exc()}") from None
+
+
+# ------------------------------------------------------------------------------------------ in the server process
+class PreprocessPool:
+    """``workers`` spawned processes that turn one request's image strings into its processor's arrays.
+
+    ``processors``: model name -> the transformers image processor the server built for it (pickled to each
+    worker, so a worker's is the same configuration); ``limits``: the server's per-image limits. Use: ``start()``
+    (blocks until every worker is warm), then ``await prepare(model, texts)`` from the server's event loop, then
+    ``close()``. ``restarts`` counts the executors replaced after a worker died; ``pids`` are the current
+    workers' process ids (after a restart, once the new workers are warm)."""
+
+    def __init__(self, processors: Mapping[str, Any], workers: int, limits: ImageLimits = ImageLimits(), *,
+                 start_timeout_s: float = 300.0) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"workers: expected an int >= 1 (preprocessing processes), got {workers!r}; use no pool "
+                              "to preprocess in the server's threads.")
+        if not processors:
+            raise ConfigError("processors: expected at least one model's image processor, got none.")
+        self.processors = dict(processors)
+        self.workers = workers
+        self.limits = limits
+        self.start_timeout_s = start_timeout_s
+        self.restarts = 0
+        self.pids: tuple[int, ...] = ()
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._generation = 0
+        self._closed = False
+
+    def start(self) -> PreprocessPool:
+        """Spawn the workers and wait until each has loaded its processors and preprocessed a tiny image."""
+        with self._lock:
+            if self._closed or self._executor is not None:
+                raise ConfigError("start: the pool was already started (or closed); make a new PreprocessPool.")
+            self._executor, warm = self._spawn(self._generation)
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            pids = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in warm]
+        except (BrokenProcessPool, threading.BrokenBarrierError, TimeoutError) as exc:
+            self.close()
+            raise ConfigError(f"--preprocess-workers {self.workers}: the worker processes did not start "
+                              f"({type(exc).__name__}: {exc or 'timed out'}; the limit is {self.start_timeout_s} s); "
+                              "see the log above for a worker's traceback, or use --preprocess-workers 0.") from None
+        self.pids = tuple(pids)
+        log.info("encgraph serve: %d preprocessing workers ready (pids %s)", self.workers, pids)
+        return self
+
+    def _spawn(self, generation: int) -> tuple[concurrent.futures.ProcessPoolExecutor, list[concurrent.futures.Future]]:
+        context = multiprocessing.get_context("spawn")
+        # A barrier reaches a spawned worker only as an argument of its process: the initializer's.
+        started = context.Barrier(self.workers)
+        executor = concurrent.futures.ProcessPoolExecutor(
+            self.workers, mp_context=context, initializer=_init_worker,
+            initargs=(self.processors, self.limits, started, self.start_timeout_s))
+        # Submitted together, before any worker can have started: the executor spawns a process for each
+        # submission while none is idle, so all of them start (and warm up) now, not on a request.
+        warm = [executor.submit(_started) for _ in range(self.workers)]
+
+        def ready(_: concurrent.futures.Future) -> None:  # on the executor's thread, as each worker is warm
+            if all(f.done() for f in warm) and generation == self._generation:
+                self.pids = tuple(f.result() for f in warm if not f.cancelled() and f.exception() is None)
+
+        for future in warm:
+            future.add_done_callback(ready)
+        return executor, warm
+
+    async def prepare(self, model: str, texts: Sequence[str]) -> Prepared:
+        """``model``'s arrays for one request's image strings. Raises the request's
+        :class:`~encgraph.serving.images.ImageError`, :class:`WorkerDiedError` (a worker died: retry),
+        :class:`WorkerError`, or :class:`~encgraph.errors.ShutdownError` (the pool is closed or closing)."""
+        executor, generation = self._executor, self._generation  # one read: the event loop runs one task at a time
+        closed = ShutdownError("the preprocessing pool is closed (the server is shutting down).")
+        if executor is None:
+            raise closed
+        try:
+            future = executor.submit(_prepare, model, list(texts))
+        except BrokenProcessPool:  # the executor broke since its last request: this one is the first to see it
+            raise await self._died(generation) from None
+        except RuntimeError:  # shut down by close() since the read above
+            raise closed from None
+        try:
+            return await asyncio.wrap_future(future)
+        except BrokenProcessPool:
+            raise await self._died(generation) from None
+        except asyncio.CancelledError:
+            if future.cancelled() and self._closed:  # cancelled by close(), not by the request's own task
+                raise closed from None
+            raise
+
+    async def _died(self, generation: int) -> WorkerDiedError:
+        restart = await asyncio.to_thread(self._restart, generation)
+        return WorkerDiedError(f"a preprocessing worker process died while this request was queued or running; it "
+                               f"was not run: retry it ({restart}).")
+
+    def _restart(self, generation: int) -> str:
+        """Replace the broken executor of ``generation`` (once: the other requests it failed find it replaced)."""
+        with self._lock:
+            if self._closed:
+                return "the server is shutting down"
+            if generation != self._generation:
+                return f"the pool was restarted already, restart {self.restarts}"
+            broken = self._executor
+            self.pids = ()
+            self._generation += 1
+            self._executor, _ = self._spawn(self._generation)  # its workers warm up while requests queue behind
+            self.restarts += 1
+            restart = self.restarts
+        log.warning("encgraph serve: a preprocessing worker died; restarted the pool of %d workers (restart %d)",
+                    self.workers, restart)
+        if broken is not None:
+            broken.shutdown(wait=False)  # its processes are gone or terminated; this lets its thread finish
+        return f"the pool restarted, restart {restart}"
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel what is queued, let each worker finish its current request and exit; past ``timeout_s``,
+        kill the workers. Idempotent."""
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+            pids = self.pids
+        if executor is None:
+            return
+        waiter = threading.Thread(target=executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                                  name="encgraph-preprocess-close", daemon=True)
+        waiter.start()
+        waiter.join(timeout_s)
+        if waiter.is_alive():
+            log.warning("encgraph serve: preprocessing workers %s still busy after %s s; killing them", pids, timeout_s)
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            waiter.join(timeout_s)
