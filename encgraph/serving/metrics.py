@@ -14,6 +14,8 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
 - ``encgraph_runner_items_total{model,kind=graph|eager}``, ``encgraph_replays_total{model,path,budget}``,
   ``encgraph_eager_items_total{model,reason}``, ``encgraph_tokens_total{model,path,kind=real|padded}``,
   ``encgraph_padded_share{model,path}``;
+- ``encgraph_preprocess_pipe_results_total`` (with preprocessing worker processes): requests whose pixels came
+  back through the pool's pipe rather than a shared-memory slot (:mod:`encgraph.serving.slots`);
 - ``encgraph_preprocess_restarts_total`` (with preprocessing worker processes): times the server's one pool was
   restarted after a worker died;
 - ``encgraph_queue_depth{model}``, ``encgraph_front_calls_total{model}``, ``encgraph_front_requests_total{model,
@@ -82,6 +84,9 @@ class _StatsCollector:
         if self.preprocess is not None:
             yield CounterMetricFamily("encgraph_preprocess_restarts", "Restarts of the preprocessing pool after a "
                                       "worker process died", value=self.preprocess.restarts)
+            yield CounterMetricFamily("encgraph_preprocess_pipe_results", "Preprocessed requests whose pixels came "
+                                      "back through the pool's pipe, not a shared-memory slot (none free, or "
+                                      "larger than a slot)", value=self.preprocess.stats["overflows"])
 
 
 class Metrics:

@@ -53,6 +53,7 @@ import attrs
 import numpy as np
 
 from encgraph.errors import ConfigError, EncgraphError, ShutdownError
+from encgraph.serving import slots
 from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
 
 __all__ = ["PreprocessPool", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
@@ -76,6 +77,10 @@ class Prepared:
 
     arrays: Mapping[str, np.ndarray]
     decode_s: float
+    pixels: tuple[int, tuple[int, ...], str] | None = None
+    """Where ``pixel_values`` is while the result crosses over: ``(slot, shape, dtype)`` in the pool's shared
+    memory (:mod:`encgraph.serving.slots`), ``None``: in ``arrays``. The pool puts it into ``arrays`` before a
+    caller sees the result."""
 
 
 def default_workers(devices: Iterable[Any]) -> int:
@@ -94,13 +99,16 @@ class _Worker:
     limits: ImageLimits
     started: Any  # a multiprocessing.Barrier of the pool's workers (see _started)
     timeout_s: float
+    arena: Any = None  # the pool's shared-memory slots, mapped here (slots.attach), or None
+    slot_size: int = 0
 
 
 _WORKER: _Worker | None = None
 """This worker process's processors and limits (set by :func:`_init_worker`; ``None`` in the server process)."""
 
 
-def _init_worker(processors: Mapping[str, Any], limits: ImageLimits, started: Any, timeout_s: float) -> None:
+def _init_worker(processors: Mapping[str, Any], limits: ImageLimits, started: Any, timeout_s: float,
+                 arena_path: str | None = None, slot_size: int = 0) -> None:
     """Set a worker up, then warm it: each processor preprocesses one tiny image, so that a request's first call
     pays no lazy import."""
     global _WORKER
@@ -117,7 +125,8 @@ def _init_worker(processors: Mapping[str, Any], limits: ImageLimits, started: An
     from encgraph.serving.loading import process_images
 
     torch.set_num_threads(1)  # one core per worker: the pool's size is its share of the host
-    _WORKER = _Worker(dict(processors), limits, started, timeout_s)
+    arena = slots.attach(arena_path) if arena_path else None
+    _WORKER = _Worker(dict(processors), limits, started, timeout_s, arena, slot_size)
     tiny = Image.new("RGB", (64, 64), (127, 127, 127))
     for processor in _WORKER.processors.values():
         process_images(processor, [tiny])
@@ -132,8 +141,9 @@ def _started() -> int:
     return os.getpid()
 
 
-def _prepare(model: str, texts: Sequence[str]) -> Prepared:
-    """Decode ``texts`` (``input[i]``, i from 0) and run ``model``'s processor over them, in a worker."""
+def _prepare(model: str, texts: Sequence[str], slot: int | None = None) -> Prepared:
+    """Decode ``texts`` (``input[i]``, i from 0) and run ``model``'s processor over them, in a worker; the pixels
+    go into shared-memory ``slot`` when given and they fit."""
     from encgraph.serving.loading import process_images
 
     worker = _WORKER
@@ -143,7 +153,13 @@ def _prepare(model: str, texts: Sequence[str]) -> Prepared:
         t0 = time.perf_counter()
         images = [decode_image(text, i, worker.limits) for i, text in enumerate(texts)]
         decode_s = time.perf_counter() - t0
-        return Prepared(name_the_refused(partial(process_images, worker.processors[model]), images), decode_s)
+        arrays = name_the_refused(partial(process_images, worker.processors[model]), images)
+        pixels = arrays["pixel_values"]
+        if (slot is not None and worker.arena is not None and pixels.flags.c_contiguous
+                and slots.write(worker.arena, slot, worker.slot_size, pixels)):
+            rest = {k: v for k, v in arrays.items() if k != "pixel_values"}
+            return Prepared(rest, decode_s, (slot, tuple(pixels.shape), pixels.dtype.str))
+        return Prepared(arrays, decode_s)
     except ImageError:
         raise
     except Exception as exc:
@@ -162,7 +178,8 @@ class PreprocessPool:
     workers' process ids (after a restart, once the new workers are warm)."""
 
     def __init__(self, processors: Mapping[str, Any], workers: int, limits: ImageLimits = ImageLimits(), *,
-                 start_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 300.0, slot_bytes: int = slots.SLOT_BYTES,
+                 slot_count: int | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"workers: expected an int >= 1 (preprocessing processes), got {workers!r}; use no pool "
                               "to preprocess in the server's threads.")
@@ -178,6 +195,40 @@ class PreprocessPool:
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
         self._generation = 0
         self._closed = False
+        # Shared-memory slots for the pixels coming back (encgraph.serving.slots): enough for every request a
+        # busy server has queued at the pool; 0 bytes: all through the pipe.
+        self.slot_bytes = slot_bytes
+        self.slot_count = slot_count if slot_count is not None else max(8, 4 * workers)
+        self._arena: slots.Arena | None = None
+        self._past_overflows = 0  # of the arenas of earlier generations
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """``slots`` and ``slot_bytes`` of the current arena (0: none), ``overflows``: results that came through
+        the pipe instead (no free slot, or pixels larger than a slot), over the pool's life."""
+        arena = self._arena
+        return {"slots": arena.count if arena else 0, "slot_bytes": arena.size if arena else 0,
+                "overflows": self._past_overflows + (arena.overflows if arena else 0)}
+
+    def _make_arena(self) -> slots.Arena | None:
+        """A new arena (the old one closed), as large as half the free space of its directory allows."""
+        old, self._arena = self._arena, None
+        if old is not None:
+            self._past_overflows += old.overflows
+            old.close()
+        if not self.slot_bytes or not self.slot_count:
+            return None
+        where = slots.directory()
+        room = os.statvfs(where)
+        # Half the free space at most: a container's /dev/shm is often 64 MB, and a write past it is a SIGBUS.
+        count = min(self.slot_count, room.f_bavail * room.f_frsize // (2 * self.slot_bytes))
+        if count < self.slot_count:
+            log.warning("encgraph serve: %s has room for %d of %d preprocessing slots of %d MiB; the other results "
+                        "come through the pipe (slower)", where, count, self.slot_count, self.slot_bytes >> 20)
+        if count < 1:
+            return None
+        self._arena = slots.Arena(count, self.slot_bytes)
+        return self._arena
 
     def start(self) -> PreprocessPool:
         """Spawn the workers and wait until each has loaded its processors and preprocessed a tiny image."""
@@ -201,9 +252,11 @@ class PreprocessPool:
         context = multiprocessing.get_context("spawn")
         # A barrier reaches a spawned worker only as an argument of its process: the initializer's.
         started = context.Barrier(self.workers)
+        arena = self._make_arena()  # a new one per generation: a dead worker's slots are never reused
         executor = concurrent.futures.ProcessPoolExecutor(
             self.workers, mp_context=context, initializer=_init_worker,
-            initargs=(self.processors, self.limits, started, self.start_timeout_s))
+            initargs=(self.processors, self.limits, started, self.start_timeout_s,
+                      arena.path if arena is not None else None, self.slot_bytes))
         # Submitted together, before any worker can have started: the executor spawns a process for each
         # submission while none is idle, so all of them start (and warm up) now, not on a request.
         warm = [executor.submit(_started) for _ in range(self.workers)]
@@ -220,24 +273,40 @@ class PreprocessPool:
         """``model``'s arrays for one request's image strings. Raises the request's
         :class:`~encgraph.serving.images.ImageError`, :class:`WorkerDiedError` (a worker died: retry),
         :class:`WorkerError`, or :class:`~encgraph.errors.ShutdownError` (the pool is closed or closing)."""
-        executor, generation = self._executor, self._generation  # one read: the event loop runs one task at a time
+        # One read of each: the event loop runs one task at a time.
+        executor, generation, arena = self._executor, self._generation, self._arena
         closed = ShutdownError("the preprocessing pool is closed (the server is shutting down).")
         if executor is None:
             raise closed
+        slot = arena.take() if arena is not None else None
         try:
-            future = executor.submit(_prepare, model, list(texts))
+            future = executor.submit(_prepare, model, list(texts), slot)
         except BrokenProcessPool:  # the executor broke since its last request: this one is the first to see it
             raise await self._died(generation) from None
         except RuntimeError:  # shut down by close() since the read above
             raise closed from None
         try:
-            return await asyncio.wrap_future(future)
-        except BrokenProcessPool:
+            prepared = await asyncio.wrap_future(future)
+        except BrokenProcessPool:  # the slot is not given back: its arena goes with this generation
             raise await self._died(generation) from None
         except asyncio.CancelledError:
+            if slot is not None:  # a running worker may still write there: free the slot once it is done
+                future.add_done_callback(lambda _: arena.give(slot))
             if future.cancelled() and self._closed:  # cancelled by close(), not by the request's own task
                 raise closed from None
             raise
+        except BaseException:  # the worker answered (a bad image, ...): done with the slot
+            if arena is not None:
+                arena.give(slot)
+            raise
+        if prepared.pixels is None:
+            if slot is not None:  # larger than a slot: it came through the pipe
+                arena.note_overflow()
+                arena.give(slot)
+            return prepared
+        pixels = arena.read(*prepared.pixels)
+        arena.give(slot)
+        return Prepared({**prepared.arrays, "pixel_values": pixels}, prepared.decode_s)
 
     async def _died(self, generation: int) -> WorkerDiedError:
         restart = await asyncio.to_thread(self._restart, generation)
@@ -284,3 +353,9 @@ class PreprocessPool:
                 except ProcessLookupError:
                     pass
             waiter.join(timeout_s)
+        with self._lock:
+            arena, self._arena = self._arena, None
+            if arena is not None:
+                self._past_overflows += arena.overflows
+        if arena is not None:
+            arena.close()  # its file goes; a request still reading keeps its mapping

@@ -117,6 +117,8 @@ def test_preprocess_workers_in_health_metrics_and_stages(servers, pool):
     delta = _check_stages(before, after, "qwen2_5_vl", 4)
     assert all(delta[("encgraph_request_stage_seconds_sum", "qwen2_5_vl", s)] > 0 for s in ("decode", "preprocess"))
     assert after[("encgraph_preprocess_restarts_total",)] == 0
+    # Each request's pixels (2 Qwen images, ~0.2 MB) came back through a shared-memory slot, not the pipe.
+    assert after[("encgraph_preprocess_pipe_results_total",)] == before[("encgraph_preprocess_pipe_results_total",)]
     assert ("encgraph_preprocess_restarts_total",) not in _metrics(main)
 
 

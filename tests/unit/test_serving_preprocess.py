@@ -135,6 +135,32 @@ def test_worker_arrays_and_inputs_equal_the_in_thread_path(pools, model):
     _fields_equal(served.inputs_from_arrays(prepared.arrays), served.inputs(images))
 
 
+def test_pixels_come_back_through_shared_slots_and_through_the_pipe_alike(pools, tmp_path):
+    """The embedded pool's results came through its shared-memory slots (above: bit for bit); a pool whose slots
+    are too small for a result, or all taken, sends it through the pipe, counted, with the same values; closing
+    removes the arena's file."""
+    used = pools["embedded"].stats
+    assert used["slots"] >= 8 and used["slot_bytes"] == preprocess.slots.SLOT_BYTES
+    want = _prepare(pools["tiny"], "tiny", TEXTS).arrays["pixel_values"]  # 4 x 3 float32: 48 bytes
+    small = PreprocessPool({"tiny": TinyProcessor()}, 1, slot_bytes=32, slot_count=1).start()
+    try:
+        path = small._arena.path
+        got = _prepare(small, "tiny", TEXTS).arrays["pixel_values"]  # larger than its slot
+        assert np.array_equal(got, want) and small.stats["overflows"] == 1
+        one = _prepare(small, "tiny", TEXTS[:2]).arrays["pixel_values"]  # 24 bytes: fits
+        assert np.array_equal(one, want[:2]) and small.stats["overflows"] == 1
+
+        async def together() -> list[Prepared]:  # two requests, one slot: the second comes through the pipe
+            return await asyncio.gather(*(small.prepare("tiny", TEXTS[i:i + 2]) for i in (0, 2)))
+
+        both = asyncio.run(asyncio.wait_for(together(), TIMEOUT))
+        assert [np.array_equal(b.arrays["pixel_values"], want[i:i + 2]) for b, i in zip(both, (0, 2))] == [True] * 2
+        assert small.stats["overflows"] == 2 and os.path.exists(path)
+    finally:
+        small.close()
+    assert not os.path.exists(path)
+
+
 def test_bad_images_come_back_as_the_same_image_errors(pools):
     pool = pools["embedded"]
     thin = _encode(2000, 3, 4)  # an aspect ratio Qwen's processor refuses

@@ -1,0 +1,116 @@
+"""Shared-memory slots through which preprocessing workers hand a request's pixels to the server process.
+
+Through the process pool's pipe, a request's float32 ``pixel_values`` (1.8 MB for one 384 px SigLIP image) is
+pickled, written in 64 KB pieces, read back into fresh (page-faulting) buffers and unpickled: on this
+repository's 2-core CPU 2.9 ms of the server process's CPU per image, most of the 4.4-5.7 ms a pool round trip
+cost it, while the server process is the one whose GIL the replays, the HTTP parsing and the answers share (an
+H200 host served at most ~260 images/s through 8 workers). Through a slot the worker writes the array into memory
+both processes map, and the server copies it out once.
+
+An :class:`Arena` is ``count`` slots of ``size`` bytes in one file under ``/dev/shm`` (the temporary directory
+where there is none), created by the server process, mapped by it and by each worker (:func:`attach`), removed
+by :meth:`Arena.close`. The server takes a free slot for each request it submits and gives it back after it
+copied the result out, or, for a request whose task was cancelled, once the worker is done with it. When none is
+free, or the pixels are larger than a slot, they come through the pipe as before (counted: ``Arena.overflows``).
+A pool that restarts after a worker died makes a new arena: a slot of the old one is never handed out again,
+whatever a dying worker was writing there.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import tempfile
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Arena", "SLOT_BYTES", "attach", "directory", "write", "read"]
+
+SLOT_BYTES = 8 * 2**20
+"""Bytes per slot (default): four 384 px SigLIP images, or a Qwen2.5-VL image of about 2.5 megapixels, in float32."""
+
+
+def directory() -> str:
+    """Where arenas live: /dev/shm (memory), or the temporary directory where there is none."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class Arena:
+    """``count`` slots of ``size`` bytes, mapped in this process (the server's); see the module's docstring.
+    Thread-safe: slots are taken on the event loop and given back from the executor's threads."""
+
+    def __init__(self, count: int, size: int = SLOT_BYTES) -> None:
+        self.count, self.size = count, size
+        fd, self.path = tempfile.mkstemp(prefix="encgraph-preprocess-", dir=directory())
+        try:
+            os.ftruncate(fd, count * size)
+            self.map = mmap.mmap(fd, count * size)
+        finally:
+            os.close(fd)
+        self._free = collections.deque(range(count))
+        self._lock = threading.Lock()
+        self._closed = False
+        self.overflows = 0  # results that came through the pipe: no free slot, or larger than a slot
+
+    def take(self) -> int | None:
+        """A free slot, or ``None`` (none free, or the arena is closed: the result comes through the pipe)."""
+        with self._lock:
+            if self._free and not self._closed:
+                return self._free.popleft()
+            self.overflows += 1
+            return None
+
+    def give(self, slot: int | None) -> None:
+        """Give ``slot`` back (``None``: nothing to give)."""
+        if slot is None:
+            return
+        with self._lock:
+            if not self._closed:
+                self._free.append(slot)
+
+    def note_overflow(self) -> None:
+        with self._lock:
+            self.overflows += 1
+
+    def read(self, slot: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """A copy (owned by the caller) of the array a worker wrote into ``slot``."""
+        return read(self.map, slot, self.size, shape, dtype).copy()
+
+    def close(self) -> None:
+        """Remove the file; the mapping goes with the last reference (a reader in flight still reads it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._free.clear()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def attach(path: str) -> mmap.mmap:
+    """The arena at ``path`` mapped in this process (a worker's)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def read(mapped: Any, slot: int, size: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A view of ``shape`` and ``dtype`` at the start of ``slot`` (slots of ``size`` bytes) of ``mapped``."""
+    dt = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(mapped, dtype=dt, count=count, offset=slot * size).reshape(shape)
+
+
+def write(mapped: Any, slot: int, size: int, array: np.ndarray) -> bool:
+    """Copy ``array`` into ``slot`` of ``mapped``; ``False`` (nothing written) when it does not fit."""
+    if array.nbytes > size:
+        return False
+    read(mapped, slot, size, array.shape, array.dtype.str)[...] = array
+    return True
