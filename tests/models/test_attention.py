@@ -237,7 +237,7 @@ def test_tower_dtype_device():
 
 
 # ---------------------------------------------------------------------------------------------------- host bounds
-def _segment_spy(monkeypatch) -> list[bool]:
+def segment_spy(monkeypatch) -> list[bool]:
     """Records, per SEGMENTS call, whether it got its bounds from the host (``host_bounds``)."""
     calls: list[bool] = []
     original = attention._segment_attention
@@ -251,7 +251,7 @@ def _segment_spy(monkeypatch) -> list[bool]:
 
 
 def test_host_bounds_pick_segments_for_few_long_sequences(monkeypatch):
-    calls = _segment_spy(monkeypatch)
+    calls = segment_spy(monkeypatch)
     q, k, v = qkv(40)
     cu = torch.tensor([0, 24, 40, 40], dtype=torch.int32)
     plain = packed_attention(q, k, v, cu, 24)
@@ -308,7 +308,7 @@ def test_eager_forwards_give_their_full_attention_layers_host_bounds(name, monke
     inputs = adapter.sample_inputs("default", 64)
     with torch.no_grad():
         before = adapter.forward_eager("default", inputs)
-    calls = _segment_spy(monkeypatch)
+    calls = segment_spy(monkeypatch)
     monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 1)
     with torch.no_grad():
         after = adapter.forward_eager("default", inputs)
