@@ -115,16 +115,18 @@ class ServedModel:
         only. Runs on a request thread."""
         import torch
 
-        pooled = finished.pooled.wait()
+        (pooled,) = finished.pooled.wait()  # (images, dim): one copy per request
+        per_token = self.per_item_tokens
         out = []
         with torch.inference_mode():
-            for p, r in zip(pooled, finished.results):
-                seq = _sequence(r, self.per_item_tokens).float().cpu().numpy() if tokens else None
-                out.append((p.numpy(), seq))
+            for p, r in zip(pooled.numpy(), finished.results):
+                seq = _sequence(r, per_token).float().cpu().numpy() if tokens else None
+                out.append((p, seq))
         return out
 
     def token_count(self, finished: Finished) -> int:
-        return sum(int(_sequence(r, self.per_item_tokens).shape[0]) for r in finished.results)
+        per_token = self.per_item_tokens
+        return sum(int(_sequence(r, per_token).shape[0]) for r in finished.results)
 
     def info(self) -> dict[str, Any]:
         runner = self.front.stats.get("runner", {})
@@ -139,8 +141,8 @@ class ServedModel:
 
 @attrs.frozen
 class Finished:
-    """A request's result as its front answers it: ``pooled`` (the host copies of each image's pooled embedding,
-    ``(dim,)`` float32, in flight) and ``results`` (the runner's per-image device results, for the token
+    """A request's result as its front answers it: ``pooled`` (the host copy of its images' pooled embeddings,
+    one ``(images, dim)`` float32 tensor, in flight) and ``results`` (the runner's per-image device results, for the token
     sequences; they live as long as this object)."""
 
     pooled: HostCopy
@@ -161,14 +163,17 @@ def _sequence(result: Mapping[str, Any], per_item_tokens: bool) -> Any:
 def _finish(per_item_tokens: bool, results: Sequence[Mapping[str, Any]]) -> Finished:
     """The front's ``finish`` (on its worker, right after the call): each image's pooled embedding, computed on
     the device (a token tower: the mean of its merged tokens; a batch tower: its ``pooler_output`` where it has
-    one, else the mean of its last hidden state), and its copy to the host started behind this call's replay."""
+    one, else the mean of its last hidden state), stacked, and their one copy to the host started behind this
+    call's replay."""
+    import torch
+
     pooled = []
     for r in results:
         if per_item_tokens or "pooler_output" not in r:
             pooled.append(_sequence(r, per_item_tokens).float().mean(0))
         else:
             pooled.append(r["pooler_output"][0].float())
-    return Finished(to_host(pooled), results)
+    return Finished(to_host([torch.stack(pooled)]), results)
 
 
 PROCESSED = ("pixel_values", "image_grid_thw")
