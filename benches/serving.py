@@ -370,18 +370,20 @@ def run_server(url: str, images: list[str], concurrency: int, args: argparse.Nam
 
 def server_counters(url: str) -> dict[str, float]:
     """The server's ``/metrics`` counters this script reads: completed requests, runner calls, real and padded
-    units, and per request stage its seconds and count (``stage_s:<stage>``, ``stage_n:<stage>``), summed over
+    units, results through the preprocessing pool's pipe (``pipe``), and per request stage its seconds and count (``stage_s:<stage>``, ``stage_n:<stage>``), summed over
     models."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = dict.fromkeys(("completed", "calls", "real", "padded"), 0.0)
+    out = dict.fromkeys(("completed", "calls", "real", "padded", "pipe"), 0.0)
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for s in family.samples:
             if s.name == "encgraph_front_requests_total" and s.labels.get("outcome") == "completed":
                 out["completed"] += s.value
             elif s.name == "encgraph_front_calls_total":
                 out["calls"] += s.value
+            elif s.name == "encgraph_preprocess_pipe_results_total":
+                out["pipe"] += s.value
             elif s.name == "encgraph_tokens_total":
                 out[s.labels["kind"]] += s.value
             elif s.name in ("encgraph_request_stage_seconds_sum", "encgraph_request_stage_seconds_count"):
@@ -397,7 +399,9 @@ def counter_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
     units = d["real"] + d["padded"]
     stages = {s: round(1e3 * d[f"stage_s:{s}"] / d[f"stage_n:{s}"], 3) for s in STAGES if d.get(f"stage_n:{s}")}
     return {"requests_per_call": round(d["completed"] / d["calls"], 2) if d["calls"] else None,
-            "padded_share": round(d["padded"] / units, 4) if units else None, "stage_ms": stages}
+            "padded_share": round(d["padded"] / units, 4) if units else None, "stage_ms": stages,
+            # Requests whose pixels came back through the preprocessing pool's pipe, not a shared-memory slot.
+            "pipe_results": int(d["pipe"])}
 
 
 def stop_server(proc: Any) -> None:
