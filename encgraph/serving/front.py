@@ -6,14 +6,11 @@ more while they fit (until ``max_wait_ms`` after the first one arrived, ``max_to
 ``max_requests``), and runs them as one call of the target: the adapter's ``concat(parts)`` joins their inputs,
 the runner plans and replays them together and restores their order, and each request gets back its own items.
 
-Waiting adapts to the traffic: ``max_wait_ms`` is an upper bound. After :data:`USELESS_WAITS` waits in a row
-during which no request arrived, calls take only what is already queued instead of waiting, except every
-:data:`PROBE_EVERY`-th call, which waits as a probe; each probe that sees nothing doubles the interval, up to
-:data:`MAX_PROBE_EVERY`, and a wait that sees a new request restores waiting. So a lone client pays the wait on
-one call in 8, then 16, 32 and 64 (measured on an H200, SigLIP-so400m, one closed-loop client: 5.71 ms per
-request with a 2 ms wait on every call, 3.69 ms without waiting), while concurrent clients, whose waits gather
-requests, keep coalescing (and a call that does not wait still takes every request already queued).
-``stats["waits_skipped"]`` counts the calls that did not wait; ``adaptive_wait=False`` waits on every call.
+Waiting adapts (:mod:`encgraph.serving.waiting`): ``max_wait_ms`` is an upper bound. On a CUDA target a call
+waits only while the device is still busy with earlier calls, so a lone client, or a server bound by its host
+work, never pays it; elsewhere calls stop waiting while recent waits gathered nothing, probing now and then.
+``stats["waits_skipped"]`` counts the calls that did not wait (``idle_launches``: because the device was idle);
+``adaptive_wait=False`` waits up to ``max_wait_ms`` on every call.
 
 Failure isolation: each request is validated alone (the adapter's ``item_specs``) before it joins a call, so a
 bad request fails alone; if a coalesced call raises anyway, its requests run again one by one and only the
@@ -42,18 +39,11 @@ import attrs
 from encgraph._validate import check_int, check_optional_int, describe
 from encgraph.errors import ConfigError, ConfigTypeError, OverloadedError, ShutdownError
 from encgraph.serving.targets import Parsed, make_target
+from encgraph.serving.waiting import IDLE_POLL_S, WaitPolicy, cuda_device
 
 __all__ = ["BatchingFront", "FrontStats"]
 
 log = logging.getLogger("encgraph")
-
-
-USELESS_WAITS = 3
-"""Waits in a row that saw no new request before calls stop waiting (``adaptive_wait``)."""
-PROBE_EVERY = 8
-"""While calls do not wait, every this many-th call waits anyway, to see whether requests arrive again."""
-MAX_PROBE_EVERY = 64
-"""The longest probe interval: each probe that sees no new request doubles it, from :data:`PROBE_EVERY`."""
 
 
 @attrs.define
@@ -71,8 +61,8 @@ class FrontStats:
     ``requests`` submitted and accepted; ``rejected`` (queue full or closed); ``completed``, ``failed`` and
     ``cancelled`` requests; ``calls`` of the target and ``requests_per_call`` (a histogram: requests -> calls);
     ``retried_calls``: coalesced calls that raised and were run again one request at a time; ``items`` answered;
-    ``waits_skipped``: calls that did not wait for more requests because recent waits gathered none (see the
-    module docs).
+    ``waits_skipped``: calls that did not wait for more requests (the device was idle, or recent waits gathered
+    none: see the module docs); ``idle_launches``: those of them that found a CUDA target's device idle.
     """
 
     requests: int = 0
@@ -84,6 +74,7 @@ class FrontStats:
     retried_calls: int = 0
     items: int = 0
     waits_skipped: int = 0
+    idle_launches: int = 0
     requests_per_call: collections.Counter = attrs.field(factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,8 +93,9 @@ class BatchingFront:
             other callable (each request ``target(*args, **kwargs)`` alone, serialised on the worker).
         max_wait_ms: how long, after the first request of a call arrived, the worker waits for more while the
             call has room (default 1.0). ``0``: only what is already queued joins.
-        adaptive_wait: skip the wait while recent waits gathered no request (default ``True``; see the module
-            docs). ``False``: every call waits up to ``max_wait_ms``.
+        adaptive_wait: on a CUDA target, wait only while the device is busy with earlier calls; elsewhere, skip
+            the wait while recent waits gathered no request (default ``True``; see the module docs). ``False``:
+            every call waits up to ``max_wait_ms``.
         max_tokens: the most budget units per path one call gathers (an int for every path, or ``{path: int}``);
             default the largest budget of each path's ladder. A request larger than that runs alone.
         max_requests: the most requests per call (default: no limit; ``1``: no coalescing).
@@ -145,9 +137,7 @@ class BatchingFront:
         if not isinstance(adaptive_wait, bool):
             raise ConfigTypeError(f"adaptive_wait: expected True or False, got {describe(adaptive_wait)}.")
         self.adaptive_wait = adaptive_wait
-        self._useless = 0  # waits in a row that saw no new request
-        self._skipped = 0  # calls since the last wait
-        self._probe_every = PROBE_EVERY  # doubles after each useless probe, up to MAX_PROBE_EVERY
+        self._waits = WaitPolicy(self.max_wait_s, adaptive_wait, cuda_device(self._target))
         self.max_requests = check_optional_int("max_requests", max_requests, minimum=1)
         self.max_queue = check_int("max_queue", max_queue, minimum=1)
         self.caps = self._resolve_caps(max_tokens)
@@ -260,6 +250,7 @@ class BatchingFront:
                 if not taken[1].alone and self._target.coalesces:
                     self._gather(group)
                 self._run(group)
+                self._waits.launched()
         except BaseException as exc:  # a bug of the front itself: fail what is left rather than hang callers
             log.exception("encgraph serving: the batching front's worker failed")
             with self._cond:
@@ -267,9 +258,10 @@ class BatchingFront:
                 self._fail_queued(f"the batching front's worker failed ({type(exc).__name__}: {exc})")
             raise
 
-    def _take(self, deadline: float | None) -> tuple[_Request, Parsed] | None:
+    def _take(self, deadline: float | None, until: Callable[[], bool] | None = None) -> tuple[_Request, Parsed] | None:
         """The next valid request (the carried one first), or ``None`` when there is none by ``deadline``
-        (``None``: wait until one comes or the front closes). Invalid and cancelled requests are answered here."""
+        (``None``: wait until one comes or the front closes) or once ``until()`` is true while none is queued.
+        Invalid and cancelled requests are answered here."""
         while True:
             with self._cond:
                 if self._carry is not None:
@@ -281,6 +273,10 @@ class BatchingFront:
                     wait = None if deadline is None else deadline - time.monotonic()
                     if wait is not None and wait <= 0:
                         return None
+                    if until is not None:
+                        if until():
+                            return None
+                        wait = IDLE_POLL_S if wait is None else min(wait, IDLE_POLL_S)
                     self._cond.wait(wait)
                 if self._closing and not self._drain:
                     self._fail_queued("the batching front was closed without draining")
@@ -295,37 +291,25 @@ class BatchingFront:
                 return request, parsed
 
     def _gather(self, group: list[tuple[_Request, Parsed]]) -> None:
-        used = dict(group[0][1].tokens)
-        deadline = group[0][0].arrived + self.max_wait_s
-        idle = self.adaptive_wait and self._useless >= USELESS_WAITS  # recent waits gathered nothing
-        skip = idle and self._skipped < self._probe_every - 1
-        probe = idle and not skip
+        wait = self._waits.wait(group[0][0].arrived)
         with self._cond:
             submitted = self._stats.requests
-            if skip and self.max_wait_s > 0:
+            if wait.skipped:
                 self._stats.waits_skipped += 1
-        if skip:
-            deadline = time.monotonic()  # only what is already queued
-            self._skipped += 1
-        else:
-            self._skipped = 0
-        timed_out = self._fill(group, used, deadline)
-        if skip or self.max_wait_s == 0:
-            return
+                self._stats.idle_launches += wait.idle
+        timed_out = self._fill(group, dict(group[0][1].tokens), wait.deadline, wait.until)
         with self._cond:
             arrived = self._stats.requests > submitted  # a request came while this call waited
-        self._useless = self._useless + 1 if timed_out and not arrived else 0
-        if not self._useless:
-            self._probe_every = PROBE_EVERY
-        elif probe:
-            self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
+        self._waits.waited(wait, timed_out, arrived)
 
-    def _fill(self, group: list[tuple[_Request, Parsed]], used: dict[str, int], deadline: float) -> bool:
-        """Take requests into ``group`` while they fit; ``True`` when it stopped because ``deadline`` passed."""
+    def _fill(self, group: list[tuple[_Request, Parsed]], used: dict[str, int], deadline: float,
+              until: Callable[[], bool] | None = None) -> bool:
+        """Take requests into ``group`` while they fit; ``True`` when it stopped because ``deadline`` passed (or
+        ``until()`` became true: it is polled every :data:`~encgraph.serving.waiting.IDLE_POLL_S` while the queue is empty)."""
         while self.max_requests is None or len(group) < self.max_requests:
             if any(used.get(p, 0) >= cap for p, cap in self.caps.items()):
                 return False
-            taken = self._take(deadline)
+            taken = self._take(deadline, until)
             if taken is None:
                 return True
             parsed = taken[1]

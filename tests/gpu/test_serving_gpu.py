@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import time
 
 import numpy as np
 import pytest
@@ -146,3 +147,36 @@ def test_side_stream_uploads_and_worker_host_copies_stay_exact():
             want = hf(pixel_values=pixels).pooler_output.float().cpu()
             alone = static(pixel_values=pixels).pooler_output.float().cpu()
             assert rel(got, want) < HF_RTOL and rel(got, alone) < STATIC_RTOL
+
+
+def test_calls_wait_only_while_the_device_is_busy():
+    """The front's CUDA wait rule (``encgraph.serving.waiting``) on a real device: a lone client whose previous
+    answer has finished on the device never waits; requests that arrive while the device runs an earlier call
+    (a 0.3 s ``torch.cuda._sleep`` ahead of it on the same stream) are gathered into one call, launched when the
+    device goes idle, well before ``max_wait_ms``; every answer equals the per-request forward."""
+    hf = siglip_tower()
+    fast = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8])
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    xs = [torch.randn(n, 3, 384, 384, generator=gen, device="cuda", dtype=torch.bfloat16) for n in (1, 2, 1, 3)]
+    with BatchingFront(fast, capture=True, max_wait_ms=10_000) as front:
+        lone = []
+        for x in xs:
+            start = time.perf_counter()
+            lone.append(front.submit(pixel_values=x).result(TIMEOUT).pooler_output)
+            torch.cuda.synchronize()
+            assert time.perf_counter() - start < 5.0
+        assert front.stats["idle_launches"] == len(xs) and front.stats["requests_per_call"] == {1: len(xs)}
+        torch.cuda._sleep(int(0.3 * torch.cuda.get_device_properties(0).clock_rate * 1e3))  # the device busy
+        first = front.submit(pixel_values=xs[0])
+        first.result(TIMEOUT)  # launched at once (the last call had finished); it runs after the sleep
+        start = time.perf_counter()
+        later = [front.submit(pixel_values=x) for x in xs[1:]]
+        outs = [f.result(TIMEOUT).pooler_output for f in later]
+        waited = time.perf_counter() - start
+        stats = front.stats
+    assert stats["requests_per_call"][1] == len(xs) + 1 and stats["requests_per_call"].get(3) == 1, stats
+    assert waited < 5.0, waited
+    with torch.inference_mode():
+        for x, got_lone, got in zip(xs[1:], lone[1:], outs):
+            ref = hf(pixel_values=x).pooler_output
+            assert rel(got, ref) < HF_RTOL and rel(got_lone, ref) < HF_RTOL

@@ -278,7 +278,7 @@ def _sequential(front: BatchingFront, n: int) -> list[float]:
 
 
 def test_a_lone_client_stops_paying_the_wait_and_probes_now_and_then():
-    from encgraph.serving.front import PROBE_EVERY, USELESS_WAITS
+    from encgraph.serving.waiting import PROBE_EVERY, USELESS_WAITS
 
     _, fast = _graphed()
     wait_s = 0.2
@@ -292,7 +292,7 @@ def test_a_lone_client_stops_paying_the_wait_and_probes_now_and_then():
 
 
 def test_useless_probes_back_off_to_the_longest_interval():
-    from encgraph.serving.front import MAX_PROBE_EVERY, PROBE_EVERY, USELESS_WAITS
+    from encgraph.serving.waiting import MAX_PROBE_EVERY, PROBE_EVERY, USELESS_WAITS
 
     _, fast = _graphed()
     wait_s = 0.15

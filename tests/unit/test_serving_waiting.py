@@ -1,0 +1,137 @@
+"""The front's wait policy on a CUDA target, exercised on the CPU with a fake device and a fake CUDA event whose
+``query()`` turns true a set time after it is recorded: an idle device launches at once, a busy one gathers the
+requests that arrive until it goes idle (never past ``max_wait_ms``); the policy off CUDA is in
+``test_serving_front.py``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import encgraph
+from encgraph.serving import BatchingFront, waiting
+from encgraph.serving.waiting import WaitPolicy
+
+TIMEOUT = 30
+
+
+class FakeEvent:
+    """Done ``busy_s`` seconds after it was recorded (a device that takes that long for each call)."""
+
+    def __init__(self, busy_s: float) -> None:
+        self.done_at = time.monotonic() + busy_s
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return time.monotonic() >= self.done_at
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Every front built inside the test sees a CUDA device; each call's marker is a FakeEvent of ``busy[0]`` s."""
+    busy = [0.0]
+    events: list[FakeEvent] = []
+
+    def marker(device):
+        events.append(FakeEvent(busy[0]))
+        return events[-1]
+
+    monkeypatch.setattr("encgraph.serving.front.cuda_device", lambda target: torch.device("cuda", 0))
+    monkeypatch.setattr(waiting, "launch_marker", marker)
+    return busy, events
+
+
+def _graphed():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(6, 5).eval()
+    return net, encgraph.graphed(net, budgets=[1, 2, 4, 8, 16])
+
+
+def test_policy_waits_only_while_the_last_call_runs(fake_device):
+    busy, _ = fake_device
+    policy = WaitPolicy(0.5, True, torch.device("cuda", 0))
+    first = policy.wait(time.monotonic())  # nothing launched yet: idle
+    assert first.skipped and first.idle and first.until is None
+    busy[0] = 0.2
+    policy.launched()
+    arrived = time.monotonic()
+    during = policy.wait(arrived)
+    assert not during.skipped and during.deadline == pytest.approx(arrived + 0.5) and during.until is not None
+    assert not during.until()
+    time.sleep(0.25)
+    assert during.until() and policy.wait(time.monotonic()).idle
+    # adaptive_wait=False or max_wait 0: the device is not asked.
+    assert WaitPolicy(0.5, False, torch.device("cuda", 0)).wait(arrived).deadline == pytest.approx(arrived + 0.5)
+    assert not WaitPolicy(0.0, True, torch.device("cuda", 0)).wait(arrived).skipped
+
+
+def test_a_lone_client_on_an_idle_device_never_waits(fake_device):
+    net, fast = _graphed()
+    x = torch.randn(3, 6)
+    with BatchingFront(fast, max_wait_ms=300.0) as front:
+        lat = []
+        for _ in range(6):
+            start = time.perf_counter()
+            out = front.submit(x).result(TIMEOUT)
+            lat.append(time.perf_counter() - start)
+            torch.testing.assert_close(out, net(x))
+        stats = front.stats
+    assert max(lat) < 0.3, lat
+    assert stats["waits_skipped"] == stats["idle_launches"] == 6 and stats["requests_per_call"] == {1: 6}
+
+
+def test_a_busy_device_gathers_what_arrives_until_it_goes_idle(fake_device):
+    busy, events = fake_device
+    net, fast = _graphed()
+    busy[0] = 0.4  # each call keeps the fake device busy this long
+    xs = [torch.randn(n, 6) for n in (1, 2, 3)]
+    with BatchingFront(fast, max_wait_ms=5_000.0) as front:
+        first = front.submit(xs[0])
+        first.result(TIMEOUT)  # launched at once (idle); its marker is busy for 0.4 s
+        start = time.perf_counter()
+        futures = [front.submit(xs[1])]
+        time.sleep(0.1)  # the worker holds the second request, waiting on the busy device
+        futures.append(front.submit(xs[2]))
+        outs = [f.result(TIMEOUT) for f in futures]
+        waited = time.perf_counter() - start
+        stats = front.stats
+    for x, out in zip(xs[1:], outs):
+        torch.testing.assert_close(out, net(x))
+    # One call for both, launched when the device went idle (about 0.4 s), long before max_wait_ms.
+    assert stats["requests_per_call"] == {1: 1, 2: 1}, stats["requests_per_call"]
+    assert 0.25 < waited < 2.0, waited
+    assert stats["idle_launches"] == 1 and events[0].queries >= 2
+
+
+def test_a_busy_device_never_holds_a_call_past_max_wait(fake_device):
+    busy, _ = fake_device
+    net, fast = _graphed()
+    busy[0] = 60.0  # a device that stays busy
+    with BatchingFront(fast, max_wait_ms=150.0) as front:
+        front.submit(torch.randn(1, 6)).result(TIMEOUT)
+        start = time.perf_counter()
+        x = torch.randn(2, 6)
+        out = front.submit(x).result(TIMEOUT)
+        waited = time.perf_counter() - start
+    torch.testing.assert_close(out, net(x))
+    assert 0.14 < waited < 1.5, waited
+
+
+def test_closing_ends_a_wait_on_a_busy_device(fake_device):
+    busy, _ = fake_device
+    _, fast = _graphed()
+    busy[0] = 60.0
+    front = BatchingFront(fast, max_wait_ms=20_000.0)
+    front.submit(torch.randn(1, 6)).result(TIMEOUT)
+    pending = front.submit(torch.randn(1, 6))
+    time.sleep(0.05)
+    closer = threading.Thread(target=front.close)
+    start = time.perf_counter()
+    closer.start()
+    closer.join(TIMEOUT)
+    assert not closer.is_alive() and time.perf_counter() - start < 5
+    assert pending.result(TIMEOUT).shape == (1, 5)  # drained: the queued request still ran
