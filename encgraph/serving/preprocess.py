@@ -19,8 +19,8 @@ What crosses the process boundary:
   ``pixel_values``: ``(images, 3, H, W)`` for batch towers, about 1.8 MB per 384x384 image; Qwen-VL's patch rows
   and int64 ``image_grid_thw``) and the seconds the worker spent decoding; or the request's
   :class:`~encgraph.serving.images.ImageError` (a bad image, or the image the processor refused). The pixels are
-  written into the slot (:mod:`encgraph.serving.slots`) and copied out once by the server; the rest, and pixels
-  with no free slot or over a slot's size, are pickled through the pipe.
+  written into the slot (:mod:`encgraph.serving.slots`) and copied out once by the server (a request waits for a
+  free slot while all are in use); the rest, and pixels over a slot's size, are pickled through the pipe.
 
 Through the pipe, one 384 px image's trip back cost the worker 8-11 ms of system time on this repository's 2-core
 VM (pipe writes, page faults of fresh buffers) on top of its 12 ms of work, and the server process 1-4 ms: 8
@@ -62,7 +62,7 @@ import attrs
 import numpy as np
 
 from encgraph.errors import ConfigError, EncgraphError, ShutdownError
-from encgraph.serving import slots
+from encgraph.serving import heap, slots
 from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
 
 __all__ = ["PreprocessPool", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
@@ -139,6 +139,9 @@ def _init_worker(processors: Mapping[str, Any], limits: ImageLimits, started: An
     tiny = Image.new("RGB", (64, 64), (127, 127, 127))
     for processor in _WORKER.processors.values():
         process_images(processor, [tiny])
+    # Warm: out of the garbage collector's reach, so that a full collection does not stall a request for the
+    # ~200 ms of walking torch's and transformers' objects (encgraph.serving.heap).
+    heap.freeze()
 
 
 def _started() -> int:
@@ -210,11 +213,12 @@ class PreprocessPool:
         self.slot_count = slot_count if slot_count is not None else max(8, 4 * workers)
         self._arena: slots.Arena | None = None
         self._past_overflows = 0  # of the arenas of earlier generations
+        self._free = slots.FreeSlots(lambda: self._arena)  # requests waiting for a free slot
 
     @property
     def stats(self) -> dict[str, int]:
         """``slots`` and ``slot_bytes`` of the current arena (0: none), ``overflows``: results that came through
-        the pipe instead (no free slot, or pixels larger than a slot), over the pool's life."""
+        the pipe instead (pixels larger than a slot), over the pool's life."""
         arena = self._arena
         return {"slots": arena.count if arena else 0, "slot_bytes": arena.size if arena else 0,
                 "overflows": self._past_overflows + (arena.overflows if arena else 0)}
@@ -282,17 +286,23 @@ class PreprocessPool:
         """``model``'s arrays for one request's image strings. Raises the request's
         :class:`~encgraph.serving.images.ImageError`, :class:`WorkerDiedError` (a worker died: retry),
         :class:`WorkerError`, or :class:`~encgraph.errors.ShutdownError` (the pool is closed or closing)."""
-        # One read of each: the event loop runs one task at a time.
-        executor, generation, arena = self._executor, self._generation, self._arena
         closed = ShutdownError("the preprocessing pool is closed (the server is shutting down).")
-        if executor is None:
+        if self._executor is None:
             raise closed
-        slot = arena.take() if arena is not None else None
+        arena, slot = await self._free.take()
+        # Read after the wait (a restart may have come meanwhile); one read of each: the event loop runs one task
+        # at a time.
+        executor, generation = self._executor, self._generation
+        if executor is None:
+            self._free.give(arena, slot)
+            raise closed
         try:
             future = executor.submit(_prepare, model, list(texts), slot)
         except BrokenProcessPool:  # the executor broke since its last request: this one is the first to see it
+            self._free.give(arena, slot)
             raise await self._died(generation) from None
         except RuntimeError:  # shut down by close() since the read above
+            self._free.give(arena, slot)
             raise closed from None
         try:
             prepared = await asyncio.wrap_future(future)
@@ -300,25 +310,25 @@ class PreprocessPool:
             raise await self._died(generation) from None
         except asyncio.CancelledError:
             if slot is not None:  # a running worker may still write there: free the slot once it is done
-                future.add_done_callback(lambda _: arena.give(slot))
+                future.add_done_callback(lambda _: self._free.give(arena, slot, threadsafe=True))
             if future.cancelled() and self._closed:  # cancelled by close(), not by the request's own task
                 raise closed from None
             raise
         except BaseException:  # the worker answered (a bad image, ...): done with the slot
-            if arena is not None:
-                arena.give(slot)
+            self._free.give(arena, slot)
             raise
         if prepared.pixels is None:
             if slot is not None:  # larger than a slot: it came through the pipe
                 arena.note_overflow()
-                arena.give(slot)
+            self._free.give(arena, slot)
             return prepared
         pixels = arena.read(*prepared.pixels)
-        arena.give(slot)
+        self._free.give(arena, slot)
         return Prepared({**prepared.arrays, "pixel_values": pixels}, prepared.decode_s)
 
     async def _died(self, generation: int) -> WorkerDiedError:
         restart = await asyncio.to_thread(self._restart, generation)
+        self._free.wake(every=True)  # those waiting for a slot of the old arena take one of the new
         return WorkerDiedError(f"a preprocessing worker process died while this request was queued or running; it "
                                f"was not run: retry it ({restart}).")
 
@@ -368,3 +378,4 @@ class PreprocessPool:
                 self._past_overflows += arena.overflows
         if arena is not None:
             arena.close()  # its file goes; a request still reading keeps its mapping
+        self._free.wake_threadsafe(every=True)  # those waiting for a slot find the pool closed

@@ -19,6 +19,7 @@ import pickle
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import numpy as np
@@ -136,9 +137,9 @@ def test_worker_arrays_and_inputs_equal_the_in_thread_path(pools, model):
 
 
 def test_pixels_come_back_through_shared_slots_and_through_the_pipe_alike(pools, tmp_path):
-    """The embedded pool's results came through its shared-memory slots (above: bit for bit); a pool whose slots
-    are too small for a result, or all taken, sends it through the pipe, counted, with the same values; closing
-    removes the arena's file."""
+    """The embedded pool's results came through its shared-memory slots (above: bit for bit); a pool whose slot
+    is too small for a result sends it through the pipe, counted, with the same values; requests that find every
+    slot taken wait for one in turn (a cancelled one passes its turn on); closing removes the arena's file."""
     used = pools["embedded"].stats
     assert used["slots"] >= 8 and used["slot_bytes"] == preprocess.slots.SLOT_BYTES
     want = _prepare(pools["tiny"], "tiny", TEXTS).arrays["pixel_values"]  # 4 x 3 float32: 48 bytes
@@ -150,12 +151,25 @@ def test_pixels_come_back_through_shared_slots_and_through_the_pipe_alike(pools,
         one = _prepare(small, "tiny", TEXTS[:2]).arrays["pixel_values"]  # 24 bytes: fits
         assert np.array_equal(one, want[:2]) and small.stats["overflows"] == 1
 
-        async def together() -> list[Prepared]:  # two requests, one slot: the second comes through the pipe
-            return await asyncio.gather(*(small.prepare("tiny", TEXTS[i:i + 2]) for i in (0, 2)))
+        async def together() -> list[Prepared]:  # three requests, one slot: they wait for it in turn
+            return await asyncio.gather(*(small.prepare("tiny", TEXTS[i:i + 2]) for i in (0, 1, 2)))
 
         both = asyncio.run(asyncio.wait_for(together(), TIMEOUT))
-        assert [np.array_equal(b.arrays["pixel_values"], want[i:i + 2]) for b, i in zip(both, (0, 2))] == [True] * 2
-        assert small.stats["overflows"] == 2 and os.path.exists(path)
+        assert [np.array_equal(b.arrays["pixel_values"], want[i:i + 2]) for b, i in zip(both, (0, 1, 2))] == [True] * 3
+        assert small.stats["overflows"] == 1 and os.path.exists(path)  # none through the pipe for want of a slot
+
+        async def one_cancelled() -> list[Any]:  # a request cancelled while it waits passes its turn on
+            tasks = [asyncio.ensure_future(small.prepare("tiny", TEXTS[i:i + 2])) for i in (0, 1, 2)]
+            await asyncio.sleep(0)  # every task has started: the first holds the slot, the others wait
+            tasks[1].cancel()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        first, cancelled, third = asyncio.run(asyncio.wait_for(one_cancelled(), TIMEOUT))
+        assert isinstance(cancelled, asyncio.CancelledError)
+        assert np.array_equal(first.arrays["pixel_values"], want[:2])
+        assert np.array_equal(third.arrays["pixel_values"], want[2:4]) and small.stats["overflows"] == 1
+        assert small._arena.take() == 0  # the one slot is free again
+        small._arena.give(0)
     finally:
         small.close()
     assert not os.path.exists(path)
