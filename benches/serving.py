@@ -370,8 +370,8 @@ def run_server(url: str, images: list[str], concurrency: int, args: argparse.Nam
 
 def server_counters(url: str) -> dict[str, float]:
     """The server's ``/metrics`` counters this script reads: completed requests, runner calls, real and padded
-    units, results through the preprocessing pool's pipe (``pipe``), and per request stage its seconds and count (``stage_s:<stage>``, ``stage_n:<stage>``), summed over
-    models."""
+    units, results through the preprocessing pool's pipe (``pipe``), and per request stage its seconds and count
+    (``stage_s:<stage>``, ``stage_n:<stage>``), summed over models."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -220,7 +221,7 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "default_model": default,
+        return {"status": "ok", "default_model": default, "gc_frozen_objects": gc.get_freeze_count(),
                 "models": {n: {**m.info(), "preprocess_workers": workers} for n, m in models.items()}}
 
     @app.get("/metrics")

@@ -305,7 +305,8 @@ class BatchingFront:
     def _fill(self, group: list[tuple[_Request, Parsed]], used: dict[str, int], deadline: float,
               until: Callable[[], bool] | None = None) -> bool:
         """Take requests into ``group`` while they fit; ``True`` when it stopped because ``deadline`` passed (or
-        ``until()`` became true: it is polled every :data:`~encgraph.serving.waiting.IDLE_POLL_S` while the queue is empty)."""
+        ``until()`` became true: it is polled every :data:`~encgraph.serving.waiting.IDLE_POLL_S` while the queue
+        is empty)."""
         while self.max_requests is None or len(group) < self.max_requests:
             if any(used.get(p, 0) >= cap for p, cap in self.caps.items()):
                 return False

@@ -15,12 +15,16 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
   ``encgraph_eager_items_total{model,reason}``, ``encgraph_tokens_total{model,path,kind=real|padded}``,
   ``encgraph_padded_share{model,path}``;
 - ``encgraph_preprocess_pipe_results_total`` (with preprocessing worker processes): requests whose pixels came
-  back through the pool's pipe rather than a shared-memory slot (:mod:`encgraph.serving.slots`);
+  back through the pool's pipe rather than a shared-memory slot, being larger than one
+  (:mod:`encgraph.serving.slots`);
 - ``encgraph_preprocess_restarts_total`` (with preprocessing worker processes): times the server's one pool was
   restarted after a worker died;
 - ``encgraph_queue_depth{model}``, ``encgraph_front_calls_total{model}``, ``encgraph_front_requests_total{model,
   outcome}`` (completed, failed, rejected, cancelled), ``encgraph_coalesced_requests_total{model}`` (requests
-  that ran in a call of more than one request).
+  that ran in a call of more than one request);
+- ``encgraph_gc_collections_total{generation}``, ``encgraph_gc_pause_seconds_total{generation}``,
+  ``encgraph_gc_longest_pause_seconds{generation}``: the server process's garbage collections and the pauses
+  they cost every thread (:mod:`encgraph.serving.heap`).
 """
 
 from __future__ import annotations
@@ -81,12 +85,31 @@ class _StatsCollector:
                 tokens.add_metric([name, path, "padded"], p["padded_tokens"])
                 padded.add_metric([name, path], p["padded_share"])
         yield from (items, replays, eager, tokens, padded, depth, calls, outcome, coalesced)
+        yield from _gc_families()
         if self.preprocess is not None:
             yield CounterMetricFamily("encgraph_preprocess_restarts", "Restarts of the preprocessing pool after a "
                                       "worker process died", value=self.preprocess.restarts)
             yield CounterMetricFamily("encgraph_preprocess_pipe_results", "Preprocessed requests whose pixels came "
-                                      "back through the pool's pipe, not a shared-memory slot (none free, or "
-                                      "larger than a slot)", value=self.preprocess.stats["overflows"])
+                                      "back through the pool's pipe, not a shared-memory slot (larger than a "
+                                      "slot)", value=self.preprocess.stats["overflows"])
+
+
+def _gc_families() -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from encgraph.serving.heap import PAUSES
+
+    count = CounterMetricFamily("encgraph_gc_collections", "Garbage collections of the server process",
+                                labels=["generation"])
+    spent = CounterMetricFamily("encgraph_gc_pause_seconds", "Seconds the server process spent in garbage "
+                                "collections (every thread waits)", labels=["generation"])
+    longest = GaugeMetricFamily("encgraph_gc_longest_pause_seconds", "The longest garbage collection pause so far",
+                                labels=["generation"])
+    for g in range(3):
+        count.add_metric([str(g)], PAUSES.collections[g])
+        spent.add_metric([str(g)], PAUSES.seconds[g])
+        longest.add_metric([str(g)], PAUSES.longest[g])
+    yield from (count, spent, longest)
 
 
 class Metrics:
@@ -105,6 +128,9 @@ class Metrics:
         self.stages = Histogram("encgraph_request_stage_seconds", "Time of an answered request per stage",
                                 ["model", "stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_StatsCollector(models, preprocess))
+        from encgraph.serving.heap import PAUSES
+
+        PAUSES.install()
 
     def observe(self, model: str, status: int, *, images: int = 0, seconds: float | None = None,
                 stages: Mapping[str, float] | None = None) -> None:

@@ -37,6 +37,12 @@ def test_health_lists_the_embedded_models(server):
     assert body["status"] == "ok" and body["default_model"] == "siglip"
     assert set(body["models"]) == set(MODELS)
     assert all(m["device"] == "cpu" and m["dtype"] == "float32" for m in body["models"].values())
+    # Start-up froze its heap (torch, transformers, the towers: ~10^5 objects) out of the collector's reach, and
+    # /metrics times the collections that still run.
+    assert body["gc_frozen_objects"] > 50_000, body["gc_frozen_objects"]
+    metrics = _metrics(server)
+    assert {("encgraph_gc_collections_total", g) for g in "012"} <= set(metrics)
+    assert metrics[("encgraph_gc_longest_pause_seconds", "2")] < 0.1, metrics
 
 
 @pytest.mark.parametrize("model", MODELS)
