@@ -58,3 +58,17 @@ def test_summary_and_targets():
     t = serving.targets(points)
     assert t == {"clients": 32, "coalesce_vs_hf_eager_images_per_s": 3.5, "coalesce_3x_hf_eager": True,
                  "coalesce_p99_not_worse_than_per_request": True}
+
+
+def test_preprocess_pool_bench_runs_both_modes(tmp_path):
+    """``benches/preprocess_pool.py`` end to end, short: each mode in its own process, one worker, fewer slots than
+    clients; the pipe mode sends some pixels through the pipe, the shipped one none."""
+    from benches import preprocess_pool
+
+    data = preprocess_pool.main(["--workers", "1", "--slots", "1", "--clients", "4", "--seconds", "0.5",
+                                 "--repeats", "1", "--size", "64", "--results-dir", str(tmp_path)])
+    runs = {r["mode"]: r for r in data["runs"]}
+    assert set(runs) == {"wait", "pipe"} and all(r["requests"] > 0 for r in runs.values())
+    assert runs["wait"]["pipe_results"] == 0 and runs["pipe"]["pipe_results"] > 0
+    assert "| wait | 1 |" in (tmp_path / "preprocess_pool_cpu.md").read_text()
+    assert json.loads((tmp_path / "preprocess_pool_cpu.json").read_text())["options"]["slots"] == 1
