@@ -9,7 +9,8 @@
   arrived, gathering the requests that come meanwhile: they could not have started sooner anyway. So a lone
   client never pays the wait, and a server whose device is not its bottleneck (its preprocessing is) adds none:
   measured on an H200 behind ``encgraph serve`` at 32 clients (tree c22624d), a fixed 2 ms wait gave Qwen2.5-VL a
-  P99 of 208 ms against 178 ms for one call per request, at the same images/s (223 and 220).
+  P99 of 208 ms against 178 ms for one call per request, at the same images/s (223 and 220); with this rule (tree
+  565e09b, the next run, another host) 190 ms against 186, at 252 and 237 images/s.
 - **Elsewhere** (the CPU, where a call returns when its work is done, or a callable target) a call waits the
   full ``max_wait_ms`` until :data:`USELESS_WAITS` waits in a row saw no new request; then calls take only what
   is already queued, except every :data:`PROBE_EVERY`-th call, which waits as a probe. Each probe that sees nothing
@@ -24,6 +25,7 @@ thread only.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +33,8 @@ from typing import Any
 import attrs
 
 __all__ = ["IDLE_POLL_S", "MAX_PROBE_EVERY", "PROBE_EVERY", "USELESS_WAITS", "Wait", "WaitPolicy", "cuda_device"]
+
+log = logging.getLogger("encgraph")
 
 USELESS_WAITS = 3
 """Waits in a row that saw no new request before calls stop waiting (targets off CUDA)."""
@@ -101,9 +105,17 @@ class WaitPolicy:
             self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
 
     def launched(self) -> None:
-        """A call was just launched (on the worker thread): mark the device's stream after it."""
-        if self.device is not None:
+        """A call was just launched (on the worker thread): mark the device's stream after it. Where the marker
+        cannot be recorded (a device in an error state: the call's own request has failed with it), the next
+        call is treated as finding the device idle."""
+        if self.device is None:
+            return
+        try:
             self._launched = launch_marker(self.device)
+        except Exception as exc:  # never the front's worker's failure: it would fail every queued request
+            log.warning("encgraph serving: could not mark the device's stream after a call (%s); the next call "
+                        "does not wait", exc)
+            self._launched = None
 
 
 def cuda_device(target: Any) -> Any:

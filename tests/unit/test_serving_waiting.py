@@ -135,3 +135,18 @@ def test_closing_ends_a_wait_on_a_busy_device(fake_device):
     closer.join(TIMEOUT)
     assert not closer.is_alive() and time.perf_counter() - start < 5
     assert pending.result(TIMEOUT).shape == (1, 5)  # drained: the queued request still ran
+
+
+def test_a_marker_that_fails_does_not_stop_the_worker(fake_device, monkeypatch, caplog):
+    def broken(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(waiting, "launch_marker", broken)
+    net, fast = _graphed()
+    xs = [torch.randn(n, 6) for n in (1, 2)]
+    with BatchingFront(fast, max_wait_ms=5_000.0) as front:
+        outs = [front.submit(x).result(TIMEOUT) for x in xs]
+        stats = front.stats
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, net(x))
+    assert stats["idle_launches"] == 2 and "could not mark" in caplog.text
