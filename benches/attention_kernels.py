@@ -10,7 +10,11 @@ last one the padding sequence), the median time of one attention call replayed f
   SDPA, the kernel nested-tensor SDPA uses), same ``(tokens, heads, head_dim)`` layout;
 - ``efficient``: ``aten._efficient_attention_forward`` with ``cu_seqlens`` (the memory-efficient kernel);
 - ``cudnn_dense``: one dense ``(1, heads, len, head_dim)`` SDPA call per sequence on the cuDNN backend (what
-  Hugging Face's sdpa path runs per image), a reference that a single packed graph cannot use as is.
+  Hugging Face's sdpa path runs per image), a reference that a single packed graph cannot use as is;
+- ``cudnn_dense_cols``: ONE dense cuDNN SDPA call over every packed row, the sequences kept apart by extra
+  head-dim columns (:func:`segment_columns`) built from ``cu_seqlens`` with tensor ops: a packed graph can call
+  it, and it reads the lengths from the buffer. It does ``tokens^2`` work whatever the split, so it can only pay
+  where one or two long sequences fill the budget (dense cuDNN ran 1.6-1.8x Flash's TF/s at head dim 72).
 
 Each kernel's output is compared with ``flash`` (max relative difference over valid rows), and each graph is
 replayed a second time after the cumulative lengths are rewritten in place (a different split of the same
@@ -45,8 +49,9 @@ from benches.lib.results import Results, gpu_name, markdown_table
 from benches.lib.timing import time_call
 
 SCRIPT = "attention_kernels"
-KERNELS = ("flash", "cudnn_ragged", "efficient", "cudnn_dense")  # the keys of kernels(), in table order
-REWRITABLE = ("flash", "cudnn_ragged", "efficient")  # read the lengths from a buffer: the rewrite check applies
+KERNELS = ("flash", "cudnn_ragged", "efficient", "cudnn_dense", "cudnn_dense_cols")  # kernels()' keys, in order
+# The kernels that read the lengths from a buffer: the rewrite check applies.
+REWRITABLE = ("flash", "cudnn_ragged", "efficient", "cudnn_dense_cols")
 MODES = ("graph", "eager")
 GEOMETRIES = {  # tower: (heads, head_dim)
     "qwen3_vl / siglip / qwen3_5 / kimi / minicpm": (16, 72),
@@ -73,6 +78,36 @@ def _cu(lengths: list[int], device: Any) -> Any:
     import torch
 
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+MASK_LOGIT = 1e4
+"""How far below its own sequence's logits :func:`segment_columns` puts another sequence's: exp(-1e4) is 0."""
+
+
+def segment_columns(q: Any, k: Any, v: Any, cu: Any, scale: float) -> tuple[Any, Any, Any]:
+    """``q, k, v`` (``(tokens, heads, D)``) widened to ``E`` columns (``D`` + one per sequence slot of ``cu``,
+    rounded up to a multiple of 8) so that one dense attention over all rows, at softmax ``scale``, equals
+    attention within each sequence. Query row i gets ``MASK_LOGIT / scale`` in the column of its sequence, key row
+    j gets -1 in every column but its own (0 there): the extra product is exactly 0 within a sequence (its logits
+    are untouched) and ``-MASK_LOGIT / scale`` across, so across-sequence weights are exp(-1e4) = 0. ``v`` gets
+    zero columns (the output's extra columns are 0; callers keep ``[..., :D]``). Tensor ops only: no host sync,
+    capturable, the lengths read from ``cu`` at run time."""
+    import torch
+
+    tokens, heads, dim = q.shape
+    slots = cu.numel() - 1
+    width = -(-(dim + slots) // 8) * 8
+    rows = torch.arange(tokens, device=q.device, dtype=cu.dtype)
+    seq = torch.searchsorted(cu[1:].contiguous(), rows, right=True)  # row -> its sequence's slot
+    hot = (seq[:, None] == torch.arange(slots, device=q.device)[None, :]).to(q.dtype)  # (tokens, slots)
+    pad = width - dim - slots
+
+    def widen(t: Any, extra: Any) -> Any:
+        parts = [t, extra[:, None, :].expand(tokens, heads, slots), t.new_zeros(tokens, heads, pad)]
+        return torch.cat(parts, dim=-1)
+
+    return widen(q, hot * (MASK_LOGIT / scale)), widen(k, hot - 1), torch.cat([v, v.new_zeros(tokens, heads,
+                                                                                                    width - dim)], -1)
 
 
 def kernels() -> dict[str, Callable[..., Any]]:
@@ -103,7 +138,15 @@ def kernels() -> dict[str, Callable[..., Any]]:
                 start += n
         return torch.cat(outs)
 
-    return {"flash": flash, "cudnn_ragged": cudnn_ragged, "efficient": efficient, "cudnn_dense": cudnn_dense}
+    def cudnn_dense_cols(q, k, v, cu, max_len, lengths):
+        scale = q.shape[-1] ** -0.5
+        wide = segment_columns(q, k, v, cu, scale)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in wide), scale=scale)[0]
+        return out.transpose(0, 1)[..., : q.shape[-1]]
+
+    return {"flash": flash, "cudnn_ragged": cudnn_ragged, "efficient": efficient, "cudnn_dense": cudnn_dense,
+            "cudnn_dense_cols": cudnn_dense_cols}
 
 
 def _rel(a: Any, b: Any) -> float:

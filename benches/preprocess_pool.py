@@ -120,10 +120,11 @@ def render(data: dict) -> str:
         runs = [r for r in data["runs"] if r["mode"] == mode]
         if not runs:
             continue
-        med = {k: statistics.median(r[k] for r in runs) for k in ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_ms")}
+        keys = ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_ms")
+        med = {k: statistics.median(r[k] for r in runs) for k in keys}
         share = sum(r["pipe_results"] for r in runs) / max(1, sum(r["requests"] for r in runs))
-        lines.append(f"| {mode} | {len(runs)} | {med['requests_per_s']:.1f} | {med['p50_ms']:.1f} | {med['p99_ms']:.1f} "
-                     f"| {med['server_cpu_ms']:.2f} | {100 * share:.0f}% |")
+        lines.append(f"| {mode} | {len(runs)} | {med['requests_per_s']:.1f} | {med['p50_ms']:.1f} "
+                     f"| {med['p99_ms']:.1f} | {med['server_cpu_ms']:.2f} | {100 * share:.0f}% |")
     return "\n".join(lines) + "\n"
 
 

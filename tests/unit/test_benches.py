@@ -700,3 +700,37 @@ def test_kernel_profile_summary_and_table():
 def test_kernel_profile_refuses_the_cpu_smoke():
     with pytest.raises(SystemExit, match="no CPU smoke"):
         kernel_profile.main(["--cpu-smoke"])
+
+
+@pytest.mark.parametrize("lengths", [[37, 0, 50, 13, 0, 0], [64, 0], [5] * 9 + [3]])
+def test_segment_columns_make_one_dense_attention_equal_attention_per_sequence(lengths):
+    """``attention_kernels.segment_columns``: one dense SDPA over every packed row of the widened tensors equals SDPA
+    within each sequence (float32: to rounding; the extra columns add exactly 0 within a sequence), empty slots
+    included, and the same widened call follows other lengths written into the same ``cu_seqlens``."""
+    import torch
+    import torch.nn.functional as F
+
+    from benches import attention_kernels as ak
+
+    def dense(q, k, v, cu):
+        scale = q.shape[-1] ** -0.5
+        wide = ak.segment_columns(q, k, v, cu, scale)
+        assert wide[0].shape[-1] % 8 == 0 and wide[0].shape[-1] >= q.shape[-1] + cu.numel() - 1
+        out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in wide), scale=scale)[0]
+        return out.transpose(0, 1)[..., : q.shape[-1]]
+
+    def per_sequence(q, k, v, lengths):
+        outs, start = [], 0
+        for n in (n for n in lengths if n):
+            part = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(*part)[0].transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    gen = torch.Generator().manual_seed(len(lengths))
+    q, k, v = (torch.randn(sum(lengths), 3, 72, generator=gen) for _ in range(3))
+    cu = ak._cu(lengths, "cpu")
+    torch.testing.assert_close(dense(q, k, v, cu), per_sequence(q, k, v, lengths), atol=1e-5, rtol=1e-5)
+    other = sorted(lengths, reverse=True)  # another split of the same rows, as many slots
+    cu.copy_(ak._cu(other, "cpu"))
+    torch.testing.assert_close(dense(q, k, v, cu), per_sequence(q, k, v, other), atol=1e-5, rtol=1e-5)
