@@ -289,17 +289,23 @@ class PreprocessPool:
         closed = ShutdownError("the preprocessing pool is closed (the server is shutting down).")
         if self._executor is None:
             raise closed
-        arena, slot = await self._free.take()
-        # Read after the wait (a restart may have come meanwhile); one read of each: the event loop runs one task
-        # at a time.
-        executor, generation = self._executor, self._generation
+        while True:
+            arena, slot = await self._free.take()
+            # Read after the wait, with no await in between (the event loop runs one task at a time), so that the
+            # slot, the executor and the generation belong together.
+            executor, generation = self._executor, self._generation
+            if arena is None or arena is self._arena:
+                break
+            # A slot of an arena that a restart replaced while this request waited: the new workers map the new
+            # arena, where this index may be another request's. Take one of the new arena.
         if executor is None:
             self._free.give(arena, slot)
             raise closed
         try:
             future = executor.submit(_prepare, model, list(texts), slot)
         except BrokenProcessPool:  # the executor broke since its last request: this one is the first to see it
-            self._free.give(arena, slot)
+            # The slot is not given back: its arena goes with this generation, and the requests waiting for one
+            # take a slot of the new arena once the restart wakes them.
             raise await self._died(generation) from None
         except RuntimeError:  # shut down by close() since the read above
             self._free.give(arena, slot)

@@ -250,3 +250,34 @@ def test_serve_parses_preprocess_workers(capsys):
     for bad in ("-1", "many"):
         assert main(["serve", "--preprocess-workers", bad]) == 2
         assert "expected 'auto' or a number of processes >= 0" in capsys.readouterr().err
+
+
+def test_requests_waiting_for_a_slot_survive_a_restart_and_a_close():
+    """One slot, one worker. A worker dies while one request holds the slot and two wait for it: the holder fails
+    with WorkerDiedError, the two that waited run on the new workers (they were never in the dead pool's hands).
+    Then a close while requests wait for the slot answers each, none hangs."""
+    pool = PreprocessPool({"tiny": TinyProcessor()}, 1, slot_count=1).start()
+    try:
+        (dead,) = pool.pids
+        os.kill(dead, signal.SIGKILL)
+
+        async def burst() -> list:
+            return await asyncio.gather(*(pool.prepare("tiny", TEXTS) for _ in range(3)), return_exceptions=True)
+
+        first, *waited = asyncio.run(asyncio.wait_for(burst(), TIMEOUT))
+        assert isinstance(first, WorkerDiedError), first
+        assert all(isinstance(a, Prepared) and a.arrays["pixel_values"].shape == (4, 3, 1, 1) for a in waited), waited
+        assert pool.restarts == 1 and pool.stats["overflows"] == 0
+        big = [_encode(600, 600, 5)] * 8
+
+        async def close_while_waiting() -> list:
+            requests = [asyncio.ensure_future(pool.prepare("tiny", big)) for _ in range(4)]
+            await asyncio.sleep(0.05)  # one holds the slot, three wait
+            await asyncio.to_thread(pool.close)
+            return await asyncio.gather(*requests, return_exceptions=True)
+
+        answers = asyncio.run(asyncio.wait_for(close_while_waiting(), TIMEOUT))
+        assert all(isinstance(a, (Prepared, ShutdownError)) for a in answers), answers
+        assert sum(isinstance(a, ShutdownError) for a in answers) >= 2
+    finally:
+        pool.close()
