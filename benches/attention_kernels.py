@@ -91,7 +91,8 @@ def segment_columns(q: Any, k: Any, v: Any, cu: Any, scale: float) -> tuple[Any,
     j gets -1 in every column but its own (0 there): the extra product is exactly 0 within a sequence (its logits
     are untouched) and ``-MASK_LOGIT / scale`` across, so across-sequence weights are exp(-1e4) = 0. ``v`` gets
     zero columns (the output's extra columns are 0; callers keep ``[..., :D]``). Tensor ops only: no host sync,
-    capturable, the lengths read from ``cu`` at run time."""
+    capturable, the lengths read from ``cu`` at run time. A kernel for the runner would also need the masked
+    backend's sanitising (``encgraph.models.attention``): a zero weight times another sequence's NaN value is NaN."""
     import torch
 
     tokens, heads, dim = q.shape
