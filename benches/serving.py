@@ -3,7 +3,9 @@
 
 Systems, each at concurrency 1 / 8 / 32 / 128 (clients that send one request, wait for its answer, send the next):
 
-- ``hf_eager``: the tower's own forward, one request at a time (``encgraph serve --eager``);
+- ``hf_eager``: the tower's own forward (Hugging Face's, sdpa attention), one request at a time
+  (``encgraph serve --eager``);
+- ``defaults``: ``encgraph serve`` (in-process: ``BatchingFront(runner)``) with no options: what a user starts;
 - ``graphed_per_request``: graphs, each request its own runner call (``max_requests=1``);
 - ``graphed_nowait``: graphs, coalescing only what is already queued (``max_wait_ms=0``);
 - ``graphed_coalesce``: graphs, coalescing with ``max_wait_ms`` (default 2).
@@ -52,7 +54,7 @@ from benches.lib.results import child_env, git_commit, result_dirs  # noqa: E402
 from encgraph.serving.metrics import STAGES  # noqa: E402
 
 SCRIPT = "serving"
-SYSTEMS = ("hf_eager", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
+SYSTEMS = ("hf_eager", "defaults", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
 TRANSPORTS = ("inprocess", "server")
 SMOKE_SLUG = "cpu-smoke"
 _SIGLIP = ("transformers:SiglipVisionModel", "transformers:SiglipVisionConfig", "SiglipImageProcessor")
@@ -252,7 +254,7 @@ def closed_loop(send: Any, concurrency: int, warmup: float, duration: float) -> 
 
 
 def front_options(system: str, args: argparse.Namespace) -> dict[str, Any]:
-    return {"graphed_per_request": {"max_requests": 1}, "graphed_nowait": {"max_wait_ms": 0.0},
+    return {"defaults": {}, "graphed_per_request": {"max_requests": 1}, "graphed_nowait": {"max_wait_ms": 0.0},
             "graphed_coalesce": {"max_wait_ms": args.max_wait_ms}}.get(system, {"max_requests": 1})
 
 
@@ -303,7 +305,7 @@ def serve(checkpoint: str, system: str, args: argparse.Namespace, device: str, d
     import httpx
 
     port = _free_port()
-    flags = {"hf_eager": ["--eager"], "graphed_per_request": ["--max-requests", "1"],
+    flags = {"hf_eager": ["--eager"], "defaults": [], "graphed_per_request": ["--max-requests", "1"],
              "graphed_nowait": ["--max-wait-ms", "0"], "graphed_coalesce": ["--max-wait-ms", str(args.max_wait_ms)]}
     cmd = [sys.executable, "-m", "encgraph", "serve", "--model", f"bench={checkpoint}", "--device", device,
            "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags[system]]
@@ -449,6 +451,11 @@ def targets(points: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["coalesce_3x_hf_eager"] = out["coalesce_vs_hf_eager_images_per_s"] >= 3.0
     if per and co:
         out["coalesce_p99_not_worse_than_per_request"] = co["p99_ms"] <= per["p99_ms"]
+    default = at("defaults")  # the same targets for what a user starts with no options
+    if hf and default:
+        out["defaults_vs_hf_eager_images_per_s"] = round(default["images_per_s"] / max(hf["images_per_s"], 1e-9), 2)
+    if per and default:
+        out["defaults_p99_not_worse_than_per_request"] = default["p99_ms"] <= per["p99_ms"]
     return out
 
 
@@ -489,6 +496,10 @@ def render(data: dict[str, Any]) -> str:
                          f"{'met' if t.get('coalesce_3x_hf_eager') else 'not met'})")
                 lines += ["", f"At {t['clients']} clients: graphed_coalesce / hf_eager images/s = {ratio}; P99 no "
                           f"worse than graphed_per_request: {t.get('coalesce_p99_not_worse_than_per_request')}."]
+                if "defaults_vs_hf_eager_images_per_s" in t or "defaults_p99_not_worse_than_per_request" in t:
+                    lines += ["", f"defaults (no options) / hf_eager images/s = "
+                              f"{t.get('defaults_vs_hf_eager_images_per_s', 'hf_eager not in this run')}; P99 no "
+                              f"worse than graphed_per_request: {t.get('defaults_p99_not_worse_than_per_request')}."]
             lines.append("")
     return "\n".join(lines)
 

@@ -20,7 +20,6 @@ by generation, since the freeze) so that an operator sees a pause that still hap
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from typing import Any
 
@@ -39,7 +38,7 @@ def freeze() -> int:
 
 class GcPauses:
     """Collections of this process and their pauses, per generation (0, 1, 2), timed by a ``gc.callbacks`` hook
-    that :meth:`install` adds once. A collection runs with the GIL held and never nests, so the hook's two calls of
+    that :meth:`install` adds once (called from the main thread, as the app is built). A collection runs with the GIL held and never nests, so the hook's two calls of
     one collection come in a row."""
 
     def __init__(self) -> None:
@@ -47,17 +46,13 @@ class GcPauses:
         self.seconds = [0.0, 0.0, 0.0]
         self.longest = [0.0, 0.0, 0.0]
         self._started: float | None = None
-        self._lock = threading.Lock()
-        self._installed = False
 
     def reset(self) -> None:
         self.collections, self.seconds, self.longest = [0, 0, 0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
 
     def install(self) -> GcPauses:
-        with self._lock:
-            if not self._installed:
-                gc.callbacks.append(self._hook)
-                self._installed = True
+        if self._hook not in gc.callbacks:
+            gc.callbacks.append(self._hook)
         return self
 
     def _hook(self, phase: str, info: dict[str, Any]) -> None:

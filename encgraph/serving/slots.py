@@ -62,7 +62,7 @@ class Arena:
         self._free = collections.deque(range(count))
         self._lock = threading.Lock()
         self._closed = False
-        self.overflows = 0  # results that came through the pipe: no free slot, or larger than a slot
+        self.overflows = 0  # results that came through the pipe, larger than a slot
 
     def take(self) -> int | None:
         """A free slot, or ``None`` (none free, or the arena is closed); nothing is counted."""

@@ -58,6 +58,12 @@ def test_summary_and_targets():
     t = serving.targets(points)
     assert t == {"clients": 32, "coalesce_vs_hf_eager_images_per_s": 3.5, "coalesce_3x_hf_eager": True,
                  "coalesce_p99_not_worse_than_per_request": True}
+    t = serving.targets({**points, "defaults": {"8": point(50, 18), "32": point(45, 100)}})
+    assert t["defaults_vs_hf_eager_images_per_s"] == 4.5 and t["defaults_p99_not_worse_than_per_request"] is False
+    assert "defaults (no options) / hf_eager images/s = 4.5" in serving.render(
+        {"environment": {"gpu": "x", "torch": "t", "transformers": "f"},
+         "options": {"duration": 1, "warmup": 0, "max_wait_ms": 2.0},
+         "towers": {"siglip_so400m_384": {"server": {"points": {}, "targets": t}}}})
 
 
 def test_preprocess_pool_bench_runs_both_modes(tmp_path):
