@@ -81,13 +81,21 @@ def matmul_rate(env: Env, n: int | None = None) -> dict[str, Any]:
     a = torch.randn(n, n, device=env.device, dtype=env.dtype, generator=gen)
     b = torch.randn(n, n, device=env.device, dtype=env.dtype, generator=gen)
     out = torch.empty(n, n, device=env.device, dtype=env.dtype)
-    timing = time_call(lambda: torch.matmul(a, b, out=out), env)
+    # At least one untimed call even under ``--warmup 0``: the first matmul of a process pays the BLAS thread
+    # pool's start, which on a busy 2-core CI machine took over 67 ms for a 256^3 product and so measured a rate
+    # that rounded to 0 TFLOP/s (a division by zero in floor_ms).
+    timing = time_call(lambda: torch.matmul(a, b, out=out), env, warmup=max(1, env.warmup))
     tflops = 2 * n**3 / (timing.median * 1e-3) / 1e12
-    return {"n": n, "dtype": str(env.dtype).replace("torch.", ""), "tflops": round(tflops, 3), **timing.summary()}
+    # Significant digits, not decimal places: a CPU rate is a few GFLOP/s, which three decimals of TFLOP/s lose.
+    return {"n": n, "dtype": str(env.dtype).replace("torch.", ""), "tflops": float(f"{tflops:.4g}"),
+            **timing.summary()}
 
 
 def floor_ms(params: int, tokens: int, tflops: float) -> float:
     """The matmul floor: ``2 x params x tokens`` flops at the measured matmul rate, in milliseconds."""
+    if not tflops > 0:
+        raise ValueError(f"floor_ms: tflops must be a positive measured matmul rate, got {tflops!r}; "
+                         "measure it with matmul_rate()")
     return 2.0 * params * tokens / (tflops * 1e12) * 1e3
 
 

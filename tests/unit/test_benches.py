@@ -29,6 +29,8 @@ from benches.lib.cases import Visual  # noqa: E402
 from benches.lib.env import Deadline, inference, make_env  # noqa: E402
 from benches.lib.results import SMOKE_SLUG, Results, median_of  # noqa: E402
 from benches.lib.systems import System, TowerBench  # noqa: E402
+from benches.lib import timing  # noqa: E402
+from benches.lib.env import Env  # noqa: E402
 from benches.lib.timing import floor_ms, time_once  # noqa: E402
 from benches.lib.towers import (  # noqa: E402
     CORE_TOWERS, FAMILY_CASES, FAMILY_TOWERS, SMOKE_TOWERS, TINY_PACKED, TOWERS, Facts, Geometry, TowerKind, TowerSpec,
@@ -291,6 +293,23 @@ def test_tower_copies_per_system_group():
 # ---------------------------------------------------------------------------------------------------- helpers
 def test_floor_formula():
     assert floor_ms(10**9, 1000, 1000.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="tflops must be a positive"):
+        floor_ms(10**9, 1000, 0.0)
+
+
+def test_a_slow_cpu_matmul_keeps_a_nonzero_rate(monkeypatch):
+    # CI once measured a 256^3 matmul at over 67 ms (a cold, busy 2-core machine): three decimals of TFLOP/s
+    # rounded that to 0.0 and the towers smoke divided by it. The rate keeps significant digits, and the first
+    # call is untimed even under --warmup 0.
+    import torch
+
+    calls = []
+    monkeypatch.setattr(timing, "time_once", lambda fn, env: (calls.append(fn()), 100.0)[1])
+    env = Env(torch.device("cpu"), torch.float32, True, runs=1, warmup=0, seed=0)
+    rate = timing.matmul_rate(env)
+    assert len(calls) == 1 and rate["median_ms"] == 100.0
+    assert rate["tflops"] == pytest.approx(2 * 256**3 / 0.1 / 1e12, rel=1e-3) and rate["tflops"] > 0
+    assert floor_ms(10**6, 256, rate["tflops"]) > 0
 
 
 def test_max_rel_diff():
@@ -633,8 +652,6 @@ def test_compiled_systems_bookkeeping(tmp_path, monkeypatch):
     results = Results("towers", args, env)
     results.data.update(towers.main(argv))
     monkeypatch.setattr(env_module.Env, "cuda", property(lambda self: True))
-    from benches.lib import timing
-
     for module in (towers, timing):  # towers.py times first calls itself, measure() through timing
         monkeypatch.setattr(module, "time_once", lambda fn, env: (fn(), 1.0)[1])
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
