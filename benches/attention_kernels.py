@@ -107,8 +107,8 @@ def segment_columns(q: Any, k: Any, v: Any, cu: Any, scale: float) -> tuple[Any,
         parts = [t, extra[:, None, :].expand(tokens, heads, slots), t.new_zeros(tokens, heads, pad)]
         return torch.cat(parts, dim=-1)
 
-    return widen(q, hot * (MASK_LOGIT / scale)), widen(k, hot - 1), torch.cat([v, v.new_zeros(tokens, heads,
-                                                                                                    width - dim)], -1)
+    wide_v = torch.cat([v, v.new_zeros(tokens, heads, width - dim)], dim=-1)
+    return widen(q, hot * (MASK_LOGIT / scale)), widen(k, hot - 1), wide_v
 
 
 def kernels() -> dict[str, Callable[..., Any]]:

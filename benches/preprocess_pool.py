@@ -25,6 +25,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                                  check=True, timeout=120 + 2 * args.seconds)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"[preprocess_pool] {runs[-1]}", file=sys.stderr)
-    data = {"environment": {"cpu": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores",
+    data = {"environment": {"cpu": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
                             "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")},
             "options": {k: getattr(args, k) for k in ("workers", "slots", "clients", "seconds", "size", "repeats")},
             "runs": runs}

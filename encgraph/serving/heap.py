@@ -38,8 +38,8 @@ def freeze() -> int:
 
 class GcPauses:
     """Collections of this process and their pauses, per generation (0, 1, 2), timed by a ``gc.callbacks`` hook
-    that :meth:`install` adds once (called from the main thread, as the app is built). A collection runs with the GIL held and never nests, so the hook's two calls of
-    one collection come in a row."""
+    that :meth:`install` adds once (called from the main thread, as the app is built). A collection runs with the
+    GIL held and never nests, so the hook's two calls of one collection come in a row."""
 
     def __init__(self) -> None:
         self.collections = [0, 0, 0]

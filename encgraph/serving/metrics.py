@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from encgraph.serving.heap import PAUSES
+
 __all__ = ["Metrics", "LATENCY_BUCKETS", "STAGES"]
 
 STAGES = ("read", "decode", "preprocess", "encode", "answer")
@@ -97,8 +99,6 @@ class _StatsCollector:
 def _gc_families() -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from encgraph.serving.heap import PAUSES
-
     count = CounterMetricFamily("encgraph_gc_collections", "Garbage collections of the server process",
                                 labels=["generation"])
     spent = CounterMetricFamily("encgraph_gc_pause_seconds", "Seconds the server process spent in garbage "
@@ -128,8 +128,6 @@ class Metrics:
         self.stages = Histogram("encgraph_request_stage_seconds", "Time of an answered request per stage",
                                 ["model", "stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_StatsCollector(models, preprocess))
-        from encgraph.serving.heap import PAUSES
-
         PAUSES.install()
 
     def observe(self, model: str, status: int, *, images: int = 0, seconds: float | None = None,

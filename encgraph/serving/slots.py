@@ -148,14 +148,8 @@ class FreeSlots:
         if arena is None or slot is None:
             return
         if threadsafe:
-            loop = self._loop
-            try:
-                if loop is not None:
-                    loop.call_soon_threadsafe(self.give, arena, slot)
-                    return
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                pass
-            arena.give(slot)
+            if not self._on_loop(self.give, arena, slot):
+                arena.give(slot)
             return
         if arena is self.current() and not arena.closed:
             while self._waiters:
@@ -175,13 +169,19 @@ class FreeSlots:
                     return
 
     def wake_threadsafe(self, every: bool = False) -> None:
+        self._on_loop(self.wake, every)
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Schedule ``fn(*args)`` on the waiters' loop from another thread; ``False`` when there is no such loop
+        (no request ever waited, or it is closed): then nobody waits."""
         loop = self._loop
         if loop is None:
-            return
+            return False
         try:
-            loop.call_soon_threadsafe(self.wake, every)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed
+            return False
+        return True
 
 
 def attach(path: str) -> mmap.mmap:
