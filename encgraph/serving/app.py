@@ -20,12 +20,21 @@ limits; too many images), 415 (a format other than PNG or JPEG), 422 (wrong JSON
 
 Decoding and the image processor run in the server's threads, or with ``preprocess_workers`` in a pool of worker
 processes (:mod:`encgraph.serving.preprocess`): the same images, errors and arrays either way.
+
+A request's two short steps beside the device, the copy of its pixels up (after a preprocessing worker) and its
+answer (waiting for its own embedding's copy down, then the JSON), run in two small pools of their own
+(``request_threads`` threads each, first in first out), not in the framework's shared pool of 40 threads: a server
+bound by its host work holds one GIL, and forty threads that each want it for a fraction of a millisecond get it in
+no order, a waiting thread up to a switch interval (5 ms) after it asked; a few threads fed from a FIFO queue keep
+the waiting in arrival order. Two pools, so that answers blocked on their calls' copies never hold back the
+uploads of the next call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -39,7 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError, field_validator
 from starlette.concurrency import run_in_threadpool
 
-from encgraph.errors import InputError, InputTypeError, OverloadedError, ShutdownError
+from encgraph.errors import ConfigError, InputError, InputTypeError, OverloadedError, ShutdownError
 from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
 from encgraph.serving.metrics import Metrics
 from encgraph.serving.preprocess import PreprocessPool, WorkerDiedError
@@ -150,10 +159,10 @@ def _from_arrays(model: Any, arrays: Mapping[str, Any], texts: Sequence[str], li
         raise
 
 
-async def _prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str],
-                           limits: ServerLimits) -> tuple[Any, float]:
-    """The model's inputs for a request's image strings, decoded and preprocessed in ``pool``'s workers, and the
-    workers' seconds of decoding."""
+async def _prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str], limits: ServerLimits,
+                           uploads: concurrent.futures.Executor) -> tuple[Any, float]:
+    """The model's inputs for a request's image strings, decoded and preprocessed in ``pool``'s workers (the copy
+    to the device on an ``uploads`` thread), and the workers' seconds of decoding."""
     try:
         prepared = await pool.prepare(model.name, texts)
     except ImageError as exc:
@@ -163,7 +172,8 @@ async def _prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str
     except ShutdownError:
         raise ApiError(503, None, "shutting_down", "the server is shutting down; retry on another replica.",
                        _retry(limits)) from None
-    inputs = await run_in_threadpool(_from_arrays, model, prepared.arrays, texts, limits.image)
+    loop = asyncio.get_running_loop()
+    inputs = await loop.run_in_executor(uploads, _from_arrays, model, prepared.arrays, texts, limits.image)
     return inputs, prepared.decode_s
 
 
@@ -187,21 +197,26 @@ def _answer(model: Any, results: list[Any], request: EmbeddingRequest) -> JSONRe
 
 
 def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(), *,
-               close_timeout_s: float = 10.0, preprocess_workers: int = 0) -> FastAPI:
+               close_timeout_s: float = 10.0, preprocess_workers: int = 0, request_threads: int = 4) -> FastAPI:
     """The app over ``models`` (name -> :class:`~encgraph.serving.loading.ServedModel`; the first is the default
     for a request without ``model``).
 
     ``preprocess_workers``: 0 decodes and preprocesses in the server's threads; N > 0 in one pool of N worker
     processes for all the models (:class:`~encgraph.serving.preprocess.PreprocessPool`), started and warm before
-    the server answers. On shutdown it closes the fronts (queued requests finish first, at most ``close_timeout_s``
-    seconds), then the pool."""
+    the server answers. ``request_threads``: the threads of the requests' uploads, and as many of their answers
+    (see the module docs). On shutdown it closes the fronts (queued requests finish first, at most
+    ``close_timeout_s`` seconds), then the pools."""
     if not models:
         raise ValueError("models: expected at least one served model.")
+    if isinstance(request_threads, bool) or not isinstance(request_threads, int) or request_threads < 1:
+        raise ConfigError(f"request_threads: expected an int >= 1 (threads for the requests' uploads and answers), "
+                          f"got {request_threads!r}.")
     default = next(iter(models))
     pool = None
     if preprocess_workers:
         pool = PreprocessPool({n: m.processor for n, m in models.items()}, preprocess_workers, limits.image)
     metrics = Metrics(models, preprocess=pool)
+    threads = _RequestThreads(request_threads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -212,6 +227,7 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
             await run_in_threadpool(model.front.close, drain=True, timeout=close_timeout_s)
         if pool is not None:
             await run_in_threadpool(pool.close)
+        threads.close()  # the fronts are closed: no request is left to run there
 
     app = FastAPI(title="encgraph", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.models = models
@@ -255,11 +271,11 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
                 inputs = await run_in_threadpool(_prepare, model, images)
                 clock.lap("preprocess")
             else:
-                inputs, decode_s = await _prepare_in_pool(pool, model, req.input, limits)
+                inputs, decode_s = await _prepare_in_pool(pool, model, req.input, limits, threads.uploads)
                 clock.split("decode", "preprocess", decode_s)
             results = await _encode_on(model, inputs, limits)
             clock.lap("encode")
-            response = await run_in_threadpool(_answer, model, results, req)
+            response = await asyncio.get_running_loop().run_in_executor(threads.answers, _answer, model, results, req)
             clock.lap("answer")
         except ApiError as exc:
             metrics.observe(label, exc.status)
@@ -272,6 +288,34 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
         return response
 
     return app
+
+
+class _RequestThreads:
+    """The requests' upload and answer threads (module docs): two pools of ``count`` threads each, made on first
+    use, so that an app whose lifespan ended (a test client's) makes new ones if it serves again."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._pools: tuple[concurrent.futures.ThreadPoolExecutor, ...] = ()
+
+    def _get(self, i: int) -> concurrent.futures.ThreadPoolExecutor:
+        if not self._pools:  # on the event loop's thread only: no lock needed
+            self._pools = tuple(concurrent.futures.ThreadPoolExecutor(self.count, thread_name_prefix=f"encgraph-{n}")
+                                for n in ("upload", "answer"))
+        return self._pools[i]
+
+    @property
+    def uploads(self) -> concurrent.futures.ThreadPoolExecutor:
+        return self._get(0)
+
+    @property
+    def answers(self) -> concurrent.futures.ThreadPoolExecutor:
+        return self._get(1)
+
+    def close(self) -> None:
+        pools, self._pools = self._pools, ()
+        for pool in pools:
+            pool.shutdown(wait=False)
 
 
 class _StageClock:
