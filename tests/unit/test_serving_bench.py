@@ -47,6 +47,17 @@ def test_inprocess_smoke_writes_every_point(tmp_path):
     assert "| 2 | graphed_coalesce |" in table and "Qwen2.5-VL-7B tower, inprocess" in table
 
 
+def test_the_window_times_requests_sent_in_it_and_counts_those_answered_in_it():
+    # A slow request sent during the warm-up (0.0 -> 2.5) is answered in the window: it counts towards images/s
+    # but not towards the latencies, which are the three sent at or after start=1.0.
+    spans = [(0.0, 0.5), (0.0, 2.5), (1.0, 1.1), (1.5, 1.6), (2.0, 3.0)]
+    w = serving.window(spans, start=1.0)
+    assert w["requests"] == 3 and w["images"] == 4 and w["seconds"] == 2.0 and w["images_per_s"] == 2.0
+    assert w["p99_ms"] == pytest.approx(1000.0) and w["p50_ms"] == pytest.approx(100.0)
+    assert w["mean_ms"] == pytest.approx(400.0)
+    assert serving.window([(0.0, 0.5)], start=1.0) == {"requests": 0, "images_per_s": 0.0}
+
+
 def test_summary_and_targets():
     s = serving.summarize([0.001 * i for i in range(1, 101)], 100, 2.0)
     assert s["images_per_s"] == 50.0 and s["p50_ms"] == pytest.approx(51.0) and s["p99_ms"] == pytest.approx(100.0)
