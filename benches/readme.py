@@ -104,8 +104,11 @@ def serving_block(data: Mapping[str, Any], slug: str, transport: str = "inproces
     from benches import serving
 
     env = data["environment"]
-    head = (f"{env['gpu']}; commit {(env.get('commit') or '?')[:7]}, {str(env.get('time', '?'))[:10]}; "
-            f"`benches/results/serving_{slug}_{transport}.json`")
+    runs = env.get("towers_from")  # a file that merges runs names each tower's
+    when = ("; ".join(f"{serving.TOWERS.get(name, {}).get('label', name)} from commit {run['commit'][:7]}, "
+                      f"{run['time'][:10]}" for name, run in runs.items()) if runs else
+            f"commit {(env.get('commit') or '?')[:7]}, {str(env.get('time', '?'))[:10]}")
+    head = f"{env['gpu']}; {when}; `benches/results/serving_{slug}_{transport}.json`"
     body = serving.render(dict(data)).split("\n", 2)[2]  # without its own title
     body = body.replace("\n## ", "\n#### ")
     parts = [head, env.get("commit_note"), body.strip()]
