@@ -526,13 +526,18 @@ def plot(data: dict[str, Any], path: Path) -> Path | None:
     for ax, (tower, transport, result) in zip(axes[0], panels):
         for system, by_c in result["points"].items():
             cs = [int(c) for c, p in by_c.items() if p.get("requests")]
-            ax.plot(cs, [by_c[str(c)]["images_per_s"] for c in cs], marker="o", label=system)
+            # One colour per system in every panel, whatever order a run measured them in: the legend is the
+            # first panel's.
+            ax.plot(cs, [by_c[str(c)]["images_per_s"] for c in cs], marker="o", label=system,
+                    color=f"C{SYSTEMS.index(system)}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("closed-loop clients")
         ax.set_ylabel("images/s")
         ax.set_title(f"{TOWERS[tower]['label']} ({transport})", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}  # every system of every panel
+    axes[0][0].legend([handles[n] for n in SYSTEMS if n in handles], [n for n in SYSTEMS if n in handles],
+                      fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
