@@ -12,11 +12,14 @@ Systems, each at concurrency 1 / 8 / 32 / 128 (clients that send one request, wa
 
 A request is one image (SigLIP: 384 x 384; Qwen: a seeded mix of 224-640 px photos). Per point: images/s over the
 measured window (requests answered after the warm-up; none starts after the window, those in flight drain),
-P50 / P99 / mean latency, requests per runner call, padded share. In-process clients are threads calling ``front.submit(...).result()`` on preprocessed tensors and
-copying the embedding to the host (what a server does); server clients are asyncio aiohttp tasks posting base64
-JPEGs (so the server's decoding and preprocessing are in the figures; ``--preprocess-workers`` is passed to
-every server, and recorded in the options). Target: ``graphed_coalesce`` >= 3x the
-images/s of ``hf_eager`` at concurrency 32 with a P99 no worse than ``graphed_per_request``.
+P50 / P99 / mean latency of the requests sent in the window (``benches.lib.load``), requests per runner call,
+padded share. The points interleave the systems (``run_points``); ``--repeats N`` runs each point N times, in
+rounds of one run per system, and pools the runs. In-process clients are threads calling
+``front.submit(...).result()`` on preprocessed tensors and copying the embedding to the host (what a server does);
+server clients are asyncio aiohttp tasks posting base64 JPEGs (so the server's decoding and preprocessing are in
+the figures; ``--preprocess-workers`` is passed to every server, and recorded in the options). Target:
+``graphed_coalesce`` >= 3x the images/s of ``hf_eager`` at concurrency 32 with a P99 no worse than
+``graphed_per_request``.
 
 Writes ``benches/results/serving_<gpu>[_<transport>].json`` and ``.md`` (+ ``_images_per_s.png`` with matplotlib;
 the transport is in the name when one is run alone). Self-contained
@@ -27,7 +30,6 @@ needs the ``[serve]`` and ``[bench]`` extras (FastAPI, uvicorn, prometheus_clien
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import copy
 import importlib
@@ -41,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
+from benches.lib.load import Run, closed_loop, http_closed_loop, summarize, window  # noqa: E402, F401
 from benches.lib.results import child_env, git_commit, result_dirs  # noqa: E402
 from encgraph.serving.metrics import STAGES  # noqa: E402
 
@@ -95,6 +97,12 @@ def _csv(cast: Any, choices: tuple[str, ...] | None = None) -> Any:
     return parse
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--towers", type=_csv(str, tuple(TOWERS)), default=tuple(TOWERS))
@@ -102,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transports", type=_csv(str, TRANSPORTS), default=TRANSPORTS)
     p.add_argument("--concurrency", type=_csv(int), default=(1, 8, 32, 128))
     p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point (default 4)")
-    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each point (default 1)")
+    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each run (default 1)")
+    p.add_argument("--repeats", type=_positive, default=1,
+                   help="runs per point, the systems interleaved; latencies pooled over the runs (default 1)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="graphed_coalesce's max_wait_ms (default 2)")
     p.add_argument("--compile", choices=("default", "off"), default="default",
                    help="default: the runner's own compile default (compile='auto': regional compile on CUDA); "
@@ -201,74 +211,14 @@ def _jpeg(width: int, height: int, seed: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- points
-def summarize(latencies: list[float], images: int, seconds: float) -> dict[str, Any]:
-    if not latencies or seconds <= 0:
-        return {"requests": 0, "images_per_s": 0.0}
-    ordered = sorted(latencies)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"requests": len(latencies), "images": images, "seconds": round(seconds, 3),
-            "images_per_s": round(images / seconds, 2), "p50_ms": round(pick(0.5) * 1e3, 3),
-            "p99_ms": round(pick(0.99) * 1e3, 3), "mean_ms": round(statistics.fmean(latencies) * 1e3, 3)}
-
-
-def window(spans: list[tuple[float, float]], start: float) -> dict[str, Any]:
-    """A point's numbers from its requests' ``(sent, answered)`` times (``time.perf_counter()``), the measured
-    window opening at ``start``: images/s counts the requests answered after ``start`` over the time from
-    ``start`` to the last answer; the latencies (``requests``, P50, P99, mean) are those of the requests sent at
-    or after ``start``. A request sent during the warm-up may have waited out the point's start-up (128 clients
-    connecting at once, the pinned-memory pool growing) and would carry it into the window's tail. (Counted by
-    their answers, as before, 128 closed-loop clients of Qwen2.5-VL behind encgraph serve on the H200, tree
-    cf9ded5, had a P99 of 2102 ms at a P50 of 424; which requests made it was not recorded.)"""
-    answered = [t1 for _, t1 in spans if t1 >= start]
-    if not answered:
-        return {"requests": 0, "images_per_s": 0.0}
-    return summarize([t1 - t0 for t0, t1 in spans if t0 >= start], len(answered), max(answered) - start)
-
-
-def closed_loop(send: Any, concurrency: int, warmup: float, duration: float) -> dict[str, Any]:
-    """``concurrency`` threads each calling ``send(k)`` (one image) back to back; none starts after the window,
-    the ones in flight then drain. The numbers: :func:`window`'s."""
-    start = time.perf_counter() + warmup
-    stop = start + duration
-    spans: list[tuple[float, float]] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def client(c: int) -> None:
-        k = c
-        while True:
-            t0 = time.perf_counter()
-            if t0 >= stop:
-                return
-            try:
-                send(k)
-            except Exception as exc:  # recorded, never hidden
-                with lock:
-                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
-                return
-            t1 = time.perf_counter()
-            with lock:
-                spans.append((t0, t1))
-            k += concurrency
-
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out = window(spans, start)
-    out["errors"] = len(errors)
-    if errors:
-        out["first_error"] = errors[0]
-    return out
-
-
 def front_options(system: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"defaults": {}, "graphed_per_request": {"max_requests": 1}, "graphed_nowait": {"max_wait_ms": 0.0},
             "graphed_coalesce": {"max_wait_ms": args.max_wait_ms}}.get(system, {"max_requests": 1})
 
 
-def run_inprocess(bench: Bench, system: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_inprocess(bench: Bench, system: str, concurrency: int,
+                  args: argparse.Namespace) -> tuple[Run, dict[str, Any]]:
+    """One run of a point in this process, and the front's requests per call, padded share and replays."""
     import torch
 
     from encgraph.serving import BatchingFront
@@ -285,11 +235,11 @@ def run_inprocess(bench: Bench, system: str, concurrency: int, args: argparse.Na
     bench.runner.reset_stats()
     try:
         with torch.inference_mode():
-            point = closed_loop(lambda k: host(submit(k).result()), concurrency, args.warmup, args.duration)
-        point.update(_front_summary(front.stats))
+            run = closed_loop(lambda k: host(submit(k).result()), concurrency, args.warmup, args.duration)
+        summary = _front_summary(front.stats)
     finally:
         front.close()
-    return point
+    return run, summary
 
 
 def _front_summary(stats: dict[str, Any]) -> dict[str, Any]:
@@ -310,10 +260,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve(checkpoint: str, system: str, args: argparse.Namespace, device: str, dtype: str) -> tuple[Any, str]:
-    """Start ``encgraph serve`` for ``system``; returns the process and its URL once ``/health`` answers."""
-    import httpx
-
+def start_server(checkpoint: str, system: str, args: argparse.Namespace, device: str, dtype: str) -> tuple[Any, str, Any]:
+    """Start ``encgraph serve`` for ``system`` (returns at once): the process, its URL and its log file."""
     port = _free_port()
     flags = {"hf_eager": ["--eager"], "defaults": [], "graphed_per_request": ["--max-requests", "1"],
              "graphed_nowait": ["--max-wait-ms", "0"], "graphed_coalesce": ["--max-wait-ms", str(args.max_wait_ms)]}
@@ -322,14 +270,20 @@ def serve(checkpoint: str, system: str, args: argparse.Namespace, device: str, d
     if args.preprocess_workers is not None:
         cmd += ["--preprocess-workers", args.preprocess_workers]
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=child_env())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def wait_server(proc: Any, url: str, log: Any, timeout: float = 600.0) -> None:
+    """Wait until the server's ``/health`` answers; if it exits or does not answer in time, kill it and raise
+    with the end of its log."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             time.sleep(0.25)
     proc.kill()
@@ -337,44 +291,15 @@ def serve(checkpoint: str, system: str, args: argparse.Namespace, device: str, d
     raise RuntimeError(f"encgraph serve did not start: {log.read().decode(errors='replace')[-2000:]}")
 
 
+def server_bodies(images: list[str]) -> list[bytes]:
+    """One request body per image (base64 JPEG, base64 answers)."""
+    return [json.dumps({"input": [image], "encoding_format": "base64"}).encode() for image in images]
+
+
 def run_server(url: str, images: list[str], concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
-    """``concurrency`` closed-loop aiohttp clients in this process's event loop. aiohttp, not httpx: httpx's
-    client cost 3.0 ms of CPU per request at 8 connections and 8.4 ms at 32 (against a server that answers at
-    once, on this repository's 2-core CPU: 229 and 103 requests/s), so it, not the server, set the ceiling;
-    aiohttp's cost 0.6-0.8 ms at 1-32."""
-    import aiohttp
-
-    bodies = [json.dumps({"input": [image], "encoding_format": "base64"}).encode() for image in images]
-    headers = {"content-type": "application/json"}
-
-    async def main() -> dict[str, Any]:
-        start = time.perf_counter() + args.warmup
-        stop = start + args.duration
-        spans: list[tuple[float, float]] = []
-        errors: list[str] = []
-        connector = aiohttp.TCPConnector(limit=concurrency)
-        timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as client:
-            async def one(c: int) -> None:
-                k = c
-                while (t0 := time.perf_counter()) < stop:
-                    async with client.post("/v1/embeddings", data=bodies[k % len(bodies)], headers=headers) as r:
-                        text = await r.read()
-                        t1 = time.perf_counter()
-                        if r.status != 200:
-                            errors.append(f"{r.status}: {text[:200].decode(errors='replace')}")
-                            return
-                    spans.append((t0, t1))
-                    k += concurrency
-
-            await asyncio.gather(*(one(c) for c in range(concurrency)))
-        out = window(spans, start)
-        out["errors"] = len(errors)
-        if errors:
-            out["first_error"] = errors[0]
-        return out
-
-    return asyncio.run(main())
+    """One point of ``concurrency`` closed-loop HTTP clients against the server at ``url``: :func:`window`'s."""
+    return window([http_closed_loop(url, "/v1/embeddings", server_bodies(images), concurrency, args.warmup,
+                                    args.duration)])
 
 
 def server_counters(url: str) -> dict[str, float]:
@@ -401,10 +326,18 @@ def server_counters(url: str) -> dict[str, float]:
     return out
 
 
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
 def counter_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """A point's counter deltas: requests per runner call, padded share, and the server's mean ms per request in
     each stage (``stage_ms``: where a host-bound server spends its time)."""
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    return delta_summary(counter_delta(before, after))
+
+
+def delta_summary(d: dict[str, float]) -> dict[str, Any]:
+    """:func:`counter_summary` of deltas (summed over a point's runs)."""
     units = d["real"] + d["padded"]
     stages = {s: round(1e3 * d[f"stage_s:{s}"] / d[f"stage_n:{s}"], 3) for s in STAGES if d.get(f"stage_n:{s}")}
     return {"requests_per_call": round(d["completed"] / d["calls"], 2) if d["calls"] else None,
@@ -413,12 +346,16 @@ def counter_summary(before: dict[str, float], after: dict[str, float]) -> dict[s
             "pipe_results": int(d["pipe"])}
 
 
-def stop_server(proc: Any) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def stop_servers(procs: list[Any]) -> None:
+    """SIGTERM to every server, then wait for each (killed past 60 s)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -458,6 +395,9 @@ def targets(points: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["coalesce_3x_hf_eager"] = out["coalesce_vs_hf_eager_images_per_s"] >= 3.0
     if per and co:
         out["coalesce_p99_not_worse_than_per_request"] = co["p99_ms"] <= per["p99_ms"]
+        if "runs" in co and "runs" in per:  # the k-th runs of both ran in the same round
+            pairs = list(zip(co["runs"], per["runs"]))
+            out["coalesce_p99_not_worse_runs"] = f"{sum(a['p99_ms'] <= b['p99_ms'] for a, b in pairs)} of {len(pairs)}"
     default = at("defaults")  # the same targets for what a user starts with no options
     if hf and default:
         out["defaults_vs_hf_eager_images_per_s"] = round(default["images_per_s"] / max(hf["images_per_s"], 1e-9), 2)
@@ -469,10 +409,14 @@ def targets(points: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     workers = data["options"].get("preprocess_workers")  # absent from runs before the option
     servers = "" if workers is None else f"; servers with --preprocess-workers {workers}"
+    repeats = data["options"].get("repeats", 1)  # absent from runs before the option
+    rounds = "" if repeats == 1 else (f", {repeats} runs per point in rounds of one run per system (latencies "
+                                      "pooled over a point's runs)")
     lines = [f"# Serving: {data['environment']['gpu']}", "",
              f"torch {data['environment']['torch']}, transformers {data['environment']['transformers']}; "
-             f"{data['options']['duration']} s per point after {data['options']['warmup']} s warm-up; one image per "
-             f"request; graphed_coalesce max_wait_ms={data['options']['max_wait_ms']}{servers}.", ""]
+             f"{data['options']['duration']} s per {'point' if repeats == 1 else 'run'} after "
+             f"{data['options']['warmup']} s warm-up{rounds}; one image per request; graphed_coalesce "
+             f"max_wait_ms={data['options']['max_wait_ms']}{servers}.", ""]
     for tower, by_transport in data["towers"].items():
         for transport, result in by_transport.items():
             lines += [f"## {TOWERS[tower]['label']}, {transport}", ""]
@@ -501,8 +445,10 @@ def render(data: dict[str, Any]) -> str:
                 ratio = ("hf_eager not in this run" if "coalesce_vs_hf_eager_images_per_s" not in t else
                          f"{t['coalesce_vs_hf_eager_images_per_s']} (target >= 3: "
                          f"{'met' if t.get('coalesce_3x_hf_eager') else 'not met'})")
+                runs = t.get("coalesce_p99_not_worse_runs")
                 lines += ["", f"At {t['clients']} clients: graphed_coalesce / hf_eager images/s = {ratio}; P99 no "
-                          f"worse than graphed_per_request: {t.get('coalesce_p99_not_worse_than_per_request')}."]
+                          f"worse than graphed_per_request: {t.get('coalesce_p99_not_worse_than_per_request')}"
+                          + (f" (pooled; in {runs} runs of a round)." if runs else ".")]
                 if "defaults_vs_hf_eager_images_per_s" in t or "defaults_p99_not_worse_than_per_request" in t:
                     lines += ["", f"defaults (no options) / hf_eager images/s = "
                               f"{t.get('defaults_vs_hf_eager_images_per_s', 'hf_eager not in this run')}; P99 no "
@@ -605,35 +551,86 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: Any, dtype: Any,
                result: dict[str, Any], deadline: float, flush: Any) -> None:
+    """Every point of ``bench`` over ``transport``, interleaved: at each concurrency, ``--repeats`` rounds of one
+    run per system (each round in another rotation of the systems), so that the systems compared at a point ran
+    seconds apart under the same host conditions, and a cut by the time budget leaves them the same points.
+    Through the server each system's ``encgraph serve`` starts once, all of them together before the first
+    point, and stops after the last (an idle server costs the measured one nothing: its threads wait on queues
+    and sockets, its heap is frozen)."""
+    points: dict[str, dict[str, Any]] = result["points"]
+    for system in args.systems:
+        points.setdefault(system, {})
     with tempfile.TemporaryDirectory() as checkpoint:
-        images: list[str] = []
-        if transport == "server":
-            bench.save(checkpoint)
-            images = [_jpeg(w, h, seed=i) for i, (w, h) in enumerate(bench.pool)]
-        for system in args.systems:
-            by_c: dict[str, Any] = result["points"].setdefault(system, {})
-            if time.monotonic() > deadline:
-                by_c.update({str(c): {"skipped": "skipped: time budget"} for c in args.concurrency})
-                continue
-            proc = url = None
+        servers: dict[str, tuple[Any, str, Any]] = {}
+        bodies: list[bytes] = []
+        try:
             if transport == "server":
-                proc, url = serve(checkpoint, system, args, device.type, str(dtype).replace("torch.", ""))
-            try:
-                for c in args.concurrency:
-                    if time.monotonic() > deadline:
-                        by_c[str(c)] = {"skipped": "skipped: time budget"}
-                        continue
-                    print(f"[serving] {bench.name} {transport} {system} x{c}", file=sys.stderr, flush=True)
-                    if transport == "inprocess":
-                        by_c[str(c)] = run_inprocess(bench, system, c, args)
-                    else:
-                        before = server_counters(url)
-                        point = run_server(url, images, c, args)
-                        by_c[str(c)] = {**point, **counter_summary(before, server_counters(url))}
-                    flush()
-            finally:
-                if proc is not None:
-                    stop_server(proc)
+                bench.save(checkpoint)
+                bodies = server_bodies([_jpeg(w, h, seed=i) for i, (w, h) in enumerate(bench.pool)])
+                kind = str(dtype).replace("torch.", "")
+                for system in args.systems:
+                    servers[system] = start_server(checkpoint, system, args, device.type, kind)
+                for proc, url, log in servers.values():
+                    wait_server(proc, url, log)
+            for c in args.concurrency:
+                runs: dict[str, list[Run]] = {s: [] for s in args.systems}
+                extras: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+                for r in range(args.repeats):
+                    k = r % len(args.systems)
+                    for system in args.systems[k:] + args.systems[:k]:
+                        if time.monotonic() > deadline:
+                            if not runs[system]:
+                                points[system][str(c)] = {"skipped": "skipped: time budget"}
+                            continue
+                        print(f"[serving] {bench.name} {transport} {system} x{c} run {r + 1}", file=sys.stderr,
+                              flush=True)
+                        if transport == "inprocess":
+                            run, extra = run_inprocess(bench, system, c, args)
+                        else:
+                            url = servers[system][1]
+                            before = server_counters(url)
+                            run = http_closed_loop(url, "/v1/embeddings", bodies, c, args.warmup, args.duration)
+                            extra = counter_delta(before, server_counters(url))
+                        runs[system].append(run)
+                        extras[system].append(extra)
+                        points[system][str(c)] = _point(runs[system], extras[system], transport)
+                        flush()
+        finally:
+            stop_servers([proc for proc, _, _ in servers.values()])
+
+
+def _point(runs: list[Run], extras: list[dict[str, Any]], transport: str) -> dict[str, Any]:
+    """A point from its runs (:func:`window`) and, per run, the server's counter deltas (summed) or the front's
+    summary (:func:`_merge_fronts`)."""
+    out = window(runs)
+    if transport == "server":
+        total: dict[str, float] = {}
+        for delta in extras:
+            for key, value in delta.items():
+                total[key] = total.get(key, 0.0) + value
+        out.update(delta_summary(total))
+    else:
+        out.update(_merge_fronts(extras))
+    return out
+
+
+def _merge_fronts(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`_front_summary` over several runs: the mean requests per call and padded share, the eager items and
+    the replays per budget summed."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out: dict[str, Any] = {}
+    for key in ("requests_per_call", "padded_share"):
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        out[key] = round(statistics.fmean(values), 4) if values else None
+    if any("eager_items" in s for s in summaries):
+        out["eager_items"] = sum(s.get("eager_items", 0) for s in summaries)
+        replays: dict[str, int] = {}
+        for s in summaries:
+            for budget, n in s.get("replays", {}).items():
+                replays[budget] = replays.get(budget, 0) + n
+        out["replays"] = replays
+    return out
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from benches import serving  # noqa: E402
+from benches.lib.load import Run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = ["--cpu-smoke", "--concurrency", "2", "--duration", "0.2", "--warmup", "0.05"]
@@ -50,12 +51,38 @@ def test_inprocess_smoke_writes_every_point(tmp_path):
 def test_the_window_times_requests_sent_in_it_and_counts_those_answered_in_it():
     # A slow request sent during the warm-up (0.0 -> 2.5) is answered in the window: it counts towards images/s
     # but not towards the latencies, which are the three sent at or after start=1.0.
-    spans = [(0.0, 0.5), (0.0, 2.5), (1.0, 1.1), (1.5, 1.6), (2.0, 3.0)]
-    w = serving.window(spans, start=1.0)
+    run = Run(((0.0, 0.5), (0.0, 2.5), (1.0, 1.1), (1.5, 1.6), (2.0, 3.0)), start=1.0)
+    w = serving.window([run])
     assert w["requests"] == 3 and w["images"] == 4 and w["seconds"] == 2.0 and w["images_per_s"] == 2.0
     assert w["p99_ms"] == pytest.approx(1000.0) and w["p50_ms"] == pytest.approx(100.0)
-    assert w["mean_ms"] == pytest.approx(400.0)
-    assert serving.window([(0.0, 0.5)], start=1.0) == {"requests": 0, "images_per_s": 0.0}
+    assert w["mean_ms"] == pytest.approx(400.0) and w["errors"] == 0 and "runs" not in w
+    assert serving.window([Run(((0.0, 0.5),), start=1.0)]) == {"requests": 0, "images_per_s": 0.0, "errors": 0}
+
+
+def test_a_points_runs_pool_their_latencies_answers_and_seconds():
+    a = Run(((10.0, 10.1), (10.1, 10.3)), start=10.0)  # 2 answers in 0.3 s
+    b = Run(((20.0, 20.5),), start=20.0, errors=("503: overloaded",))  # 1 answer in 0.5 s, one client failed
+    w = serving.window([a, b])
+    assert w["requests"] == 3 and w["images"] == 3 and w["seconds"] == pytest.approx(0.8)
+    assert w["images_per_s"] == pytest.approx(3 / 0.8, rel=1e-3) and w["p99_ms"] == pytest.approx(500.0)
+    assert w["errors"] == 1 and w["first_error"] == "503: overloaded"
+    assert [r["p99_ms"] for r in w["runs"]] == [pytest.approx(200.0), pytest.approx(500.0)]
+
+
+def test_repeated_points_interleave_the_systems_and_pool_their_runs(tmp_path, capsys):
+    data = serving.main(SMOKE + ["--transports", "inprocess", "--towers", "siglip_so400m_384", "--repeats", "2",
+                                 "--systems", "graphed_per_request,graphed_coalesce", "--results-dir", str(tmp_path)])
+    points = data["towers"]["siglip_so400m_384"]["inprocess"]["points"]
+    for system in ("graphed_per_request", "graphed_coalesce"):
+        p = points[system]["2"]
+        assert len(p["runs"]) == 2 and p["requests"] >= 2 and p["errors"] == 0
+    t = data["towers"]["siglip_so400m_384"]["inprocess"]["targets"]
+    assert t["coalesce_p99_not_worse_runs"] in {"0 of 2", "1 of 2", "2 of 2"}
+    order = [line.split()[3] for line in capsys.readouterr().err.splitlines() if line.startswith("[serving] siglip")
+             and " x2 " in line]
+    # Round 1 in the given order, round 2 rotated by one.
+    assert order == ["graphed_per_request", "graphed_coalesce", "graphed_coalesce", "graphed_per_request"], order
+    assert "2 runs per point" in (tmp_path / "serving_cpu-smoke_inprocess.md").read_text()
 
 
 def test_summary_and_targets():
