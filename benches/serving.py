@@ -30,17 +30,10 @@ needs the ``[serve]`` and ``[bench]`` extras (FastAPI, uvicorn, prometheus_clien
 from __future__ import annotations
 
 import argparse
-import base64
-import copy
-import importlib
-import io
 import json
 import platform
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,40 +44,18 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
+# What tests and benches/readme.py reach through this script are re-exported (F401).
 from benches.lib.load import Run, closed_loop, http_closed_loop, summarize, window  # noqa: E402, F401
-from benches.lib.results import child_env, git_commit, result_dirs  # noqa: E402
-from encgraph.serving.metrics import STAGES  # noqa: E402
+from benches.lib.results import git_commit, result_dirs  # noqa: E402
+from benches.lib.serving_http import (  # noqa: E402, F401
+    counter_delta, counter_summary, delta_summary, run_server, server_bodies, server_counters, server_missing,
+    start_server, stop_servers, wait_server,
+)
+from benches.lib.serving_report import plot, render, targets  # noqa: E402, F401
+from benches.lib.serving_towers import SYSTEMS, TOWERS, TRANSPORTS, Bench, _jpeg  # noqa: E402, F401
 
 SCRIPT = "serving"
-SYSTEMS = ("hf_eager", "defaults", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
-TRANSPORTS = ("inprocess", "server")
 SMOKE_SLUG = "cpu-smoke"
-_SIGLIP = ("transformers:SiglipVisionModel", "transformers:SiglipVisionConfig", "SiglipImageProcessor")
-_QWEN = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
-         "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl:Qwen2_5_VLVisionConfig", "Qwen2VLImageProcessor")
-TOWERS: dict[str, dict[str, Any]] = {
-    "siglip_so400m_384": dict(
-        label="SigLIP-so400m 384 px", refs=_SIGLIP, sizes=[(384, 384)],
-        full=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                  patch_size=14, image_size=384),
-        tiny=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28),
-    ),
-    "qwen2_5_vl_7b": dict(
-        label="Qwen2.5-VL-7B tower", refs=_QWEN,
-        sizes=[(224, 224), (336, 336), (448, 448), (448, 336), (640, 480), (512, 384)],
-        full=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                  fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
-        tiny=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, window_size=56,
-                  fullatt_block_indexes=[1]),
-    ),
-}
-TINY_SIZES = {"siglip_so400m_384": [(28, 28)], "qwen2_5_vl_7b": [(56, 56), (84, 56), (112, 84)]}
-
-
-def _load(ref: str) -> Any:
-    module, attr = ref.split(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def _csv(cast: Any, choices: tuple[str, ...] | None = None) -> Any:
@@ -92,7 +63,8 @@ def _csv(cast: Any, choices: tuple[str, ...] | None = None) -> Any:
         values = tuple(cast(v.strip()) for v in text.split(",") if v.strip())
         bad = [v for v in values if choices is not None and v not in choices]
         if not values or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma list{f' out of {choices}' if choices else ''}, got {text!r}")
+            among = f" out of {choices}" if choices else ""
+            raise argparse.ArgumentTypeError(f"expected a comma list{among}, got {text!r}")
         return values
     return parse
 
@@ -127,87 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-smoke", "--dry-run", action="store_true",
                    help="tiny towers on the CPU, concurrency 1,4, 0.3 s points: the whole path in seconds")
     return p
-
-
-# ---------------------------------------------------------------------------------------------------- towers
-class Bench:
-    """One tower: an HF instance (its own forward), a wrapped twin with a captured runner, and request pools."""
-
-    def __init__(self, name: str, args: argparse.Namespace, device: Any, dtype: Any) -> None:
-        import numpy as np
-        import torch
-
-        import encgraph
-        from encgraph.models.registry import wrap
-
-        spec = TOWERS[name]
-        self.name, self.spec, self.device, self.dtype = name, spec, device, dtype
-        model_ref, config_ref, self.processor_name = spec["refs"]
-        config = _load(config_ref)(**{**spec["full"], **(spec["tiny"] if args.cpu_smoke else {})})
-        torch.manual_seed(args.seed)
-        with torch.device(device):
-            self.hf = _load(model_ref)._from_config(config).to(dtype).eval()
-        self.graph_tower = copy.deepcopy(self.hf)  # before wrapping: a wrapped tower must not be copied
-        self.adapter = wrap(self.graph_tower)
-        options = {} if args.compile == "default" else {"compile": False}
-        self.runner = encgraph.EncoderGraphRunner(self.adapter, **options)  # the defaults unless --compile off
-        t0 = time.perf_counter()
-        self.capture = dict(self.runner.capture(), wall_seconds=round(time.perf_counter() - t0, 2))
-        self.sizes = TINY_SIZES[name] if args.cpu_smoke else spec["sizes"]
-        rng = np.random.default_rng(args.seed)
-        self.pool = [self.sizes[int(i)] for i in rng.integers(len(self.sizes), size=32)]
-        self.processor = self._processor()
-        self.requests = [self._tensors(w, h) for w, h in self.pool]
-
-    def _processor(self) -> Any:
-        import transformers
-
-        cls = getattr(transformers, self.processor_name)
-        if self.processor_name.startswith("Siglip"):
-            side = self.hf.config.image_size
-            return cls(size={"height": side, "width": side})
-        largest = max(w * h for w, h in self.sizes)
-        return cls(size={"shortest_edge": 56 * 56, "longest_edge": max(largest, 56 * 56)})
-
-    def _tensors(self, width: int, height: int) -> tuple[Any, ...]:
-        """A preprocessed request of one image: ``(pixel_values,)`` or ``(pixel_rows, grid_thw)``."""
-        import torch
-
-        images = [_noise_image(width, height, seed=width * 7 + height)]
-        out = self.processor(images=images, return_tensors="pt")
-        pixels = out["pixel_values"].to(self.device, self.dtype)
-        if "image_grid_thw" in out:
-            return pixels, out["image_grid_thw"].to(self.device)
-        return (pixels,)
-
-    def hf_forward(self, request: tuple[Any, ...]) -> Any:
-        if len(request) == 2:
-            return self.hf(request[0], grid_thw=request[1]).pooler_output
-        return self.hf(pixel_values=request[0]).pooler_output
-
-    def inputs(self, request: tuple[Any, ...]) -> Any:
-        if len(request) == 2:
-            return self.adapter.inputs(request[0], request[1])
-        return self.adapter.inputs_from_call(pixel_values=request[0])
-
-    def save(self, directory: str) -> None:
-        """The HF tower and its processor as a checkpoint directory for ``encgraph serve --model``."""
-        self.hf.save_pretrained(directory)
-        self.processor.save_pretrained(directory)
-
-
-def _noise_image(width: int, height: int, seed: int) -> Any:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def _jpeg(width: int, height: int, seed: int) -> str:
-    buf = io.BytesIO()
-    _noise_image(width, height, seed).save(buf, format="JPEG", quality=90)
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 # ---------------------------------------------------------------------------------------------------- points
@@ -253,111 +144,6 @@ def _front_summary(stats: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------- server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(checkpoint: str, system: str, args: argparse.Namespace, device: str, dtype: str) -> tuple[Any, str, Any]:
-    """Start ``encgraph serve`` for ``system`` (returns at once): the process, its URL and its log file."""
-    port = _free_port()
-    flags = {"hf_eager": ["--eager"], "defaults": [], "graphed_per_request": ["--max-requests", "1"],
-             "graphed_nowait": ["--max-wait-ms", "0"], "graphed_coalesce": ["--max-wait-ms", str(args.max_wait_ms)]}
-    cmd = [sys.executable, "-m", "encgraph", "serve", "--model", f"bench={checkpoint}", "--device", device,
-           "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags[system]]
-    if args.preprocess_workers is not None:
-        cmd += ["--preprocess-workers", args.preprocess_workers]
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env())
-    return proc, f"http://127.0.0.1:{port}", log
-
-
-def wait_server(proc: Any, url: str, log: Any, timeout: float = 600.0) -> None:
-    """Wait until the server's ``/health`` answers; if it exits or does not answer in time, kill it and raise
-    with the end of its log."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    proc.kill()
-    log.seek(0)
-    raise RuntimeError(f"encgraph serve did not start: {log.read().decode(errors='replace')[-2000:]}")
-
-
-def server_bodies(images: list[str]) -> list[bytes]:
-    """One request body per image (base64 JPEG, base64 answers)."""
-    return [json.dumps({"input": [image], "encoding_format": "base64"}).encode() for image in images]
-
-
-def run_server(url: str, images: list[str], concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One point of ``concurrency`` closed-loop HTTP clients against the server at ``url``: :func:`window`'s."""
-    return window([http_closed_loop(url, "/v1/embeddings", server_bodies(images), concurrency, args.warmup,
-                                    args.duration)])
-
-
-def server_counters(url: str) -> dict[str, float]:
-    """The server's ``/metrics`` counters this script reads: completed requests, runner calls, real and padded
-    units, results through the preprocessing pool's pipe (``pipe``), and per request stage its seconds and count
-    (``stage_s:<stage>``, ``stage_n:<stage>``), summed over models."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = dict.fromkeys(("completed", "calls", "real", "padded", "pipe"), 0.0)
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in family.samples:
-            if s.name == "encgraph_front_requests_total" and s.labels.get("outcome") == "completed":
-                out["completed"] += s.value
-            elif s.name == "encgraph_front_calls_total":
-                out["calls"] += s.value
-            elif s.name == "encgraph_preprocess_pipe_results_total":
-                out["pipe"] += s.value
-            elif s.name == "encgraph_tokens_total":
-                out[s.labels["kind"]] += s.value
-            elif s.name in ("encgraph_request_stage_seconds_sum", "encgraph_request_stage_seconds_count"):
-                key = f"stage_{'s' if s.name.endswith('_sum') else 'n'}:{s.labels['stage']}"
-                out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
-def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in after}
-
-
-def counter_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """A point's counter deltas: requests per runner call, padded share, and the server's mean ms per request in
-    each stage (``stage_ms``: where a host-bound server spends its time)."""
-    return delta_summary(counter_delta(before, after))
-
-
-def delta_summary(d: dict[str, float]) -> dict[str, Any]:
-    """:func:`counter_summary` of deltas (summed over a point's runs)."""
-    units = d["real"] + d["padded"]
-    stages = {s: round(1e3 * d[f"stage_s:{s}"] / d[f"stage_n:{s}"], 3) for s in STAGES if d.get(f"stage_n:{s}")}
-    return {"requests_per_call": round(d["completed"] / d["calls"], 2) if d["calls"] else None,
-            "padded_share": round(d["padded"] / units, 4) if units else None, "stage_ms": stages,
-            # Requests whose pixels came back through the preprocessing pool's pipe, not a shared-memory slot.
-            "pipe_results": int(d["pipe"])}
-
-
-def stop_servers(procs: list[Any]) -> None:
-    """SIGTERM to every server, then wait for each (killed past 60 s)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 # ---------------------------------------------------------------------------------------------------- main
 def environment(device: Any) -> dict[str, Any]:
     import torch
@@ -373,121 +159,6 @@ def slug(env: dict[str, Any], smoke: bool) -> str:
     return SMOKE_SLUG if smoke else "-".join("".join(c if c.isalnum() else " " for c in env["gpu"].lower()).split())
 
 
-def server_missing() -> str | None:
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "PIL", "httpx", "aiohttp")
-               if importlib.util.find_spec(m) is None]
-    return f"skipped: needs {', '.join(missing)} (pip install 'encgraph[serve,bench]')" if missing else None
-
-
-def targets(points: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's target at concurrency 32 (or the largest measured below it)."""
-    def at(system: str) -> dict[str, Any] | None:
-        by_c = points.get(system, {})
-        cs = [int(c) for c, p in by_c.items() if p.get("requests")]
-        pick = max((c for c in cs if c <= 32), default=None)  # the same for every system: one concurrency list
-        return by_c[str(pick)] if pick is not None else None
-
-    hf, per, co = at("hf_eager"), at("graphed_per_request"), at("graphed_coalesce")
-    out: dict[str, Any] = {"clients": max((int(c) for c in points.get("graphed_coalesce", {}) if int(c) <= 32),
-                                          default=None)}
-    if hf and co:
-        out["coalesce_vs_hf_eager_images_per_s"] = round(co["images_per_s"] / max(hf["images_per_s"], 1e-9), 2)
-        out["coalesce_3x_hf_eager"] = out["coalesce_vs_hf_eager_images_per_s"] >= 3.0
-    if per and co:
-        out["coalesce_p99_not_worse_than_per_request"] = co["p99_ms"] <= per["p99_ms"]
-        if "runs" in co and "runs" in per:  # the k-th runs of both ran in the same round
-            pairs = list(zip(co["runs"], per["runs"]))
-            out["coalesce_p99_not_worse_runs"] = f"{sum(a['p99_ms'] <= b['p99_ms'] for a, b in pairs)} of {len(pairs)}"
-    default = at("defaults")  # the same targets for what a user starts with no options
-    if hf and default:
-        out["defaults_vs_hf_eager_images_per_s"] = round(default["images_per_s"] / max(hf["images_per_s"], 1e-9), 2)
-    if per and default:
-        out["defaults_p99_not_worse_than_per_request"] = default["p99_ms"] <= per["p99_ms"]
-    return out
-
-
-def render(data: dict[str, Any]) -> str:
-    workers = data["options"].get("preprocess_workers")  # absent from runs before the option
-    servers = "" if workers is None else f"; servers with --preprocess-workers {workers}"
-    repeats = data["options"].get("repeats", 1)  # absent from runs before the option
-    rounds = "" if repeats == 1 else (f", {repeats} runs per point in rounds of one run per system (latencies "
-                                      "pooled over a point's runs)")
-    lines = [f"# Serving: {data['environment']['gpu']}", "",
-             f"torch {data['environment']['torch']}, transformers {data['environment']['transformers']}; "
-             f"{data['options']['duration']} s per {'point' if repeats == 1 else 'run'} after "
-             f"{data['options']['warmup']} s warm-up{rounds}; one image per request; graphed_coalesce "
-             f"max_wait_ms={data['options']['max_wait_ms']}{servers}.", ""]
-    for tower, by_transport in data["towers"].items():
-        for transport, result in by_transport.items():
-            lines += [f"## {TOWERS[tower]['label']}, {transport}", ""]
-            if "skipped" in result:
-                lines += [result["skipped"], ""]
-                continue
-            # The server's own split of a request's time, where the run measured it (servers with stage metrics).
-            staged = any(p.get("stage_ms") for by_c in result["points"].values() for p in by_c.values())
-            extra = (" server ms per request: " + " / ".join(STAGES) + " |") if staged else ""
-            lines += ["| clients | system | images/s | P50 ms | P99 ms | requests/call | padded share |" + extra,
-                      "|---|---|---|---|---|---|---|" + ("---|" if staged else "")]
-            for system, by_c in result["points"].items():
-                for c, p in by_c.items():
-                    if not p.get("requests"):
-                        lines.append(f"| {c} | {system} | {p.get('skipped') or p.get('first_error') or 'no answer'} "
-                                     "| | | | |" + (" |" if staged else ""))
-                        continue
-                    share = "" if p.get("padded_share") is None else f"{100 * p['padded_share']:.1f}%"
-                    split = p.get("stage_ms") or {}
-                    cell = (" " + " / ".join(f"{split[k]:.2f}" if k in split else "-" for k in STAGES) + " |"
-                            if staged else "")
-                    lines.append(f"| {c} | {system} | {p['images_per_s']:.1f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} "
-                                 f"| {p.get('requests_per_call') or ''} | {share} |" + cell)
-            t = result.get("targets", {})
-            if len(t) > 1:
-                ratio = ("hf_eager not in this run" if "coalesce_vs_hf_eager_images_per_s" not in t else
-                         f"{t['coalesce_vs_hf_eager_images_per_s']} (target >= 3: "
-                         f"{'met' if t.get('coalesce_3x_hf_eager') else 'not met'})")
-                runs = t.get("coalesce_p99_not_worse_runs")
-                lines += ["", f"At {t['clients']} clients: graphed_coalesce / hf_eager images/s = {ratio}; P99 no "
-                          f"worse than graphed_per_request: {t.get('coalesce_p99_not_worse_than_per_request')}"
-                          + (f" (pooled; in {runs} runs of a round)." if runs else ".")]
-                if "defaults_vs_hf_eager_images_per_s" in t or "defaults_p99_not_worse_than_per_request" in t:
-                    lines += ["", f"defaults (no options) / hf_eager images/s = "
-                              f"{t.get('defaults_vs_hf_eager_images_per_s', 'hf_eager not in this run')}; P99 no "
-                              f"worse than graphed_per_request: {t.get('defaults_p99_not_worse_than_per_request')}."]
-            lines.append("")
-    return "\n".join(lines)
-
-
-def plot(data: dict[str, Any], path: Path) -> Path | None:
-    if importlib.util.find_spec("matplotlib") is None:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(t, tr, r) for t, by in data["towers"].items() for tr, r in by.items() if "points" in r]
-    if not panels:
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
-    for ax, (tower, transport, result) in zip(axes[0], panels):
-        for system, by_c in result["points"].items():
-            cs = [int(c) for c, p in by_c.items() if p.get("requests")]
-            # One colour per system in every panel, whatever order a run measured them in: the legend is the
-            # first panel's.
-            ax.plot(cs, [by_c[str(c)]["images_per_s"] for c in cs], marker="o", label=system,
-                    color=f"C{SYSTEMS.index(system)}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("closed-loop clients")
-        ax.set_ylabel("images/s")
-        ax.set_title(f"{TOWERS[tower]['label']} ({transport})", fontsize=9)
-        ax.grid(alpha=0.3)
-    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}  # every system of every panel
-    axes[0][0].legend([handles[n] for n in SYSTEMS if n in handles], [n for n in SYSTEMS if n in handles],
-                      fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

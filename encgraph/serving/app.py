@@ -186,7 +186,8 @@ def _encode(array: Any, fmt: str) -> Any:
 def _answer(model: Any, results: list[Any], request: EmbeddingRequest) -> JSONResponse:
     data = []
     for i, (pooled, tokens) in enumerate(model.embeddings(results, request.return_tokens)):
-        entry: dict[str, Any] = {"object": "embedding", "index": i, "embedding": _encode(pooled, request.encoding_format)}
+        embedding = _encode(pooled, request.encoding_format)
+        entry: dict[str, Any] = {"object": "embedding", "index": i, "embedding": embedding}
         if tokens is not None:
             entry["tokens"] = _encode(tokens, request.encoding_format)
             entry["tokens_shape"] = list(tokens.shape)

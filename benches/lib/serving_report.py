@@ -1,0 +1,122 @@
+"""What ``benches/serving.py`` reports: the issue's targets at 32 clients, the markdown tables and the plot of
+images/s against clients."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from benches.lib.serving_towers import SYSTEMS, TOWERS
+from encgraph.serving.metrics import STAGES
+
+
+def targets(points: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's target at concurrency 32 (or the largest measured below it)."""
+    def at(system: str) -> dict[str, Any] | None:
+        by_c = points.get(system, {})
+        cs = [int(c) for c, p in by_c.items() if p.get("requests")]
+        pick = max((c for c in cs if c <= 32), default=None)  # the same for every system: one concurrency list
+        return by_c[str(pick)] if pick is not None else None
+
+    hf, per, co = at("hf_eager"), at("graphed_per_request"), at("graphed_coalesce")
+    out: dict[str, Any] = {"clients": max((int(c) for c in points.get("graphed_coalesce", {}) if int(c) <= 32),
+                                          default=None)}
+    if hf and co:
+        out["coalesce_vs_hf_eager_images_per_s"] = round(co["images_per_s"] / max(hf["images_per_s"], 1e-9), 2)
+        out["coalesce_3x_hf_eager"] = out["coalesce_vs_hf_eager_images_per_s"] >= 3.0
+    if per and co:
+        out["coalesce_p99_not_worse_than_per_request"] = co["p99_ms"] <= per["p99_ms"]
+        if "runs" in co and "runs" in per:  # the k-th runs of both ran in the same round
+            pairs = list(zip(co["runs"], per["runs"]))
+            out["coalesce_p99_not_worse_runs"] = f"{sum(a['p99_ms'] <= b['p99_ms'] for a, b in pairs)} of {len(pairs)}"
+    default = at("defaults")  # the same targets for what a user starts with no options
+    if hf and default:
+        out["defaults_vs_hf_eager_images_per_s"] = round(default["images_per_s"] / max(hf["images_per_s"], 1e-9), 2)
+    if per and default:
+        out["defaults_p99_not_worse_than_per_request"] = default["p99_ms"] <= per["p99_ms"]
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    workers = data["options"].get("preprocess_workers")  # absent from runs before the option
+    servers = "" if workers is None else f"; servers with --preprocess-workers {workers}"
+    repeats = data["options"].get("repeats", 1)  # absent from runs before the option
+    rounds = "" if repeats == 1 else (f", {repeats} runs per point in rounds of one run per system (latencies "
+                                      "pooled over a point's runs)")
+    lines = [f"# Serving: {data['environment']['gpu']}", "",
+             f"torch {data['environment']['torch']}, transformers {data['environment']['transformers']}; "
+             f"{data['options']['duration']} s per {'point' if repeats == 1 else 'run'} after "
+             f"{data['options']['warmup']} s warm-up{rounds}; one image per request; graphed_coalesce "
+             f"max_wait_ms={data['options']['max_wait_ms']}{servers}.", ""]
+    for tower, by_transport in data["towers"].items():
+        for transport, result in by_transport.items():
+            lines += [f"## {TOWERS[tower]['label']}, {transport}", ""]
+            if "skipped" in result:
+                lines += [result["skipped"], ""]
+                continue
+            # The server's own split of a request's time, where the run measured it (servers with stage metrics).
+            staged = any(p.get("stage_ms") for by_c in result["points"].values() for p in by_c.values())
+            extra = (" server ms per request: " + " / ".join(STAGES) + " |") if staged else ""
+            lines += ["| clients | system | images/s | P50 ms | P99 ms | requests/call | padded share |" + extra,
+                      "|---|---|---|---|---|---|---|" + ("---|" if staged else "")]
+            for system, by_c in result["points"].items():
+                for c, p in by_c.items():
+                    if not p.get("requests"):
+                        lines.append(f"| {c} | {system} | {p.get('skipped') or p.get('first_error') or 'no answer'} "
+                                     "| | | | |" + (" |" if staged else ""))
+                        continue
+                    share = "" if p.get("padded_share") is None else f"{100 * p['padded_share']:.1f}%"
+                    split = p.get("stage_ms") or {}
+                    cell = (" " + " / ".join(f"{split[k]:.2f}" if k in split else "-" for k in STAGES) + " |"
+                            if staged else "")
+                    lines.append(f"| {c} | {system} | {p['images_per_s']:.1f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} "
+                                 f"| {p.get('requests_per_call') or ''} | {share} |" + cell)
+            t = result.get("targets", {})
+            if len(t) > 1:
+                ratio = ("hf_eager not in this run" if "coalesce_vs_hf_eager_images_per_s" not in t else
+                         f"{t['coalesce_vs_hf_eager_images_per_s']} (target >= 3: "
+                         f"{'met' if t.get('coalesce_3x_hf_eager') else 'not met'})")
+                runs = t.get("coalesce_p99_not_worse_runs")
+                lines += ["", f"At {t['clients']} clients: graphed_coalesce / hf_eager images/s = {ratio}; P99 no "
+                          f"worse than graphed_per_request: {t.get('coalesce_p99_not_worse_than_per_request')}"
+                          + (f" (pooled; in {runs} runs of a round)." if runs else ".")]
+                if "defaults_vs_hf_eager_images_per_s" in t or "defaults_p99_not_worse_than_per_request" in t:
+                    lines += ["", f"defaults (no options) / hf_eager images/s = "
+                              f"{t.get('defaults_vs_hf_eager_images_per_s', 'hf_eager not in this run')}; P99 no "
+                              f"worse than graphed_per_request: {t.get('defaults_p99_not_worse_than_per_request')}."]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> Path | None:
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(t, tr, r) for t, by in data["towers"].items() for tr, r in by.items() if "points" in r]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (tower, transport, result) in zip(axes[0], panels):
+        for system, by_c in result["points"].items():
+            cs = [int(c) for c, p in by_c.items() if p.get("requests")]
+            # One colour per system in every panel, whatever order a run measured them in: the legend is the
+            # first panel's.
+            ax.plot(cs, [by_c[str(c)]["images_per_s"] for c in cs], marker="o", label=system,
+                    color=f"C{SYSTEMS.index(system)}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("closed-loop clients")
+        ax.set_ylabel("images/s")
+        ax.set_title(f"{TOWERS[tower]['label']} ({transport})", fontsize=9)
+        ax.grid(alpha=0.3)
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}  # every system of every panel
+    axes[0][0].legend([handles[n] for n in SYSTEMS if n in handles], [n for n in SYSTEMS if n in handles],
+                      fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

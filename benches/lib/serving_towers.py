@@ -1,0 +1,118 @@
+"""The towers of ``benches/serving.py`` (SigLIP-so400m at 384 px, the Qwen2.5-VL-7B tower; tiny twins for the CPU
+smoke), its systems, and :class:`Bench`: one tower's HF instance, its captured runner and its request pools."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import copy
+import importlib
+import io
+import time
+from typing import Any
+
+SYSTEMS = ("hf_eager", "defaults", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
+TRANSPORTS = ("inprocess", "server")
+_SIGLIP = ("transformers:SiglipVisionModel", "transformers:SiglipVisionConfig", "SiglipImageProcessor")
+_QWEN = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+         "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl:Qwen2_5_VLVisionConfig", "Qwen2VLImageProcessor")
+TOWERS: dict[str, dict[str, Any]] = {
+    "siglip_so400m_384": dict(
+        label="SigLIP-so400m 384 px", refs=_SIGLIP, sizes=[(384, 384)],
+        full=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                  patch_size=14, image_size=384),
+        tiny=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28),
+    ),
+    "qwen2_5_vl_7b": dict(
+        label="Qwen2.5-VL-7B tower", refs=_QWEN,
+        sizes=[(224, 224), (336, 336), (448, 448), (448, 336), (640, 480), (512, 384)],
+        full=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
+        tiny=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, window_size=56,
+                  fullatt_block_indexes=[1]),
+    ),
+}
+TINY_SIZES = {"siglip_so400m_384": [(28, 28)], "qwen2_5_vl_7b": [(56, 56), (84, 56), (112, 84)]}
+
+def _load(ref: str) -> Any:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class Bench:
+    """One tower: an HF instance (its own forward), a wrapped twin with a captured runner, and request pools."""
+
+    def __init__(self, name: str, args: argparse.Namespace, device: Any, dtype: Any) -> None:
+        import numpy as np
+        import torch
+
+        import encgraph
+        from encgraph.models.registry import wrap
+
+        spec = TOWERS[name]
+        self.name, self.spec, self.device, self.dtype = name, spec, device, dtype
+        model_ref, config_ref, self.processor_name = spec["refs"]
+        config = _load(config_ref)(**{**spec["full"], **(spec["tiny"] if args.cpu_smoke else {})})
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            self.hf = _load(model_ref)._from_config(config).to(dtype).eval()
+        self.graph_tower = copy.deepcopy(self.hf)  # before wrapping: a wrapped tower must not be copied
+        self.adapter = wrap(self.graph_tower)
+        options = {} if args.compile == "default" else {"compile": False}
+        self.runner = encgraph.EncoderGraphRunner(self.adapter, **options)  # the defaults unless --compile off
+        t0 = time.perf_counter()
+        self.capture = dict(self.runner.capture(), wall_seconds=round(time.perf_counter() - t0, 2))
+        self.sizes = TINY_SIZES[name] if args.cpu_smoke else spec["sizes"]
+        rng = np.random.default_rng(args.seed)
+        self.pool = [self.sizes[int(i)] for i in rng.integers(len(self.sizes), size=32)]
+        self.processor = self._processor()
+        self.requests = [self._tensors(w, h) for w, h in self.pool]
+
+    def _processor(self) -> Any:
+        import transformers
+
+        cls = getattr(transformers, self.processor_name)
+        if self.processor_name.startswith("Siglip"):
+            side = self.hf.config.image_size
+            return cls(size={"height": side, "width": side})
+        largest = max(w * h for w, h in self.sizes)
+        return cls(size={"shortest_edge": 56 * 56, "longest_edge": max(largest, 56 * 56)})
+
+    def _tensors(self, width: int, height: int) -> tuple[Any, ...]:
+        """A preprocessed request of one image: ``(pixel_values,)`` or ``(pixel_rows, grid_thw)``."""
+        images = [_noise_image(width, height, seed=width * 7 + height)]
+        out = self.processor(images=images, return_tensors="pt")
+        pixels = out["pixel_values"].to(self.device, self.dtype)
+        if "image_grid_thw" in out:
+            return pixels, out["image_grid_thw"].to(self.device)
+        return (pixels,)
+
+    def hf_forward(self, request: tuple[Any, ...]) -> Any:
+        if len(request) == 2:
+            return self.hf(request[0], grid_thw=request[1]).pooler_output
+        return self.hf(pixel_values=request[0]).pooler_output
+
+    def inputs(self, request: tuple[Any, ...]) -> Any:
+        if len(request) == 2:
+            return self.adapter.inputs(request[0], request[1])
+        return self.adapter.inputs_from_call(pixel_values=request[0])
+
+    def save(self, directory: str) -> None:
+        """The HF tower and its processor as a checkpoint directory for ``encgraph serve --model``."""
+        self.hf.save_pretrained(directory)
+        self.processor.save_pretrained(directory)
+
+
+def _noise_image(width: int, height: int, seed: int) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _jpeg(width: int, height: int, seed: int) -> str:
+    buf = io.BytesIO()
+    _noise_image(width, height, seed).save(buf, format="JPEG", quality=90)
+    return base64.b64encode(buf.getvalue()).decode()
