@@ -159,8 +159,6 @@ def slug(env: dict[str, Any], smoke: bool) -> str:
     return SMOKE_SLUG if smoke else "-".join("".join(c if c.isalnum() else " " for c in env["gpu"].lower()).split())
 
 
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 

@@ -35,6 +35,7 @@ TOWERS: dict[str, dict[str, Any]] = {
 }
 TINY_SIZES = {"siglip_so400m_384": [(28, 28)], "qwen2_5_vl_7b": [(56, 56), (84, 56), (112, 84)]}
 
+
 def _load(ref: str) -> Any:
     module, attr = ref.split(":")
     return getattr(importlib.import_module(module), attr)
