@@ -108,8 +108,10 @@ def test_bounded_run_time_for_1000_requests():
     observed = [[rng.randint(64, 2048) for _ in range(rng.randint(1, 8))] for _ in range(1000)]
     t0 = time.process_time()
     tuned = tune_ladder(observed, max_budgets=6, max_items=8)
-    # CPU time: a loaded machine inflates wall time; the bound is 1 s (a margin for slower CI machines).
-    assert time.process_time() - t0 < 1.5
+    # CPU time, which a loaded machine inflates less than wall time. On the 2-core CI-class VM this call takes
+    # 0.94-1.45 s (it failed a 1.5 s bound once, at 1.53 s, while a profiled server shared the machine); 3 s still
+    # catches what this guards against, a search that grows faster than the traffic.
+    assert time.process_time() - t0 < 3.0
     assert tuned.cost_after_ms < tuned.cost_before_ms
 
 
