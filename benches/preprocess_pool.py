@@ -36,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benches.lib.load import summarize  # noqa: E402
+
 RESULTS = ROOT / "benches" / "results"
 MODES = ("wait", "pipe")
 
@@ -104,10 +106,10 @@ def one_mode(args: argparse.Namespace) -> dict:
         pipe = pool.stats["overflows"]
     finally:
         pool.close()
-    latencies.sort()
     n = len(latencies)
+    point = summarize(latencies, n, wall)  # the serving bench's percentiles
     return {"mode": args.one, "requests": n, "requests_per_s": round(n / wall, 1),
-            "p50_ms": round(1e3 * latencies[n // 2], 1), "p99_ms": round(1e3 * latencies[min(n - 1, int(0.99 * n))], 1),
+            "p50_ms": round(point["p50_ms"], 1), "p99_ms": round(point["p99_ms"], 1),
             "server_cpu_ms": round(1e3 * cpu / n, 2), "pipe_results": pipe}
 
 

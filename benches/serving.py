@@ -120,7 +120,7 @@ def run_inprocess(bench: Bench, system: str, concurrency: int,
         host = lambda out: out.float().mean(0).cpu()  # noqa: E731
     else:
         front = BatchingFront(bench.runner, max_queue=4096, **front_options(system, args))
-        inputs = [bench.inputs(r) for r in bench.requests]
+        inputs = bench.runner_inputs
         submit = lambda k: front.submit(inputs[k % len(inputs)])  # noqa: E731
         host = lambda out: out[0]["pooler_output"].float().mean(0).cpu()  # noqa: E731
     bench.runner.reset_stats()

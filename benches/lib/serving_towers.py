@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
+import functools
 import importlib
 import io
 import time
@@ -93,6 +94,11 @@ class Bench:
         if len(request) == 2:
             return self.hf(request[0], grid_thw=request[1]).pooler_output
         return self.hf(pixel_values=request[0]).pooler_output
+
+    @functools.cached_property
+    def runner_inputs(self) -> list[Any]:
+        """:meth:`inputs` of every request of the pool, made once for all the runs of the graphed systems."""
+        return [self.inputs(r) for r in self.requests]
 
     def inputs(self, request: tuple[Any, ...]) -> Any:
         if len(request) == 2:
