@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preprocess-workers", metavar="N|auto",
                    help="encgraph serve's --preprocess-workers for every server started (default: the server's own, "
                         "auto: worker processes when the tower is on a GPU)")
+    p.add_argument("--start", choices=("sequential", "concurrent"), default="sequential",
+                   help="the systems' servers: each started once the one before answers (default), or all at once "
+                        "(faster, but their capture-time timings then share the GPU: see run_points)")
     p.add_argument("--time-budget", type=float, default=540.0, help="start no point past this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", type=Path, default=REPO / "benches" / "results")
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bench = Bench(tower, args, device, dtype)
         data["towers"][tower] = {}
         for transport in args.transports:
-            result: dict[str, Any] = {"capture": bench.capture, "points": {}}
+            # The bench process's own capture: the in-process systems run on it; each server captures its own.
+            result: dict[str, Any] = {"capture": bench.capture if transport == "inprocess" else None, "points": {}}
             data["towers"][tower][transport] = result
             skipped = server_missing() if transport == "server" else None
             if skipped:
@@ -223,9 +227,14 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
     """Every point of ``bench`` over ``transport``, interleaved: at each concurrency, ``--repeats`` rounds of one
     run per system (each round in another rotation of the systems), so that the systems compared at a point ran
     seconds apart under the same host conditions, and a cut by the time budget leaves them the same points.
-    Through the server each system's ``encgraph serve`` starts once, all of them together before the first
-    point, and stops after the last (an idle server costs the measured one nothing: its threads wait on queues
-    and sockets, its heap is frozen)."""
+    Through the server each system's ``encgraph serve`` starts once, before the first point, and stops after the
+    last (an idle server costs the measured one nothing: its threads wait on queues and sockets, its heap is
+    frozen). They start one after another (``--start sequential``): a server times its graph replays and its
+    tower's eager forward at capture, and the runner routes a batch to whichever its cost model says is faster.
+    Started together on one GPU, five servers timed those while the others captured: on the H200 (tree 788a1e4)
+    the SigLIP server with ``--max-requests 1`` then encoded at HF eager's speed (57 images/s against 305 when
+    started alone, 530 ms of its 580 ms P50 in the encode stage). ``eager_items`` in each point counts the
+    server's eagerly run items, so a run like that shows."""
     points: dict[str, dict[str, Any]] = result["points"]
     for system in args.systems:
         points.setdefault(system, {})
@@ -237,10 +246,17 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
                 bench.save(checkpoint)
                 bodies = server_bodies([_jpeg(w, h, seed=i) for i, (w, h) in enumerate(bench.pool)])
                 kind = str(dtype).replace("torch.", "")
+                started = time.monotonic()
                 for system in args.systems:
                     servers[system] = start_server(checkpoint, system, args, device.type, kind)
+                    if args.start == "sequential":
+                        wait_server(*servers[system])
+                        result.setdefault("server_start_s", {})[system] = round(time.monotonic() - started, 1)
+                        started = time.monotonic()
                 for proc, url, log in servers.values():
                     wait_server(proc, url, log)
+                if args.start == "concurrent":
+                    result["server_start_s"] = {"all": round(time.monotonic() - started, 1)}
             for c in args.concurrency:
                 runs: dict[str, list[Run]] = {s: [] for s in args.systems}
                 extras: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}

@@ -75,7 +75,7 @@ def server_counters(url: str) -> dict[str, float]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = dict.fromkeys(("completed", "calls", "real", "padded", "pipe"), 0.0)
+    out = dict.fromkeys(("completed", "calls", "real", "padded", "pipe", "graph_items", "eager_items"), 0.0)
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for s in family.samples:
             if s.name == "encgraph_front_requests_total" and s.labels.get("outcome") == "completed":
@@ -84,6 +84,11 @@ def server_counters(url: str) -> dict[str, float]:
                 out["calls"] += s.value
             elif s.name == "encgraph_preprocess_pipe_results_total":
                 out["pipe"] += s.value
+            elif s.name == "encgraph_runner_items_total":
+                out[f"{s.labels['kind']}_items"] += s.value
+            elif s.name == "encgraph_eager_items_total":
+                key = f"eager:{s.labels['reason']}"
+                out[key] = out.get(key, 0.0) + s.value
             elif s.name == "encgraph_tokens_total":
                 out[s.labels["kind"]] += s.value
             elif s.name in ("encgraph_request_stage_seconds_sum", "encgraph_request_stage_seconds_count"):
@@ -109,7 +114,11 @@ def delta_summary(d: dict[str, float]) -> dict[str, Any]:
     return {"requests_per_call": round(d["completed"] / d["calls"], 2) if d["calls"] else None,
             "padded_share": round(d["padded"] / units, 4) if units else None, "stage_ms": stages,
             # Requests whose pixels came back through the preprocessing pool's pipe, not a shared-memory slot.
-            "pipe_results": int(d["pipe"])}
+            "pipe_results": int(d["pipe"]),
+            # Items the server's runner ran eagerly (the tower's own forward), by reason: a graphed system that
+            # ran eagerly measured the wrong thing.
+            "eager_items": int(d.get("eager_items", 0)),
+            "eager_reasons": {k.split(":", 1)[1]: int(v) for k, v in d.items() if k.startswith("eager:") and v}}
 
 
 def stop_servers(procs: list[Any]) -> None:

@@ -72,6 +72,13 @@ def render(data: dict[str, Any]) -> str:
                             if staged else "")
                     lines.append(f"| {c} | {system} | {p['images_per_s']:.1f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} "
                                  f"| {p.get('requests_per_call') or ''} | {share} |" + cell)
+            eager = [f"{system} x{c}: {p['eager_items']}" + (f" ({', '.join(f'{r}: {n}' for r, n in reasons.items())})"
+                                                                if (reasons := p.get("eager_reasons")) else "")
+                     for system, by_c in result["points"].items() if system != "hf_eager"
+                     for c, p in by_c.items() if p.get("eager_items")]
+            if eager:
+                lines += ["", "Items that a graphed system ran eagerly (the tower's own forward): " + "; ".join(eager)
+                          + "."]
             t = result.get("targets", {})
             if len(t) > 1:
                 ratio = ("hf_eager not in this run" if "coalesce_vs_hf_eager_images_per_s" not in t else

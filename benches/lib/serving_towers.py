@@ -43,7 +43,8 @@ def _load(ref: str) -> Any:
 
 
 class Bench:
-    """One tower: an HF instance (its own forward), a wrapped twin with a captured runner, and request pools."""
+    """One tower: an HF instance (its own forward), a wrapped twin with a captured runner (for the in-process
+    transport only: ``capture`` is ``None`` without it), and request pools."""
 
     def __init__(self, name: str, args: argparse.Namespace, device: Any, dtype: Any) -> None:
         import numpy as np
@@ -59,12 +60,14 @@ class Bench:
         torch.manual_seed(args.seed)
         with torch.device(device):
             self.hf = _load(model_ref)._from_config(config).to(dtype).eval()
-        self.graph_tower = copy.deepcopy(self.hf)  # before wrapping: a wrapped tower must not be copied
-        self.adapter = wrap(self.graph_tower)
-        options = {} if args.compile == "default" else {"compile": False}
-        self.runner = encgraph.EncoderGraphRunner(self.adapter, **options)  # the defaults unless --compile off
-        t0 = time.perf_counter()
-        self.capture = dict(self.runner.capture(), wall_seconds=round(time.perf_counter() - t0, 2))
+        self.capture: dict[str, Any] | None = None
+        if "inprocess" in args.transports:  # through the server, each server captures its own
+            self.graph_tower = copy.deepcopy(self.hf)  # before wrapping: a wrapped tower must not be copied
+            self.adapter = wrap(self.graph_tower)
+            options = {} if args.compile == "default" else {"compile": False}
+            self.runner = encgraph.EncoderGraphRunner(self.adapter, **options)  # the defaults unless --compile off
+            t0 = time.perf_counter()
+            self.capture = dict(self.runner.capture(), wall_seconds=round(time.perf_counter() - t0, 2))
         self.sizes = TINY_SIZES[name] if args.cpu_smoke else spec["sizes"]
         rng = np.random.default_rng(args.seed)
         self.pool = [self.sizes[int(i)] for i in rng.integers(len(self.sizes), size=32)]

@@ -104,6 +104,40 @@ def test_summary_and_targets():
          "towers": {"siglip_so400m_384": {"server": {"points": {}, "targets": t}}}})
 
 
+def test_a_servers_eager_items_are_read_and_flagged(monkeypatch):
+    """A graphed server that ran items eagerly (its cost model said the tower's own forward was faster) measured
+    the wrong thing: the point says how many items, by reason, and the table says which point."""
+    import httpx
+
+    from benches.lib import serving_http
+
+    text = "\n".join([
+        "# TYPE encgraph_runner_items counter",
+        'encgraph_runner_items_total{model="m",kind="graph"} 5.0',
+        'encgraph_runner_items_total{model="m",kind="eager"} 3.0',
+        "# TYPE encgraph_eager_items counter",
+        'encgraph_eager_items_total{model="m",reason="eager is cheaper"} 2.0',
+        'encgraph_eager_items_total{model="m",reason="tokens over the largest budget"} 1.0',
+        "# TYPE encgraph_front_calls counter",
+        'encgraph_front_calls_total{model="m"} 4.0', ""])
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": text})())
+    after = serving_http.server_counters("http://x")
+    assert after["graph_items"] == 5 and after["eager_items"] == 3 and after["calls"] == 4
+    before = {**after, "eager_items": 1.0, "eager:eager is cheaper": 0.0, "eager:tokens over the largest budget": 1.0}
+    summary = serving_http.counter_summary(before, after)
+    assert summary["eager_items"] == 2 and summary["eager_reasons"] == {"eager is cheaper": 2}
+    point = {"requests": 10, "images_per_s": 50.0, "p50_ms": 10.0, "p99_ms": 20.0, "requests_per_call": 1.0,
+             "padded_share": 0.0, "eager_items": 2, "eager_reasons": {"eager is cheaper": 2}}
+    clean = {**point, "eager_items": 0, "eager_reasons": {}}
+    text = serving.render({"environment": {"gpu": "x", "torch": "t", "transformers": "f"},
+                           "options": {"duration": 1, "warmup": 0, "max_wait_ms": 2.0},
+                           "towers": {"siglip_so400m_384": {"server": {"points": {
+                               "hf_eager": {"8": {**point, "eager_items": 9}},
+                               "graphed_per_request": {"8": point, "32": clean}}}}}})
+    assert ("Items that a graphed system ran eagerly (the tower's own forward): graphed_per_request x8: 2 "
+            "(eager is cheaper: 2).") in text
+
+
 def test_preprocess_pool_bench_runs_both_modes(tmp_path):
     """``benches/preprocess_pool.py`` end to end, short: each mode in its own process, one worker, fewer slots than
     clients; the pipe mode sends some pixels through the pipe, the shipped one none."""
