@@ -12,7 +12,9 @@ rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nv
 - ``families``: HF sdpa against ``defaults`` on the families added after the seed (``towers.py --tag families``);
 - ``serving``: images/s and latency per closed-loop concurrency of the batching front (``serving.py
   --transports inprocess``), with its plot;
-- ``serving_server``: the same through ``encgraph serve`` over loopback HTTP (``--transports server``).
+- ``serving_server``: the same through ``encgraph serve`` over loopback HTTP (``--transports server``);
+- ``serving_repeats``: the server at 32 clients, every system measured in rounds and pooled (``--transports server
+  --concurrency 32 --repeats 3 --tag repeats``).
 
     python benches/readme.py           # rewrite the blocks
     python benches/readme.py --check   # exit 1 if a block differs from its rendering (CI: no hand-typed figures)
@@ -125,6 +127,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Mapping[str, Any], str], str]]] = {
     "families": ("towers_{slug}_families", families_block),
     "serving": ("serving_{slug}_inprocess", serving_block),
     "serving_server": ("serving_{slug}_server", functools.partial(serving_block, transport="server")),
+    "serving_repeats": ("serving_{slug}_server_repeats", functools.partial(serving_block, transport="server_repeats")),
 }
 
 

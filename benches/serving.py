@@ -231,10 +231,12 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
     last (an idle server costs the measured one nothing: its threads wait on queues and sockets, its heap is
     frozen). They start one after another (``--start sequential``): a server times its graph replays and its
     tower's eager forward at capture, and the runner routes a batch to whichever its cost model says is faster.
-    Started together on one GPU, five servers timed those while the others captured: on the H200 (tree 788a1e4)
-    the SigLIP server with ``--max-requests 1`` then encoded at HF eager's speed (57 images/s against 305 when
-    started alone, 530 ms of its 580 ms P50 in the encode stage). ``eager_items`` in each point counts the
-    server's eagerly run items, so a run like that shows."""
+    Started together on one GPU, five servers timed those while the others captured: on the H200 the SigLIP
+    server with ``--max-requests 1`` then encoded at HF eager's speed (57 images/s at 32 clients against 293 when
+    started one after another, 530 ms of its 580 ms P50 in the encode stage), and in another such start
+    (``--start concurrent``, ``serving_nvidia-h200_server_concurrent_start.md``) the ``graphed_nowait`` server ran
+    its 772 items eagerly ("eager is cheaper"). ``eager_items`` in each point counts the server's eagerly run
+    items, so a run like that shows."""
     points: dict[str, dict[str, Any]] = result["points"]
     for system in args.systems:
         points.setdefault(system, {})
