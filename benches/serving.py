@@ -22,8 +22,9 @@ the figures; ``--preprocess-workers`` is passed to every server, and recorded in
 ``graphed_per_request``.
 
 Writes ``benches/results/serving_<gpu>[_<transport>].json`` and ``.md`` (+ ``_images_per_s.png`` with matplotlib;
-the transport is in the name when one is run alone). Self-contained
-(no ``benches.common``); ``--cpu-smoke`` runs the whole path on tiny CPU towers in seconds. The server transport
+the transport is in the name when one is run alone). The towers' classes and configs are ``benches.lib.towers``'
+(``benches.lib.serving_towers`` adds their processors and request sizes); ``--cpu-smoke`` runs the whole path on
+tiny CPU towers in seconds. The server transport
 needs the ``[serve]`` and ``[bench]`` extras (FastAPI, uvicorn, prometheus_client, Pillow; httpx, aiohttp).
 """
 
@@ -52,7 +53,9 @@ from benches.lib.serving_http import (  # noqa: E402, F401
     start_server, stop_servers, wait_server,
 )
 from benches.lib.serving_report import plot, render, targets  # noqa: E402, F401
-from benches.lib.serving_towers import SYSTEMS, TOWERS, TRANSPORTS, Bench, _jpeg  # noqa: E402, F401
+from benches.lib.serving_towers import (  # noqa: E402, F401
+    SYSTEMS, TOWERS, TRANSPORTS, Bench, _jpeg, front_options,
+)
 
 SCRIPT = "serving"
 SMOKE_SLUG = "cpu-smoke"
@@ -105,11 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------------- points
-def front_options(system: str, args: argparse.Namespace) -> dict[str, Any]:
-    return {"defaults": {}, "graphed_per_request": {"max_requests": 1}, "graphed_nowait": {"max_wait_ms": 0.0},
-            "graphed_coalesce": {"max_wait_ms": args.max_wait_ms}}.get(system, {"max_requests": 1})
-
-
 def run_inprocess(bench: Bench, system: str, concurrency: int,
                   args: argparse.Namespace) -> tuple[Run, dict[str, Any]]:
     """One run of a point in this process, and the front's requests per call, padded share and replays."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from benches.lib.load import http_closed_loop, window
 from benches.lib.results import REPO, child_env
+from benches.lib.serving_towers import front_options
 from encgraph.serving.metrics import STAGES
 
 def _free_port() -> int:
@@ -29,10 +30,11 @@ def start_server(checkpoint: str, system: str, args: argparse.Namespace, device:
                  dtype: str) -> tuple[Any, str, Any]:
     """Start ``encgraph serve`` for ``system`` (returns at once): the process, its URL and its log file."""
     port = _free_port()
-    flags = {"hf_eager": ["--eager"], "defaults": [], "graphed_per_request": ["--max-requests", "1"],
-             "graphed_nowait": ["--max-wait-ms", "0"], "graphed_coalesce": ["--max-wait-ms", str(args.max_wait_ms)]}
+    options = front_options(system, args)  # the same as the in-process front's, as encgraph serve's flags
+    flags = ["--eager"] if system == "hf_eager" else [
+        part for key, value in options.items() for part in (f"--{key.replace('_', '-')}", str(value))]
     cmd = [sys.executable, "-m", "encgraph", "serve", "--model", f"bench={checkpoint}", "--device", device,
-           "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags[system]]
+           "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags]
     if args.preprocess_workers is not None:
         cmd += ["--preprocess-workers", args.preprocess_workers]
     log = tempfile.TemporaryFile()

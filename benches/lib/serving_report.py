@@ -72,8 +72,7 @@ def render(data: dict[str, Any]) -> str:
                             if staged else "")
                     lines.append(f"| {c} | {system} | {p['images_per_s']:.1f} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} "
                                  f"| {p.get('requests_per_call') or ''} | {share} |" + cell)
-            eager = [f"{system} x{c}: {p['eager_items']}" + (f" ({', '.join(f'{r}: {n}' for r, n in reasons.items())})"
-                                                                if (reasons := p.get("eager_reasons")) else "")
+            eager = [f"{system} x{c}: {p['eager_items']}{_reasons(p.get('eager_reasons'))}"
                      for system, by_c in result["points"].items() if system != "hf_eager"
                      for c, p in by_c.items() if p.get("eager_items")]
             if eager:
@@ -94,6 +93,11 @@ def render(data: dict[str, Any]) -> str:
                               f"worse than graphed_per_request: {t.get('defaults_p99_not_worse_than_per_request')}."]
             lines.append("")
     return "\n".join(lines)
+
+
+def _reasons(counts: dict[str, int] | None) -> str:
+    """`` (reason: n, ...)`` of a point's eagerly run items, or nothing."""
+    return f" ({', '.join(f'{r}: {n}' for r, n in counts.items())})" if counts else ""
 
 
 def plot(data: dict[str, Any], path: Path) -> Path | None:

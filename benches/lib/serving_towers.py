@@ -7,39 +7,33 @@ import argparse
 import base64
 import copy
 import functools
-import importlib
 import io
 import time
 from typing import Any
 
+from benches.lib.towers import TOWERS as TOWER_SPECS
+
 SYSTEMS = ("hf_eager", "defaults", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
 TRANSPORTS = ("inprocess", "server")
-_SIGLIP = ("transformers:SiglipVisionModel", "transformers:SiglipVisionConfig", "SiglipImageProcessor")
-_QWEN = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
-         "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl:Qwen2_5_VLVisionConfig", "Qwen2VLImageProcessor")
-TOWERS: dict[str, dict[str, Any]] = {
-    "siglip_so400m_384": dict(
-        label="SigLIP-so400m 384 px", refs=_SIGLIP, sizes=[(384, 384)],
-        full=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                  patch_size=14, image_size=384),
-        tiny=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28),
-    ),
-    "qwen2_5_vl_7b": dict(
-        label="Qwen2.5-VL-7B tower", refs=_QWEN,
-        sizes=[(224, 224), (336, 336), (448, 448), (448, 336), (640, 480), (512, 384)],
-        full=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                  fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
-        tiny=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, window_size=56,
-                  fullatt_block_indexes=[1]),
-    ),
+
+
+def front_options(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A graphed system's options of the batching front, in-process as ``BatchingFront`` keywords and through the
+    server as the same ``encgraph serve`` flags (``hf_eager``, the tower's own forward, has none)."""
+    return {"defaults": {}, "graphed_per_request": {"max_requests": 1}, "graphed_nowait": {"max_wait_ms": 0.0},
+            "graphed_coalesce": {"max_wait_ms": args.max_wait_ms}}.get(system, {})
+
+
+_ROWS: dict[str, dict[str, Any]] = {
+    # Each tower's image processor, the request sizes of its pool, and those of the CPU smoke's tiny twin; its
+    # label, classes and configs come from ``benches.lib.towers``, the table every benchmark shares.
+    "siglip_so400m_384": dict(processor="SiglipImageProcessor", sizes=[(384, 384)], tiny_sizes=[(42, 42)]),
+    "qwen2_5_vl_7b": dict(processor="Qwen2VLImageProcessor",
+                          sizes=[(224, 224), (336, 336), (448, 448), (448, 336), (640, 480), (512, 384)],
+                          tiny_sizes=[(56, 56), (84, 56), (112, 84)]),
 }
-TINY_SIZES = {"siglip_so400m_384": [(28, 28)], "qwen2_5_vl_7b": [(56, 56), (84, 56), (112, 84)]}
-
-
-def _load(ref: str) -> Any:
-    module, attr = ref.split(":")
-    return getattr(importlib.import_module(module), attr)
+TOWERS: dict[str, dict[str, Any]] = {name: dict(row, spec=TOWER_SPECS[name], label=TOWER_SPECS[name].label)
+                                     for name, row in _ROWS.items()}
 
 
 class Bench:
@@ -53,13 +47,13 @@ class Bench:
         import encgraph
         from encgraph.models.registry import wrap
 
-        spec = TOWERS[name]
-        self.name, self.spec, self.device, self.dtype = name, spec, device, dtype
-        model_ref, config_ref, self.processor_name = spec["refs"]
-        config = _load(config_ref)(**{**spec["full"], **(spec["tiny"] if args.cpu_smoke else {})})
+        row = TOWERS[name]
+        self.name, self.device, self.dtype = name, device, dtype
+        self.processor_name = row["processor"]
+        spec = row["spec"]
         torch.manual_seed(args.seed)
         with torch.device(device):
-            self.hf = _load(model_ref)._from_config(config).to(dtype).eval()
+            self.hf = spec.model_class()._from_config(spec.make_config(args.cpu_smoke)).to(dtype).eval()
         self.capture: dict[str, Any] | None = None
         if "inprocess" in args.transports:  # through the server, each server captures its own
             self.graph_tower = copy.deepcopy(self.hf)  # before wrapping: a wrapped tower must not be copied
@@ -68,7 +62,7 @@ class Bench:
             self.runner = encgraph.EncoderGraphRunner(self.adapter, **options)  # the defaults unless --compile off
             t0 = time.perf_counter()
             self.capture = dict(self.runner.capture(), wall_seconds=round(time.perf_counter() - t0, 2))
-        self.sizes = TINY_SIZES[name] if args.cpu_smoke else spec["sizes"]
+        self.sizes = row["tiny_sizes"] if args.cpu_smoke else row["sizes"]
         rng = np.random.default_rng(args.seed)
         self.pool = [self.sizes[int(i)] for i in rng.integers(len(self.sizes), size=32)]
         self.processor = self._processor()
