@@ -189,12 +189,10 @@ def test_bad_inputs(model: torch.nn.Module) -> None:
         Step3p7Adapter(model.model.vision_model)
 
 
-def test_graphed_points_to_the_shim(model: torch.nn.Module) -> None:
-    """graphed() cannot stand in for the model (its forward is the language model) nor for the tower alone (the
-    features need the projector and the per-image assembly): both refuse, naming the shim."""
+def test_graphed_refuses_the_model(model: torch.nn.Module) -> None:
+    """graphed() cannot stand in for the model (its forward is the language model): it refuses, naming the shim.
+    The tower alone takes the one line (tests/models/test_step3p7_tower.py)."""
     import encgraph
 
     with pytest.raises(UnsupportedModelError, match="shim"):
         encgraph.graphed(model)
-    with pytest.raises(UnsupportedModelError, match=r"adapter.shim\(runner\)"):
-        encgraph.graphed(model.model.vision_model)
