@@ -1,0 +1,189 @@
+"""Capture-time work never fails a valid call (issue 31, point 2): over tiny random configs of every family with a
+config-driven geometry (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: patch, merge and temporal sizes, windows, position grids,
+deepstack layers, depths; Gemma-4: patch, pooling kernel and position-table sizes; SigLIP, CLIP: image and patch
+sizes; Step-3.7's tower: image and patch sizes, crops) and random inputs the tower itself accepts, the first call
+of ``graphed(tower)`` equals the tower's own forward (every output field) and never raises:
+
+- with no options (the CPU default);
+- with the padded plan asked for (``mode=RunMode.STATIC``) on a few budgets of the default ladder, so that the
+  capture's self-check builds the adapter's ``sample_inputs`` at arbitrary sizes: a budget whose check fails
+  (an adapter refusing its own sample) is dropped with its reason in ``capture_info``, never raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("transformers")
+
+import encgraph  # noqa: E402
+from encgraph.capture.records import RunMode  # noqa: E402
+from encgraph.models.registry import wrap  # noqa: E402
+from tests.models.fixtures_multipath import one_thread  # noqa: E402,F401  (autouse: one torch thread)
+from tests.models.versions import skip_module_below  # noqa: E402
+
+skip_module_below("5.17", "the random-config tests (Gemma-4 and Step-3.7 adapters)")
+
+TOL = 1e-4
+
+
+@attrs.frozen
+class Case:
+    """A tower, the arguments of one call the tower accepts, and what it was drawn from (for failure reports)."""
+
+    family: str
+    config: dict[str, Any]
+    tower: torch.nn.Module = attrs.field(repr=False)
+    args: tuple[Any, ...] = attrs.field(repr=False)
+    kwargs: dict[str, Any] = attrs.field(factory=dict, repr=False)
+
+
+def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build().eval().requires_grad_(False)
+
+
+def _qwen_grid(draw: Any, merge: int, temporal: int) -> np.ndarray:
+    n = draw(st.integers(1, 3))
+    rows = []
+    for _ in range(n):
+        t = draw(st.integers(1, 2)) if temporal > 1 else 1
+        rows.append([t, merge * draw(st.integers(1, 4)), merge * draw(st.integers(1, 4))])
+    return np.asarray(rows, np.int64)
+
+
+@st.composite
+def qwen_cases(draw: Any) -> Case:
+    family = draw(st.sampled_from(["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]))
+    patch, merge, temporal = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    depth = draw(st.integers(1, 3))
+    common = dict(depth=depth, patch_size=patch, spatial_merge_size=merge, temporal_patch_size=temporal, num_heads=2)
+    if family == "qwen2_vl":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig as C
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as M
+
+        config = dict(common, embed_dim=16, hidden_size=24, mlp_ratio=2)
+    elif family == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as C
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as M
+
+        full = draw(st.lists(st.integers(0, depth - 1), max_size=depth, unique=True))
+        config = dict(common, hidden_size=16, intermediate_size=draw(st.sampled_from([24, 30])), out_hidden_size=24,
+                      window_size=patch * merge * draw(st.integers(1, 3)), fullatt_block_indexes=sorted(full))
+    else:
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as C
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as M
+
+        deep = draw(st.lists(st.integers(0, depth - 1), max_size=depth, unique=True))
+        config = dict(common, hidden_size=16, intermediate_size=32, out_hidden_size=24,
+                      num_position_embeddings=draw(st.sampled_from([4, 9, 16, 25])), deepstack_visual_indexes=sorted(deep))
+    tower = _seeded(lambda: M._from_config(C(**config)))
+    grid = _qwen_grid(draw, merge, temporal)
+    width = 3 * temporal * patch * patch
+    pixels = torch.randn(int(grid.prod(1).sum()), width, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    return Case(family, config, tower, (pixels,), {"grid_thw": torch.from_numpy(grid)})
+
+
+@st.composite
+def gemma_cases(draw: Any) -> Case:
+    from tests.models.fixtures_multipath import gemma4_batch, gemma4_tower
+
+    kernel = draw(st.sampled_from([1, 2, 3]))
+    table = draw(st.integers(2 * kernel, 40))
+    config = dict(patch_size=draw(st.sampled_from([1, 2])), pooling_kernel_size=kernel, position_embedding_size=table,
+                  depth=draw(st.integers(1, 2)))
+    tower = gemma4_tower(depth=config["depth"], patch_size=config["patch_size"], pooling_kernel_size=kernel,
+                         position_embedding_size=table)
+    side = st.integers(1, min(table // kernel, 6)).map(lambda v: v * kernel)
+    grids = draw(st.lists(st.tuples(side, side), min_size=1, max_size=3))
+    rows = max(w * h for w, h in grids) + draw(st.integers(0, 2)) * kernel * kernel
+    pv, pos = gemma4_batch(grids, rows, 3 * config["patch_size"] ** 2, seed=draw(st.integers(0, 99)))
+    return Case("gemma4", config, tower, (pv, pos))
+
+
+@st.composite
+def fixed_cases(draw: Any) -> Case:
+    from tests.models.fixtures_fixed import tiny_clip, tiny_siglip
+
+    family = draw(st.sampled_from(["siglip", "clip"]))
+    patch = draw(st.sampled_from([2, 4, 8]))
+    size = patch * draw(st.integers(1, 4)) + draw(st.integers(0, patch - 1))  # the patch convolution floors
+    config = dict(image_size=size, patch_size=patch, num_hidden_layers=draw(st.integers(1, 2)))
+    tower = (tiny_siglip if family == "siglip" else tiny_clip)(**config)
+    images = torch.randn(draw(st.integers(1, 5)), 3, size, size, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    return Case(family, config, tower, (images,))
+
+
+@st.composite
+def step_cases(draw: Any) -> Case:
+    from transformers import Step3p7VisionConfig
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7VisionModel
+
+    patch = draw(st.sampled_from([1, 2]))
+    config = dict(hidden_size=16, num_hidden_layers=draw(st.integers(1, 2)), num_attention_heads=2, patch_size=patch,
+                  image_size=patch * draw(st.integers(2, 8)), intermediate_size=24)
+    tower = _seeded(lambda: Step3p7VisionModel._from_config(Step3p7VisionConfig(**config)))
+    crops = draw(st.booleans())
+    side = 36 * patch if crops else config["image_size"]
+    views = torch.randn(draw(st.integers(1, 3)), 3, side, side, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    kwargs = {"output_hidden_states": False} if crops else {}
+    return Case("step3p7", config, tower, (views,), kwargs)
+
+
+def tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor of an output (a ModelOutput, tuple or list, nested), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in tensors(o)]
+    return []
+
+
+def assert_same(got: Any, want: Any, case: Case) -> None:
+    assert type(got) is type(want), case
+    g, w = tensors(got), tensors(want)
+    assert len(g) == len(w) and g, case
+    for a, b in zip(g, w):
+        assert a.shape == b.shape, case
+        err = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+        assert err < TOL, (case, err)
+
+
+def few_budgets(draw: Any, tower: torch.nn.Module) -> dict[str, list[int]]:
+    """Up to three of the smallest budgets of each path's default ladder (the self-check then samples at them)."""
+    ladders = encgraph.EncoderGraphRunner(wrap(tower), mode=RunMode.EAGER).ladders
+    out = {}
+    for path, ladder in ladders.items():
+        small = [b for b in ladder if b > 0][:6]
+        out[path] = draw(st.lists(st.sampled_from(small), min_size=1, max_size=3, unique=True))
+    return out
+
+
+CASES = st.one_of(qwen_cases(), gemma_cases(), fixed_cases(), step_cases())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=CASES, data=st.data())
+def test_first_call_equals_the_tower(case: Case, data: Any) -> None:
+    with torch.no_grad():
+        want = case.tower(*case.args, **case.kwargs)
+    for options in ({}, {"mode": RunMode.STATIC, "budgets": few_budgets(data.draw, case.tower)}):
+        fast = encgraph.graphed(case.tower, **options)
+        try:
+            with torch.no_grad():
+                got = fast(*case.args, **case.kwargs)
+            assert_same(got, want, case)
+            failed = fast.stats["capture"].get("failed", {})
+            assert all(isinstance(r, str) and r for f in failed.values() for r in f.values()), failed
+        finally:
+            fast.unwrap()
