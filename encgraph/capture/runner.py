@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import os
 import logging
-import statistics
 import sys
 import threading
 import time
@@ -27,12 +26,16 @@ import torch
 
 from encgraph._validate import check_int, describe
 from encgraph.capture.buffers import PathBuffers, PathOutputs
+from encgraph.capture.capture import capture_graphs
 from encgraph.capture.compiling import CompileMode, resolve_compile
+from encgraph.capture.execution import check_outputs, item_specs, run_static
 from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import AdapterConfig, BudgetUnit, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
+from encgraph.capture.selfcheck import check_and_measure
 from encgraph.capture.stats import RunStats
-from encgraph.errors import CaptureError, ConfigError, ConfigTypeError, EncgraphError, InputError
+from encgraph.capture.timing import time_host
+from encgraph.errors import CaptureError, ConfigError, ConfigTypeError, EncgraphError
 from encgraph.packing import (
     CostModel,
     ItemSpec,
@@ -241,13 +244,7 @@ class EncoderGraphRunner:
 
     def plan(self, inputs: Any) -> Plan:
         """The plan a call with ``inputs`` would run (no device work beyond the adapter's validation)."""
-        return self._pack(self._specs(inputs))
-
-    def _specs(self, inputs: Any) -> list[ItemSpec]:
-        specs = self.adapter.item_specs(inputs)
-        if not specs:
-            raise InputError("inputs: expected at least one item, got an empty batch.")
-        return specs
+        return self._pack(item_specs(self.adapter, inputs))
 
     def _pack(self, specs: Sequence[ItemSpec]) -> Plan:
         return pack(
@@ -280,14 +277,11 @@ class EncoderGraphRunner:
             t0 = time.perf_counter()
             self._allocate()
             if self.mode is RunMode.GRAPH:
-                from encgraph.capture.capture import capture_graphs
-
-                info = capture_graphs(self)
+                self._pool = torch.cuda.graph_pool_handle()
+                info = capture_graphs(self, self._pool)
             else:
                 info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
             self.captured = True
-            from encgraph.capture.selfcheck import check_and_measure
-
             try:
                 info["selfcheck"] = check_and_measure(self, verify=self.verify, measure=self._measure_costs)
             except BaseException:
@@ -306,7 +300,7 @@ class EncoderGraphRunner:
         an adapter that learns its shapes from a call (the generic one) can then be captured and self-checked
         before that call is planned."""
         with self._lock:
-            self._specs(inputs)
+            item_specs(self.adapter, inputs)
             if not self.captured and (self.lazy or self.mode is not RunMode.GRAPH):
                 self.capture()
 
@@ -329,7 +323,7 @@ class EncoderGraphRunner:
 
     def _call_local(self, inputs: Any) -> list[Any]:
         with self._lock, torch.no_grad():
-            specs = self._specs(inputs)
+            specs = item_specs(self.adapter, inputs)
             if not self.captured:
                 if self.mode is RunMode.GRAPH and not self.lazy:
                     raise CaptureError("runner: call capture() before the first call, or pass lazy=True.")
@@ -362,30 +356,16 @@ class EncoderGraphRunner:
                 reason = CAPTURE_FAILED
             if reason is not None:
                 out = self.adapter.forward_eager(path, sub)
-                self._check_outputs(path, budget, out, used, "eager")
+                check_outputs(self.adapter, path, budget, out, used, "eager")
                 eager_paths[path] = reason
                 self._stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
             else:
-                out = self._run_static(path, budget, sub, used)
+                out = run_static(self, path, budget, sub, used)
                 self._stats.add_replay(path, budget, used)
             outputs[path] = out
         self._stats.add_items(eager=sum(1 for s in sub_specs if any(s.tokens[p] for p in eager_paths)),
                               total=len(sub_specs))
         return self._split(outputs, sub_specs)
-
-    def _run_static(self, path: str, budget: int, sub: Any, used: int) -> Mapping[str, torch.Tensor]:
-        values = self.adapter.replay_values(path, sub, budget)
-        views = self.buffers[path].fill(budget, values)
-        if self.mode is RunMode.GRAPH:
-            record = self.records[path][budget]
-            record.graph.replay()
-            outputs = record.outputs  # views of the path's shared output buffers
-            if self.copy_outputs:
-                return {name: t[:used].clone() for name, t in outputs.items()}
-            return {name: t[:used] for name, t in outputs.items()}
-        outputs = self.adapter.forward_static(path, views, budget)
-        self._check_outputs(path, budget, outputs, budget, "static")
-        return {name: t[:used] for name, t in outputs.items()}
 
     def _split(self, outputs: Mapping[str, Mapping[str, torch.Tensor]], specs: Sequence[Any]) -> list[Any]:
         offsets = dict.fromkeys(outputs, 0)
@@ -400,21 +380,6 @@ class EncoderGraphRunner:
                     offsets[path] = o + n
             results.append(self.adapter.assemble(parts))
         return results
-
-    def _check_outputs(self, path: str, budget: int | None, outputs: Any, rows: int, kind: str) -> None:
-        # Read the adapter's config afresh: a generic adapter learns its output names on its first call.
-        expected = self.adapter.config.path(path).outputs
-        if not isinstance(outputs, Mapping) or tuple(sorted(outputs)) != tuple(sorted(expected)):
-            raise ConfigError(
-                f"forward_{kind}({path!r}): expected a mapping with outputs {list(expected)}, got "
-                f"{describe(outputs) if not isinstance(outputs, Mapping) else sorted(outputs)}."
-            )
-        for name, t in outputs.items():
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != rows:
-                raise ConfigError(
-                    f"forward_{kind}({path!r}) at budget {budget}: output {name!r} must have {rows} rows in dim 0, "
-                    f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else describe(t)}."
-                )
 
     # ------------------------------------------------------------------ costs and tuning
     def measure_costs(self, samples: Sequence[Any], *, repeats: int = 3) -> CostModel:
@@ -436,37 +401,22 @@ class EncoderGraphRunner:
                         graph_ms[path][budget] = record.replay_ms
                     elif self.mode is not RunMode.GRAPH:
                         views = self.buffers[path].fill(budget, None)
-                        graph_ms[path][budget] = self._time_host(
-                            lambda: self.adapter.forward_static(path, views, budget), repeats
+                        graph_ms[path][budget] = time_host(
+                            lambda: self.adapter.forward_static(path, views, budget), repeats, self.device
                         )
             eager: dict[str, list[tuple[int, int, float]]] = {p: [] for p in self.ladders}
             for sample in samples:
-                specs = self._specs(sample)
+                specs = item_specs(self.adapter, sample)
                 # select() gives the adapter's own inputs type, whatever form a call accepted (a raw tuple too).
                 inputs = self.adapter.select(sample, list(range(len(specs))))
                 for path in self.ladders:
                     tokens = sum(s.tokens[path] for s in specs)
                     if tokens:
-                        ms = self._time_host(lambda: self.adapter.forward_eager(path, inputs), repeats)
+                        ms = time_host(lambda: self.adapter.forward_eager(path, inputs), repeats, self.device)
                         eager[path].append((tokens, sum(1 for s in specs if s.tokens[path]), ms))
             self.costs = CostModel.from_measurements(graph_ms, eager)
             self._measure_costs = False
             return self.costs
-
-    def _time_host(self, fn: Any, repeats: int) -> float:
-        """Median ms of ``fn`` as the host sees it (device synchronised before and after): graph replays and
-        eager forwards are measured alike, so the cost model compares like with like."""
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        with torch.inference_mode():
-            fn()
-            times = []
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return float(statistics.median(times))
 
     def tune(self, *, max_budgets: int, memory_cap_tokens: int | None = None, granularity: int = 64) -> TunedLadder:
         """The ladder that minimises expected cost on the calls recorded so far (``record=N``), under the
