@@ -35,7 +35,8 @@ from encgraph.cli._common import (
     progress,
     table,
 )
-from encgraph.cli._towers import TOWERS, DemoBatch, build_tower, make_batch
+from encgraph.cli.demo_batches import DemoBatch, make_batch
+from encgraph.embedded_towers import TOWERS, build_tower
 from encgraph.errors import UnsupportedModelError
 from encgraph.packing import Plan
 
