@@ -32,26 +32,23 @@ class DemoTower:
         name: the ``--model`` value; also the config file's stem.
         budgets: the demo's default ladder (tokens for variable-size towers, images for fixed-size ones); for a
             multi-path tower, ``{path: ladder}``.
-        builtin: the ``encgraph.models._builtin_*`` module that registers the tower's adapter.
         geometry: for a Qwen-VL tower (items of several sizes: pixel rows + ``grid_thw``), the processor
             geometry in :data:`encgraph.cli.geometry.TOWERS` (by name); ``None`` for a fixed-size tower.
     """
 
     name: str
     budgets: tuple[int, ...] | Mapping[str, tuple[int, ...]]
-    builtin: str
     geometry: str | None
 
 
 TOWERS: dict[str, DemoTower] = {
     t.name: t
     for t in (
-        DemoTower("qwen2_5_vl", (32, 64, 128), "encgraph.models._builtin_qwen", geometry="qwen2_5_vl"),
-        DemoTower("qwen3_vl", (32, 64, 128), "encgraph.models._builtin_qwen", geometry="qwen3_vl"),
-        DemoTower("siglip", (1, 2, 4, 8), "encgraph.models._builtin_fixed", geometry=None),
+        DemoTower("qwen2_5_vl", (32, 64, 128), geometry="qwen2_5_vl"),
+        DemoTower("qwen3_vl", (32, 64, 128), geometry="qwen3_vl"),
+        DemoTower("siglip", (1, 2, 4, 8), geometry=None),
         # Two paths: items of at most 70 soft tokens (video frames, small images) and larger images.
-        DemoTower("gemma4", {"image": (140, 280), "video": (70, 140)}, "encgraph.models._builtin_multipath",
-                  geometry=None),
+        DemoTower("gemma4", {"image": (140, 280), "video": (70, 140)}, geometry=None),
     )
 }
 
