@@ -1,5 +1,5 @@
 """Running one sub-batch at one budget: the adapter's item specs, the static forward (a graph replay in GRAPH
-mode) over the budget's filled buffers, and the check of what a forward returned.
+mode) over the budget's filled buffers, the check of what a forward returned, and its split into per-item results.
 
 The runner (:mod:`encgraph.capture.runner`), the capture (:mod:`encgraph.capture.capture`) and the self-check
 (:mod:`encgraph.capture.selfcheck`) all run budgets this way; they share the runner's state through
@@ -9,7 +9,7 @@ The runner (:mod:`encgraph.capture.runner`), the capture (:mod:`encgraph.capture
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -22,7 +22,7 @@ from encgraph.capture.records import GraphRecord, RunMode
 from encgraph.errors import ConfigError, InputError
 from encgraph.packing import CostModel, ItemSpec, Limits
 
-__all__ = ["RunnerState", "item_specs", "run_static", "check_outputs"]
+__all__ = ["RunnerState", "item_specs", "run_static", "split_outputs", "check_outputs"]
 
 
 class RunnerState(Protocol):
@@ -73,6 +73,25 @@ def run_static(state: RunnerState, path: str, budget: int, sub: Any, used: int) 
     outputs = state.adapter.forward_static(path, views, budget)
     check_outputs(state.adapter, path, budget, outputs, budget, "static")
     return {name: t[:used] for name, t in outputs.items()}
+
+
+def split_outputs(
+    adapter: EncoderAdapter, outputs: Mapping[str, Mapping[str, torch.Tensor]], specs: Sequence[ItemSpec]
+) -> list[Any]:
+    """A sub-batch's outputs (per path, per output name: the items' rows one after the other, in ``specs``'
+    order) cut into each item's rows and assembled by the adapter into its per-item results."""
+    offsets = dict.fromkeys(outputs, 0)
+    results = []
+    for spec in specs:
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for path, named in outputs.items():
+            n = spec.tokens[path]
+            if n:
+                o = offsets[path]
+                parts[path] = {name: t[o : o + n] for name, t in named.items()}
+                offsets[path] = o + n
+        results.append(adapter.assemble(parts))
+    return results
 
 
 def check_outputs(

@@ -1,5 +1,5 @@
 """What ``capture()`` measures and checks on inputs the adapter synthesises: the self-check of every budget
-and the default cost model.
+and the default cost model; and the cost model ``measure_costs(samples)`` measures on given inputs.
 
 **Self-check** (``verify=True``, the default): for every budget of every path, the adapter's
 ``sample_inputs(path, tokens)`` gives a sub-batch that fills the budget only in part (so padding is present),
@@ -32,10 +32,11 @@ import torch
 from encgraph.capture.capture import time_replay
 from encgraph.capture.execution import RunnerState, item_specs, run_static
 from encgraph.capture.protocol import BudgetUnit, FillRule
+from encgraph.capture.records import RunMode
 from encgraph.capture.timing import time_host
 from encgraph.packing import CostModel
 
-__all__ = ["check_and_measure", "tolerance", "relative_error", "SAMPLE_SIZES"]
+__all__ = ["check_and_measure", "measure_cost_model", "tolerance", "relative_error", "SAMPLE_SIZES"]
 
 log = logging.getLogger("encgraph")
 
@@ -135,6 +136,36 @@ def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> di
             info["costs"] = "greedy planner (too few eager samples)"
     info["seconds"] = round(time.perf_counter() - t0, 3)
     return info
+
+
+def measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int) -> CostModel:
+    """The cost model of ``runner.measure_costs(samples)`` (the runner captured): graph costs are each captured
+    budget's replay time (timed at capture) or, outside GRAPH mode, the static forward's time on padding; eager
+    costs are the adapter's eager forward timed on each sample input, fitted as fixed + per token + per item."""
+    adapter = runner.adapter
+    graph_ms: dict[str, dict[int, float]] = {}
+    for path, ladder in runner.ladders.items():
+        graph_ms[path] = {}
+        for budget in (b for b in ladder if b > 0):
+            record = runner.records[path].get(budget)
+            if record is not None and record.replay_ms is not None:
+                graph_ms[path][budget] = record.replay_ms
+            elif runner.mode is not RunMode.GRAPH:
+                views = runner.buffers[path].fill(budget, None)
+                graph_ms[path][budget] = time_host(
+                    lambda: adapter.forward_static(path, views, budget), repeats, runner.device
+                )
+    eager: dict[str, list[tuple[int, int, float]]] = {p: [] for p in runner.ladders}
+    for sample in samples:
+        specs = item_specs(adapter, sample)
+        # select() gives the adapter's own inputs type, whatever form a call accepted (a raw tuple too).
+        inputs = adapter.select(sample, list(range(len(specs))))
+        for path in runner.ladders:
+            tokens = sum(s.tokens[path] for s in specs)
+            if tokens:
+                ms = time_host(lambda: adapter.forward_eager(path, inputs), repeats, runner.device)
+                eager[path].append((tokens, sum(1 for s in specs if s.tokens[path]), ms))
+    return CostModel.from_measurements(graph_ms, eager)
 
 
 def _timed_budgets(ladder: Sequence[int]) -> set[int]:
