@@ -1,5 +1,5 @@
 """What ``capture()`` measures and checks on inputs the adapter synthesises: the self-check of every budget
-and the default cost model.
+and the default cost model; and the cost model ``measure_costs(samples)`` measures on given inputs.
 
 **Self-check** (``verify=True``, the default): for every budget of every path, the adapter's
 ``sample_inputs(path, tokens)`` gives a sub-batch that fills the budget only in part (so padding is present),
@@ -24,19 +24,19 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from encgraph.capture.capture import time_replay
+from encgraph.capture.execution import RunnerState, item_specs, run_static
 from encgraph.capture.protocol import BudgetUnit, FillRule
+from encgraph.capture.records import RunMode
+from encgraph.capture.timing import time_host
 from encgraph.packing import CostModel
 
-if TYPE_CHECKING:  # pragma: no cover
-    from encgraph.capture.runner import EncoderGraphRunner
-
-__all__ = ["check_and_measure", "tolerance", "relative_error", "SAMPLE_SIZES"]
+__all__ = ["check_and_measure", "measure_cost_model", "tolerance", "relative_error", "SAMPLE_SIZES"]
 
 log = logging.getLogger("encgraph")
 
@@ -80,7 +80,7 @@ def _fill_size(ladder: Sequence[int], budget: int, unit: BudgetUnit) -> int:
     return max(below + 1, budget - max(1, (budget - below) // 2))
 
 
-def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool) -> dict[str, Any]:
+def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> dict[str, Any]:
     """Run the self-check (``verify``) and build the default cost model (``measure``; GRAPH mode) on sample
     inputs; returns the summary for ``capture_info["selfcheck"]``. Sets ``runner.costs`` when measuring."""
     adapter = runner.adapter
@@ -105,17 +105,17 @@ def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool
             if budget in runner.failed[path] and not runner.records[path].get(budget):
                 continue
             sample = adapter.sample_inputs(path, _fill_size(positive, budget, spec.unit))
-            specs = runner._specs(sample)
+            specs = item_specs(adapter, sample)
             sub = adapter.select(sample, list(range(len(specs))))
             used = sum(s.tokens[path] for s in specs)
             if not 0 < used <= budget or len(specs) > runner.limits.max_items:
                 continue
             reference = adapter.forward_eager(path, sub)
             if budget in timed:
-                ms = runner._time_host(lambda: adapter.forward_eager(path, sub), 2)
+                ms = time_host(lambda: adapter.forward_eager(path, sub), 2, runner.device)
                 eager[path].append((used, sum(1 for s in specs if s.tokens[path]), ms))
             if verify and budget not in runner.failed[path]:
-                static = runner._run_static(path, budget, sub, used)
+                static = run_static(runner, path, budget, sub, used)
                 worst = max((relative_error(static[n], reference[n]), n) for n in reference)
                 checked[path][budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
                 tol = tolerance(runner.config.dtype, runner.device)
@@ -138,6 +138,36 @@ def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool
     return info
 
 
+def measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int) -> CostModel:
+    """The cost model of ``runner.measure_costs(samples)`` (the runner captured): graph costs are each captured
+    budget's replay time (timed at capture) or, outside GRAPH mode, the static forward's time on padding; eager
+    costs are the adapter's eager forward timed on each sample input, fitted as fixed + per token + per item."""
+    adapter = runner.adapter
+    graph_ms: dict[str, dict[int, float]] = {}
+    for path, ladder in runner.ladders.items():
+        graph_ms[path] = {}
+        for budget in (b for b in ladder if b > 0):
+            record = runner.records[path].get(budget)
+            if record is not None and record.replay_ms is not None:
+                graph_ms[path][budget] = record.replay_ms
+            elif runner.mode is not RunMode.GRAPH:
+                views = runner.buffers[path].fill(budget, None)
+                graph_ms[path][budget] = time_host(
+                    lambda: adapter.forward_static(path, views, budget), repeats, runner.device
+                )
+    eager: dict[str, list[tuple[int, int, float]]] = {p: [] for p in runner.ladders}
+    for sample in samples:
+        specs = item_specs(adapter, sample)
+        # select() gives the adapter's own inputs type, whatever form a call accepted (a raw tuple too).
+        inputs = adapter.select(sample, list(range(len(specs))))
+        for path in runner.ladders:
+            tokens = sum(s.tokens[path] for s in specs)
+            if tokens:
+                ms = time_host(lambda: adapter.forward_eager(path, inputs), repeats, runner.device)
+                eager[path].append((tokens, sum(1 for s in specs if s.tokens[path]), ms))
+    return CostModel.from_measurements(graph_ms, eager)
+
+
 def _timed_budgets(ladder: Sequence[int]) -> set[int]:
     if len(ladder) <= SAMPLE_SIZES:
         return set(ladder)
@@ -145,7 +175,7 @@ def _timed_budgets(ladder: Sequence[int]) -> set[int]:
     return picks
 
 
-def _multi_item_sample(runner: EncoderGraphRunner, path: str, ladder: Sequence[int]) -> list[tuple[int, int, float]]:
+def _multi_item_sample(runner: RunnerState, path: str, ladder: Sequence[int]) -> list[tuple[int, int, float]]:
     adapter = runner.adapter
     if not hasattr(adapter, "concat") or runner.limits.max_items < 2:
         return []
@@ -153,16 +183,16 @@ def _multi_item_sample(runner: EncoderGraphRunner, path: str, ladder: Sequence[i
     unit = runner.config.path(path).unit
     each = 1 if unit is BudgetUnit.ITEMS else max(1, ladder[len(ladder) // 2] // items)
     sample = adapter.concat([adapter.sample_inputs(path, each) for _ in range(items)])
-    specs = runner._specs(sample)
+    specs = item_specs(adapter, sample)
     sub = adapter.select(sample, list(range(len(specs))))
     used = sum(s.tokens[path] for s in specs)
     if not used:
         return []
-    ms = runner._time_host(lambda: adapter.forward_eager(path, sub), 2)
+    ms = time_host(lambda: adapter.forward_eager(path, sub), 2, runner.device)
     return [(used, sum(1 for s in specs if s.tokens[path]), ms)]
 
 
-def _drop(runner: EncoderGraphRunner, path: str, budget: int, worst: tuple[float, str], tol: float) -> None:
+def _drop(runner: RunnerState, path: str, budget: int, worst: tuple[float, str], tol: float) -> None:
     reason = (
         f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
         f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"
@@ -182,7 +212,7 @@ def _drop(runner: EncoderGraphRunner, path: str, budget: int, worst: tuple[float
 
 
 def _cost_model(
-    runner: EncoderGraphRunner, eager: Mapping[str, list[tuple[int, int, float]]], attention: Mapping[str, float]
+    runner: RunnerState, eager: Mapping[str, list[tuple[int, int, float]]], attention: Mapping[str, float]
 ) -> CostModel | None:
     graph_ms = {
         path: {b: r.replay_ms for b, r in records.items() if r.replay_ms is not None}
@@ -193,7 +223,7 @@ def _cost_model(
     return CostModel.from_measurements(graph_ms, eager, {p: a for p, a in attention.items() if graph_ms.get(p)})
 
 
-def _attention_terms(runner: EncoderGraphRunner) -> dict[str, dict[str, Any]]:
+def _attention_terms(runner: RunnerState) -> dict[str, dict[str, Any]]:
     """Per path, the cost model's attention coefficient (``CostModel.attention``) and how it was measured.
 
     The replay times of capture fill each graph's buffers as padding: one attention sequence over the whole
@@ -218,7 +248,7 @@ def _attention_terms(runner: EncoderGraphRunner) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _attention_term(runner: EncoderGraphRunner, path: str, records: Mapping[int, Any]) -> dict[str, Any]:
+def _attention_term(runner: RunnerState, path: str, records: Mapping[int, Any]) -> dict[str, Any]:
     timed = {b: r for b, r in records.items() if r.replay_ms is not None and r.graph is not None}
     if runner.config.path(path).unit is BudgetUnit.ITEMS or not timed:
         return {"skipped": "budgets count items" if timed else "no timed graph"}

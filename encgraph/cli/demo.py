@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib
 import math
 import statistics
 import sys
@@ -35,8 +34,8 @@ from encgraph.cli._common import (
     progress,
     table,
 )
-from encgraph.cli._towers import TOWERS, DemoBatch, build_tower, make_batch
-from encgraph.errors import UnsupportedModelError
+from encgraph.cli.demo_batches import DemoBatch, make_batch
+from encgraph.embedded_towers import TOWERS, build_tower
 from encgraph.packing import Plan
 
 if TYPE_CHECKING:
@@ -125,17 +124,6 @@ def _exact_float32(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _wrap(tower: torch.nn.Module, builtin: str) -> Any:
-    from encgraph.models import wrap
-
-    try:
-        return wrap(tower)
-    except UnsupportedModelError:
-        # The registry may not import the built-in adapters yet: register them and try again.
-        importlib.import_module(builtin)
-        return wrap(tower)
-
-
 # ---------------------------------------------------------------------------------------------- measuring
 
 
@@ -201,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from encgraph import EncoderGraphRunner
+    from encgraph.models import wrap
 
     spec = TOWERS[args.model]
     device = _device(args.device)
@@ -231,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     # implementation of the wrapped tower.
     reference = copy.deepcopy(tower)
     with torch.no_grad(), _exact_float32(device, dtype):
-        adapter = _wrap(tower, spec.builtin)
+        adapter = wrap(tower)
         try:
             # Built first so that bad --budgets / --max-items fail before any model work.
             runner = EncoderGraphRunner(adapter, budgets=ladder, max_items=args.max_items, device=device, progress=show)

@@ -114,7 +114,7 @@ class QwenVisionAdapter:
     family: ClassVar[str] = "Qwen2-VL"
     tower_class: ClassVar[str] = "Qwen2VisionTransformerPretrainedModel"
     # Per-family facts, set by the families built on this class that differ from the Qwen-VL towers (GLM-4V,
-    # ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V; the table of all families is encgraph.models._builtin_families).
+    # ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V; the table of all families is encgraph.models.builtin).
     required_attributes: ClassVar[tuple[str, ...]] = ("patch_embed", "blocks", "merger", "spatial_merge_size")
     """Attributes a tower of this family has (checked at wrap time)."""
     call_names: ClassVar[tuple[str, str]] = ("hidden_states", "grid_thw")
