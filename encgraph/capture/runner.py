@@ -63,7 +63,8 @@ class EncoderGraphRunner:
             1.2x apart above a few multiples of the smallest, so a single item pads by at most ~20%).
         max_items, max_frames: per-batch limits; defaults from :func:`encgraph.packing.default_limits`.
         device: must be where the adapter's tower lives; default the adapter's device.
-        mode: :class:`RunMode`; default ``GRAPH`` on CUDA, ``STATIC`` on CPU.
+        mode: :class:`RunMode`; default ``GRAPH`` on CUDA, ``EAGER`` on the CPU (the adapter's eager forward: no
+            graphs to gain, so no padding, capture or self-check to pay for; ``STATIC`` runs the padded plan).
         lazy: capture on the first call if ``capture()`` was not called (else that call raises).
         copy_outputs: results are fresh tensors (default). ``False``: zero-copy, results are views of the
             graphs' output buffers, **valid only until the next call** of this runner.
@@ -130,12 +131,13 @@ class EncoderGraphRunner:
         self.config = config
         self.device = resolve_device(device, config.device)
         if mode is None:
-            mode = RunMode.GRAPH if self.device.type == "cuda" else RunMode.STATIC
+            # No graphs to gain on a CPU: the adapter's eager forward costs what the tower's does, at once.
+            mode = RunMode.GRAPH if self.device.type == "cuda" else RunMode.EAGER
         if not isinstance(mode, RunMode):
             raise ConfigTypeError(f"mode: expected an encgraph RunMode, got {describe(mode)}.")
         if mode is RunMode.GRAPH and self.device.type != "cuda":
             raise ConfigError(
-                f"mode: GRAPH needs a CUDA device, the tower is on {self.device}; use RunMode.STATIC on the CPU."
+                f"mode: GRAPH needs a CUDA device, the tower is on {self.device}; use RunMode.EAGER (the CPU default) or RunMode.STATIC (the padded plan) on the CPU."
             )
         self.mode = mode
         self.lazy = check_bool("lazy", lazy)
@@ -226,7 +228,8 @@ class EncoderGraphRunner:
             if self.captured:
                 return self.capture_info
             t0 = time.perf_counter()
-            self._allocate()
+            if self.mode is not RunMode.EAGER:  # eager runs read no static buffer
+                self._allocate()
             if self.mode is RunMode.GRAPH:
                 self._pool = torch.cuda.graph_pool_handle()
                 info = capture_graphs(self, self._pool)
@@ -234,7 +237,9 @@ class EncoderGraphRunner:
                 info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
             self.captured = True
             try:
-                info["selfcheck"] = check_and_measure(self, verify=self.verify, measure=self._measure_costs)
+                # Nothing padded runs in EAGER mode: nothing to check.
+                verify = self.verify and self.mode is not RunMode.EAGER
+                info["selfcheck"] = check_and_measure(self, verify=verify, measure=self._measure_costs)
             except BaseException:
                 self.captured = False
                 raise
