@@ -69,7 +69,7 @@ def test_geometry_and_registry(model: torch.nn.Module) -> None:
     from encgraph.packing import dense_ladder
 
     # The dense default ladder, in multiples of one view's tokens.
-    assert EncoderGraphRunner(adapter).ladders == {
+    assert EncoderGraphRunner(adapter, mode=RunMode.STATIC).ladders == {
         "global": dense_ladder(16, 64), "local": dense_ladder(9, 36, allow_zero=True)}
     assert adapter.config.path("local").allow_empty and not adapter.config.path("global").allow_empty
     regions = adapter.compile_regions()  # compile="auto" compiles the tower's layers, not the whole forward
@@ -195,4 +195,4 @@ def test_graphed_refuses_the_model(model: torch.nn.Module) -> None:
     import encgraph
 
     with pytest.raises(UnsupportedModelError, match="shim"):
-        encgraph.graphed(model)
+        encgraph.graphed(model, mode=RunMode.STATIC)
