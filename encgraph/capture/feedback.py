@@ -27,18 +27,19 @@ only if the conditions change again.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from encgraph.packing import CostModel
+from encgraph.packing import CostModel, ItemSpec
 
-__all__ = ["CostFeedback", "RunKind", "HostEvent", "SAMPLE_EVERY", "EXPLORE_EVERY", "MIN_SAMPLES", "THRESHOLD"]
+__all__ = ["CostFeedback", "RunKind", "HostEvent", "predicted_ms", "event_factory", "SAMPLE_EVERY", "EXPLORE_EVERY", "MIN_SAMPLES", "THRESHOLD"]
 
 SAMPLE_EVERY = 8
 """One timed run in this many, per path and kind (the first run is timed)."""
@@ -50,6 +51,17 @@ THRESHOLD = 1.25
 """A median ratio beyond this factor (either way) corrects the model."""
 MAX_PENDING = 64
 """Samples waiting for their events; older ones are dropped (a device that never completes them)."""
+
+
+def predicted_ms(costs: CostModel, path: str, budget: int | None, specs: Sequence[ItemSpec]) -> float:
+    """What ``costs`` predicts for running ``specs`` on ``path``: eagerly (``budget`` ``None``) or replaying
+    ``budget``, the replay priced by its content (the attention term) as the cost-aware planner prices it."""
+    tokens = sum(s.tokens[path] for s in specs)
+    items = sum(1 for s in specs if s.tokens[path])
+    if budget is None:
+        return costs.eager_cost(path, tokens, items)
+    squares = sum(s.tokens[path] ** 2 / s.frames for s in specs) + (budget - tokens) ** 2
+    return costs.graph_cost(path, budget, squares)
 
 
 class RunKind(enum.Enum):
@@ -120,14 +132,31 @@ class CostFeedback:
         self._runs[(path, kind)] = n + 1
         return n % self.sample_every == 0
 
-    def explore(self, path: str) -> bool:
-        """Count a batch sent eagerly as cheaper that a captured budget holds; whether to replay it instead."""
+    def explore(self, path: str, ladder: Sequence[int], specs: Sequence[ItemSpec], limits: Any) -> int | None:
+        """Count a batch that the model sends eagerly as cheaper; once in :attr:`explore_every`, the smallest
+        budget of ``ladder`` (those usable) that holds it within ``limits``, to replay it instead (else ``None``)."""
         n = self._cheaper[path]
         self._cheaper[path] = n + 1
-        if n % self.explore_every == self.explore_every - 1:
-            self.explored += 1
-            return True
-        return False
+        if n % self.explore_every != self.explore_every - 1:
+            return None
+        tokens = sum(s.tokens[path] for s in specs)
+        if len(specs) > limits.max_items or sum(s.frames for s in specs) > limits.max_frames:
+            return None
+        budget = next((b for b in ladder if b >= tokens > 0), None)
+        self.explored += budget is not None
+        return budget
+
+    @contextlib.contextmanager
+    def timed(self, costs: CostModel | None, path: str, budget: int | None, specs: Sequence[ItemSpec]) -> Iterator[None]:
+        """Around one run of ``specs`` on ``path`` (a replay of ``budget``, or eager for ``None``): time it when
+        there is a model to check and the run is sampled."""
+        kind = RunKind.EAGER if budget is None else RunKind.GRAPH
+        if costs is None or not self.sampled(path, kind):
+            yield
+            return
+        sample = self.start(path, kind, predicted_ms(costs, path, budget, specs))
+        yield
+        self.stop(sample)
 
     def start(self, path: str, kind: RunKind, predicted_ms: float) -> _Sample:
         """Record the start event of a timed run (before its work is queued)."""

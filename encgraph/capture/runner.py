@@ -28,6 +28,7 @@ from encgraph._validate import check_int, describe
 from encgraph.capture.buffers import PathBuffers, PathOutputs
 from encgraph.capture.capture import capture_graphs
 from encgraph.capture.compiling import CompileMode, resolve_compile
+from encgraph.capture.feedback import CostFeedback, event_factory
 from encgraph.capture.execution import check_outputs, item_specs, run_static, split_outputs
 from encgraph.capture.grad import persistent
 from encgraph.capture.options import check_bool, resolve_device, resolve_ladders, resolve_limits
@@ -37,6 +38,7 @@ from encgraph.capture.selfcheck import check_and_measure, measure_cost_model
 from encgraph.capture.stats import RunStats
 from encgraph.errors import CaptureError, ConfigError, ConfigTypeError, EncgraphError
 from encgraph.packing import (
+    EagerReason,
     CostModel,
     ItemSpec,
     Plan,
@@ -173,6 +175,7 @@ class EncoderGraphRunner:
         self.captured = False
         self.capture_info: dict[str, Any] = {}
         self._stats = RunStats(config.path_names)
+        self._feedback = CostFeedback(event_factory(self.device))
         self._lock = threading.RLock()
         self._pool: Any = None
         self._dp: Any = None
@@ -286,6 +289,8 @@ class EncoderGraphRunner:
                 self.capture()
             if self._record:
                 self.observed.append(tuple(specs))
+            if self.costs is not None:  # read what earlier calls timed (never waits); correct the model
+                self.costs = self._feedback.poll(self.costs) or self.costs
             plan = self._pack(specs)
             batch_results = [self._run_batch(inputs, specs, batch) for batch in plan.batches]
             self._stats.add_call()
@@ -308,16 +313,22 @@ class EncoderGraphRunner:
                 reason = EAGER_MODE
             elif budget is None:
                 reason = batch.eager[path].value
+                if batch.eager[path] is EagerReason.COST:  # now and then replay it anyway: the model may be wrong
+                    usable = [b for b in self.planning_ladders[path] if self.mode is not RunMode.GRAPH
+                              or b in self.records[path]]
+                    budget = self._feedback.explore(path, usable, sub_specs, self.limits)
+                    reason = None if budget is not None else reason
             elif self.mode is RunMode.GRAPH and budget not in self.records[path]:
                 reason = CAPTURE_FAILED
-            if reason is not None:
-                out = self.adapter.forward_eager(path, sub)
-                check_outputs(self.adapter, path, budget, out, used, "eager")
-                eager_paths[path] = reason
-                self._stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
-            else:
-                out = run_static(self, path, budget, sub, used)
-                self._stats.add_replay(path, budget, used)
+            with self._feedback.timed(self.costs, path, None if reason else budget, sub_specs):
+                if reason is not None:
+                    out = self.adapter.forward_eager(path, sub)
+                    check_outputs(self.adapter, path, budget, out, used, "eager")
+                    eager_paths[path] = reason
+                    self._stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
+                else:
+                    out = run_static(self, path, budget, sub, used)
+                    self._stats.add_replay(path, budget, used)
             outputs[path] = out
         self._stats.add_items(eager=sum(1 for s in sub_specs if any(s.tokens[p] for p in eager_paths)),
                               total=len(sub_specs))
@@ -390,6 +401,7 @@ class EncoderGraphRunner:
         if self._dp is not None:
             out["data_parallel"] = self._dp.stats
         out["mode"] = self.mode.value
+        out["cost_feedback"] = self._feedback.as_dict()  # samples read, explored replays, corrections per kind
         out["capture"] = dict(self.capture_info)
         return out
 

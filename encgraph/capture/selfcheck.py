@@ -96,7 +96,6 @@ def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> di
     checked: dict[str, dict[int, float]] = {}
     eager: dict[str, list[tuple[int, int, float]]] = {}
     for path, ladder in runner.ladders.items():
-        spec = runner.config.path(path)
         checked[path] = {}
         positive = [b for b in ladder if b > 0]
         timed = _timed_budgets(positive) if measure else set()
@@ -104,25 +103,16 @@ def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> di
         for budget in positive:
             if budget in runner.failed[path] and not runner.records[path].get(budget):
                 continue
-            sample = adapter.sample_inputs(path, _fill_size(positive, budget, spec.unit))
-            specs = item_specs(adapter, sample)
-            sub = adapter.select(sample, list(range(len(specs))))
-            used = sum(s.tokens[path] for s in specs)
-            if not 0 < used <= budget or len(specs) > runner.limits.max_items:
-                continue
-            reference = adapter.forward_eager(path, sub)
-            if budget in timed:
-                ms = time_host(lambda: adapter.forward_eager(path, sub), 2, runner.device)
-                eager[path].append((used, sum(1 for s in specs if s.tokens[path]), ms))
-            if verify and budget not in runner.failed[path]:
-                static = run_static(runner, path, budget, sub, used)
-                worst = max((relative_error(static[n], reference[n]), n) for n in reference)
-                checked[path][budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
-                tol = tolerance(runner.config.dtype, runner.device)
-                if not worst[0] <= tol:
-                    _drop(runner, path, budget, worst, tol)
+            try:
+                _check_budget(runner, path, budget, positive, verify, budget in timed, checked[path], eager[path])
+            except Exception as exc:  # capture-time work never fails a call: the budget goes, with its reason
+                _drop(runner, path, budget, f"self-check: {type(exc).__name__}: {exc}", wide=False)
         if measure:
-            eager[path].extend(_multi_item_sample(runner, path, positive))
+            try:
+                eager[path].extend(_multi_item_sample(runner, path, positive))
+            except Exception as exc:  # one sample fewer for the fit, never a failed call
+                log.warning("encgraph: path %r: the multi-item eager sample failed (%s: %s); fitted without it.",
+                            path, type(exc).__name__, exc)
     info["checked"] = checked
     if measure:
         attention = _attention_terms(runner)
@@ -168,6 +158,31 @@ def measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int
     return CostModel.from_measurements(graph_ms, eager)
 
 
+def _check_budget(runner: RunnerState, path: str, budget: int, positive: Sequence[int], verify: bool, timed: bool,
+                  checked: dict[int, float], eager: list[tuple[int, int, float]]) -> None:
+    """One budget's self-check (and eager timing when ``timed``) on the adapter's sample filling it in part."""
+    adapter = runner.adapter
+    sample = adapter.sample_inputs(path, _fill_size(positive, budget, runner.config.path(path).unit))
+    specs = item_specs(adapter, sample)
+    sub = adapter.select(sample, list(range(len(specs))))
+    used = sum(s.tokens[path] for s in specs)
+    if not 0 < used <= budget or len(specs) > runner.limits.max_items:
+        return
+    reference = adapter.forward_eager(path, sub)
+    if timed:
+        ms = time_host(lambda: adapter.forward_eager(path, sub), 2, runner.device)
+        eager.append((used, sum(1 for s in specs if s.tokens[path]), ms))
+    if verify and budget not in runner.failed[path]:
+        static = run_static(runner, path, budget, sub, used)
+        worst = max((relative_error(static[n], reference[n]), n) for n in reference)
+        checked[budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
+        tol = tolerance(runner.config.dtype, runner.device)
+        if not worst[0] <= tol:
+            _drop(runner, path, budget, (
+                f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
+                f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"))
+
+
 def _timed_budgets(ladder: Sequence[int]) -> set[int]:
     if len(ladder) <= SAMPLE_SIZES:
         return set(ladder)
@@ -192,14 +207,10 @@ def _multi_item_sample(runner: RunnerState, path: str, ladder: Sequence[int]) ->
     return [(used, sum(1 for s in specs if s.tokens[path]), ms)]
 
 
-def _drop(runner: RunnerState, path: str, budget: int, worst: tuple[float, str], tol: float) -> None:
-    reason = (
-        f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
-        f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"
-    )
+def _drop(runner: RunnerState, path: str, budget: int, reason: str, *, wide: bool = True) -> None:
     # An adapter whose padding assumption is module-wide (the generic adapter: rows never mix across the batch)
-    # learns that it does not hold, and every budget of the path goes.
-    hook = getattr(runner.adapter, "selfcheck_failed", None)
+    # learns that it does not hold, and every budget of the path goes (``wide``: a disagreement, not an error).
+    hook = getattr(runner.adapter, "selfcheck_failed", None) if wide else None
     drop = [b for b in runner.ladders[path] if b > 0] if hook is not None and hook(path, budget, reason) else [budget]
     for b in drop:
         runner.failed[path].setdefault(b, reason)

@@ -277,10 +277,15 @@ class Gemma4Adapter:
         else:
             raise ConfigError(f"path: expected {IMAGE!r} or {VIDEO!r}, got {path!r}.")
         k = self.kernel
+        side = max(1, self.table // k)  # pooled cells a side that fit the position table
         grids = []
         for t in sizes:
-            a = max(d for d in range(1, math.isqrt(t) + 1) if t % d == 0)  # a x b pooled grid, a * b == t
-            grids.append(grid_positions(t // a * k, a * k))
+            # An a x b pooled grid with a * b == t where the table allows it, else the largest that fits (the
+            # adapter refuses coordinates outside the table: a sample must be an input the tower accepts).
+            fits = [d for d in range(1, math.isqrt(t) + 1) if t % d == 0 and t // d <= side]
+            a = max(fits) if fits else min(side, math.isqrt(t))
+            b = t // a if fits else min(side, t // a)
+            grids.append(grid_positions(b * k, a * k))
         p = max(g.shape[0] for g in grids)
         pos = np.full((len(grids), p, 2), -1, np.int64)
         for i, g in enumerate(grids):

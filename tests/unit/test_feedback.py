@@ -108,9 +108,14 @@ def test_samples_of_an_older_model_are_dropped() -> None:
 
 
 def test_exploration_every_nth_cheaper_batch() -> None:
+    from encgraph.packing import ItemSpec, Limits
+
     feedback = CostFeedback(lambda: FakeEvent(Clock()), explore_every=4)
-    picks = [feedback.explore(PATH) for _ in range(12)]
-    assert picks == [False, False, False, True] * 3 and feedback.explored == 3
+    specs, limits = [ItemSpec(40), ItemSpec(30)], Limits(max_items=4, max_frames=4)
+    picks = [feedback.explore(PATH, (64, 128), specs, limits) for _ in range(12)]
+    assert picks == [None, None, None, 128] * 3 and feedback.explored == 3
+    assert [feedback.explore(PATH, (64,), specs, limits) for _ in range(4)] == [None] * 4  # nothing holds it
+    assert [feedback.explore(PATH, (128,), specs, Limits(max_items=1, max_frames=1)) for _ in range(4)] == [None] * 4
 
 
 def test_scaled_model_keeps_paths_and_rejects_bad_factors() -> None:
