@@ -15,7 +15,7 @@ predicted:
 - per path and kind, once :data:`MIN_SAMPLES` ratios ``measured / predicted`` were read since the last correction,
   their median ``m`` outside ``[1 / THRESHOLD, THRESHOLD]`` multiplies that part of the model by ``m``
   (:meth:`~encgraph.packing.CostModel.scaled`): replay times and the attention term for ``graph``, the eager
-  curve for ``eager``. Samples taken under an older model are dropped.
+  curve for ``eager``. Samples of a part taken before that part was corrected are dropped.
 
 **Bound.** Under steady conditions a part of the model that is off by more than :data:`THRESHOLD` is corrected
 after at most ``SAMPLE_EVERY * MIN_SAMPLES`` runs of that kind on that path (``EXPLORE_EVERY * MIN_SAMPLES``
@@ -116,9 +116,10 @@ class CostFeedback:
         self.explore_every = explore_every
         self.min_samples = min_samples
         self.threshold = threshold
-        self.generation = 0
+        self.generation: collections.Counter[tuple[str, RunKind]] = collections.Counter()
         self._runs: collections.Counter[tuple[str, RunKind]] = collections.Counter()
         self._cheaper: collections.Counter[str] = collections.Counter()
+        self._forced: set[str] = set()
         self._pending: collections.deque[_Sample] = collections.deque(maxlen=MAX_PENDING)
         self._ratios: dict[tuple[str, RunKind], list[float]] = collections.defaultdict(list)
         self.samples = 0
@@ -143,7 +144,9 @@ class CostFeedback:
         if len(specs) > limits.max_items or sum(s.frames for s in specs) > limits.max_frames:
             return None
         budget = next((b for b in ladder if b >= tokens > 0), None)
-        self.explored += budget is not None
+        if budget is not None:
+            self.explored += 1
+            self._forced.add(path)  # an explored replay is always timed: it is what the model lacks
         return budget
 
     @contextlib.contextmanager
@@ -151,7 +154,9 @@ class CostFeedback:
         """Around one run of ``specs`` on ``path`` (a replay of ``budget``, or eager for ``None``): time it when
         there is a model to check and the run is sampled."""
         kind = RunKind.EAGER if budget is None else RunKind.GRAPH
-        if costs is None or not self.sampled(path, kind):
+        forced = kind is RunKind.GRAPH and path in self._forced
+        self._forced.discard(path)
+        if costs is None or not (forced or self.sampled(path, kind)):
             yield
             return
         sample = self.start(path, kind, predicted_ms(costs, path, budget, specs))
@@ -160,7 +165,7 @@ class CostFeedback:
 
     def start(self, path: str, kind: RunKind, predicted_ms: float) -> _Sample:
         """Record the start event of a timed run (before its work is queued)."""
-        sample = _Sample(path, kind, float(predicted_ms), self.generation, self.events(), self.events())
+        sample = _Sample(path, kind, float(predicted_ms), self.generation[(path, kind)], self.events(), self.events())
         sample.start.record()
         return sample
 
@@ -174,7 +179,7 @@ class CostFeedback:
         waiting: collections.deque[_Sample] = collections.deque(maxlen=MAX_PENDING)
         while self._pending:
             sample = self._pending.popleft()
-            if sample.generation != self.generation:
+            if sample.generation != self.generation[(sample.path, sample.kind)]:
                 continue  # predicted by a model since corrected
             if not sample.end.query():
                 waiting.append(sample)
@@ -199,8 +204,7 @@ class CostFeedback:
                 self.corrections[kind.value] += 1
                 entry = self.scale.setdefault(path, {"graph": 1.0, "eager": 1.0})
                 entry[kind.value] *= m
-        self.generation += 1
-        self._ratios.clear()
+                self.generation[(path, kind)] += 1
         return costs.scaled(graph=factors[RunKind.GRAPH], eager=factors[RunKind.EAGER])
 
     def as_dict(self) -> dict[str, Any]:

@@ -102,7 +102,7 @@ def test_samples_of_an_older_model_are_dropped() -> None:
     clock.until = clock.now  # the device finished those two, not the next
     run(feedback, clock, costs, RunKind.GRAPH, true_ms=4.0)  # still pending when the correction is decided
     costs = feedback.poll(costs)
-    assert costs is not None and feedback.generation == 1 and feedback.samples == 2
+    assert costs is not None and feedback.generation[(PATH, RunKind.GRAPH)] == 1 and feedback.samples == 2
     clock.done = True
     assert feedback.poll(costs) is None and feedback.samples == 2  # predicted by the old model: dropped
 

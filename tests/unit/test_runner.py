@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from encgraph.capture.records import RunMode
 import encgraph
 from encgraph.capture import EncoderGraphRunner, RunMode
 from encgraph.capture.runner import CAPTURE_FAILED
