@@ -39,7 +39,7 @@ from encgraph.capture.records import GraphRecord
 from encgraph.capture.timing import time_host
 from encgraph.errors import EncgraphError
 
-__all__ = ["capture_graphs", "pool_bytes", "time_replay"]
+__all__ = ["capture_graphs", "pool_bytes", "time_replay", "fill_for_timing"]
 
 log = logging.getLogger("encgraph")
 
@@ -225,14 +225,20 @@ def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:
 def time_replay(
     runner: RunnerState, record: GraphRecord, repeats: int = 5, values: Mapping[str, Any] | None = None
 ) -> float:
-    """Median host-seen ms of ``record``'s replay, its buffers filled with ``values`` (``None``: all padding, one
-    attention sequence over the budget; the self-check also times other sequence bounds) and random floats."""
+    """Host-seen ms of ``record``'s replay (minimum of spaced repeats), its buffers filled by
+    :func:`fill_for_timing`."""
+    fill_for_timing(runner, record, values)
+    return time_host(record.graph.replay, repeats, runner.device)
+
+
+def fill_for_timing(runner: RunnerState, record: GraphRecord, values: Mapping[str, Any] | None = None) -> None:
+    """Fill ``record``'s buffers with ``values`` (``None``: all padding, one attention sequence over the budget,
+    what the cost model's replay times are; the self-check also times other sequence bounds) and random floats."""
     # Time on random floats: zeros can run faster than real data.
     runner.buffers[record.path].fill(record.budget, values)
     for t in record.inputs.values():
         if t.is_floating_point():
             t.normal_()
-    return time_host(record.graph.replay, repeats, runner.device)
 
 
 def pool_bytes(device: torch.device, pool: Any) -> int:

@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from encgraph import EncoderGraphRunner
+    from encgraph.capture.records import RunMode
     from encgraph.models import wrap
 
     spec = TOWERS[args.model]
@@ -223,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
         adapter = wrap(tower)
         try:
             # Built first so that bad --budgets / --max-items fail before any model work.
-            runner = EncoderGraphRunner(adapter, budgets=ladder, max_items=args.max_items, device=device, progress=show)
+            # The demo shows the padded plan: on a CPU (whose default is the eager forward) it asks for it.
+            mode = None if device.type == "cuda" else RunMode.STATIC
+            runner = EncoderGraphRunner(adapter, budgets=ladder, max_items=args.max_items, device=device, progress=show,
+                                        mode=mode)
             inputs = adapter.inputs_from_call(*batch.args, **batch.kwargs)
             capture = runner.capture()
             plan = runner.plan(inputs)
