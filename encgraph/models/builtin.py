@@ -33,9 +33,9 @@ BUILTIN_ADAPTERS: dict[str, tuple[str, str | None]] = {
     "MiniCPMV4_7VisionConfig": ("encgraph.models.minicpmv:adapter", None),  # the same tower
     "MiniCPMOcrVisionConfig": ("encgraph.models.minicpmv:adapter", None),  # the same tower
     "Llama4VisionConfig": ("encgraph.models.llama4:adapter", None),
-    # Multi-path towers: Gemma-4's vision tower (by its vision config) and Step-3.7 (by the full model's config:
-    # the adapter needs the projector; the tower alone is refused with a pointer to the model's adapter).
+    # Multi-path towers: Gemma-4's vision tower (by its vision config) and Step-3.7: the full model (its shim
+    # captures the projector too) and the tower alone as the model calls it (global views, then crops).
     "Gemma4VisionConfig": ("encgraph.models.gemma4:adapter", None),
     "Step3p7Config": ("encgraph.models.step3p7:adapter", None),
-    "Step3p7VisionConfig": ("encgraph.models.step3p7:tower_adapter", None),
+    "Step3p7VisionConfig": ("encgraph.models.step3p7_tower:adapter", None),
 }

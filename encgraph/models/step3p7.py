@@ -57,7 +57,7 @@ from encgraph.models._hf import repeated_blocks, require_transformers, tower_dty
 from encgraph.models.deepseek_ocr2 import GLOBAL, LOCAL, OUTPUT, DeepseekOcr2Adapter, OcrImages
 from encgraph.models.protocol import StockCall
 
-__all__ = ["Step3p7Adapter", "adapter", "tower_adapter", "view_tokens"]
+__all__ = ["Step3p7Adapter", "adapter", "view_tokens"]
 
 HIDDEN = "last_hidden_state"
 MIN_TRANSFORMERS = "5.17"
@@ -272,11 +272,3 @@ class Step3p7Adapter(_Step3p7Views):
 def adapter(module: torch.nn.Module, **options: Any) -> Step3p7Adapter:
     """Registry factory: ``Step3p7Adapter(module, **options)``."""
     return Step3p7Adapter(module, **options)
-
-
-def tower_adapter(module: torch.nn.Module, **options: Any) -> Any:
-    """Registry factory for ``Step3p7VisionConfig``: the tower alone, as the model calls it
-    (:class:`~encgraph.models.step3p7_tower.Step3p7TowerAdapter`, which ``graphed(tower)`` stands in with)."""
-    from encgraph.models.step3p7_tower import Step3p7TowerAdapter
-
-    return Step3p7TowerAdapter(module, **options)

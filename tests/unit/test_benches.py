@@ -494,7 +494,7 @@ def test_towers_smoke_families(tmp_path, monkeypatch):
         for s in ("hf_sdpa", "defaults", "adapter_eager"):
             assert median_of(case["systems"][s]) is not None, (name, s, case["systems"][s])
         assert case["defaults_vs_hf_sdpa_max_rel_diff"] < 1e-4, name
-        assert case["speedup"]["defaults_vs_hf_sdpa"] > 0 and case["defaults_stats"]["eager_items_per_call"] == 1
+        assert case["speedup"]["defaults_vs_hf_sdpa"] > 0 and case["defaults_stats"]["eager_items_per_call"] >= 1
     assert data["towers"]["step3p7"]["cases"]["1x448"]["crops"] == [0]
     table = (tmp_path / f"towers_{SMOKE_SLUG}.md").read_text()
     assert "## towers, the newer families: HF sdpa vs encgraph defaults" in table
@@ -540,7 +540,7 @@ def test_traffic_smoke(smoke_dir):
     assert doc["graph_stats"]["graph"]["items"] == stats["items"]  # the cost model may send all of it eagerly
     assert doc["costs"]["graph"]["paths"]["default"]["graph_ms"]
     cold, warm = doc["startup"]["cold"], doc["startup"]["warm"]
-    assert cold["capture_seconds"] >= 0 and cold["capture_info"]["mode"] == "static"
+    assert cold["capture_seconds"] >= 0 and cold["capture_info"]["mode"] == "eager"  # the CPU default
     assert "error" not in warm, warm
     assert warm["capture_seconds"] >= 0 and warm["process_seconds"] >= warm["capture_seconds"]
     comp = doc["compile_dynamic"]
@@ -566,7 +566,7 @@ def test_capture_smoke(smoke_dir):
     data = capture.main(FAST + ["--results-dir", str(smoke_dir)])
     for tower in data["towers"].values():
         assert tower["mode"] == "static" and tower["ladders"]["default"]
-        assert tower["limits"]["max_items"] >= 1 and tower["runner_options"] == {"compile": False}
+        assert tower["limits"]["max_items"] >= 1 and tower["runner_options"] == {"compile": False, "mode": "static"}
         doubling = tower["doubling"]
         ladder = doubling["ladders"]["default"]
         assert doubling["runner_options"]["budgets"]["default"] == ladder
