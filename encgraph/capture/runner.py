@@ -84,9 +84,11 @@ class EncoderGraphRunner:
             (replay times and eager timings on the adapter's ``sample_inputs``) and every call is planned by the
             cost-aware packer (batch splits and graph-vs-eager of least expected time); other modes plan
             greedily. ``False``: the greedy planner always. A ``CostModel`` (or the path of one saved as JSON):
-            plan with it. ``measure_costs(samples)`` measures one on real inputs.
-        verify: at capture, run each budget's padded static forward and the eager forward on the same sample
-            items and drop a budget that disagrees (logged; its batches run eagerly). Default on.
+            plan with it. ``measure_costs(samples)`` measures one on real inputs. A model in use is checked while
+            serving and corrected (:mod:`encgraph.capture.feedback`; ``stats["cost_feedback"]``).
+        verify: at capture (not in EAGER mode: nothing padded runs), run each budget's padded static forward and the
+            eager forward on the same sample items and drop a budget that disagrees, or whose check raised (logged,
+            the reason in ``capture_info["failed"]``; its batches run at the next budget or eagerly). Default on.
         record: keep the item specs of the last ``record`` calls (``observed``), for ``tune()``.
         process_group: a ``torch.distributed`` group (``torch.distributed.group.WORLD`` for all ranks): spread
             each call's items over its ranks (balanced by size), every rank returns every item in the caller's
@@ -395,13 +397,15 @@ class EncoderGraphRunner:
         ``calls``, ``items``, ``graph_items`` (items whose every path ran the static forward: a replay in GRAPH
         mode), ``eager_items`` (items with at least one path run eagerly), ``eager_reasons`` (item-paths per
         reason), ``paths`` (per path: ``replays`` per budget, ``eager_runs``, ``eager_items``, ``real_tokens``,
-        ``padded_tokens``), ``capture`` (the capture summary). ``graph_items + eager_items == items``.
+        ``padded_tokens``), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
+        serving: ``samples`` read, ``explored`` replays, ``corrections`` per kind, cumulative ``scale`` per path;
+        kept across ``reset_stats()``). ``graph_items + eager_items == items``.
         """
         out = self._stats.as_dict()
         if self._dp is not None:
             out["data_parallel"] = self._dp.stats
         out["mode"] = self.mode.value
-        out["cost_feedback"] = self._feedback.as_dict()  # samples read, explored replays, corrections per kind
+        out["cost_feedback"] = self._feedback.as_dict()
         out["capture"] = dict(self.capture_info)
         return out
 
