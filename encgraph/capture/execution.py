@@ -20,9 +20,13 @@ from encgraph.capture.compiling import CompileMode
 from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
 from encgraph.errors import ConfigError, InputError
-from encgraph.packing import CostModel, ItemSpec, Limits
+from encgraph.packing import Batch, CostModel, EagerReason, ItemSpec, Limits
 
-__all__ = ["RunnerState", "item_specs", "run_static", "split_outputs", "check_outputs"]
+__all__ = ["RunnerState", "item_specs", "route", "run_static", "split_outputs", "check_outputs", "CAPTURE_FAILED",
+           "EAGER_MODE"]
+
+CAPTURE_FAILED = "capture failed at that budget"
+EAGER_MODE = "runner in eager mode"
 
 
 class RunnerState(Protocol):
@@ -47,6 +51,9 @@ class RunnerState(Protocol):
     cache_dir: str | os.PathLike[str] | None
     costs: CostModel | None
 
+    @property
+    def planning_ladders(self) -> dict[str, tuple[int, ...]]: ...
+
 
 def item_specs(adapter: EncoderAdapter, inputs: Any) -> list[ItemSpec]:
     """The adapter's specs of ``inputs`` (its validation included); an empty batch is an input error."""
@@ -54,6 +61,27 @@ def item_specs(adapter: EncoderAdapter, inputs: Any) -> list[ItemSpec]:
     if not specs:
         raise InputError("inputs: expected at least one item, got an empty batch.")
     return specs
+
+
+def route(state: RunnerState, feedback: Any, batch: Batch, path: str, specs: Sequence[ItemSpec]
+          ) -> tuple[int | None, str | None]:
+    """How ``path`` of a planned ``batch`` (items ``specs``) runs: ``(budget, None)`` to replay ``budget`` (the
+    static forward outside GRAPH mode), or ``(budget or None, reason)`` to run eagerly, ``reason`` counted in
+    ``stats["eager_reasons"]``. A batch the cost model sends eagerly as cheaper replays now and then anyway
+    (``feedback``, a :class:`~encgraph.capture.feedback.CostFeedback`: the model may be wrong)."""
+    budget = batch.budgets[path]
+    if state.mode is RunMode.EAGER:
+        return budget, EAGER_MODE
+    if budget is None:
+        if batch.eager[path] is EagerReason.COST:
+            usable = [b for b in state.planning_ladders[path] if state.mode is not RunMode.GRAPH or b in state.records[path]]
+            explored = feedback.explore(path, usable, specs, state.limits)
+            if explored is not None:
+                return explored, None
+        return None, batch.eager[path].value
+    if state.mode is RunMode.GRAPH and budget not in state.records[path]:
+        return budget, CAPTURE_FAILED
+    return budget, None
 
 
 def run_static(state: RunnerState, path: str, budget: int, sub: Any, used: int) -> Mapping[str, torch.Tensor]:

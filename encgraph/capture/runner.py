@@ -29,7 +29,9 @@ from encgraph.capture.buffers import PathBuffers, PathOutputs
 from encgraph.capture.capture import capture_graphs
 from encgraph.capture.compiling import CompileMode, resolve_compile
 from encgraph.capture.feedback import CostFeedback, event_factory
-from encgraph.capture.execution import check_outputs, item_specs, run_static, split_outputs
+from encgraph.capture.execution import (
+    CAPTURE_FAILED, EAGER_MODE, check_outputs, item_specs, route, run_static, split_outputs,
+)
 from encgraph.capture.grad import persistent
 from encgraph.capture.options import check_bool, resolve_device, resolve_ladders, resolve_limits
 from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
@@ -38,7 +40,6 @@ from encgraph.capture.selfcheck import check_and_measure, measure_cost_model
 from encgraph.capture.stats import RunStats
 from encgraph.errors import CaptureError, ConfigError, ConfigTypeError, EncgraphError
 from encgraph.packing import (
-    EagerReason,
     CostModel,
     ItemSpec,
     Plan,
@@ -51,8 +52,6 @@ __all__ = ["EncoderGraphRunner", "CAPTURE_FAILED", "EAGER_MODE"]
 
 log = logging.getLogger("encgraph")
 
-CAPTURE_FAILED = "capture failed at that budget"
-EAGER_MODE = "runner in eager mode"
 
 
 class EncoderGraphRunner:
@@ -310,18 +309,7 @@ class EncoderGraphRunner:
             used = batch.tokens[path]
             if budget == 0 or used == 0:
                 continue
-            reason = None
-            if self.mode is RunMode.EAGER:
-                reason = EAGER_MODE
-            elif budget is None:
-                reason = batch.eager[path].value
-                if batch.eager[path] is EagerReason.COST:  # now and then replay it anyway: the model may be wrong
-                    usable = [b for b in self.planning_ladders[path] if self.mode is not RunMode.GRAPH
-                              or b in self.records[path]]
-                    budget = self._feedback.explore(path, usable, sub_specs, self.limits)
-                    reason = None if budget is not None else reason
-            elif self.mode is RunMode.GRAPH and budget not in self.records[path]:
-                reason = CAPTURE_FAILED
+            budget, reason = route(self, self._feedback, batch, path, sub_specs)
             with self._feedback.timed(self.costs, path, None if reason else budget, sub_specs):
                 if reason is not None:
                     out = self.adapter.forward_eager(path, sub)
