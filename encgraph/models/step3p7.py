@@ -55,6 +55,7 @@ from encgraph.capture.protocol import AdapterConfig, PathSpec
 from encgraph.errors import ConfigError, UnsupportedModelError
 from encgraph.models._hf import repeated_blocks, require_transformers, tower_dtype_device
 from encgraph.models.deepseek_ocr2 import GLOBAL, LOCAL, OUTPUT, DeepseekOcr2Adapter, OcrImages
+from encgraph.models.deepseek_ocr2_tower import sam_grid
 from encgraph.models.protocol import StockCall
 
 __all__ = ["Step3p7Adapter", "adapter", "view_tokens"]
@@ -79,10 +80,7 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 def view_tokens(side: int, patch: int) -> int:
     """Output tokens of one ``side x side`` view: ``side // patch`` patches a side, halved (ceiling) by each of the
     two stride-2, padding-1 convolutions. ``view_tokens(728, 14) == 169``, ``view_tokens(504, 14) == 81``."""
-    n = side // patch
-    for _ in range(2):
-        n = (n - 1) // 2 + 1
-    return n * n
+    return sam_grid(side, patch) ** 2
 
 
 class _Step3p7Views(DeepseekOcr2Adapter):
