@@ -20,8 +20,8 @@ predicted:
 **Bound.** Under steady conditions a part of the model that is off by more than :data:`THRESHOLD` is corrected
 after at most ``SAMPLE_EVERY * MIN_SAMPLES`` runs of that kind on that path (``EXPLORE_EVERY * MIN_SAMPLES``
 "eager is cheaper" batches for replays the model avoids), plus one call to read the last sample: 32 runs (64
-batches) with the defaults. One correction brings the prediction to the median measured time; a further one follows
-only if the conditions change again.
+batches) with the defaults. One correction scales that part by the median measured/predicted ratio (one factor per
+path and kind, every budget alike); a further one follows only if the conditions change again.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ import torch
 
 from encgraph.packing import CostModel, ItemSpec
 
-__all__ = ["CostFeedback", "RunKind", "HostEvent", "predicted_ms", "event_factory", "SAMPLE_EVERY", "EXPLORE_EVERY", "MIN_SAMPLES", "THRESHOLD"]
+__all__ = [
+    "CostFeedback", "RunKind", "HostEvent", "predicted_ms", "event_factory", "SAMPLE_EVERY", "EXPLORE_EVERY",
+    "MIN_SAMPLES", "THRESHOLD",
+]
 
 SAMPLE_EVERY = 8
 """One timed run in this many, per path and kind (the first run is timed)."""
