@@ -1,7 +1,8 @@
 """Capture-time work never fails a valid call (issue 31, point 2): over tiny random configs of every family with a
 config-driven geometry (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: patch, merge and temporal sizes, windows, position grids,
 deepstack layers, depths; Gemma-4: patch, pooling kernel and position-table sizes; SigLIP, CLIP: image and patch
-sizes; Step-3.7's tower: image and patch sizes, crops) and random inputs the tower itself accepts, the first call
+sizes; Step-3.7's tower: image and patch sizes, crops; GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V: depths,
+in their own call conventions) and random inputs the tower itself accepts, the first call
 of ``graphed(tower)`` equals the tower's own forward (every output field) and never raises:
 
 - with no options (the CPU default);
@@ -12,6 +13,7 @@ of ``graphed(tower)`` equals the tower's own forward (every output field) and ne
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -37,13 +39,21 @@ TOL = 1e-4
 
 @attrs.frozen
 class Case:
-    """A tower, the arguments of one call the tower accepts, and what it was drawn from (for failure reports)."""
+    """A tower, the arguments of one call the tower accepts, and what it was drawn from (for failure reports).
+    ``convention``: a family of ``tests.models.fixtures_families`` whose ``call`` makes the call (GLM-4V's tower
+    itself takes a video as its frames), else ``tower(*args, **kwargs)``."""
 
     family: str
     config: dict[str, Any]
     tower: torch.nn.Module = attrs.field(repr=False)
     args: tuple[Any, ...] = attrs.field(repr=False)
     kwargs: dict[str, Any] = attrs.field(factory=dict, repr=False)
+    convention: Any = attrs.field(default=None, repr=False)
+
+    def call(self, module: torch.nn.Module, reference: bool) -> Any:
+        if self.convention is not None:
+            return self.convention.call(module, *self.args, reference=reference)
+        return module(*self.args, **self.kwargs)
 
 
 def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -140,6 +150,52 @@ def step_cases(draw: Any) -> Case:
     return Case("step3p7", config, tower, (views,), kwargs)
 
 
+FAMILY_TOWERS = {
+    # name: (config class, model class, depth key, depths); the other sizes are fixtures_families' tiny ones
+    "glm4v": ("transformers.models.glm4v.configuration_glm4v:Glm4vVisionConfig",
+              "transformers.models.glm4v.modeling_glm4v:Glm4vVisionModel", "depth", (1, 3)),
+    "qwen3_5": ("transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5VisionConfig",
+                "transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5VisionModel", "depth", (1, 3)),
+    "ernie4_5_vl": ("transformers.models.ernie4_5_vl_moe.configuration_ernie4_5_vl_moe:Ernie4_5_VLMoeVisionConfig",
+                    "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe:"
+                    "Ernie4_5_VLMoeVisionTransformerPretrainedModel", "depth", (1, 3)),
+    "kimi_k25": ("transformers.models.kimi_k25.configuration_kimi_k25:Kimi_K25VisionConfig",
+                 "transformers.models.kimi_k25.modeling_kimi_k25:Kimi_K25VisionModel", "num_hidden_layers", (1, 3)),
+    "minicpmv4_6": ("transformers.models.minicpmv4_6.configuration_minicpmv4_6:MiniCPMV4_6VisionConfig",
+                    "transformers.models.minicpmv4_6.modeling_minicpmv4_6:MiniCPMV4_6VisionModel", "num_hidden_layers",
+                    (2, 3)),  # its merger sits after layer insert_layer_id=1
+}
+
+
+def _load(ref: str) -> Any:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@st.composite
+def family_cases(draw: Any) -> Case:
+    """The families of fixtures_families (GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V) at a random depth,
+    on random mixes of images and videos in their own call convention."""
+    from tests.models import fixtures_families as ff
+
+    usable = [n for n in FAMILY_TOWERS if _supported(ff.FAMILIES[n])]
+    name = draw(st.sampled_from(usable))
+    config_ref, model_ref, depth_key, (lo, hi) = FAMILY_TOWERS[name]
+    base = {"glm4v": ff.GLM_VISION, "qwen3_5": ff.QWEN35_VISION, "ernie4_5_vl": ff.ERNIE_VISION,
+            "kimi_k25": ff.KIMI_VISION, "minicpmv4_6": ff.MINICPM_VISION}[name]
+    config = {**base, depth_key: draw(st.integers(lo, hi))}
+    tower = ff._seeded(lambda: _load(model_ref)._from_config(_load(config_ref)(**config)))
+    family = ff.FAMILIES[name]
+    grid = ff.random_grid(np.random.default_rng(draw(st.integers(0, 99))), draw(st.integers(1, 3)), family, max_side=8)
+    return Case(name, config, tower, (family.pixels(grid, seed=draw(st.integers(0, 99))), grid), convention=family)
+
+
+def _supported(family: Any) -> bool:
+    from encgraph.models._hf import _parse, transformers_version
+
+    return _parse(transformers_version() or "0") >= _parse(family.min_transformers)
+
+
 def tensors(out: Any) -> list[torch.Tensor]:
     """Every tensor of an output (a ModelOutput, tuple or list, nested), in order."""
     if isinstance(out, torch.Tensor):
@@ -171,19 +227,19 @@ def few_budgets(draw: Any, tower: torch.nn.Module) -> dict[str, list[int]]:
     return out
 
 
-CASES = st.one_of(qwen_cases(), gemma_cases(), fixed_cases(), step_cases())
+CASES = st.one_of(qwen_cases(), gemma_cases(), fixed_cases(), step_cases(), family_cases())
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=CASES, data=st.data())
 def test_first_call_equals_the_tower(case: Case, data: Any) -> None:
     with torch.no_grad():
-        want = case.tower(*case.args, **case.kwargs)
+        want = case.call(case.tower, reference=True)
     for options in ({}, {"mode": RunMode.STATIC, "budgets": few_budgets(data.draw, case.tower)}):
         fast = encgraph.graphed(case.tower, **options)
         try:
             with torch.no_grad():
-                got = fast(*case.args, **case.kwargs)
+                got = case.call(fast, reference=False)
             assert_same(got, want, case)
             failed = fast.stats["capture"].get("failed", {})
             assert all(isinstance(r, str) and r for f in failed.values() for r in f.values()), failed
