@@ -1,9 +1,9 @@
-"""Capture-time work never fails a valid call (issue 31, point 2): over tiny random configs of every family with a
-config-driven geometry (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: patch, merge and temporal sizes, windows, position grids,
-deepstack layers, depths; Gemma-4: patch, pooling kernel and position-table sizes; SigLIP, CLIP: image and patch
-sizes; Step-3.7's tower: image and patch sizes, crops; GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V: depths,
-in their own call conventions) and random inputs the tower itself accepts, the first call
-of ``graphed(tower)`` equals the tower's own forward (every output field) and never raises:
+"""Capture-time work never fails a valid call (issue 31, point 2): over tiny random configs of the families
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL: patch, merge and temporal sizes, windows, position grids, deepstack layers,
+depths; Gemma-4: patch, pooling kernel and position-table sizes; SigLIP, CLIP, InternVL, Llama 4: image and patch
+sizes, depths; Step-3.7's tower: image and patch sizes, crops; GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5,
+MiniCPM-V: depths, in their own call conventions) and random inputs the tower itself accepts, the first call of
+``graphed(tower)`` equals the tower's own forward (every output field) and never raises:
 
 - with no options (the CPU default);
 - with the padded plan asked for (``mode=RunMode.STATIC``) on a few budgets of the default ladder, so that the
@@ -123,13 +123,28 @@ def gemma_cases(draw: Any) -> Case:
 
 @st.composite
 def fixed_cases(draw: Any) -> Case:
-    from tests.models.fixtures_fixed import tiny_clip, tiny_siglip
+    from tests.models.fixtures_fixed import tiny_clip, tiny_internvl, tiny_siglip
 
-    family = draw(st.sampled_from(["siglip", "clip"]))
+    family = draw(st.sampled_from(["siglip", "clip", "internvl", "llama4"]))
     patch = draw(st.sampled_from([2, 4, 8]))
-    size = patch * draw(st.integers(1, 4)) + draw(st.integers(0, patch - 1))  # the patch convolution floors
-    config = dict(image_size=size, patch_size=patch, num_hidden_layers=draw(st.integers(1, 2)))
-    tower = (tiny_siglip if family == "siglip" else tiny_clip)(**config)
+    layers = draw(st.integers(1, 2))
+    if family in ("siglip", "clip"):
+        size = patch * draw(st.integers(1, 4)) + draw(st.integers(0, patch - 1))  # the patch convolution floors
+        config = dict(image_size=size, patch_size=patch, num_hidden_layers=layers)
+        tower = (tiny_siglip if family == "siglip" else tiny_clip)(**config)
+    elif family == "internvl":
+        size = patch * draw(st.integers(1, 4))
+        config = dict(image_size=[size, size], patch_size=[patch, patch], num_hidden_layers=layers)
+        tower = tiny_internvl(**config)
+    else:
+        from transformers.models.llama4.configuration_llama4 import Llama4VisionConfig
+        from transformers.models.llama4.modeling_llama4 import Llama4VisionModel
+
+        size = patch * 2 * draw(st.integers(1, 3))  # the pixel shuffle halves an even patch grid
+        config = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      image_size=size, patch_size=patch, vision_output_dim=48, projector_input_dim=48,
+                      projector_output_dim=48)
+        tower = _seeded(lambda: Llama4VisionModel._from_config(Llama4VisionConfig(**config)))
     images = torch.randn(draw(st.integers(1, 5)), 3, size, size, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
     return Case(family, config, tower, (images,))
 
