@@ -59,6 +59,10 @@ class VllmPlanningRunner(EncoderGraphRunner):
         self.order_path = order_path
         self.last_plan: Plan | None = None
 
+    def _specs(self, inputs: Any) -> list[ItemSpec]:
+        # No items is a call like any other here (vLLM's manager returns [] for it), not an input error.
+        return self.adapter.item_specs(inputs)
+
     def _pack(self, specs: Sequence[ItemSpec]) -> Plan:
         plan = super()._pack(specs)
         if self.costs is None:
@@ -176,10 +180,12 @@ class ProtocolGraphManager:
         Raises:
             CaptureError: called before ``capture`` (with at least one item).
         """
-        if not mm_kwargs or not self.adapter.item_specs(mm_kwargs):
+        if not mm_kwargs:
             return []
         runner = self.runner
         if not runner.captured:
+            if not self.adapter.item_specs(mm_kwargs):
+                return []
             raise CaptureError(
                 "EncoderCudaGraphManager.execute: called before capture(graph_pool); vLLM's own manager fails "
                 "there too (on the first batch a budget holds). Call capture() first."
