@@ -133,7 +133,7 @@ class ProtocolGraphManager:
         positive = sorted({b for ladder in self.path_token_budgets.values() for b in ladder if b > 0})
         self.adapter = VllmProtocolAdapter(
             self.model, budget_range=(positive[0], positive[-1]), device=self.device, dtype=self.dtype,
-            model_frames=self.max_frames_per_batch,
+            model_frames=self.max_frames_per_batch, clone_items=True,
         )
         self._runner_options = dict(runner_options or {})
         self.runner = self._new_runner()
@@ -191,10 +191,10 @@ class ProtocolGraphManager:
                 "there too (on the first batch a budget holds). Call capture() first."
             )
         with torch.inference_mode():
+            # copy_outputs=False and clone_items: each item is copied out of its sub-batch's output right after
+            # that sub-batch ran (before the next replay reuses the graph's output buffer), once, as vLLM's
+            # postprocess_encoder_output(clone=True) copies it.
             out = runner(mm_kwargs)
-            # The runner's results view graph-owned memory until its next call: one copy per item, as vLLM's
-            # postprocess_encoder_output(clone=True) makes.
-            out = [o.clone() for o in out]
         self._count(runner.last_plan, runner)
         return out
 

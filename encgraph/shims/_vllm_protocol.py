@@ -130,6 +130,9 @@ class VllmProtocolAdapter:
         model_frames: the ``max_frames_per_batch`` value handed to the model's capture and replay methods
             instead of the runner's frame limit (vLLM's manager passes 0 when videos are disabled).
         sample_inputs, concat: the optional adapter methods, when the caller can provide them.
+        clone_items: ``assemble`` copies each item's rows into storage of its own, as vLLM's
+            ``postprocess_encoder_output(clone=True)`` does, while the sub-batch's output is still valid (for a
+            runner with ``copy_outputs=False``: one copy per item instead of two).
 
     One adapter serves one runner: it keeps the model's per-budget capture values for the graphs of the runner
     that called ``buffer_specs`` (a second runner on the same model needs its own adapter).
@@ -151,6 +154,7 @@ class VllmProtocolAdapter:
         model_frames: int | None = None,
         sample_inputs: Callable[[str, int], Any] | None = None,
         concat: Callable[[Sequence[Any]], Any] | None = None,
+        clone_items: bool = False,
     ) -> None:
         missing = [m for m in _PROTOCOL_METHODS if not callable(getattr(model, m, None))]
         if missing:
@@ -198,6 +202,7 @@ class VllmProtocolAdapter:
             self.sample_inputs = sample_inputs
         if concat is not None:
             self.concat = concat
+        self.clone_items = bool(clone_items)
 
     @property
     def config(self) -> AdapterConfig:
@@ -285,7 +290,8 @@ class VllmProtocolAdapter:
 
     def assemble(self, parts: Mapping[str, Mapping[str, torch.Tensor]]) -> torch.Tensor:
         # vLLM's default postprocess_encoder_output: scatter_output_slices(outputs["default"], ...).
-        return parts[self._result_path][OUTPUT]
+        rows = parts[self._result_path][OUTPUT]
+        return rows.clone() if self.clone_items else rows
 
     def __repr__(self) -> str:
         return f"VllmProtocolAdapter({type(self.model).__name__}, paths={list(self._config.path_names)})"
