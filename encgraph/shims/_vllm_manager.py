@@ -28,7 +28,9 @@ vLLM's contracts kept:
 
 from __future__ import annotations
 
+import collections
 import logging
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,7 +49,8 @@ log = logging.getLogger("encgraph")
 
 class VllmPlanningRunner(EncoderGraphRunner):
     """The runner, planning as the shim's manager does (module docs); keeps the last call's plan in ``last_plan``
-    (the manager counts hits and misses from it).
+    and which planner made it in ``last_choice`` (``"costs"``, ``"greedy"`` or ``"vllm"``; the manager counts
+    hits, misses and choices from them).
 
     Args:
         order_path: the path whose tokens order items in vLLM's packing (its ``output_tokens``).
@@ -58,6 +61,7 @@ class VllmPlanningRunner(EncoderGraphRunner):
         super().__init__(adapter, **options)
         self.order_path = order_path
         self.last_plan: Plan | None = None
+        self.last_choice = ""
 
     def _specs(self, inputs: Any) -> list[ItemSpec]:
         # No items is a call like any other here (vLLM's manager returns [] for it), not an input error.
@@ -65,13 +69,16 @@ class VllmPlanningRunner(EncoderGraphRunner):
 
     def _pack(self, specs: Sequence[ItemSpec]) -> Plan:
         plan = super()._pack(specs)
+        choice = "costs"
         if self.costs is None:
             theirs = vllm_plan(
                 specs, self.planning_ladders, max_items=self.limits.max_items, max_frames=self.limits.max_frames,
                 order=[s.tokens[self.order_path] for s in specs],
             )
-            plan = fewer_padded(plan, theirs)
-        self.last_plan = plan
+            chosen = fewer_padded(plan, theirs)
+            choice = "vllm" if chosen is theirs else "greedy"
+            plan = chosen
+        self.last_plan, self.last_choice = plan, choice
         return plan
 
 
@@ -94,6 +101,7 @@ class ProtocolGraphManager:
     """
 
     runner: VllmPlanningRunner | None = None
+    plan_choices: Mapping[str, int] = types.MappingProxyType({})  # a Counter once a runner is attached
     graph_pool: Any = None
     graph_hits = 0
     graph_misses = 0
@@ -130,6 +138,7 @@ class ProtocolGraphManager:
         self.device = torch.device(self.device)
         self.graph_pool = None
         self.graph_hits = self.graph_misses = 0
+        self.plan_choices = collections.Counter()
         positive = sorted({b for ladder in self.path_token_budgets.values() for b in ladder if b > 0})
         self.adapter = VllmProtocolAdapter(
             self.model, budget_range=(positive[0], positive[-1]), device=self.device, dtype=self.dtype,
@@ -199,6 +208,7 @@ class ProtocolGraphManager:
         return out
 
     def _count(self, plan: Plan, runner: VllmPlanningRunner) -> None:
+        self.plan_choices[runner.last_choice] += 1
         graph_mode = runner.mode.value == "graph"
         for batch in plan.batches:
             replayed = sum(
@@ -212,7 +222,8 @@ class ProtocolGraphManager:
 
     def get_cumulative_stats(self) -> dict[str, Any]:
         """vLLM's keys (``num_budgets``: graphs captured; on a CPU, budgets ready to run) plus ``encgraph``
-        (the runner's stats)."""
+        (the runner's stats) and ``plans`` (calls per planner that made their plan: ``greedy``, ``vllm``: vLLM's
+        packing padded fewer tokens, ``costs``)."""
         total = self.graph_hits + self.graph_misses
         runner = self.runner
         if runner is not None and runner.captured and runner.mode.value == "graph":
@@ -228,4 +239,5 @@ class ProtocolGraphManager:
             "num_budgets": num,
             "token_budgets": self.token_budgets,
             "encgraph": runner.stats if runner is not None else {},
+            "plans": dict(self.plan_choices),
         }

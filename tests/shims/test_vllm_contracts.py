@@ -36,12 +36,12 @@ def replays(theirs, ours, path="default"):
     return vllms, mine
 
 
-@pytest.mark.parametrize("tokens,budgets,want", [
-    ([4000, 200], [256, 4096, 8192], {256: 1, 4096: 1}),  # vLLM: [200]@256 + [4000]@4096, not both @8192
-    ([100] * 4, [256, 4096], {256: 2}),  # 2 x 256, not 1 x 4096
-    ([100, 100], [256, 4096], {256: 1}),
+@pytest.mark.parametrize("tokens,budgets,want,planner", [
+    ([4000, 200], [256, 4096, 8192], {256: 1, 4096: 1}, "vllm"),  # vLLM: [200]@256 + [4000]@4096, not both @8192
+    ([100] * 4, [256, 4096], {256: 2}, "vllm"),  # 2 x 256, not 1 x 4096
+    ([100, 100], [256, 4096], {256: 1}, "greedy"),  # the same plan: encgraph's own is kept
 ])
-def test_never_more_padding_than_vllms_packing(tokens, budgets, want, monkeypatch):
+def test_never_more_padding_than_vllms_packing(tokens, budgets, want, planner, monkeypatch):
     model = ToyVit(min_budget=4, max_budget=budgets[-1]).eval()
     theirs, ours = managers(model, vllm_config(budgets=budgets), monkeypatch)
     inputs = toy_inputs([image(t) for t in tokens], seed=1)
@@ -49,6 +49,7 @@ def test_never_more_padding_than_vllms_packing(tokens, budgets, want, monkeypatc
         want_out = theirs.execute(inputs)
     assert_items_close(ours.execute(inputs), want_out)
     assert replays(theirs, ours) == (want, want)
+    assert ours.get_cumulative_stats()["plans"] == {planner: 1}
 
 
 class TwoPath(ToyVit):
