@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from encgraph.capture.runner import EncoderGraphRunner
-from encgraph.errors import CaptureError
+from encgraph.errors import CaptureError, InputError
 from encgraph.packing import ItemSpec, Plan
 from encgraph.shims._vllm_packing import fewer_padded, vllm_plan
 from encgraph.shims._vllm_protocol import VllmProtocolAdapter
@@ -62,10 +62,6 @@ class VllmPlanningRunner(EncoderGraphRunner):
         self.order_path = order_path
         self.last_plan: Plan | None = None
         self.last_choice = ""
-
-    def _specs(self, inputs: Any) -> list[ItemSpec]:
-        # No items is a call like any other here (vLLM's manager returns [] for it), not an input error.
-        return self.adapter.item_specs(inputs)
 
     def _pack(self, specs: Sequence[ItemSpec]) -> Plan:
         plan = super()._pack(specs)
@@ -203,7 +199,12 @@ class ProtocolGraphManager:
             # copy_outputs=False and clone_items: each item is copied out of its sub-batch's output right after
             # that sub-batch ran (before the next replay reuses the graph's output buffer), once, as vLLM's
             # postprocess_encoder_output(clone=True) copies it.
-            out = runner(mm_kwargs)
+            try:
+                out = runner(mm_kwargs)
+            except InputError:
+                if self.adapter.item_specs(mm_kwargs):
+                    raise
+                return []  # no items: the runner's input error, vLLM's manager's empty result
         self._count(runner.last_plan, runner)
         return out
 
