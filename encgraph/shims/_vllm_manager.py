@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import CaptureError, InputError
 from encgraph.packing import ItemSpec, Plan
@@ -150,7 +151,9 @@ class ProtocolGraphManager:
             budgets=self.path_token_budgets, max_items=self.max_batch_size,
             # Attention sequences per batch: vLLM's models size cu_seqlens for max(items, frames) of them.
             max_frames=max(self.max_batch_size, self.max_frames_per_batch),
-            device=self.device, lazy=False, copy_outputs=False, **self._runner_options,
+            device=self.device, lazy=False, copy_outputs=False,
+            # vLLM's manager runs padded batches; on a CPU that is STATIC (the runner's own CPU default is eager).
+            **{"mode": None if self.device.type == "cuda" else RunMode.STATIC, **self._runner_options},
         )
 
     # ------------------------------------------------------------------ vLLM's public methods
@@ -210,7 +213,7 @@ class ProtocolGraphManager:
 
     def _count(self, plan: Plan, runner: VllmPlanningRunner) -> None:
         self.plan_choices[runner.last_choice] += 1
-        graph_mode = runner.mode.value == "graph"
+        graph_mode = runner.mode is RunMode.GRAPH
         for batch in plan.batches:
             replayed = sum(
                 1 for p, b in batch.budgets.items()
@@ -227,7 +230,7 @@ class ProtocolGraphManager:
         packing padded fewer tokens, ``costs``)."""
         total = self.graph_hits + self.graph_misses
         runner = self.runner
-        if runner is not None and runner.captured and runner.mode.value == "graph":
+        if runner is not None and runner.captured and runner.mode is RunMode.GRAPH:
             num = sum(len(r) for r in runner.records.values())
         elif runner is not None and runner.captured:
             num = self.get_num_graphs_to_capture()
