@@ -84,18 +84,22 @@ def route(state: RunnerState, feedback: Any, batch: Batch, path: str, specs: Seq
     return budget, None
 
 
-def run_static(state: RunnerState, path: str, budget: int, sub: Any, used: int) -> Mapping[str, torch.Tensor]:
+def run_static(
+    state: RunnerState, path: str, budget: int, sub: Any, used: int, *, last_on_path: bool = True
+) -> Mapping[str, torch.Tensor]:
     """Fill ``path``'s buffers of ``budget`` with the sub-batch ``sub`` and run its static forward (GRAPH mode:
     replay the captured graph); return the first ``used`` rows of each output. In GRAPH mode they are fresh
     tensors when ``state.copy_outputs``, else views of the path's shared output buffers, overwritten by the next
-    replay of that path."""
+    replay of that path. ``last_on_path=False`` (a later sub-batch of the same call may replay this path) copies
+    them even then: every budget of a path shares one output buffer, and a zero-copy result must stay valid
+    until the next call, not only until the next sub-batch."""
     values = state.adapter.replay_values(path, sub, budget)
     views = state.buffers[path].fill(budget, values)
     if state.mode is RunMode.GRAPH:
         record = state.records[path][budget]
         record.graph.replay()
         outputs = record.outputs  # views of the path's shared output buffers
-        if state.copy_outputs:
+        if state.copy_outputs or not last_on_path:
             return {name: t[:used].clone() for name, t in outputs.items()}
         return {name: t[:used] for name, t in outputs.items()}
     outputs = state.adapter.forward_static(path, views, budget)

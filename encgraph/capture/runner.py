@@ -293,13 +293,17 @@ class EncoderGraphRunner:
             if self.costs is not None:  # read what earlier calls timed (never waits); correct the model
                 self.costs = self._feedback.poll(self.costs) or self.costs
             plan = self._pack(specs)
-            batch_results = [self._run_batch(inputs, specs, batch) for batch in plan.batches]
+            # Per path, the last sub-batch with tokens there: only its zero-copy results may stay views.
+            last = {p: max((i for i, b in enumerate(plan.batches) if b.tokens[p]), default=-1)
+                    for p in self.config.path_names}
+            batch_results = [self._run_batch(inputs, specs, batch, {p for p, j in last.items() if j == i})
+                             for i, batch in enumerate(plan.batches)]
             self._stats.add_call()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("encgraph: call of %d items, %d batches; stats %s", len(specs), len(plan.batches), self.stats)
             return plan.restore(batch_results)
 
-    def _run_batch(self, inputs: Any, specs: Sequence[Any], batch: Any) -> list[Any]:
+    def _run_batch(self, inputs: Any, specs: Sequence[Any], batch: Any, last_on: set[str]) -> list[Any]:
         sub = self.adapter.select(inputs, batch.items)
         sub_specs = [specs[i] for i in batch.items]
         outputs: dict[str, Mapping[str, torch.Tensor]] = {}
@@ -317,7 +321,7 @@ class EncoderGraphRunner:
                     eager_paths[path] = reason
                     self._stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
                 else:
-                    out = run_static(self, path, budget, sub, used)
+                    out = run_static(self, path, budget, sub, used, last_on_path=path in last_on)
                     self._stats.add_replay(path, budget, used)
             outputs[path] = out
         self._stats.add_items(eager=sum(1 for s in sub_specs if any(s.tokens[p] for p in eager_paths)),
