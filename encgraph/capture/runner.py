@@ -163,6 +163,7 @@ class EncoderGraphRunner:
         # None: measured at capture in GRAPH mode (the default); False: greedy; a model: given.
         self._measure_costs = costs is None and mode is RunMode.GRAPH
         self.costs: CostModel | None = costs if isinstance(costs, CostModel) else None
+        self.kernels: dict[str, Any] = {}  # attention-kernel crossovers chosen at capture (capture/kernels.py)
         self.observed: collections.deque[tuple[ItemSpec, ...]] = collections.deque(
             maxlen=check_int("record", record, minimum=0) or None
         )
@@ -286,13 +287,16 @@ class EncoderGraphRunner:
             else:
                 info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
             self.captured = True
+            from encgraph.capture.kernels import choose_kernels, keep_kernels
             from encgraph.capture.selfcheck import check_and_measure
 
             try:
+                info["kernels"] = choose_kernels(self)  # first: the eager timings below run the chosen kernels
                 info["selfcheck"] = check_and_measure(self, verify=self.verify, measure=self._measure_costs)
             except BaseException:
                 self.captured = False
                 raise
+            keep_kernels(self)
             info["failed"] = {p: dict(f) for p, f in self.failed.items() if f}
             info["costs"] = "cost-aware (measured at capture)" if self._measure_costs and self.costs is not None else (
                 "cost-aware (given)" if self.costs is not None else "greedy"
@@ -449,8 +453,11 @@ class EncoderGraphRunner:
                     if tokens:
                         ms = self._time_host(lambda: self.adapter.forward_eager(path, inputs), repeats)
                         eager[path].append((tokens, sum(1 for s in specs if s.tokens[path]), ms))
+            from encgraph.capture.kernels import keep_kernels
+
             self.costs = CostModel.from_measurements(graph_ms, eager)
             self._measure_costs = False
+            keep_kernels(self)
             return self.costs
 
     def _time_host(self, fn: Any, repeats: int) -> float:
