@@ -150,3 +150,16 @@ def test_capture_hook_hands_given_crossovers_to_the_adapter_and_keeps_them(monke
     assert info["kernels"] == {c.key: c.to_dict()}
     assert adapter.kernel_rows == {(geometry[0], geometry[1], torch.float32): 64}
     assert runner.costs.kernels == {c.key: c}
+
+
+def dense_spy(monkeypatch) -> list[int]:
+    """Records the rows of every dense per-sequence SDPA call of the host plan (CUDA's per-sequence kernel)."""
+    rows: list[int] = []
+    original = attention._dense_sequence
+
+    def spy(q, k, v, scale):
+        rows.append(int(q.shape[0]))
+        return original(q, k, v, scale)
+
+    monkeypatch.setattr(attention, "_dense_sequence", spy)
+    return rows
