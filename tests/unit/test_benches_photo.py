@@ -86,3 +86,27 @@ def test_traffic_photo_smoke(tmp_path, monkeypatch):
                                                      "worst request / its floor"}
     table = (tmp_path / f"traffic_{SMOKE_SLUG}_photo.md").read_text()
     assert "### targets (issue 32)" in table and "worst x floor" in table and "floor rates: matmul" in table
+
+
+def test_long_items_smoke(tmp_path):
+    from benches import long_items
+
+    assert [long_items.grid_of(b) for b in (16, 32, 2048, 16384)] == [
+        (1, 8, 8), (1, 8, 16), (1, 64, 128), (1, 256, 256)]
+    data = long_items.main(FAST + ["--results-dir", str(tmp_path), "--runs", "1"])
+    budgets = data["towers"]["qwen3_vl_8b"]["budgets"]
+    assert set(budgets) == {"16", "32", "64"}
+    for b, e in budgets.items():
+        assert e["rows"] == 4 * int(b) and all(isinstance(e[k], float) for k in (
+            "hf_sdpa_ms", "eager_ms", "eager_varlen_ms", "graph_ms")), e
+    assert "graph replay ms" in (tmp_path / f"long_items_{SMOKE_SLUG}.md").read_text()
+
+
+def test_neighbour_smoke(tmp_path, monkeypatch):
+    from benches import neighbour
+
+    monkeypatch.setattr(neighbour, "GRAPHED_OPTIONS", {"verify": False})
+    data = neighbour.main(FAST + ["--results-dir", str(tmp_path), "--rounds", "2"])
+    assert set(data["phases"]) == set(neighbour.PHASES)
+    for phase in data["phases"].values():
+        assert phase["lm_first"]["runs"] == 2 and phase["tower"]["median_ms"] > 0
