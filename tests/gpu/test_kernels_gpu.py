@@ -139,4 +139,4 @@ def test_runner_calls_above_the_ladder_equal_the_tower(monkeypatch):
     assert 6144 in dense
     for i, (o, r) in enumerate(zip(out, hf_per_item(reference, pixels, grid))):
         assert rel(o["pooler_output"], r["pooler_output"]) < HF_RTOL, i
-    assert runner.stats["eager_items"] == 1
+    assert runner.stats["eager_items"] >= 1  # the small item may join the eager batch if the cost model says so
