@@ -29,6 +29,16 @@ def test_crossover_is_measured(heads, dim):
     assert all(t > 0 for t in c.varlen_ms + c.dense_ms)
     # Attention is quadratic: both kernels take longer for the longest sequence than for the shortest.
     assert c.varlen_ms[-1] > c.varlen_ms[0] and c.dense_ms[-1] > c.dense_ms[0]
+    # A new sequence length costs the dense kernel a plan on its first call (cuDNN builds one per shape; the
+    # tower's own SDPA pays it too): printed, for the crossover's margin.
+    q, k, v = _qkv([4999], heads, dim, seed=1)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    attention._dense_sequence(q, k, v, None)
+    end.record()
+    end.synchronize()
+    print(f"first dense call at a new length (4999 rows): {start.elapsed_time(end):.2f} ms")
     if torch.cuda.get_device_capability()[0] == 9 and dim <= 80:
         # Hopper: this repository measured cuDNN ahead at 5,120-12,800 rows (attention_kernels_nvidia-h200.md).
         assert c.min_rows is not None and c.min_rows <= 8192, c.to_dict()
