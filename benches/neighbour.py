@@ -122,7 +122,8 @@ def render(data: dict[str, Any]) -> str:
             f"({data['environment']['gpu']})\n\n"
             + markdown_table(["phase", "LM ms, median (quartiles)", "LM right after the tower call ms",
                               "tower call ms"], rows)
-            + f"\n\ncapture: {fmt(cap.get('seconds'))} s, {cap.get('graphs')} graphs, pool {fmt(cap.get('pool_bytes'))} "
+            + f"\n\ncapture: {fmt(cap.get('seconds'))} s, {cap.get('graphs')} graphs, pool "
+              f"{fmt(cap.get('pool_bytes'))} "
               "bytes; before / before_again: the tower's own forward on a copy never wrapped (machine drift)")
 
 

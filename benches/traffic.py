@@ -32,8 +32,9 @@ tower's deadline, they are dropped (recorded), so that the trace itself complete
 Reported per system: mean, P50, P99 latency, speedups against ``hf_sdpa`` and ``adapter_eager``, the worst
 per-request ratio and how many requests were slower; with ``--floor`` (default on for the photo trace) each
 request's floor (``benches.lib.request_floor``: matrix products, attention and element-wise work at rates measured
-in the same process) and each system's mean and worst ratio to it; for graph systems the padded share of replayed tokens and
-the items that ran eagerly; for ``defaults`` its cold and warm capture, beside issue 13's targets.
+in the same process) and each system's mean and worst ratio to it; for graph systems the padded share of replayed
+tokens and the items that ran eagerly; for ``defaults`` its cold and warm capture, beside issue 13's targets (issue
+32's on the photo trace).
 
 JSON (``benches/results/traffic_<gpu>.json``)::
 

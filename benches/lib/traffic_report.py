@@ -267,7 +267,8 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
                      f"difference {fmt(diff) if isinstance(diff, float) else diff}")
     rates = doc.get("floor", {}).get("rates")
     if rates:
-        notes.append(f"- floor rates: matmul {fmt(rates['matmul_tflops'])} TF/s, attention {fmt(rates['attention_tflops'])} "
+        notes.append(f"- floor rates: matmul {fmt(rates['matmul_tflops'])} TF/s, attention "
+                     f"{fmt(rates['attention_tflops'])} "
                      f"TF/s (best kernel on one {rates['attention_rows']}-row sequence: "
                      + ", ".join(f"{k} {fmt(rates[k])}" for k in ("varlen_ms", "dense_ms") if k in rates)
                      + f"), memory {fmt(rates['bandwidth_gbs'])} GB/s")

@@ -106,7 +106,9 @@ class Crossover:
         try:
             return cls(**fields)
         except TypeError as exc:
-            raise ConfigError(f"Crossover.from_dict(data): {exc}. Pass the dict Crossover.to_dict() returned.") from None
+            raise ConfigError(
+                f"Crossover.from_dict(data): {exc}. Pass the dict Crossover.to_dict() returned."
+            ) from None
 
 
 def kernel_table(value: Any) -> dict[str, Crossover]:
