@@ -53,17 +53,17 @@ def tower_geometries(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(seen))
 
 
-def _median_ms(fn: Any, repeats: int) -> float:
-    fn()
+def _timed_ms(fn: Any, repeats: int) -> tuple[float, float]:
+    """``(the first call's ms, the median of ``repeats`` more)``."""
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(float(start.elapsed_time(end)))
-    return statistics.median(times)
+    return times[0], statistics.median(times[1:])
 
 
 def measure_crossover(
@@ -72,20 +72,24 @@ def measure_crossover(
 ) -> Crossover:
     """Time one sequence of each length through Flash varlen and dense SDPA (random ``(rows, heads, head_dim)``
     inputs in ``dtype`` on the CUDA ``device``, the exact calls of :mod:`encgraph.models.attention`) and return
-    the :class:`~encgraph.packing.kernels.Crossover`. Syncs the host (capture time only)."""
+    the :class:`~encgraph.packing.kernels.Crossover` (the medians decide; the dense kernel's first call at each
+    length, which builds its plan for that shape, is kept beside them). Syncs the host (capture time only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
-    varlen_ms, dense_ms = [], []
+    varlen_ms, dense_ms, first_ms = [], [], []
     with torch.inference_mode(), torch.cuda.device(device):
         for rows in lengths:
             q, k, v = (torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv")
             cu = torch.tensor([0, rows], device=device, dtype=torch.int32)
-            varlen_ms.append(_median_ms(
-                lambda: attention._varlen_attention(q, k, v, cu, rows, None, head_dim), repeats))
-            dense_ms.append(_median_ms(lambda: attention._dense_sequence(q, k, v, None), repeats))
+            varlen_ms.append(_timed_ms(
+                lambda: attention._varlen_attention(q, k, v, cu, rows, None, head_dim), repeats)[1])
+            first, steady = _timed_ms(lambda: attention._dense_sequence(q, k, v, None), repeats)
+            dense_ms.append(steady)
+            first_ms.append(first)
             del q, k, v
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
-                     [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms])
+                     [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
+                     dense_first_ms=[round(t, 5) for t in first_ms])
 
 
 def choose(

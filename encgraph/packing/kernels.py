@@ -68,8 +68,10 @@ class Crossover:
         heads, head_dim, dtype: the head geometry and dtype measured (``"bfloat16"``).
         lengths: rows of the one sequence, ascending.
         varlen_ms, dense_ms: one time per length.
-        min_rows: derived (:func:`crossover_rows`): sequences of at least this many rows run dense; ``None``:
-            never.
+        dense_first_ms: the dense kernel's first call at each length (a new shape: cuDNN builds a plan for it;
+            the tower's own SDPA pays the same), or empty; recorded, not used for the choice.
+        min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
+            dense; ``None``: never.
     """
 
     device: str = attrs.field(converter=lambda v: check_str("Crossover(device)", v))
@@ -79,6 +81,8 @@ class Crossover:
     lengths: tuple[int, ...] = attrs.field(converter=lambda v: _ints("Crossover(lengths)", v))
     varlen_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(varlen_ms)", v))
     dense_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(dense_ms)", v))
+    dense_first_ms: tuple[float, ...] = attrs.field(
+        default=(), kw_only=True, converter=lambda v: _times("Crossover(dense_first_ms)", v) if v else ())
     min_rows: int | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -86,6 +90,11 @@ class Crossover:
             raise ConfigError(
                 f"Crossover: expected one varlen and one dense time per length ({len(self.lengths)}), got "
                 f"{len(self.varlen_ms)} and {len(self.dense_ms)}."
+            )
+        if self.dense_first_ms and len(self.dense_first_ms) != len(self.lengths):
+            raise ConfigError(
+                f"Crossover(dense_first_ms): expected one time per length ({len(self.lengths)}) or none, got "
+                f"{len(self.dense_first_ms)}."
             )
         object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.varlen_ms, self.dense_ms))
 
@@ -97,7 +106,7 @@ class Crossover:
         """JSON-ready; ``min_rows`` is written for readers and recomputed on load."""
         return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
                 "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
-                "min_rows": self.min_rows}
+                "dense_first_ms": list(self.dense_first_ms), "min_rows": self.min_rows}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Crossover:

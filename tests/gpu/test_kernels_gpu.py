@@ -25,7 +25,8 @@ GEOMETRIES = [(16, 72), (16, 80), (12, 128), (16, 64)]  # Qwen3-VL / Qwen2.5-VL 
 def test_crossover_is_measured(heads, dim):
     c = kernel_choice.measure_crossover(heads, dim, torch.bfloat16, torch.device("cuda"))
     print(f"\n{c.device} {heads}x{dim}: min_rows {c.min_rows}; "
-          + ", ".join(f"{n}: varlen {v:.3f} / dense {d:.3f} ms" for n, v, d in zip(c.lengths, c.varlen_ms, c.dense_ms)))
+          + ", ".join(f"{n}: varlen {v:.3f} / dense {d:.3f} ms (first {f:.2f})"
+                      for n, v, d, f in zip(c.lengths, c.varlen_ms, c.dense_ms, c.dense_first_ms)))
     assert all(t > 0 for t in c.varlen_ms + c.dense_ms)
     # Attention is quadratic: both kernels take longer for the longest sequence than for the shortest.
     assert c.varlen_ms[-1] > c.varlen_ms[0] and c.dense_ms[-1] > c.dense_ms[0]

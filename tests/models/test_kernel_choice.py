@@ -30,7 +30,7 @@ def test_crossover_rows(varlen, dense, rows):
 
 
 def test_crossover_round_trips_through_the_cost_model():
-    c = Crossover(H200, 16, 72, "bfloat16", (1024, 4096), (0.1, 1.0), (0.2, 0.6))
+    c = Crossover(H200, 16, 72, "bfloat16", (1024, 4096), (0.1, 1.0), (0.2, 0.6), dense_first_ms=(9.0, 3.0))
     assert c.min_rows == 4096 and c.key == "NVIDIA H200/16x72/bfloat16"
     model = CostModel.from_measurements({"default": {64: 1.0, 128: 2.0}},
                                         {"default": [(64, 1, 3.0), (128, 1, 4.0)]})
@@ -52,6 +52,8 @@ def test_crossover_round_trips_through_the_cost_model():
       "dense_ms": [1]}, "finite time >= 0"),
     ({"device": H200, "heads": 16, "dtype": "bfloat16", "lengths": [1], "varlen_ms": [1], "dense_ms": [1]},
      "head_dim"),
+    ({"device": H200, "heads": 16, "head_dim": 72, "dtype": "bfloat16", "lengths": [1, 2], "varlen_ms": [1, 1],
+      "dense_ms": [1, 1], "dense_first_ms": [5]}, "one time per length"),
 ])
 def test_bad_crossover_entries_are_refused(entry, match):
     with pytest.raises(ConfigError, match=match):
