@@ -12,10 +12,12 @@ at replay):
 - ``VARLEN``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention) on CUDA with fp16/bf16;
 - ``SEGMENTS``: on the CPU: ``scaled_dot_product_attention`` of each sequence on its own, the bounds read from
   ``cu_seqlens`` on the host (free on the CPU, where nothing is captured). Exact, isolated (one sequence's values
-  never enter another's rows), and memory-bounded: torch's CPU flash kernel needs no ``tokens^2`` scores. Also on
-  CUDA for an eager forward that passes its bounds from the host (:func:`host_bounds`) when its sequences are
-  long (:data:`SEGMENT_MIN_ROWS`): there each is one dense SDPA call, which on an H200 runs cuDNN's kernel at
-  346-369 TF/s where Flash's varlen one reaches 207-226 at head dim 72 (``benches/attention_kernels.py``);
+  never enter another's rows), and memory-bounded: torch's CPU flash kernel needs no ``tokens^2`` scores;
+- an eager forward that passes its bounds from the host (:func:`host_bounds`, :mod:`encgraph.models.sequence_bounds`)
+  runs, on CUDA, each sequence of at least the measured crossover's rows (:mod:`encgraph.models.kernel_choice`;
+  :data:`SEGMENT_MIN_ROWS` where none was measured) as one dense SDPA call, which on an H200 runs cuDNN's kernel at
+  346-428 TF/s where Flash's varlen one reaches 207-258 at head dim 72-80 (``benches/attention_kernels.py``), and
+  each run of shorter sequences between them as one varlen call;
 - ``MASKED_SDPA``: on CUDA in fp32 or where varlen is missing (and on the ``meta`` device): a block-diagonal mask
   built from ``cu_seqlens`` with tensor ops only (``searchsorted`` segment ids: no host sync, capturable) and
   ``scaled_dot_product_attention``. Exact but ``tokens^2`` memory and 3-21x slower than varlen on a GPU
@@ -30,13 +32,10 @@ names, and otherwise split on ``cu_seqlens.tolist()``, which cannot be captured.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import enum
 import inspect
-import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,13 +43,16 @@ import torch.nn.functional as F
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
+from encgraph.models import sequence_bounds
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
+from encgraph.models.sequence_bounds import RowsTable, host_bounds
 
 __all__ = [
     "ATTENTION_NAME",
     "MIN_TRANSFORMERS",
     "SEGMENT_MIN_ROWS",
     "AttentionBackend",
+    "RowsTable",
     "hf_attention_forward",
     "host_bounds",
     "packed_attention",
@@ -76,66 +78,18 @@ measured inside graphs on an H200 at 16 heads x 72, dense cuDNN against Flash va
 0.58 ms at 1 x 5120 rows and 0.46 vs 0.73 ms at 2 x 4096, about even at 4 x 1280, and 0.19 vs 0.08 ms at
 16 x 256 (one launch per sequence)."""
 
-log = logging.getLogger("encgraph")
-
-RowsTable = Mapping[tuple[int, int, torch.dtype], "int | None"]
-"""``{(heads, head_dim, dtype): rows}``: per head geometry, the rows from which a sequence runs dense (``None``:
-never), as measured for one device (:func:`encgraph.models.kernel_choice.rows_table`)."""
-
-_HOST_BOUNDS: contextvars.ContextVar[tuple[dict[tuple[int, int], tuple[int, ...]], RowsTable | None] | None] = (
-    contextvars.ContextVar("encgraph_host_bounds", default=None)
-)
-_FALLBACK_LOGGED: set[tuple[int, int, torch.dtype]] = set()
-
-
-@contextlib.contextmanager
-def host_bounds(
-    pairs: Sequence[tuple[torch.Tensor, Sequence[int]]], *, min_rows: RowsTable | None = None
-) -> Iterator[None]:
-    """Inside the block, :func:`packed_attention` called (eagerly, with its default backend) with one of these
-    ``cu_seqlens`` tensors knows its bounds without reading the device: ``pairs`` of ``(cu_seqlens tensor, the
-    same values on the host)``. On CUDA each sequence of at least ``min_rows[(heads, head_dim, dtype)]`` rows
-    (measured per device; :data:`SEGMENT_MIN_ROWS` for a geometry not in it, with a log line) then runs as one
-    dense SDPA call, the shorter ones between them as one Flash varlen call per run; on the CPU every sequence
-    is one SDPA call. Never used inside a CUDA graph capture or a compiled trace. The tensors must stay alive
-    for the block (they are matched by storage)."""
-    mapping = {(t.data_ptr(), t.numel()): tuple(int(x) for x in b) for t, b in pairs}
-    token = _HOST_BOUNDS.set((mapping, min_rows))
-    try:
-        yield
-    finally:
-        _HOST_BOUNDS.reset(token)
-
-
-def _segment_rows(query: torch.Tensor, table: RowsTable | None) -> int | None:
-    key = (int(query.shape[1]), int(query.shape[2]), query.dtype)
-    if table is not None and key in table:
-        return table[key]
-    if key not in _FALLBACK_LOGGED:
-        _FALLBACK_LOGGED.add(key)
-        log.info("encgraph: no kernel crossover measured for %d heads x %d (%s) on this device; eager forwards run "
-                 "sequences of %d rows or more as dense SDPA calls (the H200's value; capture() measures it).",
-                 key[0], key[1], str(key[2]).replace("torch.", ""), SEGMENT_MIN_ROWS)
-    return SEGMENT_MIN_ROWS
-
-
 def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
     """``(host bounds of cu_seqlens, rows from which a sequence runs dense)`` when :func:`host_bounds` gave the
     bounds and at least one sequence runs dense; else ``None`` (the backend of :func:`pick_backend`)."""
-    if torch.compiler.is_compiling():
-        # First: dynamo cannot trace ContextVar.get (a graph break in every attention layer of a compiled region).
+    found = sequence_bounds.lookup(cu_seqlens)
+    if found is None:
         return None
-    context = _HOST_BOUNDS.get()
-    if not context:
-        return None
-    bounds = context[0].get((cu_seqlens.data_ptr(), cu_seqlens.numel()))
-    if bounds is None or not bounds or bounds[0] != 0 or bounds[-1] > query.shape[0]:
-        return None
-    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+    bounds, table = found
+    if not bounds or bounds[0] != 0 or bounds[-1] > query.shape[0]:
         return None
     if pick_backend(query) is not AttentionBackend.VARLEN:
         return bounds, 1  # the CPU (or no varlen kernel): every sequence on its own
-    rows = _segment_rows(query, context[1])
+    rows = sequence_bounds.segment_rows(query, table, SEGMENT_MIN_ROWS)
     if rows is None or all(b - a < rows for a, b in zip(bounds[:-1], bounds[1:])):
         return None
     return bounds, rows

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import encgraph
-from encgraph.models import _hf, attention
+from encgraph.models import _hf, attention, sequence_bounds
 from encgraph.models.attention import (
     ATTENTION_NAME,
     MIN_TRANSFORMERS,
@@ -263,7 +263,7 @@ def test_host_bounds_run_every_sequence_on_its_own_on_the_cpu(monkeypatch):
     assert torch.equal(got, plain) and torch.equal(unknown, plain)
     assert calls == [False, True, False, False]
     assert torch.equal(got, reference(q, k, v, [24, 16]))
-    assert attention._HOST_BOUNDS.get() is None  # the block restores the context
+    assert sequence_bounds._HOST_BOUNDS.get() is None  # the block restores the context
 
 
 def test_host_bounds_never_apply_while_compiling(monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from encgraph.errors import ConfigError
-from encgraph.models import attention, kernel_choice
+from encgraph.models import attention, kernel_choice, sequence_bounds
 from encgraph.packing import CostModel
 from encgraph.packing.kernels import Crossover, crossover_rows, kernel_table
 from tests.models.test_attention import qkv, reference
@@ -115,7 +115,7 @@ def test_short_sequences_only_keep_one_varlen_call(fake_varlen):
 
 
 def test_an_unmeasured_geometry_takes_the_default_with_one_log_line(fake_varlen, monkeypatch, caplog):
-    monkeypatch.setattr(attention, "_FALLBACK_LOGGED", set())
+    monkeypatch.setattr(sequence_bounds, "_FALLBACK_LOGGED", set())
     monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 4)
     q = torch.zeros(10, 3, 8)
     cu = torch.tensor([0, 2, 10], dtype=torch.int32)
