@@ -32,7 +32,8 @@ LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 """Rows of the one sequence timed (16,384: the patch rows of a 4096-token image at merge 2; Qwen's processors
 go to 16,384 tokens, 65,536 rows, where attention only grows more dominant and the dense kernel's lead holds)."""
 REPEATS = 3
-"""Timed calls per kernel and length (their median), after one untimed call."""
+"""Timed calls per kernel and length whose median decides, after a first call (timed too and kept apart: at a new
+length it includes the dense kernel's plan for that shape)."""
 
 _MEASURED: dict[str, Crossover] = {}
 """Measurements of this process, by key: a second runner of the same geometry reuses them."""
