@@ -8,21 +8,20 @@ Adapters without ``choose_kernels(known)`` are left as they are (their eager for
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from encgraph.packing.kernels import Crossover
 
-if TYPE_CHECKING:  # pragma: no cover
-    from encgraph.capture.runner import EncoderGraphRunner
-
 __all__ = ["choose_kernels", "keep_kernels"]
 
 
-def choose_kernels(runner: EncoderGraphRunner) -> dict[str, Any]:
-    """Let the adapter choose its eager attention kernels; returns the summary for ``capture_info["kernels"]``
-    (``{key: Crossover.to_dict()}``, empty off CUDA) and keeps the crossovers for :func:`keep_kernels`."""
+def choose_kernels(runner: Any) -> dict[str, Any]:
+    """Let the adapter of ``runner`` (an :class:`~encgraph.EncoderGraphRunner`: its ``adapter``, ``costs`` and
+    ``kernels`` are read and set) choose its eager attention kernels; returns the summary for
+    ``capture_info["kernels"]`` (``{key: Crossover.to_dict()}``, empty off CUDA) and keeps the crossovers in
+    ``runner.kernels`` for :func:`keep_kernels`."""
     choose = getattr(runner.adapter, "choose_kernels", None)
     if choose is None:
         return {"skipped": f"{type(runner.adapter).__name__} has no choose_kernels(known)"}
@@ -31,7 +30,7 @@ def choose_kernels(runner: EncoderGraphRunner) -> dict[str, Any]:
     return {key: c.to_dict() for key, c in chosen.items()}
 
 
-def keep_kernels(runner: EncoderGraphRunner) -> None:
+def keep_kernels(runner: Any) -> None:
     """Add the chosen crossovers to the runner's cost model (measured or given), if it has one."""
     chosen = getattr(runner, "kernels", None)
     if runner.costs is not None and chosen:
