@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from encgraph.capture.execution import run_static
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import attention, kernel_choice, wrap
 from tests.gpu.test_qwen_gpu import HF_RTOL, build, hf_per_item, rel
@@ -114,7 +115,7 @@ def test_eager_items_on_every_kernel_path(family, monkeypatch):
         for i in range(grid.shape[0]):
             sub = adapter.select(inputs, [i])
             if counts[i] <= 1280:
-                statics.append(runner._run_static("default", 1280 if counts[i] > 64 else 64, sub, counts[i]))
+                statics.append(run_static(runner, "default", 1280 if counts[i] > 64 else 64, sub, counts[i]))
             else:
                 statics.append(None)  # over every budget: the tower's own forward is its reference
         dense = dense_spy(monkeypatch)

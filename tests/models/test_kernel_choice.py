@@ -165,3 +165,11 @@ def dense_spy(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(attention, "_dense_sequence", spy)
     return rows
+
+
+def test_a_scaled_model_keeps_its_crossovers():
+    c = Crossover(H200, 16, 72, "bfloat16", (1024,), (0.1,), (0.2,))
+    model = CostModel.linear(["default"], graph_fixed_ms=1, graph_per_budget_ms=0, eager_fixed_ms=2,
+                             eager_per_token_ms=0)
+    model = type(model)(model.graph_ms, model.eager, kernels={c.key: c})
+    assert model.scaled(graph={"default": 2.0}).kernels == {c.key: c}
