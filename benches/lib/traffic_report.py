@@ -178,10 +178,12 @@ def _seconds(entry: Mapping[str, Any] | None) -> Any:
 
 
 def headline(data: Mapping[str, Any]) -> str:
-    """One row per tower: ``defaults`` against HF sdpa, with the targets beside the numbers ("" if no tower
-    measured both)."""
+    """One row per tower: ``defaults`` against HF sdpa, with issue 13's targets beside the numbers ("" if no
+    tower measured both); on the photo trace (issue 32's targets, listed apart) with each request's floor."""
     rows = []
+    photo = False
     for name, doc in tower_docs(data).items():
+        photo = photo or doc.get("trace", {}).get("kind") == "photo"
         systems = doc.get("systems", {})
         d, hf = systems.get(System.DEFAULTS.value), systems.get(System.HF_SDPA.value)
         if not d or not hf:
@@ -193,9 +195,15 @@ def headline(data: Mapping[str, Any]) -> str:
                      _x(d.get("speedup_p99_vs_hf_sdpa")), _x(d.get("worst_ratio_vs_hf_sdpa")),
                      d.get("slower_than_hf_sdpa"), _pct(gs.get("padded_share")),
                      f"{gs.get('eager_items')} of {gs.get('items')}" if gs else None,
-                     _seconds(startup.get("cold")), _seconds(startup.get("warm"))])
+                     _seconds(startup.get("cold")), _seconds(startup.get("warm"))]
+                    + ([d.get("worst_ratio_vs_floor")] if photo else []))
     if not rows:
         return ""
+    if photo:
+        return markdown_table(
+            ["tower", "requests", "HF sdpa mean ms", "defaults mean ms", "HF sdpa P99 ms", "defaults P99 ms",
+             "mean speedup", "P99 speedup", "worst request (defaults / HF)", "requests slower than HF",
+             "padded share", "eager items", "cold capture s", "warm capture s", "worst request / floor"], rows)
     return markdown_table(
         ["tower", "requests", "HF sdpa mean ms", "defaults mean ms", "HF sdpa P99 ms", "defaults P99 ms",
          "mean speedup (target >= 2.5x)", "P99 speedup (target >= 2.5x)", "worst request (defaults / HF)",

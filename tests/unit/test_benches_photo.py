@@ -86,6 +86,7 @@ def test_traffic_photo_smoke(tmp_path, monkeypatch):
                                                      "worst request / its floor"}
     table = (tmp_path / f"traffic_{SMOKE_SLUG}_photo.md").read_text()
     assert "### targets (issue 32)" in table and "worst x floor" in table and "floor rates: matmul" in table
+    assert "worst request / floor" in table and "(target >= 2.5x)" not in table
 
 
 def test_long_items_smoke(tmp_path):
