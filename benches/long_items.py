@@ -149,6 +149,10 @@ def render(data: dict[str, Any]) -> str:
         parts.append(markdown_table(["budget (tokens)", "grid (t x h x w patches)", "HF sdpa ms",
                                      "eager ms (measured kernels)", "eager ms (all varlen)", "graph replay ms",
                                      "graph / eager"], rows))
+        paying = [int(b) for b, e in doc["budgets"].items() if isinstance(e.get("graph_vs_eager"), float)
+                  and e["graph_vs_eager"] < 1.0]
+        parts.append(f"graphs beat the eager forward up to budget {max(paying)}" if paying
+                     else "graphs beat the eager forward at no measured budget")
         cap = doc.get("capture", {})
         parts.append(f"capture: {fmt(cap.get('seconds'))} s, pool {fmt(cap.get('pool_bytes'))} bytes, compile "
                      f"{cap.get('compile', {}).get('status', cap.get('compile', {}).get('mode'))}; kernels: "
