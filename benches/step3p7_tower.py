@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
     capture["shim"] = round(time.perf_counter() - t0, 2)
     sizes = adapter.sizes
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    results: dict = {"depth": args.depth, "gpu": gpu, "capture_seconds": capture, "cases": {}}
+    results: dict = {"depth": args.depth, "gpu": gpu, "environment": _provenance(), "capture_seconds": capture,
+                     "cases": {}}
     print(f"Step-3.7, vision depth {args.depth}, {results['gpu']}; capture s {capture}")
     print("| case | hf ms | tower ms | shim ms | tower / shim |\n|---|---|---|---|---|")
     for name, crops in CASES.items():
@@ -92,6 +93,21 @@ def main(argv: list[str] | None = None) -> dict:
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
     return results
+
+
+def _provenance() -> dict:
+    """Versions, commit and date of this run (the result's provenance lives in its JSON)."""
+    import datetime
+    import platform
+
+    import torch
+    import transformers
+
+    from benches.lib.results import git_commit
+
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": platform.python_version(), "commit": git_commit(),
+            "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "argv": sys.argv[1:]}
 
 
 if __name__ == "__main__":

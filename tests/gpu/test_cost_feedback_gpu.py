@@ -1,6 +1,6 @@
 """The cost model corrects itself on a GPU (issue 31, point 3). Qwen2.5-VL-7B geometry at depth 4, bf16, plain graphs.
 
-- **Contention at capture**: one runner captures (and measures its cost model) while a side stream hammers 8192^2
+- **Contention at capture**: one runner captures (and measures its cost model) while another process hammers 8192^2
   matmuls; an undisturbed runner captures alone. Both then serve the same calls alone. Within the stated bound
   (``EXPLORE_EVERY * MIN_SAMPLES`` batches the model sends eagerly as cheaper, plus one call), the disturbed
   runner's eager share over the last calls returns to the undisturbed one's (within 0.15), and every output equals
@@ -15,7 +15,8 @@ Prints the models' replay and eager prices before and after, the shares, and the
 from __future__ import annotations
 
 import copy
-import threading
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -33,23 +34,30 @@ CALLS = EXPLORE_EVERY * MIN_SAMPLES + 1 + 12
 WINDOW = 12
 
 
-def hammering() -> tuple[threading.Event, threading.Thread]:
-    """A thread queueing 8192^2 bf16 matmuls on a side stream until the event is set."""
-    stop = threading.Event()
+HAMMER = """
+import sys, torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+print("ready", flush=True)
+n = 0
+while True:
+    a @ a
+    n += 1
+    if n % 4 == 0:
+        torch.cuda.synchronize()  # keep the queue short: the load lasts while the process lives
+"""
 
-    def run() -> None:
-        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            n = 0
-            while not stop.is_set():
-                a @ a
-                n += 1
-                if n % 4 == 0:
-                    stream.synchronize()  # keep the queue short: the load lasts while the event is unset
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return stop, thread
+
+def hammering() -> subprocess.Popen:
+    """Another process queueing 8192^2 bf16 matmuls on the same GPU until it is killed.
+
+    A process, not a thread: a thread of this process that synchronizes its stream while the runner captures
+    invalidates the capture (CUDA forbids a sync during a global-mode capture), which is not the contention a
+    server meets from a neighbour; another process's kernels only compete for the device.
+    """
+    proc = subprocess.Popen([sys.executable, "-c", HAMMER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
 
 
 def calls(seed: int, channels: int) -> list[tuple[torch.Tensor, np.ndarray]]:
@@ -81,13 +89,13 @@ def test_capture_under_contention_then_serve_alone() -> None:
     reference = copy.deepcopy(tower)
     quiet = EncoderGraphRunner(wrap(copy.deepcopy(tower)), compile=False)
     quiet.capture()
-    stop, thread = hammering()
+    hammer = hammering()
     try:
         noisy = EncoderGraphRunner(wrap(tower), compile=False)
         noisy.capture()
     finally:
-        stop.set()
-        thread.join()
+        hammer.kill()
+        hammer.wait()
     torch.cuda.synchronize()
     wrong = EncoderGraphRunner(wrap(copy.deepcopy(reference)), compile=False,
                                costs=quiet.costs.scaled(graph={"default": 20.0}))
