@@ -33,6 +33,7 @@ from encgraph.capture.execution import (
     CAPTURE_FAILED, EAGER_MODE, check_outputs, item_specs, route, run_static, split_outputs,
 )
 from encgraph.capture.grad import persistent
+from encgraph.capture.kernels import choose_kernels, keep_kernels
 from encgraph.capture.options import check_bool, resolve_device, resolve_ladders, resolve_limits
 from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
@@ -162,6 +163,7 @@ class EncoderGraphRunner:
         # None: measured at capture in GRAPH mode (the default); False: greedy; a model: given.
         self._measure_costs = costs is None and mode is RunMode.GRAPH
         self.costs: CostModel | None = costs if isinstance(costs, CostModel) else None
+        self.kernels: dict[str, Any] = {}  # attention-kernel crossovers chosen at capture (capture/kernels.py)
         self.observed: collections.deque[tuple[ItemSpec, ...]] = collections.deque(
             maxlen=check_int("record", record, minimum=0) or None
         )
@@ -241,12 +243,14 @@ class EncoderGraphRunner:
                 info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
             self.captured = True
             try:
+                info["kernels"] = choose_kernels(self)  # first: the eager timings below run the chosen kernels
                 # Nothing padded runs in EAGER mode: nothing to check.
                 verify = self.verify and self.mode is not RunMode.EAGER
                 info["selfcheck"] = check_and_measure(self, verify=verify, measure=self._measure_costs)
             except BaseException:
                 self.captured = False
                 raise
+            keep_kernels(self)
             info["failed"] = {p: dict(f) for p, f in self.failed.items() if f}
             info["costs"] = "cost-aware (measured at capture)" if self._measure_costs and self.costs is not None else (
                 "cost-aware (given)" if self.costs is not None else "greedy"
@@ -341,6 +345,7 @@ class EncoderGraphRunner:
             self.capture()
             self.costs = measure_cost_model(self, samples, repeats)
             self._measure_costs = False
+            keep_kernels(self)
             return self.costs
 
     def tune(self, *, max_budgets: int, memory_cap_tokens: int | None = None, granularity: int = 64) -> TunedLadder:

@@ -36,7 +36,7 @@ from encgraph._validate import check_int, describe
 from encgraph.capture.grad import persistent
 from encgraph.errors import InputTypeError
 from encgraph.models._hf import require_transformers, tower_dtype_device
-from encgraph.models.attention import MIN_TRANSFORMERS, host_bounds, use_packed_attention
+from encgraph.models.attention import MIN_TRANSFORMERS, RowsTable, host_bounds, use_packed_attention
 from encgraph.models.layout import LayoutPatch, apply_all, describe_patches, linear_patch_embed, restore_all
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.models.qwen_grid import (
@@ -47,6 +47,7 @@ from encgraph.models.qwen_grid import (
 )
 from encgraph.models.qwen_inputs import QwenInputsMixin, QwenVisionInputs
 from encgraph.packing import ItemSpec
+from encgraph.packing.kernels import Crossover
 
 __all__ = ["QwenVisionAdapter", "QwenVisionInputs"]  # QwenVisionInputs: from encgraph.models.qwen_inputs
 
@@ -129,6 +130,9 @@ class QwenVisionAdapter(QwenInputsMixin):
         self._init_family(module)
         self._tables = FrameTableCache(self._compute_tables)
         self._specs: dict[tuple[int, int], ItemSpec] = {}
+        self.kernel_rows: RowsTable | None = None
+        """Per head geometry, the rows from which an eager forward runs a sequence on dense SDPA (set by
+        :meth:`choose_kernels`; ``None``: the default crossover)."""
         # Last: nothing above may leave the tower changed if it raises. The rewritten weights live as long as the
         # tower: never inference tensors, whatever mode the caller wraps in.
         with persistent():
@@ -297,8 +301,18 @@ class QwenVisionAdapter(QwenInputsMixin):
         tokens = int(inputs.pixel_values.shape[0]) // self.merge**2
         # The full-attention bounds are known here: long images then attend with one dense SDPA call each
         # (cuDNN on an H200, faster than Flash varlen at head dim 72), reading nothing back from the device.
-        with host_bounds([(kwargs["cu_seqlens"], host_cu)]):
+        with host_bounds([(kwargs["cu_seqlens"], host_cu)], min_rows=self.kernel_rows):
             return self._run(inputs.pixel_values, tokens, kwargs)
+
+    def choose_kernels(self, known: Mapping[str, Crossover] | None = None) -> dict[str, Crossover]:
+        """Measure (on CUDA; or take from ``known``) from how many rows a sequence of :meth:`forward_eager` runs
+        faster on dense SDPA than on Flash varlen, per head geometry of the tower, and use it from now on
+        (:mod:`encgraph.models.kernel_choice`; the runner calls it at capture). Returns the crossovers by key."""
+        from encgraph.models.kernel_choice import choose, rows_table
+
+        chosen = choose(self._module, self._dtype, self._device, known)
+        self.kernel_rows = rows_table(chosen.values()) if chosen else None
+        return chosen
 
     def _eager_kwargs(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:
         cu = meta.pop("cu_seqlens")
