@@ -12,11 +12,21 @@ bytes, as OpenAI's API), with each image's token sequence too when ``return_toke
     {"object": "list", "model": "siglip", "usage": {"prompt_tokens": N, "total_tokens": N},
      "data": [{"object": "embedding", "index": 0, "embedding": [...], "tokens": [[...], ...]}]}
 
-``usage`` counts the images' output tokens. Errors are ``{"error": {"message", "type", "param", "code"}}``:
-400 (corrupt image, bad base64, invalid JSON), 404 (unknown model), 413 (body, image bytes or pixels over the
-limits; too many images), 415 (a format other than PNG or JPEG), 422 (wrong JSON shape, empty input list),
-503 with ``Retry-After`` (queue full, shutting down, a preprocessing worker died). ``GET /health``; ``GET /metrics``
-(Prometheus).
+``usage`` counts the images' output tokens. Errors, of every status and every path, are
+``{"error": {"message", "type", "param", "code"}}``: 400 (corrupt image, bad base64, invalid JSON), 401 (no or a
+wrong API key, :mod:`encgraph.serving.auth`), 404 (unknown model or path), 405 (wrong method), 413 (body, image
+bytes, pixels of an image or of the request over the limits; too many images), 415 (a format other than PNG or
+JPEG), 422 (wrong JSON shape, an unknown field, empty input list), 500, and 503 with ``Retry-After`` (queue full,
+too much in flight (:mod:`encgraph.serving.admission`), shutting down, a preprocessing worker died).
+``GET /health``; ``GET /metrics`` (Prometheus).
+
+A request's pixels are counted from its images' headers before any is decoded: over ``max_request_pixels`` it is
+refused (413), and it is decoded only while the pixels of all requests being decoded stay within the in-flight
+limit (else 503).
+
+Shutdown: :meth:`Draining.begin` (``encgraph serve`` calls it on SIGTERM/SIGINT with its ``--graceful-timeout``)
+lets the requests in flight finish; those still running shortly before the timeout are answered 503
+``shutting_down`` (JSON), so that none is cut off with the HTTP server's plain-text error.
 
 Decoding and the image processor run in the server's threads, or with ``preprocess_workers`` in a pool of worker
 processes (:mod:`encgraph.serving.preprocess`): the same images, errors and arrays either way.
@@ -47,26 +57,41 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError, field_validator
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from encgraph.errors import ConfigError, InputError, InputTypeError, OverloadedError, ShutdownError
-from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
+from encgraph.serving.admission import InFlight, InFlightLimits, Refused, Ticket
+from encgraph.serving.auth import BearerAuth
+from encgraph.serving.images import ImageError, ImageLimits, decode_image, image_size, name_the_refused
 from encgraph.serving.metrics import Metrics
 from encgraph.serving.preprocess import PreprocessPool, WorkerDiedError
 
-__all__ = ["create_app", "ServerLimits", "EmbeddingRequest"]
+__all__ = ["create_app", "ServerLimits", "EmbeddingRequest", "Draining"]
 
 log = logging.getLogger("encgraph.serve")
 
 
 @attrs.frozen
 class ServerLimits:
-    """What one request may hold: ``max_images`` images, ``max_body_bytes`` of JSON, per image ``image`` limits;
-    ``retry_after_s``: the ``Retry-After`` of a 503."""
+    """What one request may hold: ``max_images`` images, ``max_body_bytes`` of JSON, ``max_request_pixels``
+    pixels over its images, per image ``image`` limits; what all requests in flight may hold together,
+    ``in_flight`` (:mod:`encgraph.serving.admission`); ``retry_after_s``: the ``Retry-After`` of a 503."""
 
     max_images: int = 32
     max_body_bytes: int = 64 * 2**20
     image: ImageLimits = ImageLimits()
     retry_after_s: int = 1
+    max_request_pixels: int = 100_000_000
+    in_flight: InFlightLimits = InFlightLimits()
+
+    def __attrs_post_init__(self) -> None:
+        # A request that could never be let in must be refused as too large (413), not as busy (503) forever.
+        if self.max_request_pixels > self.in_flight.max_pixels:
+            raise ConfigError(f"max_request_pixels: expected at most the pixels in flight "
+                              f"({self.in_flight.max_pixels}), got {self.max_request_pixels}.")
+        if self.max_body_bytes > self.in_flight.max_body_bytes:
+            raise ConfigError(f"max_body_bytes: expected at most the body bytes in flight "
+                              f"({self.in_flight.max_body_bytes}), got {self.max_body_bytes}.")
 
 
 class EmbeddingRequest(BaseModel):
@@ -112,7 +137,10 @@ def _parse(body: bytes) -> EmbeddingRequest:
     try:
         return EmbeddingRequest.model_validate_json(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # An unknown field first, whatever order pydantic lists its errors in: a misspelt "inputs" also leaves
+        # "input" missing, and only the unknown name tells the client what to fix.
+        err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         if err["type"] == "json_invalid":
             raise ApiError(400, "body", "invalid_json", f"body: not valid JSON ({err['msg']}).") from None
         param = _param(err["loc"])
@@ -121,7 +149,8 @@ def _parse(body: bytes) -> EmbeddingRequest:
         raise ApiError(422, param, err["type"], message) from None
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limits: ServerLimits, ticket: Ticket) -> bytes:
+    limit = limits.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "body", "body_too_large", f"body: {declared} bytes is over the server's limit of {limit}.")
@@ -130,8 +159,32 @@ async def _read_body(request: Request, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise ApiError(413, "body", "body_too_large", f"body: over the server's limit of {limit} bytes.")
+        _take(ticket.take_bytes, len(chunk), limits)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _take(take: Any, amount: int, limits: ServerLimits) -> None:
+    try:
+        take(amount)
+    except Refused as exc:
+        flag = {"pixels": "--max-pixels-in-flight", "body_bytes": "--max-body-bytes-in-flight"}[exc.what]
+        raise ApiError(503, None, "overloaded", f"the server is busy: {exc} ({flag}); retry later.",
+                       _retry(limits)) from None
+
+
+def _count_pixels(images: Sequence[str], limits: ServerLimits) -> int:
+    """The request's pixels, from its images' headers (no pixel decoded); 413 over ``max_request_pixels``."""
+    try:
+        total = sum(w * h for w, h in (image_size(text, i, limits.image) for i, text in enumerate(images)))
+    except ImageError as exc:
+        raise ApiError.of_image(exc) from None
+    if total > limits.max_request_pixels:
+        raise ApiError(413, "input", "request_too_large",
+                       f"input: the images have {total} pixels together, over the server's limit of "
+                       f"{limits.max_request_pixels} per request (--max-request-pixels); split the request or send "
+                       "smaller images.")
+    return total
 
 
 def _decode_all(images: Sequence[str], limits: ImageLimits) -> list[Any]:
@@ -198,9 +251,13 @@ def _answer(model: Any, results: list[Any], request: EmbeddingRequest) -> JSONRe
 
 
 def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(), *,
-               close_timeout_s: float = 10.0, preprocess_workers: int = 0, request_threads: int = 4) -> FastAPI:
+               close_timeout_s: float = 10.0, preprocess_workers: int = 0, request_threads: int = 4,
+               api_key: str | None = None, protect_all: bool = False) -> FastAPI:
     """The app over ``models`` (name -> :class:`~encgraph.serving.loading.ServedModel`; the first is the default
     for a request without ``model``).
+
+    ``api_key``: requests under ``/v1/`` (every path with ``protect_all``) need ``Authorization: Bearer <key>``
+    (:mod:`encgraph.serving.auth`).
 
     ``preprocess_workers``: 0 decodes and preprocesses in the server's threads; N > 0 in one pool of N worker
     processes for all the models (:class:`~encgraph.serving.preprocess.PreprocessPool`), started and warm before
@@ -218,6 +275,8 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
         pool = PreprocessPool({n: m.processor for n, m in models.items()}, preprocess_workers, limits.image)
     metrics = Metrics(models, preprocess=pool)
     threads = _RequestThreads(request_threads)
+    in_flight = InFlight(limits.in_flight)
+    draining = Draining()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -234,7 +293,22 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
     app.state.models = models
     app.state.metrics = metrics
     app.state.preprocess = pool
+    app.state.in_flight = in_flight
+    app.state.draining = draining
     workers = pool.workers if pool is not None else 0
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # The framework's own answers (404 unknown path, 405 wrong method) in the documented error shape.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"{where}: no such path; the server answers POST /v1/embeddings, GET /health and GET /metrics.",
+                   405: f"{where}: method not allowed on this path."}.get(exc.status_code, f"{where}: {exc.detail}")
+        return ApiError(exc.status_code, None, code, message, dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return ApiError(500, None, "internal_error", "internal error: see the server log.").response()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -248,11 +322,28 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
+        task = asyncio.current_task()
+        draining.tasks.add(task)
+        ticket = in_flight.ticket()
+        try:
+            return await _embeddings(request, ticket)
+        except asyncio.CancelledError:
+            if not draining.expired or task is None:
+                raise
+            task.uncancel()  # cancelled by Draining at the graceful timeout: answer, in JSON
+            metrics.observe("-", 503)
+            return ApiError(503, None, "shutting_down", "the server shut down before this request finished "
+                            "(--graceful-timeout); retry on another replica.", _retry(limits)).response()
+        finally:
+            draining.tasks.discard(task)
+            ticket.release()
+
+    async def _embeddings(request: Request, ticket: Ticket) -> Response:
         t0 = time.perf_counter()
         clock = _StageClock(t0)
         label = "-"
         try:
-            req = _parse(await _read_body(request, limits.max_body_bytes))
+            req = _parse(await _read_body(request, limits, ticket))
             clock.lap("read")
             name = default if req.model is None else req.model
             model = models.get(name)
@@ -266,14 +357,17 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
                 raise ApiError(413, "input", "too_many_images",
                                f"input: {len(req.input)} images is over the server's limit of {limits.max_images} "
                                "per request; split the request.")
+            _take(ticket.take_pixels, _count_pixels(req.input, limits), limits)
             if pool is None:
                 images = await run_in_threadpool(_decode_all, req.input, limits.image)
                 clock.lap("decode")
                 inputs = await run_in_threadpool(_prepare, model, images)
+                del images
                 clock.lap("preprocess")
             else:
                 inputs, decode_s = await _prepare_in_pool(pool, model, req.input, limits, threads.uploads)
                 clock.split("decode", "preprocess", decode_s)
+            ticket.release_pixels()  # decoded and processed: what is left is the tower's (small) inputs
             results = await _encode_on(model, inputs, limits)
             clock.lap("encode")
             response = await asyncio.get_running_loop().run_in_executor(threads.answers, _answer, model, results, req)
@@ -288,7 +382,28 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
         metrics.observe(label, 200, images=len(req.input), seconds=time.perf_counter() - t0, stages=clock.spent)
         return response
 
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key, protect_all=protect_all)
     return app
+
+
+class Draining:
+    """The requests in flight (their tasks) and the end of a graceful shutdown: :meth:`begin` (on the event loop)
+    arms a timer that, shortly before ``timeout_s`` (when the HTTP server would cut them off), cancels the requests
+    still running; each then answers a JSON 503 itself."""
+
+    def __init__(self) -> None:
+        self.tasks: set[Any] = set()
+        self.expired = False
+
+    def begin(self, timeout_s: float) -> None:
+        margin = min(0.5, timeout_s / 2)  # time to write the 503s before the server's own deadline
+        asyncio.get_running_loop().call_later(max(0.0, timeout_s - margin), self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        for task in list(self.tasks):
+            task.cancel("encgraph: graceful shutdown timeout")
 
 
 class _RequestThreads:
