@@ -2,10 +2,11 @@
 
 The server's memory beyond its idle footprint is what its requests hold: each body (up to ``max_body_bytes``,
 held as bytes, then as the parsed strings), and each request's decoded images until its processor has made the
-tower's inputs (Pillow's RGB pixels, 3 bytes each, plus the decoder's and the processor's working copies: at
-most 12 bytes per pixel measured with the embedded SigLIP and Qwen2.5-VL processors, PNG and JPEG). The
-processor's outputs are small (it resizes to the tower's size) and the runner's buffers are fixed at start-up,
-so two counters bound it:
+tower's inputs (Pillow's RGB pixels, 3 bytes each, plus the decoder's and the processor's working copies: the
+default server's peak resident memory grew by 10.4-10.9 bytes per pixel of 3000 x 3000 and 6300 x 6300 RGB PNGs,
+one request or two at once; :data:`BYTES_PER_PIXEL` counts 16). The embedded processors' outputs are small
+(they resize to the tower's size; a checkpoint's processor adds its own output, at most its ``max_pixels`` per
+image) and the runner's buffers are fixed at start-up, so two counters bound it:
 
 - ``body_bytes``: bytes of bodies being read or held by requests in flight (:meth:`InFlight.take_bytes`, chunk by
   chunk as a body arrives);
@@ -25,9 +26,9 @@ import attrs
 
 __all__ = ["InFlight", "InFlightLimits", "Refused", "BYTES_PER_PIXEL"]
 
-BYTES_PER_PIXEL = 12
-"""The most host memory one decoded pixel cost between its decoding and its processor's end (measured peak, see
-the module docs); the bound :meth:`InFlightLimits.bound_bytes` counts with."""
+BYTES_PER_PIXEL = 16
+"""Host memory counted per decoded pixel between its decoding and its processor's end (10.4-10.9 measured, see the
+module docs); the bound :meth:`InFlightLimits.bound_bytes` counts with."""
 
 
 @attrs.frozen
