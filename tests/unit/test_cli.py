@@ -82,7 +82,9 @@ def test_plan_default_ladder_limits_and_qwen3_geometry(capsys, monkeypatch):
     code, out, _ = run_cli(["plan", "--tower", "qwen3_vl", "--json"], capsys, "640x480\n10x10\n", monkeypatch)
     assert code == 0
     data = json.loads(out)
-    assert data["plan"]["ladders"]["default"] == [64, 128, 256, 512, 1024, 2048, 4096]
+    # The runner's default ladder for the tower: the dense one (test_plan_defaults_match_the_qwen_adapter)
+    assert data["plan"]["ladders"]["default"] == [64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1088, 1280,
+                                                  1536, 1856, 2240, 2688, 3200, 3840, 4096]
     assert data["plan"]["limits"] == {"max_items": 64, "max_frames": 128}
     # Qwen3-VL: multiples of 32 px, at least 65536 pixels -> 10x10 becomes 256x256 (8x8 tokens)
     assert data["items"][0]["resized"] == [640, 480] and data["items"][0]["tokens"] == 300
@@ -115,6 +117,10 @@ def test_plan_defaults_match_the_qwen_adapter():
         path = adapter.config.paths[0]
         assert (path.min_budget, path.max_budget) == (plan_cmd.DEFAULT_MIN_BUDGET, plan_cmd.DEFAULT_MAX_BUDGET)
         assert adapter.config.max_frames_per_item == TOWERS["qwen2_5_vl"].max_frames_per_item
+        # What "default" means in plan and tune: the ladder the runner captures when given none.
+        from encgraph import EncoderGraphRunner
+
+        assert EncoderGraphRunner(adapter).ladders == {path.name: plan_cmd.default_ladder()}
     finally:
         adapter.unwrap()
     assert isinstance(tower, torch.nn.Module)
