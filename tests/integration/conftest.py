@@ -175,20 +175,20 @@ def pool() -> list[str]:
 LIMITS = ("--max-images", "8", "--max-image-bytes", "200000", "--max-pixels", "1000000",
           "--max-request-pixels", "3000000", "--max-pixels-in-flight", "6000000")
 API_KEY = "test-key-0123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="session")
 def servers() -> Iterator[dict[str, Server]]:
     """The servers, started together (their start-up overlaps), shared by the integration modules:
-    ``main``, the embedded default with small limits (so that the limit tests send little data); ``workers``, the
-    same with its images decoded and preprocessed in a worker process (on the CPU the default is the server's
-    threads); ``tight``, a queue of one request (the overload test) and otherwise the default limits (the memory
-    test); ``deploy``, an API key from the environment, calls that wait 3 s for a second request and a graceful
-    timeout of 1 s (the authentication and shutdown tests)."""
-    started = {"main": Server(*LIMITS), "workers": Server(*LIMITS, "--preprocess-workers", "1"),
-               "tight": Server("--max-queue", "1", "--max-wait-ms", "0"),
-               "deploy": Server("--max-wait-ms", "3000", "--max-requests", "2", "--graceful-timeout", "1",
-                                env={"ENCGRAPH_API_KEY": API_KEY})}
+    ``main``, the embedded default with small limits (so that the limit tests send little data) and a graceful
+    timeout of 2 s (the SIGTERM test, which stops it); ``workers``, the same with its images decoded and
+    preprocessed in a worker process (on the CPU the default is the server's threads; the SIGKILL test, last,
+    kills it); ``tight``, a queue of one request (the overload test), otherwise the default limits (the memory
+    test), and an API key from the environment (the authentication test)."""
+    started = {"main": Server(*LIMITS, "--graceful-timeout", "2"),
+               "workers": Server(*LIMITS, "--preprocess-workers", "1"),
+               "tight": Server("--max-queue", "1", "--max-wait-ms", "0", env={"ENCGRAPH_API_KEY": API_KEY})}
     try:
         yield started
     finally:
