@@ -189,14 +189,6 @@ def test_serve_command_line_exit_codes(argv, code, capsys):
     assert ("usage:" in captured.out) if code == 0 else ("error" in captured.err and "\n" == captured.err[-1])
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _copy(src, dst):
     import shutil
 
@@ -254,7 +246,9 @@ def test_a_broken_checkpoint_is_one_line_and_exit_2_before_any_tower_is_built(wh
     monkeypatch.setattr(loading, "load_tower", lambda *a, **k: built.append(a))
     monkeypatch.setattr(loading, "embedded_tower", lambda *a, **k: built.append(a))
     # A good model first: no tower of it is built either, since every checkpoint is checked first.
-    port = str(_free_port())
+    from tests.unit.test_cli_serve import free_port
+
+    port = str(free_port())
     assert main(["serve", "--port", port, "--model", f"good={siglip_dir[0]}", "--model", f"bad={path}"]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and err.startswith("encgraph serve: error: --model "), err
