@@ -371,3 +371,17 @@ def test_demo_refuses_a_budget_the_cpu_cannot_run(capsys):
     assert main(["demo", "--budgets", "100000", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--budgets" in err[0] and "100000" in err[0]
+
+
+def test_plan_lines_count_a_batch_as_replayed_only_where_a_path_replays():
+    """Gemma-4's demo plan: a batch whose image path runs eager and whose video path is empty (budget 0) replays
+    nothing (it said "3 replayed" for 2)."""
+    from encgraph.cli._common import plan_lines
+    from encgraph.packing import ItemSpec, pack
+
+    items = [ItemSpec({"image": 96, "video": 30}), ItemSpec({"image": 289, "video": 0})]
+    plan = pack(items, {"image": (0, 140, 280), "video": (0, 70, 140)}, max_items=16)
+    assert [b.budgets for b in plan.batches] == [{"image": 140, "video": 70}, {"image": None, "video": 0}]
+    lines = plan_lines(plan)
+    assert lines[0] == "plan: 2 batches, 1 replayed, 1 with an eager path"
+    assert lines[3].split()[:5] == ["1", "image=eager", "video=0", "289", "-"], lines
