@@ -28,10 +28,11 @@ FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg"}
 """The formats accepted: Pillow's format name -> the media type a data URI names."""
 
 _DATA_URI = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),$")
-_SPACE = re.compile(r"\s+")
-_PEEK_CHARS = 65536
-"""Base64 characters :func:`image_size` decodes first (48 KB of bytes): a PNG's size is in its first 24 bytes, a
-JPEG's after its metadata segments; a header longer than this is read from the whole image."""
+_SPACES = ("\n", "\r", " ", "\t")
+_PEEK_CHARS = (4096, 65536)
+"""Base64 characters :func:`image_size` decodes first (3 KB, then 48 KB of bytes): a PNG's size is in its first 24
+bytes, a JPEG's after its metadata segments (an EXIF block can take tens of KB); a header longer than this is read
+from the whole image."""
 _BOMB = re.compile(r"\((\d+) pixels\)")
 
 
@@ -79,12 +80,16 @@ def _base64_text(text: str, param: str) -> str:
 def _b64decode(text: str, param: str) -> bytes:
     if not text.isascii():
         raise _not_base64(param)
-    if _SPACE.search(text):  # line breaks (base64.encodebytes, MIME): strict decoding refuses them
-        text = _SPACE.sub("", text)
+    if _has_space(text):  # line breaks (base64.encodebytes, MIME): strict decoding refuses them
+        text = "".join(text.split())
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise _not_base64(param) from None
+
+
+def _has_space(text: str) -> bool:
+    return any(c in text for c in _SPACES)  # str's own search: ~20x faster than a regex over a long string
 
 
 def _not_base64(param: str) -> ImageError:
@@ -137,8 +142,10 @@ def image_size(text: Any, index: int, limits: ImageLimits) -> tuple[int, int]:
     param = f"input[{index}]"
     _check_text(text, param, limits)
     b64 = _base64_text(text, param)
-    if len(b64) > _PEEK_CHARS:
-        head = _SPACE.sub("", b64[:_PEEK_CHARS])
+    for chars in _PEEK_CHARS:
+        if len(b64) <= chars:
+            break
+        head = "".join(b64[:chars].split())
         try:
             return _open(_b64decode(head[: len(head) // 4 * 4], param), param, limits).size
         except ImageError:
