@@ -131,8 +131,8 @@ def _open(data: bytes, param: str, limits: ImageLimits) -> Any:
                          f"{param}: unsupported image format {image.format}; send PNG or JPEG.")
     width, height = image.size
     if width * height > limits.max_pixels:
-        raise ImageError(413, param, "image_too_large", f"{param}: {width}x{height} pixels is over the server's "
-                         f"limit of {limits.max_pixels} pixels per image (--max-pixels).")
+        raise ImageError(413, param, "image_too_large", f"{param}: {width}x{height} = {width * height} pixels is over "
+                         f"the server's limit of {limits.max_pixels} pixels per image (--max-pixels).")
     return image
 
 
