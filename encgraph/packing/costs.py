@@ -243,6 +243,30 @@ class CostModel:
             out = self._ladder_cache[key] = tuple(self.graph_cost(path, b) for b in ladder)
         return out
 
+    def scaled(self, *, graph: Mapping[str, float] | None = None, eager: Mapping[str, float] | None = None) -> CostModel:
+        """A model whose replay times (and attention coefficient) of each path in ``graph``, and eager times of each
+        path in ``eager``, are multiplied by the given factor (> 0); other paths unchanged. The runner applies it
+        when what it measures while serving departs from what the model predicted
+        (:mod:`encgraph.capture.feedback`).
+
+        >>> m = CostModel.linear(["default"], graph_fixed_ms=1, graph_per_budget_ms=0, eager_fixed_ms=2,
+        ...                      eager_per_token_ms=0)
+        >>> s = m.scaled(graph={"default": 3.0})
+        >>> s.graph_cost("default", 64), s.eager_cost("default", 64)
+        (3.0, 2.0)
+        """
+        graph, eager = dict(graph or {}), dict(eager or {})
+        for where, table in (("graph", graph), ("eager", eager)):
+            for path, factor in table.items():
+                self._path(f"CostModel.scaled({where})", path)
+                if not _ms(f"CostModel.scaled({where}[{path!r}])", factor):
+                    raise ConfigError(f"CostModel.scaled({where}[{path!r}]): expected a factor > 0, got {factor}.")
+        return CostModel(
+            graph_ms={p: {b: ms * graph.get(p, 1.0) for b, ms in t.items()} for p, t in self.graph_ms.items()},
+            eager={p: e.scaled(eager[p]) if p in eager else e for p, e in self.eager.items()},
+            attention={p: a * graph.get(p, 1.0) for p, a in self.attention.items()},
+        )
+
     # -- fitting ------------------------------------------------------------------------------------------
 
     @classmethod

@@ -137,6 +137,7 @@ class EncoderCudaGraphManager:
         )
 
     def _new_runner(self) -> Any:
+        from encgraph.capture.records import RunMode
         from encgraph.capture.runner import EncoderGraphRunner
 
         # vLLM gives 0 frames when videos are disabled (images have one frame each); and never more items
@@ -145,7 +146,8 @@ class EncoderCudaGraphManager:
         return EncoderGraphRunner(
             self.adapter, budgets=self.path_token_budgets, max_items=min(self.max_batch_size, frames),
             max_frames=frames, device=self.device, lazy=False,
-            **self._options,
+            # vLLM's manager runs padded batches; on a CPU that is STATIC (the runner's own CPU default is eager).
+            **{"mode": None if torch.device(self.device).type == "cuda" else RunMode.STATIC, **self._options},
         )
 
     # ------------------------------------------------------------------ vLLM's public methods

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.shims.vllm import OUTPUT, VllmProtocolAdapter
@@ -21,7 +22,7 @@ VIDEOS = [[2, 2, 4], [1, 4, 4], [2, 4, 2], [3, 2, 2]]
 
 def runner_for(model, **options):
     adapter = VllmProtocolAdapter(model)
-    return adapter, EncoderGraphRunner(adapter, **options)
+    return adapter, EncoderGraphRunner(adapter, **{"mode": RunMode.STATIC, **options})
 
 
 @pytest.mark.parametrize("grad", ["inference_mode", "no_grad", "plain"])
@@ -93,7 +94,7 @@ def test_budget_range_and_config():
     assert adapter.config.max_frames_per_item == 2
     from encgraph.packing import dense_ladder
 
-    assert EncoderGraphRunner(adapter).ladders == {"default": dense_ladder(8, 40)}
+    assert EncoderGraphRunner(adapter, mode=RunMode.STATIC).ladders == {"default": dense_ladder(8, 40)}
     assert VllmProtocolAdapter(ToyVit(), budget_range=(16, 16)).config.path("default").min_budget == 16
 
 
@@ -177,7 +178,7 @@ def test_hf_tower_through_the_protocol_equals_hf_forward():
     model = HFQwenProtocol(tiny_qwen2_5_vl(), max_frames_per_video=2)
     adapter = VllmProtocolAdapter(model, budget_range=(8, 64))
     assert set(adapter._padding) == {"cu_seqlens", "cu_window_seqlens", "window_index"}
-    runner = EncoderGraphRunner(adapter, budgets=[8, 16, 32], max_items=4)
+    runner = EncoderGraphRunner(adapter, budgets=[8, 16, 32], max_items=4, mode=RunMode.STATIC)
     grid = [[1, 4, 6], [1, 8, 8], [2, 4, 4], [1, 12, 12], [1, 2, 4]]  # 144 tokens: over the largest budget
     channels = adapter.model.qwen.channels
     inputs = {"pixel_values": torch.randn(sum(t * h * w for t, h, w in grid), channels), "image_grid_thw": grid}
