@@ -155,8 +155,7 @@ def plan_lines(plan: Plan, labels: Sequence[str] | None = None, *, unit: str = "
     rows = []
     for i, b in enumerate(plan.batches):
         tokens = sum(b.tokens.values())
-        replayed = [p for p in plan.paths if b.budgets[p] is not None]
-        padded = sum(b.padded.values()) if replayed else "-"
+        padded = sum(b.padded.values()) if _replays(b) else "-"
         reasons = sorted({r.value for r in b.eager.values()})
         rows.append(
             (
@@ -168,7 +167,7 @@ def plan_lines(plan: Plan, labels: Sequence[str] | None = None, *, unit: str = "
                 ", ".join(map(str, b.items)) + (f"  ({'; '.join(reasons)})" if reasons else ""),
             )
         )
-    replays = sum(1 for b in plan.batches if any(v is not None for v in b.budgets.values()))
+    replays = sum(1 for b in plan.batches if _replays(b))
     eager_batches = sum(1 for b in plan.batches if b.eager)
     out = [f"plan: {len(plan.batches)} batches, {replays} replayed, {eager_batches} with an eager path"]
     out += table(("batch", "budget" if one else "budgets", unit, "padded", "frames", "items"), rows)
@@ -186,6 +185,11 @@ def plan_lines(plan: Plan, labels: Sequence[str] | None = None, *, unit: str = "
     else:
         out.append("eager items: none")
     return out
+
+
+def _replays(batch: Any) -> bool:
+    """Whether a batch replays a graph on some path: a budget > 0 (None runs eager, 0 skips an empty path)."""
+    return any(v for v in batch.budgets.values())
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:

@@ -25,12 +25,18 @@ from encgraph.cli._common import (
 )
 from encgraph.cli.geometry import TOWERS
 from encgraph.cli.items import SizedItem, parse_items
-from encgraph.packing import Limits, Plan, budget_ladder, default_limits, pack
+from encgraph.packing import Limits, Plan, default_limits, dense_ladder, pack
 
-__all__ = ["add_parser", "run", "DEFAULT_MIN_BUDGET", "DEFAULT_MAX_BUDGET"]
+__all__ = ["add_parser", "run", "DEFAULT_MIN_BUDGET", "DEFAULT_MAX_BUDGET", "default_ladder"]
 
 DEFAULT_MIN_BUDGET = 64
 DEFAULT_MAX_BUDGET = 4096
+
+
+def default_ladder(min_budget: int = DEFAULT_MIN_BUDGET, max_budget: int = DEFAULT_MAX_BUDGET) -> tuple[int, ...]:
+    """The ladder the runner captures by default for a Qwen-VL tower (token budgets): the dense ladder, neighbours
+    about 1.2x apart (64 to 4096: 20 budgets), not the doubling one."""
+    return dense_ladder(min_budget, max_budget)
 
 _EPILOG = """\
 item lines (blank lines and '#' comments skipped):
@@ -59,7 +65,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     ladder = p.add_mutually_exclusive_group()
     ladder.add_argument("--budgets", type=budget_list, help="the ladder, comma-separated token budgets (e.g. 256,512,1024)")
     ladder.add_argument(
-        "--min-budget", type=positive_int, help=f"smallest budget of the default ladder (default {DEFAULT_MIN_BUDGET})"
+        "--min-budget", type=positive_int, help=f"smallest budget of the default (dense, ~1.2x steps) ladder (default {DEFAULT_MIN_BUDGET})"
     )
     p.add_argument(
         "--max-budget", type=positive_int, help=f"largest budget of the default ladder (default {DEFAULT_MAX_BUDGET})"
@@ -80,7 +86,7 @@ def _ladder(args: argparse.Namespace) -> tuple[int, ...]:
     hi = DEFAULT_MAX_BUDGET if args.max_budget is None else args.max_budget
     if hi < lo:
         raise UsageError(f"encgraph plan: error: --max-budget ({hi}) is below --min-budget ({lo}); swap them")
-    return budget_ladder(lo, hi)
+    return default_ladder(lo, hi)
 
 
 def make_plan(items: list[SizedItem], ladder: tuple[int, ...], limits: Limits) -> Plan:

@@ -2,7 +2,7 @@
 
 Reads a log of requests (each a list of item sizes, in the formats of ``encgraph plan``), turns every item into
 its token count for a named tower geometry, and runs :func:`encgraph.packing.tune_ladder` against the default
-ladder that ``encgraph plan`` and the runner use.  Prints both ladders with their expected cost and padded share,
+ladder that ``encgraph plan`` and the runner use (the dense one, :func:`encgraph.cli.plan.default_ladder`).  Prints both ladders with their expected cost and padded share,
 and the runner options to paste.  Torch-free.
 """
 
@@ -26,12 +26,11 @@ from encgraph.cli._common import (
 )
 from encgraph.cli.geometry import TOWERS, TowerGeometry
 from encgraph.cli.items import SizedItem, parse_item, parse_items
-from encgraph.cli.plan import DEFAULT_MAX_BUDGET, DEFAULT_MIN_BUDGET
+from encgraph.cli.plan import default_ladder
 from encgraph.errors import ConfigError, InputError
 from encgraph.packing import (
     CostModel,
     TunedLadder,
-    budget_ladder,
     default_limits,
     tune_ladder,
 )
@@ -202,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         )
     # The default ladder and limits are the ones `encgraph plan` and the runner use; the user's --max-items /
     # --max-frames replace them for both ladders, so the comparison plans the same batches.
-    default = budget_ladder(DEFAULT_MIN_BUDGET, DEFAULT_MAX_BUDGET)
+    default = default_ladder()
     limits = default_limits(
         default, max_frames_per_item=geometry.max_frames_per_item, max_items=args.max_items, max_frames=args.max_frames
     )

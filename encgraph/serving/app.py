@@ -12,11 +12,21 @@ bytes, as OpenAI's API), with each image's token sequence too when ``return_toke
     {"object": "list", "model": "siglip", "usage": {"prompt_tokens": N, "total_tokens": N},
      "data": [{"object": "embedding", "index": 0, "embedding": [...], "tokens": [[...], ...]}]}
 
-``usage`` counts the images' output tokens. Errors are ``{"error": {"message", "type", "param", "code"}}``:
-400 (corrupt image, bad base64, invalid JSON), 404 (unknown model), 413 (body, image bytes or pixels over the
-limits; too many images), 415 (a format other than PNG or JPEG), 422 (wrong JSON shape, empty input list),
-503 with ``Retry-After`` (queue full, shutting down, a preprocessing worker died). ``GET /health``; ``GET /metrics``
-(Prometheus).
+``usage`` counts the images' output tokens. Errors, of every status and every path, are
+``{"error": {"message", "type", "param", "code"}}``: 400 (corrupt image, bad base64, invalid JSON), 401 (no or a
+wrong API key, :mod:`encgraph.serving.auth`), 404 (unknown model or path), 405 (wrong method), 413 (body, image
+bytes, pixels of an image or of the request over the limits; too many images), 415 (a format other than PNG or
+JPEG), 422 (wrong JSON shape, an unknown field, empty input list), 500, and 503 with ``Retry-After`` (queue full,
+too much in flight (:mod:`encgraph.serving.admission`), shutting down, a preprocessing worker died).
+``GET /health``; ``GET /metrics`` (Prometheus).
+
+A request's pixels are counted from its images' headers before any is decoded: over ``max_request_pixels`` it is
+refused (413), and it is decoded only while the pixels of all requests being decoded stay within the in-flight
+limit (else 503).
+
+Shutdown: :meth:`Draining.begin` (``encgraph serve`` calls it on SIGTERM/SIGINT with its ``--graceful-timeout``)
+lets the requests in flight finish; those still running shortly before the timeout are answered 503
+``shutting_down`` (JSON), so that none is cut off with the HTTP server's plain-text error.
 
 Decoding and the image processor run in the server's threads, or with ``preprocess_workers`` in a pool of worker
 processes (:mod:`encgraph.serving.preprocess`): the same images, errors and arrays either way.
@@ -33,105 +43,40 @@ uploads of the next call.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import contextlib
 import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import attrs
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError, field_validator
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from encgraph.errors import ConfigError, InputError, InputTypeError, OverloadedError, ShutdownError
+from encgraph.serving.admission import InFlight, Ticket
+from encgraph.serving.auth import BearerAuth
 from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
 from encgraph.serving.metrics import Metrics
 from encgraph.serving.preprocess import PreprocessPool, WorkerDiedError
+from encgraph.serving.protocol import (
+    ApiError,
+    EmbeddingRequest,
+    ServerLimits,
+    answer,
+    count_pixels,
+    parse_request,
+    read_body,
+    retry_headers,
+    take,
+)
 
-__all__ = ["create_app", "ServerLimits", "EmbeddingRequest"]
+__all__ = ["create_app", "ServerLimits", "EmbeddingRequest", "Draining"]
 
 log = logging.getLogger("encgraph.serve")
-
-
-@attrs.frozen
-class ServerLimits:
-    """What one request may hold: ``max_images`` images, ``max_body_bytes`` of JSON, per image ``image`` limits;
-    ``retry_after_s``: the ``Retry-After`` of a 503."""
-
-    max_images: int = 32
-    max_body_bytes: int = 64 * 2**20
-    image: ImageLimits = ImageLimits()
-    retry_after_s: int = 1
-
-
-class EmbeddingRequest(BaseModel):
-    """The request body (unknown fields are refused: a misspelt option must not be silently ignored)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    input: list[StrictStr]
-    model: StrictStr | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    return_tokens: StrictBool = False
-    user: StrictStr | None = None
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _one_image(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, param: str | None, code: str, message: str, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param, self.code, self.headers = status, param, code, headers
-
-    @classmethod
-    def of_image(cls, exc: ImageError) -> ApiError:
-        return cls(exc.status, exc.param, exc.code, str(exc))
-
-    def response(self) -> JSONResponse:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        body = {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-def _param(loc: Sequence[Any]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "body"
-
-
-def _parse(body: bytes) -> EmbeddingRequest:
-    try:
-        return EmbeddingRequest.model_validate_json(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        if err["type"] == "json_invalid":
-            raise ApiError(400, "body", "invalid_json", f"body: not valid JSON ({err['msg']}).") from None
-        param = _param(err["loc"])
-        hint = {"input": "expected a base64 image or data URI string, or a list of them"}.get(param)
-        message = f"{param}: {hint} ({err['msg']})." if hint else f"{param}: {err['msg']}."
-        raise ApiError(422, param, err["type"], message) from None
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "body", "body_too_large", f"body: {declared} bytes is over the server's limit of {limit}.")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "body", "body_too_large", f"body: over the server's limit of {limit} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _decode_all(images: Sequence[str], limits: ImageLimits) -> list[Any]:
@@ -168,39 +113,23 @@ async def _prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str
     except ImageError as exc:
         raise ApiError.of_image(exc) from None
     except WorkerDiedError as exc:
-        raise ApiError(503, None, "preprocess_worker_died", f"{exc}", _retry(limits)) from None
+        raise ApiError(503, None, "preprocess_worker_died", f"{exc}", retry_headers(limits)) from None
     except ShutdownError:
         raise ApiError(503, None, "shutting_down", "the server is shutting down; retry on another replica.",
-                       _retry(limits)) from None
+                       retry_headers(limits)) from None
     loop = asyncio.get_running_loop()
     inputs = await loop.run_in_executor(uploads, _from_arrays, model, prepared.arrays, texts, limits.image)
     return inputs, prepared.decode_s
 
 
-def _encode(array: Any, fmt: str) -> Any:
-    if fmt == "base64":
-        return base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")
-    return array.tolist()
-
-
-def _answer(model: Any, results: list[Any], request: EmbeddingRequest) -> JSONResponse:
-    data = []
-    for i, (pooled, tokens) in enumerate(model.embeddings(results, request.return_tokens)):
-        embedding = _encode(pooled, request.encoding_format)
-        entry: dict[str, Any] = {"object": "embedding", "index": i, "embedding": embedding}
-        if tokens is not None:
-            entry["tokens"] = _encode(tokens, request.encoding_format)
-            entry["tokens_shape"] = list(tokens.shape)
-        data.append(entry)
-    used = model.token_count(results)
-    return JSONResponse({"object": "list", "model": model.name, "data": data,
-                         "usage": {"prompt_tokens": used, "total_tokens": used}})
-
-
 def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(), *,
-               close_timeout_s: float = 10.0, preprocess_workers: int = 0, request_threads: int = 4) -> FastAPI:
+               close_timeout_s: float = 10.0, preprocess_workers: int = 0, request_threads: int = 4,
+               api_key: str | None = None, protect_all: bool = False) -> FastAPI:
     """The app over ``models`` (name -> :class:`~encgraph.serving.loading.ServedModel`; the first is the default
     for a request without ``model``).
+
+    ``api_key``: requests under ``/v1/`` (every path with ``protect_all``) need ``Authorization: Bearer <key>``
+    (:mod:`encgraph.serving.auth`).
 
     ``preprocess_workers``: 0 decodes and preprocesses in the server's threads; N > 0 in one pool of N worker
     processes for all the models (:class:`~encgraph.serving.preprocess.PreprocessPool`), started and warm before
@@ -218,6 +147,8 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
         pool = PreprocessPool({n: m.processor for n, m in models.items()}, preprocess_workers, limits.image)
     metrics = Metrics(models, preprocess=pool)
     threads = _RequestThreads(request_threads)
+    in_flight = InFlight(limits.in_flight)
+    draining = Draining()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -234,7 +165,22 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
     app.state.models = models
     app.state.metrics = metrics
     app.state.preprocess = pool
+    app.state.in_flight = in_flight
+    app.state.draining = draining
     workers = pool.workers if pool is not None else 0
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # The framework's own answers (404 unknown path, 405 wrong method) in the documented error shape.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"{where}: no such path; the server answers POST /v1/embeddings, GET /health and GET /metrics.",
+                   405: f"{where}: method not allowed on this path."}.get(exc.status_code, f"{where}: {exc.detail}")
+        return ApiError(exc.status_code, None, code, message, dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return ApiError(500, None, "internal_error", "internal error: see the server log.").response()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -248,11 +194,28 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
+        task = asyncio.current_task()
+        draining.tasks.add(task)
+        ticket = in_flight.ticket()
+        try:
+            return await _embeddings(request, ticket)
+        except asyncio.CancelledError:
+            if not draining.expired or task is None:
+                raise
+            task.uncancel()  # cancelled by Draining at the graceful timeout: answer, in JSON
+            metrics.observe("-", 503)
+            return ApiError(503, None, "shutting_down", "the server shut down before this request finished "
+                            "(--graceful-timeout); retry on another replica.", retry_headers(limits)).response()
+        finally:
+            draining.tasks.discard(task)
+            ticket.release()
+
+    async def _embeddings(request: Request, ticket: Ticket) -> Response:
         t0 = time.perf_counter()
         clock = _StageClock(t0)
         label = "-"
         try:
-            req = _parse(await _read_body(request, limits.max_body_bytes))
+            req = parse_request(await read_body(request, limits, ticket))
             clock.lap("read")
             name = default if req.model is None else req.model
             model = models.get(name)
@@ -266,17 +229,20 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
                 raise ApiError(413, "input", "too_many_images",
                                f"input: {len(req.input)} images is over the server's limit of {limits.max_images} "
                                "per request; split the request.")
+            take(ticket.take_pixels, count_pixels(req.input, limits), limits)
             if pool is None:
                 images = await run_in_threadpool(_decode_all, req.input, limits.image)
                 clock.lap("decode")
                 inputs = await run_in_threadpool(_prepare, model, images)
+                del images
                 clock.lap("preprocess")
             else:
                 inputs, decode_s = await _prepare_in_pool(pool, model, req.input, limits, threads.uploads)
                 clock.split("decode", "preprocess", decode_s)
+            ticket.release_pixels()  # decoded and processed: what is left is the tower's (small) inputs
             results = await _encode_on(model, inputs, limits)
             clock.lap("encode")
-            response = await asyncio.get_running_loop().run_in_executor(threads.answers, _answer, model, results, req)
+            response = await asyncio.get_running_loop().run_in_executor(threads.answers, answer, model, results, req)
             clock.lap("answer")
         except ApiError as exc:
             metrics.observe(label, exc.status)
@@ -288,7 +254,28 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
         metrics.observe(label, 200, images=len(req.input), seconds=time.perf_counter() - t0, stages=clock.spent)
         return response
 
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key, protect_all=protect_all)
     return app
+
+
+class Draining:
+    """The requests in flight (their tasks) and the end of a graceful shutdown: :meth:`begin` (on the event loop)
+    arms a timer that, shortly before ``timeout_s`` (when the HTTP server would cut them off), cancels the requests
+    still running; each then answers a JSON 503 itself."""
+
+    def __init__(self) -> None:
+        self.tasks: set[Any] = set()
+        self.expired = False
+
+    def begin(self, timeout_s: float) -> None:
+        margin = min(0.5, timeout_s / 2)  # time to write the 503s before the server's own deadline
+        asyncio.get_running_loop().call_later(max(0.0, timeout_s - margin), self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        for task in list(self.tasks):
+            task.cancel("encgraph: graceful shutdown timeout")
 
 
 class _RequestThreads:
@@ -340,12 +327,8 @@ class _StageClock:
         self.last = now
 
 
-def _retry(limits: ServerLimits) -> dict[str, str]:
-    return {"Retry-After": str(limits.retry_after_s)}
-
-
 async def _encode_on(model: Any, inputs: Any, limits: ServerLimits) -> list[Any]:
-    retry = _retry(limits)
+    retry = retry_headers(limits)
     try:
         future = model.front.submit(inputs)
     except OverloadedError as exc:

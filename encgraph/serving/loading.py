@@ -29,10 +29,12 @@ import numpy as np
 
 from encgraph.embedded_towers import build_tower, load_config
 from encgraph.errors import ConfigError, UnsupportedModelError, VersionError
+from encgraph.serving import checkpoints
+from encgraph.serving.checkpoints import Checkpoint
 from encgraph.serving.transfer import HostCopy, to_host, upload
 
 __all__ = ["ServedModel", "Finished", "EMBEDDED", "FAMILIES", "Family", "load_processor", "process_images",
-           "embedded_tower", "load_checkpoint", "build_model"]
+           "embedded_tower", "inspect_checkpoint", "load_tower", "load_checkpoint", "build_model"]
 
 EMBEDDED: dict[str, tuple[int, ...]] = {"siglip": (1, 2, 4, 8, 16), "qwen2_5_vl": (16, 32, 64, 128)}
 """The embedded default models and their ladders (images for SigLIP, merged tokens for Qwen2.5-VL: its processor
@@ -47,11 +49,13 @@ class Family:
 
     ``tower``: ``"module:Class"`` of the tower; ``sub_config``: the attribute of a full model's config holding the
     tower's (``None``: the tower class reads a full checkpoint by itself); ``key_mapping``: checkpoint key
-    regexes -> tower keys, for a tower inside a full model."""
+    regexes -> tower keys, for a tower inside a full model; ``unit``: what its budgets count, ``"images"`` (batch
+    towers) or ``"tokens"`` (merged tokens, Qwen-VL)."""
 
     tower: str
     sub_config: str | None = None
     key_mapping: Mapping[str, str] | None = None
+    unit: str = "images"
 
 
 _TOWERS = {
@@ -65,8 +69,8 @@ FAMILIES: dict[str, Family] = {
     # A full checkpoint (dual encoder or VLM) and a tower saved alone (its own model_type).
     **{f: Family(_TOWERS[f]) for f in ("siglip", "clip")},
     **{f"{f}_vision_model": Family(_TOWERS[f]) for f in ("siglip", "clip")},
-    **{f: Family(_TOWERS[f], "vision_config", _QWEN_KEYS) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
-    **{f"{f}_vision": Family(_TOWERS[f]) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+    **{f: Family(_TOWERS[f], "vision_config", _QWEN_KEYS, "tokens") for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
+    **{f"{f}_vision": Family(_TOWERS[f], unit="tokens") for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")},
 }
 """``config.model_type`` of a checkpoint -> how to load its vision tower."""
 
@@ -226,40 +230,36 @@ def _quiet_transformers() -> Iterator[None]:
         transformers.logging.set_verbosity(level)
 
 
+def inspect_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """The checked checkpoint directory ``path`` (config, weights, processor and their sizes; no tower built):
+    :func:`encgraph.serving.checkpoints.inspect_checkpoint` over the served families."""
+    with _quiet_transformers():
+        return checkpoints.inspect_checkpoint(path, FAMILIES)
+
+
+def load_tower(checkpoint: Checkpoint, *, device: Any, dtype: Any) -> tuple[Any, str]:
+    """The vision tower of a checked checkpoint (on ``device`` in ``dtype``, eval mode) and its description."""
+    path, config = checkpoint.path, checkpoint.config
+    family = FAMILIES[checkpoint.model_type]
+    module_name, cls_name = family.tower.split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    options: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if family.sub_config is not None:
+        options["config"] = getattr(config, family.sub_config)
+        options["key_mapping"] = dict(family.key_mapping or {})
+    with _quiet_transformers():
+        tower = cls.from_pretrained(path, **options)
+    params = sum(p.numel() for p in tower.parameters())
+    return tower.to(device).eval(), f"{cls_name} from {path} ({params / 1e6:.1f}M parameters)"
+
+
 def load_checkpoint(path: str | os.PathLike[str], *, device: Any, dtype: Any) -> tuple[Any, Any, str]:
     """The vision tower (on ``device`` in ``dtype``, eval mode), the image processor and a description of the
-    local Hugging Face checkpoint directory ``path`` (no download: ``local_files_only``)."""
-    from transformers import AutoConfig, AutoImageProcessor
-
-    path = os.fspath(path)
-    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
-        raise ConfigError(
-            f"--model: expected a local checkpoint directory with a config.json (saved with save_pretrained), got "
-            f"{path!r}."
-        )
-    if not os.path.exists(os.path.join(path, "preprocessor_config.json")):
-        raise ConfigError(
-            f"--model {path}: no preprocessor_config.json; save the model's image processor there too "
-            "(processor.save_pretrained(PATH))."
-        )
-    with _quiet_transformers():
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        family = FAMILIES.get(config.model_type)
-        if family is None:
-            raise UnsupportedModelError(
-                f"--model {path}: model_type {config.model_type!r} is not served; known: {sorted(FAMILIES)}."
-            )
-        module_name, cls_name = family.tower.split(":")
-        cls = getattr(importlib.import_module(module_name), cls_name)
-        options: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
-        if family.sub_config is not None:
-            options["config"] = getattr(config, family.sub_config)
-            options["key_mapping"] = dict(family.key_mapping or {})
-        tower = cls.from_pretrained(path, **options)
-        processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    params = sum(p.numel() for p in tower.parameters())
-    description = f"{cls_name} from {path} ({params / 1e6:.1f}M parameters)"
-    return tower.to(device).eval(), processor, description
+    local Hugging Face checkpoint directory ``path`` (no download: ``local_files_only``), checked first
+    (:func:`inspect_checkpoint`)."""
+    checkpoint = inspect_checkpoint(path)
+    tower, description = load_tower(checkpoint, device=device, dtype=dtype)
+    return tower, checkpoint.processor, description
 
 
 def build_model(

@@ -34,7 +34,9 @@ which a forked child would inherit broken (so a program that makes a pool must g
 memory), runs with one torch thread and no visible CUDA device, and ignores SIGINT: a terminal's Ctrl-C reaches
 the whole process group, and the server's graceful shutdown still needs the workers for the requests it drains;
 the pool shuts them down after that (:meth:`PreprocessPool.close`). SIGTERM ends a worker as usual (the executor
-itself stops the workers of a broken pool with it).
+itself stops the workers of a broken pool with it). A worker watches its parent: when the server process dies
+by any signal, SIGKILL included, the worker exits within a second (:data:`WATCH_S`), and with the last of them
+multiprocessing's resource tracker; the shared-memory file is already gone (:mod:`encgraph.serving.slots`).
 
 A worker that dies (killed, out of memory, a crash in a native decoder) breaks the executor: every request it
 held fails with :class:`WorkerDiedError` (the server answers 503 with ``Retry-After``), and the first of them
@@ -68,6 +70,9 @@ from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_
 __all__ = ["PreprocessPool", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
 
 log = logging.getLogger("encgraph.serve")
+
+WATCH_S = 0.5
+"""How often a worker checks that the server process, its parent, is still alive."""
 
 
 class WorkerDiedError(EncgraphError, RuntimeError):
@@ -133,6 +138,7 @@ def _init_worker(processors: Mapping[str, Any], limits: ImageLimits, started: An
 
     from encgraph.serving.loading import process_images
 
+    _watch_parent(os.getppid())
     torch.set_num_threads(1)  # one core per worker: the pool's size is its share of the host
     arena = slots.attach(arena_path) if arena_path else None
     _WORKER = _Worker(dict(processors), limits, started, timeout_s, arena, slot_size)
@@ -142,6 +148,19 @@ def _init_worker(processors: Mapping[str, Any], limits: ImageLimits, started: An
     # Warm: out of the garbage collector's reach, so that a full collection does not stall a request for the
     # ~200 ms of walking torch's and transformers' objects (encgraph.serving.heap).
     heap.freeze()
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit this worker when its parent (the server) is gone: a worker orphaned by a killed server would otherwise
+    wait on the executor's queue for ever, holding its memory and the resource tracker. A thread, not
+    PR_SET_PDEATHSIG: that signal follows the parent thread that spawned the worker, which may end first."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="encgraph-watch-parent", daemon=True).start()
 
 
 def _started() -> int:
@@ -277,6 +296,8 @@ class PreprocessPool:
         def ready(_: concurrent.futures.Future) -> None:  # on the executor's thread, as each worker is warm
             if all(f.done() for f in warm) and generation == self._generation:
                 self.pids = tuple(f.result() for f in warm if not f.cancelled() and f.exception() is None)
+                if arena is not None and len(self.pids) == self.workers:
+                    arena.unlink()  # every worker has mapped it: no file to leave behind, whatever kills us
 
         for future in warm:
             future.add_done_callback(ready)

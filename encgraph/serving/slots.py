@@ -21,6 +21,10 @@ for a slot served 154 requests/s at P99 123 ms and 1.18 ms of the server's CPU p
 155 ms and 2.84 ms.
 A pool that restarts after a worker died makes a new arena: a slot of the old one is never handed out again,
 whatever a dying worker was writing there.
+
+The file's name is removed as soon as every worker has mapped it (:meth:`Arena.unlink`; the mappings stay), so
+that a server killed by any signal leaves no file behind; a file left by a server killed while its workers were
+starting names that server's pid and is removed by the next arena made on the machine (:func:`sweep`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Arena", "FreeSlots", "SLOT_BYTES", "attach", "directory", "write", "read"]
+__all__ = ["Arena", "FreeSlots", "SLOT_BYTES", "attach", "directory", "sweep", "write", "read"]
+
+_PREFIX = "encgraph-preprocess-"
 
 SLOT_BYTES = 8 * 2**20
 """Bytes per slot (default): four 384 px SigLIP images, or a Qwen2.5-VL image of about 2.5 megapixels, in float32."""
@@ -53,7 +59,8 @@ class Arena:
 
     def __init__(self, count: int, size: int = SLOT_BYTES) -> None:
         self.count, self.size = count, size
-        fd, self.path = tempfile.mkstemp(prefix="encgraph-preprocess-", dir=directory())
+        sweep()
+        fd, self.path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=directory())
         try:
             os.ftruncate(fd, count * size)
             self.map = mmap.mmap(fd, count * size)
@@ -91,6 +98,13 @@ class Arena:
         """A copy (owned by the caller) of the array a worker wrote into ``slot``."""
         return read(self.map, slot, self.size, shape, dtype).copy()
 
+    def unlink(self) -> None:
+        """Remove the file's name (idempotent): the memory stays mapped here and in the workers that attached."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
     def close(self) -> None:
         """Remove the file; the mapping goes with the last reference (a reader in flight still reads it)."""
         with self._lock:
@@ -98,10 +112,34 @@ class Arena:
                 return
             self._closed = True
             self._free.clear()
+        self.unlink()
+
+
+def sweep() -> list[str]:
+    """Remove the arena files whose server process is gone (one killed before its workers had mapped its arena);
+    the paths removed."""
+    where = directory()
+    removed = []
+    for name in os.listdir(where):
+        pid_text = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
+            os.unlink(os.path.join(where, name))
+            removed.append(os.path.join(where, name))
+        except OSError:  # another user's, or removed meanwhile
             pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class FreeSlots:

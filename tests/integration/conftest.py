@@ -49,12 +49,12 @@ def free_port() -> int:
 class Server:
     """One ``python -m encgraph serve`` process; ``url``; ``stop()`` sends SIGTERM and waits for the exit."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # The repository first, then what the caller's path holds (a GPU machine's carried wheels, say).
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **(env or {}))
         self.log = tempfile.TemporaryFile()  # a file, not a pipe: a pipe nobody reads could fill and block it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "encgraph", "serve", "--port", str(self.port), "--threads", "1", *args],
@@ -62,6 +62,7 @@ class Server:
         )
         self.started = time.monotonic()
         self.ready = False
+        self.expected_exit = -signal.SIGTERM  # what the session's end expects (a test that kills it says otherwise)
 
     def wait_ready(self) -> Server:
         """Wait until ``/health`` answers (the process imports torch and builds its towers first)."""
@@ -171,25 +172,31 @@ def pool() -> list[str]:
             for i, (w, h) in enumerate(sizes)]
 
 
-LIMITS = ("--max-images", "8", "--max-image-bytes", "200000", "--max-pixels", "1000000")
+LIMITS = ("--max-images", "8", "--max-image-bytes", "200000", "--max-pixels", "1000000",
+          "--max-request-pixels", "3000000", "--max-pixels-in-flight", "6000000")
+API_KEY = "test-key-0123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def servers() -> Iterator[dict[str, Server]]:
-    """The servers, started together (their start-up overlaps): ``main``, the embedded default with small limits
-    (so that the limit tests send little data); ``workers``, the same with its images decoded and preprocessed in
-    a worker process (on the CPU the default is the server's threads); ``tight``, a queue of one request (the
-    overload test)."""
-    started = {"main": Server(*LIMITS), "workers": Server(*LIMITS, "--preprocess-workers", "1"),
-               "tight": Server("--max-queue", "1", "--max-wait-ms", "0")}
+    """The servers, started together (their start-up overlaps), shared by the integration modules:
+    ``main``, the embedded default with small limits (so that the limit tests send little data) and a graceful
+    timeout of 2 s (the SIGTERM test, which stops it); ``workers``, the same with its images decoded and
+    preprocessed in a worker process (on the CPU the default is the server's threads; the SIGKILL test, last,
+    kills it); ``tight``, a queue of one request (the overload test), otherwise the default limits (the memory
+    test), and an API key from the environment (the authentication test)."""
+    started = {"main": Server(*LIMITS, "--graceful-timeout", "2"),
+               "workers": Server(*LIMITS, "--preprocess-workers", "1"),
+               "tight": Server("--max-queue", "1", "--max-wait-ms", "0", env={"ENCGRAPH_API_KEY": API_KEY})}
     try:
         yield started
     finally:
         codes = {name: srv.stop() for name, srv in started.items()}
-    assert codes == dict.fromkeys(started, -signal.SIGTERM), codes
+    assert codes == {name: srv.expected_exit for name, srv in started.items()}, codes
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(servers: dict[str, Server]) -> Server:
     return servers["main"].wait_ready()
 

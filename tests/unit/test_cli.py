@@ -82,7 +82,9 @@ def test_plan_default_ladder_limits_and_qwen3_geometry(capsys, monkeypatch):
     code, out, _ = run_cli(["plan", "--tower", "qwen3_vl", "--json"], capsys, "640x480\n10x10\n", monkeypatch)
     assert code == 0
     data = json.loads(out)
-    assert data["plan"]["ladders"]["default"] == [64, 128, 256, 512, 1024, 2048, 4096]
+    # The runner's default ladder for the tower: the dense one (test_plan_defaults_match_the_qwen_adapter)
+    assert data["plan"]["ladders"]["default"] == [64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1088, 1280,
+                                                  1536, 1856, 2240, 2688, 3200, 3840, 4096]
     assert data["plan"]["limits"] == {"max_items": 64, "max_frames": 128}
     # Qwen3-VL: multiples of 32 px, at least 65536 pixels -> 10x10 becomes 256x256 (8x8 tokens)
     assert data["items"][0]["resized"] == [640, 480] and data["items"][0]["tokens"] == 300
@@ -115,6 +117,10 @@ def test_plan_defaults_match_the_qwen_adapter():
         path = adapter.config.paths[0]
         assert (path.min_budget, path.max_budget) == (plan_cmd.DEFAULT_MIN_BUDGET, plan_cmd.DEFAULT_MAX_BUDGET)
         assert adapter.config.max_frames_per_item == TOWERS["qwen2_5_vl"].max_frames_per_item
+        # What "default" means in plan and tune: the ladder the runner captures when given none.
+        from encgraph import EncoderGraphRunner
+
+        assert EncoderGraphRunner(adapter).ladders == {path.name: plan_cmd.default_ladder()}
     finally:
         adapter.unwrap()
     assert isinstance(tower, torch.nn.Module)
@@ -365,3 +371,26 @@ def test_demo_refuses_a_budget_the_cpu_cannot_run(capsys):
     assert main(["demo", "--budgets", "100000", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--budgets" in err[0] and "100000" in err[0]
+
+
+def test_plan_lines_count_a_batch_as_replayed_only_where_a_path_replays():
+    """Gemma-4's demo plan: a batch whose image path runs eager and whose video path is empty (budget 0) replays
+    nothing (it said "3 replayed" for 2)."""
+    from encgraph.cli._common import plan_lines
+    from encgraph.packing import ItemSpec, pack
+
+    items = [ItemSpec({"image": 96, "video": 30}), ItemSpec({"image": 289, "video": 0})]
+    plan = pack(items, {"image": (0, 140, 280), "video": (0, 70, 140)}, max_items=16)
+    assert [b.budgets for b in plan.batches] == [{"image": 140, "video": 70}, {"image": None, "video": 0}]
+    lines = plan_lines(plan)
+    assert lines[0] == "plan: 2 batches, 1 replayed, 1 with an eager path"
+    assert lines[3].split()[:5] == ["1", "image=eager", "video=0", "289", "-"], lines
+
+
+def test_demo_banner_says_the_time_measured_on_a_cpu(capsys):
+    """It promised "a few seconds on a CPU" where 9-87 s were measured."""
+    pytest.importorskip("transformers")
+    code, _, err = run_cli(["demo", "--model", "siglip", "--repeats", "1", "--device", "cpu"], capsys)
+    assert code == 0, err
+    assert "(on a 2-core CPU about 10 s, gemma4 about 20 s; longer on a busy machine)" in err
+    assert "a few seconds" not in err

@@ -156,7 +156,7 @@ def test_parser_accepts_named_and_plain_values():
 
 @pytest.mark.parametrize("which", ["siglip", "qwen"])
 def test_a_tower_saved_alone_loads_too(which, request, tmp_path):
-    from transformers import SiglipImageProcessor
+    import transformers
 
     _, model = request.getfixturevalue(f"{which}_dir")
     original = model.vision_model if which == "siglip" else model.model.visual
@@ -167,7 +167,8 @@ def test_a_tower_saved_alone_loads_too(which, request, tmp_path):
         standalone.load_state_dict(original.state_dict())
         original = standalone
     original.save_pretrained(tmp_path)
-    SiglipImageProcessor().save_pretrained(tmp_path)
+    _, _, processor_cls, _, processor = CHECKPOINTS[which]
+    getattr(transformers, processor_cls)(**processor).save_pretrained(tmp_path)
     tower, _, _ = loading.load_checkpoint(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
     assert type(tower) is type(original)
     for (name, a), b in zip(tower.state_dict().items(), original.state_dict().values()):
@@ -186,3 +187,76 @@ def test_serve_command_line_exit_codes(argv, code, capsys):
     assert main(argv) == code
     captured = capsys.readouterr()
     assert ("usage:" in captured.out) if code == 0 else ("error" in captured.err and "\n" == captured.err[-1])
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _truncate(path):
+    (weights,) = [p for p in path.iterdir() if p.suffix == ".safetensors"]
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) * 2 // 3])
+
+
+def _edit_json(name, change):
+    import json
+
+    def edit(path):
+        config = json.loads((path / name).read_text())
+        change(config)
+        (path / name).write_text(json.dumps(config))
+
+    return edit
+
+
+BROKEN = {
+    # what: (how to break a good checkpoint, words of the one-line error)
+    "config.json not JSON": (lambda p: (p / "config.json").write_text('{"model_type": "siglip",'),
+                             "config.json is not valid JSON"),
+    "unknown model type": (_edit_json("config.json", lambda c: c.update(model_type="llava_next_video_xl")),
+                           "model_type 'llava_next_video_xl' is not served"),
+    "a bad config field": (_edit_json("config.json", lambda c: c.update(vision_config=5)),
+                           "transformers cannot read config.json"),
+    "truncated weights": (_truncate, "model.safetensors is damaged: truncated"),
+    "no weights": (lambda p: [f.unlink() for f in p.iterdir() if f.suffix == ".safetensors"], "no weights"),
+    "preprocessor not JSON": (lambda p: (p / "preprocessor_config.json").write_text("{oops"),
+                              "preprocessor_config.json is not valid JSON"),
+    "unknown processor type": (_edit_json("preprocessor_config.json",
+                                          lambda c: c.update(image_processor_type="NoSuchImageProcessor")),
+                               "transformers cannot read preprocessor_config.json"),
+    "processor of another size": (_edit_json("preprocessor_config.json",
+                                             lambda c: c.update(size={"height": 56, "width": 56})),
+                                  "processor's height x width is 56x56, but the tower's image_size is 28x28"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BROKEN))
+def test_a_broken_checkpoint_is_one_line_and_exit_2_before_any_tower_is_built(what, siglip_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    from encgraph.cli import main
+
+    break_it, words = BROKEN[what]
+    path = _copy(siglip_dir[0], tmp_path / "ckpt")
+    break_it(path)
+    built = []
+    monkeypatch.setattr(loading, "load_tower", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(loading, "embedded_tower", lambda *a, **k: built.append(a))
+    # A good model first: no tower of it is built either, since every checkpoint is checked first.
+    from tests.unit.test_cli_serve import free_port
+
+    port = str(free_port())
+    assert main(["serve", "--port", port, "--model", f"good={siglip_dir[0]}", "--model", f"bad={path}"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and err.startswith("encgraph serve: error: --model "), err
+    assert built == []
+
+
+def test_a_qwen_processor_of_another_patch_size_names_both(qwen_dir, tmp_path):
+    path = _copy(qwen_dir[0], tmp_path / "ckpt")
+    _edit_json("preprocessor_config.json", lambda c: c.update(merge_size=3))(path)
+    with pytest.raises(ConfigError, match="processor's merge_size is 3, but the tower's spatial_merge_size is 2"):
+        loading.inspect_checkpoint(path)
