@@ -13,7 +13,8 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
   the round trip (the wait for a worker, the processor, the transfer, the copy to the device);
 - ``encgraph_runner_items_total{model,kind=graph|eager}``, ``encgraph_replays_total{model,path,budget}``,
   ``encgraph_eager_items_total{model,reason}``, ``encgraph_tokens_total{model,path,kind=real|padded}``,
-  ``encgraph_padded_share{model,path}``;
+  ``encgraph_padded_share{model,path}``, ``encgraph_cost_corrections_total{model,kind=graph|eager}`` (times the
+  runner's cost model was rescaled from what it measured while serving: ``encgraph.capture.feedback``);
 - ``encgraph_preprocess_pipe_results_total`` (with preprocessing worker processes): requests whose pixels came
   back through the pool's pipe rather than a shared-memory slot, being larger than one
   (:mod:`encgraph.serving.slots`);
@@ -66,6 +67,8 @@ class _StatsCollector:
                                       labels=["model", "outcome"])
         coalesced = CounterMetricFamily("encgraph_coalesced_requests", "Requests that shared a runner call",
                                         labels=["model"])
+        corrections = CounterMetricFamily("encgraph_cost_corrections", "Corrections of the runner's cost model "
+                                          "from what it measured while serving, by part", labels=["model", "kind"])
         for name, model in self.models.items():
             stats = model.front.stats
             runner = stats.get("runner") or {}
@@ -86,7 +89,9 @@ class _StatsCollector:
                 tokens.add_metric([name, path, "real"], p["real_tokens"])
                 tokens.add_metric([name, path, "padded"], p["padded_tokens"])
                 padded.add_metric([name, path], p["padded_share"])
-        yield from (items, replays, eager, tokens, padded, depth, calls, outcome, coalesced)
+            for kind, n in (runner.get("cost_feedback") or {}).get("corrections", {}).items():
+                corrections.add_metric([name, kind], n)
+        yield from (items, replays, eager, tokens, padded, depth, calls, outcome, coalesced, corrections)
         yield from _gc_families()
         if self.preprocess is not None:
             yield CounterMetricFamily("encgraph_preprocess_restarts", "Restarts of the preprocessing pool after a "
