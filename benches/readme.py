@@ -1,11 +1,18 @@
-"""Render the figures of the README's Benchmarks section from the committed result JSON.
+"""Render the README's headline table and the tables of docs/benchmarks.md from the committed result JSON.
 
-Each block sits between ``<!-- benches/readme.py: NAME -->`` and ``<!-- end NAME -->`` in README.md and is
-rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nvidia-h200``):
+Each block sits between ``<!-- benches/readme.py: NAME -->`` and ``<!-- end NAME -->`` and is rewritten whole
+from ``benches/results/<script>_<slug>.json`` (default slug ``nvidia-h200``). Blocks name the machine, versions,
+date and file of their numbers; commits, command lines and run notes stay in the JSON (``environment``).
 
-- ``traffic``: per tower, ``graphed(tower)`` with no options against HF's own forward beside issue 13's targets,
-  then every system of the run (runs of before ``defaults`` existed: what they measured), with the run's
-  machine, versions and commit;
+README.md:
+
+- ``headline``: encgraph with no options against the tower's own forward, one row per workload (the traffic
+  trace per tower, the families at one 448 px image, the server at 32 clients), each row linking its result file.
+
+docs/benchmarks.md (links through ``docs/results``, a link to ``benches/results``):
+
+- ``traffic``: per tower, ``graphed(tower)`` with no options against HF's own forward beside the targets, then
+  every system of the run;
 - ``towers``: median latency per fixed case of HF sdpa, ``defaults``, encgraph's graphs, compiled graphs and the
   matmul floor;
 - ``capture``: graphs, capture seconds and pool memory of the doubling and the default ladders;
@@ -14,7 +21,7 @@ rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nv
   --transports inprocess``), with its plot;
 - ``serving_server``: the same through ``encgraph serve`` over loopback HTTP (``--transports server``);
 - ``serving_repeats``: the server at 32 clients, every system measured in rounds and pooled (``--transports server
-  --concurrency 32 --repeats 3 --tag repeats``).
+  --concurrency 32 --repeats 3``).
 
     python benches/readme.py           # rewrite the blocks
     python benches/readme.py --check   # exit 1 if a block differs from its rendering (CI: no hand-typed figures)
