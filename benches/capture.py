@@ -116,7 +116,11 @@ def ladder_options(adapter: Any, which: str, compile_option: str) -> dict[str, A
     """The runner options of one ladder: ``budgets`` of the doubling ladder, or none (the runner's default)."""
     from encgraph.packing import budget_ladder
 
+    from encgraph.capture.records import RunMode
+
     options: dict[str, Any] = {} if compile_option == "default" else {"compile": False}
+    if adapter.config.device.type != "cuda":
+        options["mode"] = RunMode.STATIC  # what a capture does, without graphs (the CPU default captures nothing)
     if which == "doubling":
         options["budgets"] = {p.name: budget_ladder(p.min_budget, p.max_budget, allow_zero=p.allow_empty)
                               for p in adapter.config.paths}

@@ -1,8 +1,10 @@
 """Traffic: a seeded trace of requests replayed through each system, request by request, on each tower.
 
-The trace is ``benches.lib.trace.generate_trace(n, seed)`` (its distribution is documented there and stored in
-the results). Towers: Qwen2.5-VL-7B and Qwen3-VL-8B at real geometry (random bf16 weights), one after the other
-in one run, each given an even share of what is left of ``--time-budget``. Systems (``benches.lib.systems``), by
+The trace is ``benches.lib.trace.generate_trace(n, seed, kind)`` (its distributions are documented there and stored
+in the results): ``--trace chat`` (default) or ``--trace photo`` (1-3 photos of 400-4000 px per request, each tower
+at its processor's default ``max_pixels``; issue 32). Towers: Qwen2.5-VL-7B and Qwen3-VL-8B at real geometry
+(random bf16 weights; the photo trace adds GLM-4.1V), one after the other in one run, each given an even share
+of what is left of ``--time-budget``. Systems (``benches.lib.systems``), by
 default ``hf_sdpa`` (the HF tower's own forward), ``defaults`` (``encgraph.graphed(tower)`` with no options),
 ``hf_compile_dynamic`` (``torch.compile(hf_tower, dynamic=True)``) and ``adapter_eager``; ``--systems`` adds
 ``graph``, ``graph_compile`` or ``hf_varlen``.
@@ -28,8 +30,11 @@ When the warm-up latencies say the optional systems (``adapter_eager``, ``hf_var
 tower's deadline, they are dropped (recorded), so that the trace itself completes.
 
 Reported per system: mean, P50, P99 latency, speedups against ``hf_sdpa`` and ``adapter_eager``, the worst
-per-request ratio and how many requests were slower; for graph systems the padded share of replayed tokens and
-the items that ran eagerly; for ``defaults`` its cold and warm capture, beside issue 13's targets.
+per-request ratio and how many requests were slower; with ``--floor`` (default on for the photo trace) each
+request's floor (``benches.lib.request_floor``: matrix products, attention and element-wise work at rates measured
+in the same process) and each system's mean and worst ratio to it; for graph systems the padded share of replayed
+tokens and the items that ran eagerly; for ``defaults`` its cold and warm capture, beside issue 13's targets (issue
+32's on the photo trace).
 
 JSON (``benches/results/traffic_<gpu>.json``)::
 
@@ -49,7 +54,8 @@ JSON (``benches/results/traffic_<gpu>.json``)::
                         "eager_reasons", "replays"}},
         "output_check": {"<system>": max relative difference vs hf_sdpa},
         "targets": [{"target", "value", "op", "bound", "met"}],
-        "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}},
+        "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}, "floor"?: [{"floor_ms", ...}]},
+        "floor"?: {"shape", "rates"},
         "unavailable", "dropped"?, "warmup_mean_ms", "seconds"}}}
 """
 
@@ -66,6 +72,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import attrs
 import numpy as np
 
 from benches.lib import cli, startup
@@ -77,19 +84,25 @@ from benches.lib.results import Results
 from benches.lib.systems import GRAPH_SYSTEMS, System, TowerBench, parse_systems
 from benches.lib.timing import time_once
 from benches.lib.towers import QWEN_TOWERS, TOWERS
+from benches.lib.request_floor import TowerShape, measure_rates, request_floor
 from benches.lib.trace import (
     IMAGE_MAX_TOKENS,
     SMOKE_MAX_TOKENS,
     SMOKE_REQUESTS,
+    TRACE_KINDS,
     VIDEO_FRAME_MAX_TOKENS,
     Caps,
     distribution,
     generate_trace,
+    photo_caps,
     trace_summary,
 )
 
 SCRIPT = "traffic"
 DEFAULT_SYSTEMS = (System.HF_SDPA, System.DEFAULTS, System.HF_COMPILE_DYNAMIC, System.ADAPTER_EAGER)
+PHOTO_SYSTEMS = (System.HF_SDPA, System.DEFAULTS, System.ADAPTER_EAGER)
+PHOTO_TOWERS = ("qwen3_vl_8b", "qwen2_5_vl_7b", "glm4v")
+"""The photo trace's towers and systems (issue 32 point 4)."""
 REQUESTS = 200
 """Requests per tower: both towers' whole run fits about 6 minutes on an H200 (see benches/README.md)."""
 TIME_BUDGET = 330.0
@@ -117,9 +130,15 @@ def build_parser() -> Any:
     p.add_argument("--tower", choices=tuple(TOWERS), default=None, help="one tower (same as --towers NAME)")
     p.add_argument("--requests", type=int, default=None,
                    help=f"requests in the trace, per tower (default {REQUESTS}; {SMOKE_REQUESTS} with --cpu-smoke)")
-    p.add_argument("--systems", type=parse_systems, default=DEFAULT_SYSTEMS,
+    p.add_argument("--trace", choices=TRACE_KINDS, default="chat",
+                   help="the trace: chat (default; benches/lib/trace.py) or photo (1-3 photos of 400-4000 px per "
+                        f"request at each processor's default size; towers {','.join(PHOTO_TOWERS)}, systems "
+                        f"{','.join(s.value for s in PHOTO_SYSTEMS)}, results tagged 'photo' unless --tag is given)")
+    p.add_argument("--systems", type=parse_systems, default=None,
                    help=f"comma list (default {','.join(s.value for s in DEFAULT_SYSTEMS)}; also graph, "
                         "graph_compile, hf_varlen; compile is not offered: it recompiles per shape)")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                   help="each request's floor and each system's ratio to it (default: on for the photo trace)")
     p.add_argument("--min-requests", type=int, default=None,
                    help=f"requests per tower replayed even past the deadline (default {MIN_REQUESTS}; 1 with "
                         "--cpu-smoke)")
@@ -152,10 +171,17 @@ def resolve_defaults(args: Any) -> Any:
     """Fill the options whose default depends on ``--cpu-smoke`` (the smoke keeps the trace, shrinks its sizes:
     CPU attention is masked SDPA, quadratic in tokens)."""
     smoke = args.cpu_smoke
+    photo = args.trace == "photo"
     if args.tower is not None:
         args.towers = (args.tower,)
     if args.towers is None:
-        args.towers = QWEN_TOWERS
+        args.towers = PHOTO_TOWERS if photo else QWEN_TOWERS
+    if args.systems is None:
+        args.systems = PHOTO_SYSTEMS if photo else DEFAULT_SYSTEMS
+    if args.floor is None:
+        args.floor = photo
+    if photo and args.tag is None:
+        args.tag = "photo"
     if args.requests is None:
         args.requests = SMOKE_REQUESTS if smoke else REQUESTS
     if args.min_requests is None:
@@ -164,11 +190,12 @@ def resolve_defaults(args: Any) -> Any:
         args.warmup_requests = min(args.warmup_requests, 2)
     if args.compile_dynamic_cap is None:
         args.compile_dynamic_cap = SMOKE_COMPILE_DYNAMIC_CAP if smoke else COMPILE_DYNAMIC_CAP
-    if args.image_max_tokens is None:
+    if args.image_max_tokens is None and not (photo and not smoke):  # photo: each tower's processor cap
         args.image_max_tokens = SMOKE_MAX_TOKENS if smoke else IMAGE_MAX_TOKENS
     if args.video_frame_max_tokens is None:
         args.video_frame_max_tokens = SMOKE_MAX_TOKENS if smoke else VIDEO_FRAME_MAX_TOKENS
-    if args.requests < 1 or args.warmup_requests < 0 or args.image_max_tokens < 1 or args.video_frame_max_tokens < 1:
+    if (args.requests < 1 or args.warmup_requests < 0 or (args.image_max_tokens or 1) < 1
+            or args.video_frame_max_tokens < 1):
         raise SystemExit("--requests, --image-max-tokens and --video-frame-max-tokens must be >= 1, "
                          "--warmup-requests >= 0")
     if System.COMPILE in args.systems:
@@ -218,12 +245,15 @@ def replay_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[s
     bench = TowerBench(spec, env, args.systems)
     if args.budgets is not None:
         bench.graph_budgets = bench.compile_budgets = {"default": args.budgets}
-    trace = generate_trace(args.requests, args.seed)
-    caps = Caps(args.image_max_tokens, args.video_frame_max_tokens)
+    trace = generate_trace(args.requests, args.seed, args.trace)
+    caps = (photo_caps(name, bench.geom) if args.image_max_tokens is None
+            else Caps(args.image_max_tokens, args.video_frame_max_tokens))
     baseline = System.HF_SDPA if System.HF_SDPA in args.systems else System.ADAPTER_EAGER
     doc.update(tower={"name": spec.name, "label": spec.label, "params": bench.params}, baseline=baseline.value,
-               trace={"seed": args.seed, "requests": len(trace), "distribution": distribution(),
+               trace={"seed": args.seed, "kind": args.trace, "requests": len(trace),
+                      "distribution": distribution(args.trace), "image_max_tokens": caps.image,
                       "summary": trace_summary(trace, bench.geom, caps)})
+    floor = tower_floor(bench, env, doc) if args.floor else None
     if any(s in args.systems for s in (System.GRAPH, System.GRAPH_COMPILE)):
         doc["planning"] = (f"cost-aware ({args.cost_samples} sample requests, seed {args.seed + 2})"
                            if args.cost_samples > 0 else "the runner's default")
@@ -243,9 +273,27 @@ def replay_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[s
     start = dynamo_counters()
     warm_ms = warm_up(bench, systems, args, env, caps, box, doc)
     systems = drop_for_time(systems, warm_ms, len(trace), deadline, doc, box)
-    replay = Replay(bench, systems, box, warmed=dynamo_counters(), start=start)
+    replay = Replay(bench, systems, box, warmed=dynamo_counters(), start=start, floor=floor)
     replay.run(trace, caps, env, deadline, args.min_requests, doc, results)
     bench.close()
+
+
+def tower_floor(bench: TowerBench, env: Env, doc: dict[str, Any]) -> Any:
+    """The per-request floor function of this tower (``benches.lib.request_floor``), its rates measured now;
+    ``None`` (recorded) where the tower's config lacks what the floor reads."""
+    from encgraph.models.kernel_choice import tower_geometries
+
+    try:
+        shape = TowerShape.of(bench.hf.config, bench.params)
+        heads, dim = tower_geometries(bench.hf)[0]
+        rates = measure_rates(env, heads, dim)
+    except Exception as exc:
+        traceback.print_exc()
+        doc["floor"] = {"error": short_error(exc)}
+        return None
+    doc["floor"] = {"shape": attrs.asdict(shape), "rates": rates}
+    itemsize = env.dtype.itemsize
+    return lambda grids: request_floor(shape, grids, rates, itemsize)
 
 
 def capture(bench: TowerBench, system: System, args: Any, caps: Caps, doc: dict[str, Any], cache: Path) -> bool:
@@ -261,7 +309,7 @@ def capture(bench: TowerBench, system: System, args: Any, caps: Caps, doc: dict[
             runner = bench.runner(system)
             if args.cost_samples > 0:
                 samples = [caps.inputs(bench, r, 300_000 + i).adapter
-                           for i, r in enumerate(generate_trace(args.cost_samples, args.seed + 2))]
+                           for i, r in enumerate(generate_trace(args.cost_samples, args.seed + 2, args.trace))]
                 doc.setdefault("costs", {})[system.value] = runner.measure_costs(samples).to_dict()
         doc.setdefault("capture", {})[system.value] = bench.capture_infos.get(system)
     except Exception as exc:
@@ -284,7 +332,7 @@ def warm_up(bench: TowerBench, systems: list[System], args: Any, env: Env, caps:
     """Run ``--warmup-requests`` requests (seed + 1) through every system; mean latency per system (ms), for the
     time estimate of the trace. The first request also checks outputs against ``hf_sdpa``."""
     warm: dict[str, list[float]] = {s.value: [] for s in systems}
-    for index, request in enumerate(generate_trace(args.warmup_requests, args.seed + 1)):
+    for index, request in enumerate(generate_trace(args.warmup_requests, args.seed + 1, args.trace)):
         inputs = caps.inputs(bench, request, 200_000 + index)
         for s in systems:
             try:
@@ -347,8 +395,9 @@ class Replay:
     ``FLUSH_EVERY`` requests, so that a run killed from outside keeps what it measured)."""
 
     def __init__(self, bench: TowerBench, systems: list[System], box: TimeBox | None, *, warmed: dict[str, Any],
-                 start: dict[str, Any]) -> None:
-        self.bench, self.systems, self.box = bench, systems, box
+                 start: dict[str, Any], floor: Any = None) -> None:
+        self.bench, self.systems, self.box, self.floor = bench, systems, box, floor
+        self.floors: list[dict[str, float]] = []
         self.counters = {"start": start, "warmed": warmed}
         self.latencies: dict[System, list[float]] = {s: [] for s in systems}
         self.errors: dict[System, int] = {s: 0 for s in systems}
@@ -374,6 +423,8 @@ class Replay:
                 self.latencies[s].append(self.one(s, inputs, env, index, doc))
             self.items.append(inputs.sizes.items)
             self.tokens.append(inputs.sizes.tokens)
+            if self.floor is not None:
+                self.floors.append(self.floor(inputs.sizes.grids))
             del inputs
             if len(self.items) % FLUSH_EVERY == 0:
                 log(f"{self.bench.spec.name}: {len(self.items)}/{len(trace)} requests")
@@ -398,7 +449,10 @@ class Replay:
         doc["trace"]["completed"] = len(self.items)
         doc["per_request"] = {"items": self.items, "tokens": self.tokens, "latency_ms": {
             s.value: [round(x, 4) if math.isfinite(x) else None for x in v] for s, v in self.latencies.items()}}
-        doc["systems"] = report.summarize(self.latencies, self.errors)
+        if self.floors:
+            doc["per_request"]["floor"] = self.floors
+        doc["systems"] = report.summarize(self.latencies, self.errors,
+                                          [f["floor_ms"] for f in self.floors] if self.floors else None)
         for s in (s for s in self.systems if s in GRAPH_SYSTEMS):
             doc.setdefault("graph_stats", {})[s.value] = report.graph_stats(self.bench.stats(s))
         if self.box is not None:

@@ -11,6 +11,12 @@ The trace (``generate_trace(n, seed)``; tower-agnostic pixel sizes) draws each r
   document: width uniform in 800-1700 px, height = width x 11 / 8.5 (a letter page at 94-200 dpi);
   icon: a square of side uniform in 32-256 px;
   every image at most ``IMAGE_MAX_TOKENS`` (1280) merged tokens (Qwen's ``max_pixels = 1280 x 28 x 28``).
+
+The **photo** trace (``generate_trace(n, seed, kind="photo")``, issue 32: big images at each processor's default
+size) draws 1-3 photos per request (``PHOTO_ITEMS``: 1: 50%, 2: 30%, 3: 20%), long side log-uniform in
+``PHOTO_SIDES`` (400-4000 px), aspect and orientation as the chat trace's photos, the short side at least 400 px;
+each tower resizes them under its processor's default ``max_pixels`` (:data:`PHOTO_MAX_PIXELS`; :func:`photo_caps`),
+so a 4000 x 3000 photo is about 15,000 merged tokens (60,000 patch rows) on Qwen2.5-VL.
 """
 
 from __future__ import annotations
@@ -42,13 +48,28 @@ VIDEO_SIZES: tuple[tuple[int, int], ...] = ((360, 640), (480, 854), (720, 1280),
 IMAGE_MAX_TOKENS = 1280
 VIDEO_FRAME_MAX_TOKENS = 256
 
+PHOTO_ITEMS: dict[int, float] = {1: 0.5, 2: 0.3, 3: 0.2}
+PHOTO_SIDES = (400, 4000)
+PHOTO_MAX_PIXELS: dict[str, int] = {
+    "qwen2_5_vl_7b": 12_845_056,  # Qwen2.5-VL-7B-Instruct's preprocessor_config.json: 16,384 x 28 x 28
+    "qwen3_vl_8b": 16_777_216,  # Qwen3-VL-8B-Instruct's: size.longest_edge 16,384 x 32 x 32
+    "glm4v": 11_760_000,  # transformers' Glm4vImageProcessor default: size.longest_edge 15,000 x 28 x 28
+}
+"""Pixels at most per image under each tower's processor defaults (towers not listed: Qwen2.5-VL's)."""
+TRACE_KINDS = ("chat", "photo")
+
 SMOKE_REQUESTS = 12
 SMOKE_MAX_TOKENS = 16
 """Requests and caps of a CPU-smoke trace (CPU attention is masked SDPA, quadratic in tokens)."""
 
 
-def distribution() -> dict[str, Any]:
-    """The documented distribution, as stored in the results."""
+def distribution(kind: str = "chat") -> dict[str, Any]:
+    """The documented distribution of a trace kind, as stored in the results."""
+    if kind == "photo":
+        return {"kind": kind, "items_per_request": {str(k): v for k, v in PHOTO_ITEMS.items()},
+                "long_side": PHOTO_SIDES, "short_side_min": PHOTO_SIDES[0],
+                "photo_aspects": [round(a, 4) for a in PHOTO_ASPECTS], "portrait_share": PORTRAIT_SHARE,
+                "max_pixels": PHOTO_MAX_PIXELS}
     return {
         "items_per_request": {str(k): v for k, v in ITEMS_PER_REQUEST.items()},
         "video_share": VIDEO_SHARE,
@@ -106,11 +127,37 @@ def sample_request(rng: np.random.Generator) -> tuple[Visual, ...]:
     return tuple(_image(rng) for _ in range(n))
 
 
-def generate_trace(n: int, seed: int = 0) -> list[tuple[Visual, ...]]:
-    """``n`` requests drawn with ``numpy.random.default_rng(seed)``: the same ``(n, seed)`` gives the same trace,
-    and a trace of ``n`` is the first ``n`` requests of any longer one with that seed."""
+def _photo(rng: np.random.Generator) -> Visual:
+    lo, hi = PHOTO_SIDES
+    long_side = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    aspect = PHOTO_ASPECTS[int(rng.integers(len(PHOTO_ASPECTS)))]
+    short_side = max(long_side / aspect, lo)
+    portrait = rng.random() < PORTRAIT_SHARE
+    h, w = (long_side, short_side) if portrait else (short_side, long_side)
+    return Visual(round(h), round(w), kind="photo")
+
+
+def sample_photo_request(rng: np.random.Generator) -> tuple[Visual, ...]:
+    """One request of the photo trace: 1-3 photos (see the module docstring)."""
+    return tuple(_photo(rng) for _ in range(_choice(rng, PHOTO_ITEMS)))
+
+
+def generate_trace(n: int, seed: int = 0, kind: str = "chat") -> list[tuple[Visual, ...]]:
+    """``n`` requests of the trace ``kind`` (``"chat"`` or ``"photo"``) drawn with
+    ``numpy.random.default_rng(seed)``: the same ``(n, seed, kind)`` gives the same trace, and a trace of ``n`` is
+    the first ``n`` requests of any longer one."""
+    if kind not in TRACE_KINDS:
+        raise ValueError(f"generate_trace(kind): expected one of {TRACE_KINDS}, got {kind!r}")
     rng = np.random.default_rng(seed)
-    return [sample_request(rng) for _ in range(n)]
+    sample = sample_photo_request if kind == "photo" else sample_request
+    return [sample(rng) for _ in range(n)]
+
+
+def photo_caps(tower: str, geom: Geometry) -> Caps:
+    """The caps of the photo trace on ``tower``: its processor's ``max_pixels`` over ``factor^2`` merged tokens
+    per image (videos do not occur)."""
+    pixels = PHOTO_MAX_PIXELS.get(tower, PHOTO_MAX_PIXELS["qwen2_5_vl_7b"])
+    return Caps(pixels / geom.factor**2, VIDEO_FRAME_MAX_TOKENS)
 
 
 @attrs.frozen

@@ -22,10 +22,16 @@ REFERENCES = (System.HF_SDPA, System.ADAPTER_EAGER)
 """Systems every other one is compared with, request by request, when they ran."""
 
 
-def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[System, int]) -> dict[str, Any]:
+FLOOR_BOUND = 1.2
+"""Issue 32's bound on every request's time over its floor."""
+
+
+def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[System, int],
+              floors: Sequence[float] | None = None) -> dict[str, Any]:
     """Per system: requests, errors, mean / P50 / P90 / P99 / max ms, and against each reference that ran (on the
     requests both completed): speedups of the mean, P50 and P99, the worst per-request ratio (system / reference)
-    and its request, and how many requests were slower."""
+    and its request, and how many requests were slower; with ``floors`` (ms per request), the mean and worst
+    ratio of each request's time to its floor and how many requests stay within :data:`FLOOR_BOUND` of it."""
     out = {}
     for s, values in latencies.items():
         lat = np.asarray(values, dtype=np.float64)
@@ -58,6 +64,15 @@ def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[Syste
                 f"slower_than_{k}": int((ratios > 1.0).sum()),
                 f"compared_with_{k}": int(both.sum()),
             })
+        if floors is not None and ok.size:
+            fl = np.asarray(floors, dtype=np.float64)[: lat.size]
+            both = np.isfinite(lat[: fl.size]) & (fl > 0)
+            if both.any():
+                ratio = lat[: fl.size][both] / fl[both]
+                entry.update({"mean_ratio_vs_floor": round(float(ratio.mean()), 3),
+                              "worst_ratio_vs_floor": round(float(ratio.max()), 3),
+                              "within_floor_bound": int((ratio <= FLOOR_BOUND).sum()),
+                              "compared_with_floor": int(both.sum())})
         out[s.value] = entry
     return out
 
@@ -123,8 +138,22 @@ TARGETS = (
 Qwen2.5-VL-7B tower)."""
 
 
+_Q3 = ("qwen3_vl_8b",)
+PHOTO_TARGETS = (
+    Target("mean speedup vs HF sdpa", _defaults("speedup_mean_vs_hf_sdpa"), ">=", 1.3, towers=_Q3),
+    Target("P99 speedup vs HF sdpa", _defaults("speedup_p99_vs_hf_sdpa"), ">=", 1.1, towers=_Q3),
+    Target("worst request / HF sdpa", _defaults("worst_ratio_vs_hf_sdpa"), "<=", 1.02, towers=_Q3),
+    Target("mean speedup vs HF sdpa", _defaults("speedup_mean_vs_hf_sdpa"), ">=", 4.0, towers=("qwen2_5_vl_7b",)),
+    Target("mean speedup vs HF sdpa", _defaults("speedup_mean_vs_hf_sdpa"), ">=", 1.5, towers=("glm4v",)),
+    Target("requests slower than HF sdpa", _defaults("slower_than_hf_sdpa"), "<=", 0),
+    Target("worst request / its floor", _defaults("worst_ratio_vs_floor"), "<=", FLOOR_BOUND),
+)
+"""Issue 32 point 4, on the photo trace."""
+
+
 def check_targets(tower: str, doc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [c for t in TARGETS if (c := t.check(tower, doc)) is not None]
+    targets = PHOTO_TARGETS if doc.get("trace", {}).get("kind") == "photo" else TARGETS
+    return [c for t in targets if (c := t.check(tower, doc)) is not None]
 
 
 # ---------------------------------------------------------------------------------------------------- tables
@@ -149,10 +178,12 @@ def _seconds(entry: Mapping[str, Any] | None) -> Any:
 
 
 def headline(data: Mapping[str, Any]) -> str:
-    """One row per tower: ``defaults`` against HF sdpa, with the targets beside the numbers ("" if no tower
-    measured both)."""
+    """One row per tower: ``defaults`` against HF sdpa, with issue 13's targets beside the numbers ("" if no
+    tower measured both); on the photo trace (issue 32's targets, listed apart) with each request's floor."""
     rows = []
+    photo = False
     for name, doc in tower_docs(data).items():
+        photo = photo or doc.get("trace", {}).get("kind") == "photo"
         systems = doc.get("systems", {})
         d, hf = systems.get(System.DEFAULTS.value), systems.get(System.HF_SDPA.value)
         if not d or not hf:
@@ -164,9 +195,15 @@ def headline(data: Mapping[str, Any]) -> str:
                      _x(d.get("speedup_p99_vs_hf_sdpa")), _x(d.get("worst_ratio_vs_hf_sdpa")),
                      d.get("slower_than_hf_sdpa"), _pct(gs.get("padded_share")),
                      f"{gs.get('eager_items')} of {gs.get('items')}" if gs else None,
-                     _seconds(startup.get("cold")), _seconds(startup.get("warm"))])
+                     _seconds(startup.get("cold")), _seconds(startup.get("warm"))]
+                    + ([d.get("worst_ratio_vs_floor")] if photo else []))
     if not rows:
         return ""
+    if photo:
+        return markdown_table(
+            ["tower", "requests", "HF sdpa mean ms", "defaults mean ms", "HF sdpa P99 ms", "defaults P99 ms",
+             "mean speedup", "P99 speedup", "worst request (defaults / HF)", "requests slower than HF",
+             "padded share", "eager items", "cold capture s", "warm capture s", "worst request / floor"], rows)
     return markdown_table(
         ["tower", "requests", "HF sdpa mean ms", "defaults mean ms", "HF sdpa P99 ms", "defaults P99 ms",
          "mean speedup (target >= 2.5x)", "P99 speedup (target >= 2.5x)", "worst request (defaults / HF)",
@@ -187,20 +224,27 @@ def system_table(doc: Mapping[str, Any]) -> str:
     base = baseline_of(doc)
     base_label = System(base).label
     all_stats = doc.get("graph_stats", {})
+    floor = any("mean_ratio_vs_floor" in e for e in doc.get("systems", {}).values())
     if "padded_share" in all_stats:  # results of before graph_compile was offered: one graph system
         all_stats = {System.GRAPH.value: all_stats}
     rows = []
     for name, e in doc.get("systems", {}).items():
         gs = all_stats.get(name)
-        rows.append([System(name).label, e["requests"], e["errors"], e.get("mean_ms"), e.get("p50_ms"),
-                     e.get("p99_ms"), e.get(f"speedup_mean_vs_{base}"), e.get(f"speedup_p99_vs_{base}"),
-                     e.get(f"worst_ratio_vs_{base}"), e.get(f"slower_than_{base}"),
-                     gs.get("padded_share") if gs else None,
-                     f"{gs.get('eager_items')} of {gs.get('items')}" if gs else None])
-    return markdown_table(
-        ["system", "requests", "errors", "mean ms", "P50 ms", "P99 ms", f"mean speedup vs {base_label}",
-         f"P99 speedup vs {base_label}", f"worst request ratio vs {base_label}", f"requests slower than {base_label}",
-         "padded share", "eager items"], rows)
+        row = [System(name).label, e["requests"], e["errors"], e.get("mean_ms"), e.get("p50_ms"),
+               e.get("p99_ms"), e.get(f"speedup_mean_vs_{base}"), e.get(f"speedup_p99_vs_{base}"),
+               e.get(f"worst_ratio_vs_{base}"), e.get(f"slower_than_{base}"),
+               gs.get("padded_share") if gs else None,
+               f"{gs.get('eager_items')} of {gs.get('items')}" if gs else None]
+        if floor:
+            row += [e.get("mean_ratio_vs_floor"), e.get("worst_ratio_vs_floor"),
+                    f"{e.get('within_floor_bound')} of {e.get('compared_with_floor')}"]
+        rows.append(row)
+    head = ["system", "requests", "errors", "mean ms", "P50 ms", "P99 ms", f"mean speedup vs {base_label}",
+            f"P99 speedup vs {base_label}", f"worst request ratio vs {base_label}",
+            f"requests slower than {base_label}", "padded share", "eager items"]
+    if floor:
+        head += ["mean x floor", "worst x floor", f"requests within {FLOOR_BOUND}x floor"]
+    return markdown_table(head, rows)
 
 
 def tower_notes(doc: Mapping[str, Any]) -> list[str]:
@@ -229,6 +273,20 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
     for name, diff in doc.get("output_check", {}).items():
         notes.append(f"- outputs of {System(name).label} vs {System.HF_SDPA.label} on one request: max relative "
                      f"difference {fmt(diff) if isinstance(diff, float) else diff}")
+    rates = doc.get("floor", {}).get("rates")
+    if rates:
+        notes.append(f"- floor rates: matmul {fmt(rates['matmul_tflops'])} TF/s, attention "
+                     f"{fmt(rates['attention_tflops'])} "
+                     f"TF/s (best kernel on one {rates['attention_rows']}-row sequence: "
+                     + ", ".join(f"{k} {fmt(rates[k])}" for k in ("varlen_ms", "dense_ms") if k in rates)
+                     + f"), memory {fmt(rates['bandwidth_gbs'])} GB/s")
+    elif doc.get("floor", {}).get("error"):
+        notes.append(f"- floor not measured: {doc['floor']['error']}")
+    for name, cap in doc.get("capture", {}).items():
+        for key, c in (cap.get("kernels") or {}).items():
+            if isinstance(c, dict) and "min_rows" in c:
+                notes.append(f"- {System(name).label}, eager kernel crossover {key}: dense SDPA per sequence from "
+                             f"{c['min_rows']} rows")
     if doc.get("trace", {}).get("stopped"):
         notes.append(f"- trace stopped early: {doc['trace']['stopped']}")
     if doc.get("error"):
@@ -255,7 +313,8 @@ def render(data: Mapping[str, Any]) -> str:
         parts += ["### encgraph defaults vs Hugging Face, per tower", head]
     targets = target_lines(data)
     if targets:
-        parts += ["### targets (issue 13)", "\n".join(targets)]
+        photo = any(d.get("trace", {}).get("kind") == "photo" for d in tower_docs(data).values())
+        parts += [f"### targets (issue {32 if photo else 13})", "\n".join(targets)]
     for name, doc in tower_docs(data).items():
         trace = doc.get("trace", {})
         summary = trace.get("summary", {})
@@ -265,7 +324,8 @@ def render(data: Mapping[str, Any]) -> str:
             parts.append(f"skipped: {doc['skipped']}")
             continue
         planning = doc.get("planning")
-        parts.append(f"trace: {summary.get('items_per_request_mean')} items per request, tokens per request mean "
+        parts.append(f"trace ({trace.get('kind', 'chat')}): {summary.get('items_per_request_mean')} items per request, "
+                     f"tokens per request mean "
                      f"{summary.get('tokens_mean')}, P50 {summary.get('tokens_p50')}, P99 {summary.get('tokens_p99')}"
                      + (f"; planning of the benchmark's own graph runners: {planning}" if planning else ""))
         parts.append(system_table(doc))

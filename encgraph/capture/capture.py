@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,21 +34,21 @@ from encgraph.capture.compiling import (
     no_duck_sizing,
     recompile_headroom,
 )
+from encgraph.capture.execution import RunnerState, check_outputs
 from encgraph.capture.records import GraphRecord
+from encgraph.capture.timing import time_host
 from encgraph.errors import EncgraphError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from encgraph.capture.runner import EncoderGraphRunner
-
-__all__ = ["capture_graphs", "pool_bytes", "time_replay"]
+__all__ = ["capture_graphs", "pool_bytes", "time_replay", "fill_for_timing"]
 
 log = logging.getLogger("encgraph")
 
 Forward = Callable[[Mapping[str, torch.Tensor], int], Mapping[str, torch.Tensor]]
 
 
-def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
-    """Capture the runner's ladders; return the capture summary (``capture_info``)."""
+def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
+    """Capture the runner's ladders into the graph memory pool ``pool`` (``torch.cuda.graph_pool_handle()``, kept
+    by the runner for as long as the graphs live); return the capture summary (``capture_info``)."""
     from tqdm.auto import tqdm
 
     device = runner.device
@@ -59,7 +59,6 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
     start = time.perf_counter()
     reserved0 = torch.cuda.memory_reserved(device)
     stream = torch.cuda.Stream(device)
-    runner._pool = torch.cuda.graph_pool_handle()
     compile_info: dict[str, Any] = {"mode": runner.compile_mode.value}
     forwards = {path: _plain_forward(runner, path) for path in runner.ladders}
     regions = CompiledRegions(runner.adapter)
@@ -82,7 +81,7 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
             record = None
             for _attempt in range(2):
                 try:
-                    record = _capture_one(runner, path, budget, stream, forwards[path], compile_info)
+                    record = _capture_one(runner, pool, path, budget, stream, forwards[path], compile_info)
                 except _CompileFailed:
                     # compile="auto": the first compiled run failed; every path captures the plain forward.
                     regions.restore()
@@ -120,7 +119,7 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
         for record in path_records.values():
             record.replay_ms = time_replay(runner, record)
     seconds = time.perf_counter() - start
-    pool = pool_bytes(device, runner._pool)
+    pool_held = pool_bytes(device, pool)
     graphs = [r for rs in runner.records.values() for r in rs.values()]
     info = {
         "mode": runner.mode.value,
@@ -128,9 +127,9 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
         "seconds": round(seconds, 3),
         "compile": compile_info,
         "compile_seconds": round(sum(r.compile_seconds for r in graphs), 3),
-        "pool_bytes": int(pool),
+        "pool_bytes": int(pool_held),
         # Memory the warm-up runs left cached outside the pool (freed by torch.cuda.empty_cache()).
-        "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool),
+        "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool_held),
         "largest_graph_bytes": max((r.memory_bytes for r in graphs), default=0),
         "buffer_bytes": sum(b.nbytes for b in runner.buffers.values()),
         "output_bytes": sum(o.nbytes for o in runner.outputs.values()),
@@ -139,7 +138,7 @@ def capture_graphs(runner: EncoderGraphRunner) -> dict[str, Any]:
     }
     log.info(
         "encgraph: captured %d graphs in %.2f s (compile %s); pool %.1f MiB, static buffers %.1f MiB%s",
-        info["graphs"], seconds, compile_info.get("status", compile_info["mode"]), pool / 2**20,
+        info["graphs"], seconds, compile_info.get("status", compile_info["mode"]), pool_held / 2**20,
         info["buffer_bytes"] / 2**20,
         f"; {sum(len(f) for f in runner.failed.values())} failed" if info["failed"] else "",
     )
@@ -150,7 +149,7 @@ class _CompileFailed(Exception):
     pass
 
 
-def _plain_forward(runner: EncoderGraphRunner, path: str) -> Forward:
+def _plain_forward(runner: RunnerState, path: str) -> Forward:
     adapter = runner.adapter
 
     def forward(buffers: Mapping[str, torch.Tensor], budget: int) -> Mapping[str, torch.Tensor]:
@@ -160,7 +159,7 @@ def _plain_forward(runner: EncoderGraphRunner, path: str) -> Forward:
 
 
 def _capture_one(
-    runner: EncoderGraphRunner, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
+    runner: RunnerState, pool: Any, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
     compile_info: dict[str, Any],
 ) -> GraphRecord:
     device = runner.device
@@ -181,7 +180,7 @@ def _capture_one(
                     raise
                 _compile_failed(compile_info, exc)
                 raise _CompileFailed() from exc
-            runner._check_outputs(path, budget, outputs, budget, "static")
+            check_outputs(runner.adapter, path, budget, outputs, budget, "static")
             if i == 0:
                 runner.outputs[path].ensure(outputs, runner.ladders[path])
                 if compiling:
@@ -192,10 +191,10 @@ def _capture_one(
             del outputs
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
-        before = pool_bytes(device, runner._pool)
+        before = pool_bytes(device, pool)
         graph = torch.cuda.CUDAGraph()
         targets = runner.outputs[path].view(budget)
-        with torch.cuda.graph(graph, pool=runner._pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             produced = forward(views, budget)
             for name, target in targets.items():
                 target.copy_(produced[name])
@@ -208,7 +207,7 @@ def _capture_one(
         inputs=views,
         outputs=targets,
         capture_seconds=time.perf_counter() - t0,
-        memory_bytes=pool_bytes(device, runner._pool) - before,
+        memory_bytes=pool_bytes(device, pool) - before,
         compile_seconds=compile_seconds,
     )
 
@@ -224,16 +223,22 @@ def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:
 
 
 def time_replay(
-    runner: EncoderGraphRunner, record: GraphRecord, repeats: int = 5, values: Mapping[str, Any] | None = None
+    runner: RunnerState, record: GraphRecord, repeats: int = 5, values: Mapping[str, Any] | None = None
 ) -> float:
-    """Median host-seen ms of ``record``'s replay, its buffers filled with ``values`` (``None``: all padding, one
-    attention sequence over the budget; the self-check also times other sequence bounds) and random floats."""
+    """Host-seen ms of ``record``'s replay (minimum of spaced repeats), its buffers filled by
+    :func:`fill_for_timing`."""
+    fill_for_timing(runner, record, values)
+    return time_host(record.graph.replay, repeats, runner.device)
+
+
+def fill_for_timing(runner: RunnerState, record: GraphRecord, values: Mapping[str, Any] | None = None) -> None:
+    """Fill ``record``'s buffers with ``values`` (``None``: all padding, one attention sequence over the budget,
+    what the cost model's replay times are; the self-check also times other sequence bounds) and random floats."""
     # Time on random floats: zeros can run faster than real data.
     runner.buffers[record.path].fill(record.budget, values)
     for t in record.inputs.values():
         if t.is_floating_point():
             t.normal_()
-    return runner._time_host(record.graph.replay, repeats)
 
 
 def pool_bytes(device: torch.device, pool: Any) -> int:

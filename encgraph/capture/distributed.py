@@ -23,9 +23,10 @@ gather; the structure then gets a small id that every rank assigns in the same o
 fails reports it in its status, and every rank raises after one ``all_gather_object`` of the error messages, so
 that no rank is left waiting in a collective.
 
-Result types: a tensor, or any nesting of ``dict`` / ``OrderedDict`` / ``list`` / ``tuple`` / named tuple /
-dataclass (a Hugging Face ``ModelOutput`` included) with tensor leaves; dim 0 (and every other dim) may differ
-from item to item. Anything else as a leaf raises :class:`~encgraph.errors.ConfigTypeError` on every rank.
+Result types (:mod:`encgraph.capture.result_structure`): a tensor, or any nesting of ``dict`` / ``OrderedDict`` /
+``list`` / ``tuple`` / named tuple / dataclass (a Hugging Face ``ModelOutput`` included) with tensor leaves; dim 0
+(and every other dim) may differ from item to item. Anything else as a leaf raises
+:class:`~encgraph.errors.ConfigTypeError` on every rank.
 
 Tensors travel on the communication device: the rank's CUDA device for NCCL, the CPU for gloo. Results are
 views into one buffer received per call (never reused, so they stay valid however long the caller keeps them;
@@ -34,10 +35,9 @@ the buffer is freed when the call's last result is dropped), on the results devi
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import threading
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from encgraph._validate import describe
+from encgraph.capture.result_structure import ResultStructure, flatten_result
+from encgraph.capture.stats import sum_counters
 from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError, InputError
 from encgraph.packing import ItemSpec, balance
 
@@ -58,94 +60,6 @@ _ALIGN = 16  # bytes: every leaf starts at a multiple, so a uint8 slice can be v
 
 class RemoteRankError(EncgraphError, RuntimeError):
     """Another rank of the group failed during a data-parallel call; its error message is in this one's."""
-
-
-# ---------------------------------------------------------------------------------------------- result structure
-@attrs.frozen
-class ResultStructure:
-    """The shape-free description of one result: its nesting (``tree``) and its tensor leaves' dtypes and ranks.
-
-    ``tree`` is a nested tuple, hashable and picklable (container types travel by reference, as pickle does):
-    ``("tensor", leaf_index)``, ``("list" | "tuple", children)``, ``("namedtuple" | "dataclass", cls, fields,
-    children)`` or ``("dict", cls, keys, children)``.
-    """
-
-    tree: tuple[Any, ...]
-    dtypes: tuple[torch.dtype, ...]
-    ndims: tuple[int, ...]
-
-    @property
-    def words(self) -> int:
-        """``int64`` words of one item's meta: the structure id, then every leaf's shape."""
-        return 1 + sum(self.ndims)
-
-    def rebuild(self, leaves: Sequence[torch.Tensor]) -> Any:
-        """The result with ``leaves`` (in flatten order) in place of the original tensors."""
-        return _rebuild(self.tree, leaves)
-
-
-def flatten_result(result: Any, where: str = "result") -> tuple[ResultStructure, list[torch.Tensor]]:
-    """Split ``result`` into its :class:`ResultStructure` and its tensor leaves (depth first, in key order).
-
-    Raises:
-        ConfigTypeError: a leaf is not a tensor, or a container type cannot be rebuilt; the message names where.
-    """
-    leaves: list[torch.Tensor] = []
-    tree = _flatten(result, leaves, where)
-    return ResultStructure(tree, tuple(t.dtype for t in leaves), tuple(t.dim() for t in leaves)), leaves
-
-
-def _flatten(obj: Any, leaves: list[torch.Tensor], where: str) -> tuple[Any, ...]:
-    if isinstance(obj, torch.Tensor):
-        leaves.append(obj)
-        return ("tensor", len(leaves) - 1)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        # A Hugging Face ModelOutput is a dataclass and an OrderedDict whose keys are its non-None fields; the
-        # constructor fills the others with None again.
-        names = tuple(obj.keys()) if isinstance(obj, Mapping) else tuple(f.name for f in dataclasses.fields(obj))
-        children = tuple(_flatten(_field(obj, n), leaves, f"{where}.{n}") for n in names)
-        return ("dataclass", type(obj), names, children)
-    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
-        children = tuple(_flatten(v, leaves, f"{where}.{n}") for n, v in zip(type(obj)._fields, obj))
-        return ("namedtuple", type(obj), type(obj)._fields, children)
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        children = tuple(_flatten(v, leaves, f"{where}[{i}]") for i, v in enumerate(obj))
-        return (type(obj).__name__, children)
-    if isinstance(obj, dict) and _rebuildable_dict(type(obj)):
-        keys = tuple(obj)
-        children = tuple(_flatten(obj[k], leaves, f"{where}[{k!r}]") for k in keys)
-        return ("dict", type(obj), keys, children)
-    raise ConfigTypeError(
-        f"{where}: data-parallel gathering needs tensors nested in dict, list, tuple, named tuple or dataclass "
-        f"(ModelOutput) containers, got {describe(obj)}. Make the adapter's assemble() return tensors only."
-    )
-
-
-def _field(obj: Any, name: str) -> Any:
-    return obj[name] if isinstance(obj, Mapping) else getattr(obj, name)
-
-
-def _rebuildable_dict(cls: type) -> bool:
-    # dict, OrderedDict and subclasses that keep their __init__ rebuild from (key, value) pairs; a defaultdict
-    # or a Counter would not.
-    return cls.__init__ in (dict.__init__, OrderedDict.__init__)
-
-
-def _rebuild(tree: tuple[Any, ...], leaves: Sequence[torch.Tensor]) -> Any:
-    kind = tree[0]
-    if kind == "tensor":
-        return leaves[tree[1]]
-    if kind == "list":
-        return [_rebuild(c, leaves) for c in tree[1]]
-    if kind == "tuple":
-        return tuple(_rebuild(c, leaves) for c in tree[1])
-    _, cls, names, children = tree
-    values = [_rebuild(c, leaves) for c in children]
-    if kind == "namedtuple":
-        return cls(*values)
-    if kind == "dataclass":
-        return cls(**dict(zip(names, values)))
-    return cls(zip(names, values))
 
 
 # ---------------------------------------------------------------------------------------------- the encoder
@@ -392,7 +306,7 @@ class DataParallelEncoder:
             for dtype, ndim in zip(structure.dtypes, structure.ndims):
                 shape = tuple(row[pos : pos + ndim])
                 pos += ndim
-                nbytes = _numel(shape) * dtype.itemsize
+                nbytes = math.prod(shape) * dtype.itemsize
                 leaves.append((dtype, shape, offset, offset + nbytes))
                 offset += nbytes + (-nbytes) % _ALIGN
             items.append((structure, leaves))
@@ -447,7 +361,7 @@ class DataParallelEncoder:
             dist.all_gather_object(everyone, self.stats, group=self.group)
             self._counts["object_collectives"] += 1
         locals_ = [s["local"] for s in everyone if s["local"] is not None]
-        out = _sum_counters(locals_) if locals_ else {}
+        out = sum_counters(locals_) if locals_ else {}
         for p in out.get("paths", {}).values():
             total = p.get("real_tokens", 0) + p.get("padded_tokens", 0)
             if "padded_share" in p:  # a share does not sum: recompute it from the summed tokens
@@ -480,24 +394,3 @@ def _size(spec: ItemSpec) -> int:
 def _checksum(specs: Sequence[ItemSpec]) -> int:
     # repr of ints and path names is the same in every process (unlike hash(), salted per process for str).
     return zlib.crc32(repr([(tuple(s.tokens.items()), s.frames, s.input_size) for s in specs]).encode())
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _sum_counters(dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Sum the numbers of several stats dicts key by key (nested dicts recursively); other values are dropped."""
-    out: dict[str, Any] = {}
-    for d in dicts:
-        for k, v in d.items():
-            if isinstance(v, bool):
-                continue
-            if isinstance(v, (int, float)):
-                out[k] = out.get(k, 0) + v
-            elif isinstance(v, Mapping):
-                out[k] = _sum_counters([out.get(k, {}), v])
-    return out

@@ -16,10 +16,11 @@ class RunMode(enum.Enum):
     GRAPH = "graph"
     """Replay the captured CUDA graph of the batch's budget (the default on CUDA)."""
     STATIC = "static"
-    """Run the same padded static-shape forward eagerly, no capture (the default on CPU; a debugging aid on
+    """Run the same padded static-shape forward eagerly, no capture (asked for on the CPU, a debugging aid on
     CUDA). Tests the plan, the buffers and their fill rules exactly as a replay would see them."""
     EAGER = "eager"
-    """Run the adapter's eager forward on each planned batch (a baseline)."""
+    """Run the adapter's eager forward on each planned batch (the default on the CPU, where no graph can save
+    launches: a call costs what the tower's own forward costs; a baseline on CUDA). No buffers, no self-check."""
 
 
 @attrs.define(eq=False)

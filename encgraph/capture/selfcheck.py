@@ -1,5 +1,5 @@
 """What ``capture()`` measures and checks on inputs the adapter synthesises: the self-check of every budget
-and the default cost model.
+and the default cost model; and the cost model ``measure_costs(samples)`` measures on given inputs.
 
 **Self-check** (``verify=True``, the default): for every budget of every path, the adapter's
 ``sample_inputs(path, tokens)`` gives a sub-batch that fills the budget only in part (so padding is present),
@@ -24,25 +24,27 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from encgraph.capture.capture import time_replay
+from encgraph.capture.capture import fill_for_timing, time_replay
+from encgraph.capture.execution import RunnerState, item_specs, run_static
 from encgraph.capture.protocol import BudgetUnit, FillRule
+from encgraph.capture.records import RunMode
+from encgraph.capture.timing import time_host, time_interleaved
 from encgraph.packing import CostModel
 
-if TYPE_CHECKING:  # pragma: no cover
-    from encgraph.capture.runner import EncoderGraphRunner
-
-__all__ = ["check_and_measure", "tolerance", "relative_error", "SAMPLE_SIZES"]
+__all__ = ["check_and_measure", "measure_cost_model", "tolerance", "relative_error", "SAMPLE_SIZES"]
 
 log = logging.getLogger("encgraph")
 
 SAMPLE_SIZES = 4
 """Eager timings per path for the cost model (one item each, geometrically spread over the ladder), plus one
 sample of several items where the adapter can concatenate inputs (so the per-item term can be fitted)."""
+TIMING_ROUNDS = 3
+"""Rounds of the interleaved eager / replay timing of each timed budget (minimum of each)."""
 SPLIT_SEQUENCES = 16
 """Equal sequences one graph of a path is split into, for the attention term of the cost model."""
 SPLIT_REPEATS = 3
@@ -80,7 +82,7 @@ def _fill_size(ladder: Sequence[int], budget: int, unit: BudgetUnit) -> int:
     return max(below + 1, budget - max(1, (budget - below) // 2))
 
 
-def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool) -> dict[str, Any]:
+def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> dict[str, Any]:
     """Run the self-check (``verify``) and build the default cost model (``measure``; GRAPH mode) on sample
     inputs; returns the summary for ``capture_info["selfcheck"]``. Sets ``runner.costs`` when measuring."""
     adapter = runner.adapter
@@ -96,7 +98,6 @@ def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool
     checked: dict[str, dict[int, float]] = {}
     eager: dict[str, list[tuple[int, int, float]]] = {}
     for path, ladder in runner.ladders.items():
-        spec = runner.config.path(path)
         checked[path] = {}
         positive = [b for b in ladder if b > 0]
         timed = _timed_budgets(positive) if measure else set()
@@ -104,25 +105,16 @@ def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool
         for budget in positive:
             if budget in runner.failed[path] and not runner.records[path].get(budget):
                 continue
-            sample = adapter.sample_inputs(path, _fill_size(positive, budget, spec.unit))
-            specs = runner._specs(sample)
-            sub = adapter.select(sample, list(range(len(specs))))
-            used = sum(s.tokens[path] for s in specs)
-            if not 0 < used <= budget or len(specs) > runner.limits.max_items:
-                continue
-            reference = adapter.forward_eager(path, sub)
-            if budget in timed:
-                ms = runner._time_host(lambda: adapter.forward_eager(path, sub), 2)
-                eager[path].append((used, sum(1 for s in specs if s.tokens[path]), ms))
-            if verify and budget not in runner.failed[path]:
-                static = runner._run_static(path, budget, sub, used)
-                worst = max((relative_error(static[n], reference[n]), n) for n in reference)
-                checked[path][budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
-                tol = tolerance(runner.config.dtype, runner.device)
-                if not worst[0] <= tol:
-                    _drop(runner, path, budget, worst, tol)
+            try:
+                _check_budget(runner, path, budget, positive, verify, budget in timed, checked[path], eager[path])
+            except Exception as exc:  # capture-time work never fails a call: the budget goes, with its reason
+                _drop(runner, path, budget, f"self-check: {type(exc).__name__}: {exc}", wide=False)
         if measure:
-            eager[path].extend(_multi_item_sample(runner, path, positive))
+            try:
+                eager[path].extend(_multi_item_sample(runner, path, positive))
+            except Exception as exc:  # one sample fewer for the fit, never a failed call
+                log.warning("encgraph: path %r: the multi-item eager sample failed (%s: %s); fitted without it.",
+                            path, type(exc).__name__, exc)
     info["checked"] = checked
     if measure:
         attention = _attention_terms(runner)
@@ -138,6 +130,70 @@ def check_and_measure(runner: EncoderGraphRunner, *, verify: bool, measure: bool
     return info
 
 
+def measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int) -> CostModel:
+    """The cost model of ``runner.measure_costs(samples)`` (the runner captured): graph costs are each captured
+    budget's replay time (timed at capture) or, outside GRAPH mode, the static forward's time on padding; eager
+    costs are the adapter's eager forward timed on each sample input, fitted as fixed + per token + per item."""
+    adapter = runner.adapter
+    graph_ms: dict[str, dict[int, float]] = {}
+    for path, ladder in runner.ladders.items():
+        graph_ms[path] = {}
+        for budget in (b for b in ladder if b > 0):
+            record = runner.records[path].get(budget)
+            if record is not None and record.replay_ms is not None:
+                graph_ms[path][budget] = record.replay_ms
+            elif runner.mode is not RunMode.GRAPH:
+                views = runner.buffers[path].fill(budget, None)
+                graph_ms[path][budget] = time_host(
+                    lambda: adapter.forward_static(path, views, budget), repeats, runner.device
+                )
+    eager: dict[str, list[tuple[int, int, float]]] = {p: [] for p in runner.ladders}
+    for sample in samples:
+        specs = item_specs(adapter, sample)
+        # select() gives the adapter's own inputs type, whatever form a call accepted (a raw tuple too).
+        inputs = adapter.select(sample, list(range(len(specs))))
+        for path in runner.ladders:
+            tokens = sum(s.tokens[path] for s in specs)
+            if tokens:
+                ms = time_host(lambda: adapter.forward_eager(path, inputs), repeats, runner.device)
+                eager[path].append((tokens, sum(1 for s in specs if s.tokens[path]), ms))
+    return CostModel.from_measurements(graph_ms, eager)
+
+
+def _check_budget(runner: RunnerState, path: str, budget: int, positive: Sequence[int], verify: bool, timed: bool,
+                  checked: dict[int, float], eager: list[tuple[int, int, float]]) -> None:
+    """One budget's self-check (and eager timing when ``timed``) on the adapter's sample filling it in part."""
+    adapter = runner.adapter
+    sample = adapter.sample_inputs(path, _fill_size(positive, budget, runner.config.path(path).unit))
+    specs = item_specs(adapter, sample)
+    sub = adapter.select(sample, list(range(len(specs))))
+    used = sum(s.tokens[path] for s in specs)
+    if not 0 < used <= budget or len(specs) > runner.limits.max_items:
+        return
+    reference = adapter.forward_eager(path, sub)
+    if timed:
+        # The eager sample and the budget's replay (as padding: what the model prices) timed in turn, so that
+        # contention during capture weighs on both alike; the replay keeps its fastest time.
+        fns = [lambda: adapter.forward_eager(path, sub)]
+        record = runner.records[path].get(budget)
+        if record is not None and record.graph is not None and record.replay_ms is not None:
+            fill_for_timing(runner, record)
+            fns.append(record.graph.replay)
+        times = time_interleaved(fns, TIMING_ROUNDS, runner.device)
+        eager.append((used, sum(1 for s in specs if s.tokens[path]), times[0]))
+        if len(times) > 1:
+            record.replay_ms = min(record.replay_ms, times[1])
+    if verify and budget not in runner.failed[path]:
+        static = run_static(runner, path, budget, sub, used)
+        worst = max((relative_error(static[n], reference[n]), n) for n in reference)
+        checked[budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
+        tol = tolerance(runner.config.dtype, runner.device)
+        if not worst[0] <= tol:
+            _drop(runner, path, budget, (
+                f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
+                f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"))
+
+
 def _timed_budgets(ladder: Sequence[int]) -> set[int]:
     if len(ladder) <= SAMPLE_SIZES:
         return set(ladder)
@@ -145,7 +201,7 @@ def _timed_budgets(ladder: Sequence[int]) -> set[int]:
     return picks
 
 
-def _multi_item_sample(runner: EncoderGraphRunner, path: str, ladder: Sequence[int]) -> list[tuple[int, int, float]]:
+def _multi_item_sample(runner: RunnerState, path: str, ladder: Sequence[int]) -> list[tuple[int, int, float]]:
     adapter = runner.adapter
     if not hasattr(adapter, "concat") or runner.limits.max_items < 2:
         return []
@@ -153,23 +209,19 @@ def _multi_item_sample(runner: EncoderGraphRunner, path: str, ladder: Sequence[i
     unit = runner.config.path(path).unit
     each = 1 if unit is BudgetUnit.ITEMS else max(1, ladder[len(ladder) // 2] // items)
     sample = adapter.concat([adapter.sample_inputs(path, each) for _ in range(items)])
-    specs = runner._specs(sample)
+    specs = item_specs(adapter, sample)
     sub = adapter.select(sample, list(range(len(specs))))
     used = sum(s.tokens[path] for s in specs)
     if not used:
         return []
-    ms = runner._time_host(lambda: adapter.forward_eager(path, sub), 2)
+    ms = time_host(lambda: adapter.forward_eager(path, sub), 2, runner.device)
     return [(used, sum(1 for s in specs if s.tokens[path]), ms)]
 
 
-def _drop(runner: EncoderGraphRunner, path: str, budget: int, worst: tuple[float, str], tol: float) -> None:
-    reason = (
-        f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
-        f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"
-    )
+def _drop(runner: RunnerState, path: str, budget: int, reason: str, *, wide: bool = True) -> None:
     # An adapter whose padding assumption is module-wide (the generic adapter: rows never mix across the batch)
-    # learns that it does not hold, and every budget of the path goes.
-    hook = getattr(runner.adapter, "selfcheck_failed", None)
+    # learns that it does not hold, and every budget of the path goes (``wide``: a disagreement, not an error).
+    hook = getattr(runner.adapter, "selfcheck_failed", None) if wide else None
     drop = [b for b in runner.ladders[path] if b > 0] if hook is not None and hook(path, budget, reason) else [budget]
     for b in drop:
         runner.failed[path].setdefault(b, reason)
@@ -182,7 +234,7 @@ def _drop(runner: EncoderGraphRunner, path: str, budget: int, worst: tuple[float
 
 
 def _cost_model(
-    runner: EncoderGraphRunner, eager: Mapping[str, list[tuple[int, int, float]]], attention: Mapping[str, float]
+    runner: RunnerState, eager: Mapping[str, list[tuple[int, int, float]]], attention: Mapping[str, float]
 ) -> CostModel | None:
     graph_ms = {
         path: {b: r.replay_ms for b, r in records.items() if r.replay_ms is not None}
@@ -193,7 +245,7 @@ def _cost_model(
     return CostModel.from_measurements(graph_ms, eager, {p: a for p, a in attention.items() if graph_ms.get(p)})
 
 
-def _attention_terms(runner: EncoderGraphRunner) -> dict[str, dict[str, Any]]:
+def _attention_terms(runner: RunnerState) -> dict[str, dict[str, Any]]:
     """Per path, the cost model's attention coefficient (``CostModel.attention``) and how it was measured.
 
     The replay times of capture fill each graph's buffers as padding: one attention sequence over the whole
@@ -218,7 +270,7 @@ def _attention_terms(runner: EncoderGraphRunner) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _attention_term(runner: EncoderGraphRunner, path: str, records: Mapping[int, Any]) -> dict[str, Any]:
+def _attention_term(runner: RunnerState, path: str, records: Mapping[int, Any]) -> dict[str, Any]:
     timed = {b: r for b, r in records.items() if r.replay_ms is not None and r.graph is not None}
     if runner.config.path(path).unit is BudgetUnit.ITEMS or not timed:
         return {"skipped": "budgets count items" if timed else "no timed graph"}

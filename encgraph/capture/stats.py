@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["RunStats"]
+__all__ = ["RunStats", "sum_counters"]
 
 
 class RunStats:
@@ -70,3 +71,18 @@ class RunStats:
                 for p in self.replays
             },
         }
+
+
+def sum_counters(dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Sum the numbers of several stats dicts (the ranks' ``stats``) key by key, nested dicts recursively; other
+    values are dropped."""
+    out: dict[str, Any] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, bool):
+                continue
+            if isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
+            elif isinstance(v, Mapping):
+                out[k] = sum_counters([out.get(k, {}), v])
+    return out

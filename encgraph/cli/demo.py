@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib
 import math
 import statistics
 import sys
@@ -19,25 +18,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from encgraph.cli._common import (
     UsageError,
     add_output_args,
     add_subcommand,
     budget_list,
-    budget_text,
-    count,
     emit_json,
-    plan_json,
-    plan_lines,
     positive_int,
     progress,
-    table,
 )
-from encgraph.cli._towers import TOWERS, DemoBatch, build_tower, make_batch
-from encgraph.errors import UnsupportedModelError
-from encgraph.packing import Plan
+from encgraph.cli.demo_batches import make_batch
+from encgraph.cli.demo_report import DemoReport, path_ladders
+from encgraph.embedded_towers import TOWERS, build_tower
 
 if TYPE_CHECKING:
     import torch
@@ -50,13 +42,6 @@ THRESHOLDS = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}
 
 #: Largest budget the demo takes on a CPU (its padded static forward of a larger one runs for minutes there).
 CPU_MAX_BUDGET = 16384
-
-_NOTE_CPU = (
-    "CUDA graphs need a CUDA GPU: on the CPU the runner runs in STATIC mode (the same plan, padded buffers and "
-    "static forward that a graph would replay, run eagerly), so the agreement above checks what a replay "
-    "computes, not its speed; run 'encgraph demo' on a GPU machine for the speed-up."
-)
-
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = add_subcommand(
@@ -125,17 +110,6 @@ def _exact_float32(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _wrap(tower: torch.nn.Module, builtin: str) -> Any:
-    from encgraph.models import wrap
-
-    try:
-        return wrap(tower)
-    except UnsupportedModelError:
-        # The registry may not import the built-in adapters yet: register them and try again.
-        importlib.import_module(builtin)
-        return wrap(tower)
-
-
 # ---------------------------------------------------------------------------------------------- measuring
 
 
@@ -201,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from encgraph import EncoderGraphRunner
+    from encgraph.capture.records import RunMode
+    from encgraph.models import wrap
 
     spec = TOWERS[args.model]
     device = _device(args.device)
@@ -210,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if args.budgets and isinstance(spec.budgets, Mapping):
         raise UsageError(
             f"encgraph demo: error: --budgets: --model {spec.name} has one ladder per path "
-            f"({', '.join(spec.budgets)}); the demo uses its own ({_path_ladders(spec.budgets)}), drop --budgets"
+            f"({', '.join(spec.budgets)}); the demo uses its own ({path_ladders(spec.budgets)}), drop --budgets"
         )
     repeats = args.repeats or (20 if device.type == "cuda" else 3)
     show = not args.quiet and sys.stderr.isatty()
@@ -231,10 +207,13 @@ def run(args: argparse.Namespace) -> int:
     # implementation of the wrapped tower.
     reference = copy.deepcopy(tower)
     with torch.no_grad(), _exact_float32(device, dtype):
-        adapter = _wrap(tower, spec.builtin)
+        adapter = wrap(tower)
         try:
             # Built first so that bad --budgets / --max-items fail before any model work.
-            runner = EncoderGraphRunner(adapter, budgets=ladder, max_items=args.max_items, device=device, progress=show)
+            # The demo shows the padded plan: on a CPU (whose default is the eager forward) it asks for it.
+            mode = None if device.type == "cuda" else RunMode.STATIC
+            runner = EncoderGraphRunner(adapter, budgets=ladder, max_items=args.max_items, device=device, progress=show,
+                                        mode=mode)
             inputs = adapter.inputs_from_call(*batch.args, **batch.kwargs)
             capture = runner.capture()
             plan = runner.plan(inputs)
@@ -257,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             adapter.unwrap()
 
-    report = _Report(
+    report = DemoReport(
         args=args, description=description, device=str(device), dtype=dtype_name, runner=runner, batch=batch,
         specs=tuple(specs), plan=plan, errors=tuple(errors), compared=tuple(compared), threshold=threshold,
         eager_ms=eager_ms, runner_ms=runner_ms, repeats=repeats, capture=capture, stats=stats,
@@ -275,188 +254,3 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
-
-
-def _path_ladders(ladders: Mapping[str, Any]) -> str:
-    return "; ".join(f"{path} {', '.join(map(str, ladder))}" for path, ladder in ladders.items())
-
-
-def _path_lines(paths: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Per path of a multi-path tower, what the checked call ran there: replays per budget and eager items."""
-    out = ["per path:"]
-    for path, p in paths.items():
-        replays = ", ".join(f"{n} at {b}" for b, n in sorted(p["replays"].items())) or "none"
-        out.append(
-            f"  {path}: {p['real_tokens']} tokens, replays {replays}; {count(p['eager_items'], 'item')} eager; "
-            f"padded share {p['padded_share']:.1%}"
-        )
-    return out
-
-
-@attrs.frozen
-class _Report:
-    """What the demo measured, as text lines or as one JSON object.
-
-    ``errors[i]``: item ``i``'s max |encgraph - tower| / max |tower| over the outputs named in ``compared``;
-    ``eager_ms`` / ``runner_ms``: medians over ``repeats`` calls on the whole batch; ``stats``: the runner's
-    counters after the checked call.
-    """
-
-    args: argparse.Namespace
-    description: str
-    device: str
-    dtype: str
-    runner: Any
-    batch: DemoBatch
-    specs: tuple[Any, ...]
-    plan: Plan
-    errors: tuple[float, ...]
-    compared: tuple[str, ...]
-    threshold: float
-    eager_ms: float
-    runner_ms: float
-    repeats: int
-    capture: dict[str, Any]
-    stats: dict[str, Any]
-
-    @property
-    def name(self) -> str:
-        return self.args.model
-
-    @property
-    def mode(self) -> str:
-        return self.runner.mode.value
-
-    @property
-    def unit(self) -> str:
-        return self.runner.config.paths[0].unit.value
-
-    def _ran(self, i: int) -> tuple[int, dict[str, int | None], str | None]:
-        """Item ``i``'s batch, that batch's budgets, and why it runs eager (``None``: it replays)."""
-        for index, b in enumerate(self.plan.batches):
-            if i in b.items:
-                return index, b.budgets, "; ".join(sorted({r.value for r in b.eager.values()})) or None
-        raise AssertionError(f"item {i} is in no batch")  # pragma: no cover  (Plan guarantees it)
-
-    def _versions(self) -> dict[str, str]:
-        import torch
-        import transformers
-
-        return {"torch": torch.__version__, "transformers": transformers.__version__}
-
-    def lines(self) -> list[str]:
-        v = self._versions()
-        lim = self.runner.limits
-        ladder = next(iter(self.runner.ladders.values()))
-        unit = "images per batch" if self.unit == "items" else "tokens"
-        out = [
-            f"encgraph demo: {self.name}, {self.description}; random weights, seed {self.args.seed}",
-            f"device {self.device}, {self.dtype}, torch {v['torch']}, transformers {v['transformers']}; runner mode "
-            f"{self.mode}",
-            f"ladder: {', '.join(map(str, ladder))} {unit}; at most {lim.max_items} items and {lim.max_frames} "
-            f"frames per batch",
-        ]
-        if len(self.runner.ladders) > 1:
-            out[-1] = (
-                f"ladders, one per path ({unit}; 0: the path skipped): {_path_ladders(self.runner.ladders)}; at most "
-                f"{lim.max_items} items and {lim.max_frames} frames per batch"
-            )
-        items = self.batch.items
-        if self.unit == "items":
-            sizes = sorted({it.label for it in items})
-            out.append(f"items: {count(len(items), 'image')} of {', '.join(sizes)} (a fixed-resolution tower)")
-        else:
-            videos = sum(1 for it in items if it.kind == "video")
-            out.append(
-                f"items: {len(items)} ({count(len(items) - videos, 'image')}, {count(videos, 'video')}), "
-                f"{sum(s.total_tokens for s in self.specs)} tokens"
-            )
-            out += table(
-                ("item", "tokens", "frames", "kind", "grid t,h,w", "size"),
-                (
-                    (i, s.total_tokens, s.frames, it.kind, ",".join(map(str, it.grid)) if it.grid else "-", it.label)
-                    for i, (it, s) in enumerate(zip(items, self.specs))
-                ),
-                left=3,
-            )
-        out += plan_lines(self.plan, [it.label for it in items], unit="images" if self.unit == "items" else "tokens")
-        if len(self.runner.ladders) > 1:
-            out += _path_lines(self.stats["paths"])
-        out.append(
-            f"agreement with the tower's own forward, per item (max |encgraph - tower| / max |tower| over "
-            f"{', '.join(self.compared)}):"
-        )
-        out += table(
-            ("item", "max rel err", "ran"),
-            ((i, f"{e:.2e}", self._ran_text(i)) for i, e in enumerate(self.errors)),
-        )
-        worst = max(self.errors)
-        verdict = "agree" if worst <= self.threshold else "DO NOT all agree"
-        out.append(f"all {len(self.errors)} items {verdict} within {self.threshold:g} ({self.dtype}); largest {worst:.2e}")
-        out.append(f"timings, median of {count(self.repeats, 'call')} on the whole batch:")
-        label = "encgraph, CUDA graphs" if self.mode == "graph" else f"encgraph, {self.mode} mode"
-        rows = [("tower's own forward (eager)", f"{self.eager_ms:.2f} ms"), (label, f"{self.runner_ms:.2f} ms")]
-        if self.mode == "graph":
-            rows.append(("speed-up", f"{self.eager_ms / self.runner_ms:.2f}x"))
-        width = max(len(name) for name, _ in rows)
-        out += [f"  {name.ljust(width)}  {value}" for name, value in rows]
-        if self.mode == "graph":
-            c = self.capture
-            out.append(
-                f"capture: {c.get('graphs', 0)} graphs in {c.get('seconds', 0.0):.2f} s, graph pool "
-                f"{c.get('pool_bytes', 0) / 2**20:.1f} MiB, static buffers {c.get('buffer_bytes', 0) / 2**20:.1f} MiB"
-                + (f"; failed: {c['failed']}" if c.get("failed") else "")
-            )
-        else:
-            out.append(f"note: {_NOTE_CPU}")
-        return out
-
-    def _ran_text(self, i: int) -> str:
-        batch, budgets, reason = self._ran(i)
-        return f"batch {batch}, " + (f"eager ({reason})" if reason else f"budget {budget_text(self.plan, budgets)}")
-
-    def json(self) -> dict[str, Any]:
-        lim = self.runner.limits
-        return {
-            "model": self.name,
-            "description": self.description,
-            "seed": self.args.seed,
-            "device": str(self.device),
-            "dtype": self.dtype,
-            "mode": self.mode,
-            "versions": self._versions(),
-            "unit": self.unit,
-            "ladders": {p: list(lad) for p, lad in self.runner.ladders.items()},
-            "limits": {"max_items": lim.max_items, "max_frames": lim.max_frames},
-            "items": [
-                {
-                    "item": i,
-                    "kind": it.kind,
-                    "label": it.label,
-                    "grid": list(it.grid) if it.grid else None,
-                    "tokens": s.total_tokens,
-                    "frames": s.frames,
-                    "batch": self._ran(i)[0],
-                    "budgets": self._ran(i)[1],
-                    "eager_reason": self._ran(i)[2],
-                    "max_rel_error": self.errors[i],
-                }
-                for i, (it, s) in enumerate(zip(self.batch.items, self.specs))
-            ],
-            "plan": plan_json(self.plan),
-            "agreement": {
-                "outputs": self.compared,
-                "max_rel_error": max(self.errors),
-                "threshold": self.threshold,
-                "ok": max(self.errors) <= self.threshold,
-            },
-            "timings_ms": {
-                "repeats": self.repeats,
-                "tower_eager": self.eager_ms,
-                "encgraph": self.runner_ms,
-                "encgraph_mode": self.mode,
-            },
-            "capture": self.capture,
-            "stats": self.stats,
-            "note": None if self.mode == "graph" else _NOTE_CPU,
-        }

@@ -12,10 +12,12 @@ at replay):
 - ``VARLEN``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention) on CUDA with fp16/bf16;
 - ``SEGMENTS``: on the CPU: ``scaled_dot_product_attention`` of each sequence on its own, the bounds read from
   ``cu_seqlens`` on the host (free on the CPU, where nothing is captured). Exact, isolated (one sequence's values
-  never enter another's rows), and memory-bounded: torch's CPU flash kernel needs no ``tokens^2`` scores. Also on
-  CUDA for an eager forward that passes its bounds from the host (:func:`host_bounds`) when its sequences are
-  long (:data:`SEGMENT_MIN_ROWS`): there each is one dense SDPA call, which on an H200 runs cuDNN's kernel at
-  346-369 TF/s where Flash's varlen one reaches 207-226 at head dim 72 (``benches/attention_kernels.py``);
+  never enter another's rows), and memory-bounded: torch's CPU flash kernel needs no ``tokens^2`` scores;
+- an eager forward that passes its bounds from the host (:func:`host_bounds`, :mod:`encgraph.models.sequence_bounds`)
+  runs, on CUDA, each sequence of at least the measured crossover's rows (:mod:`encgraph.models.kernel_choice`;
+  :data:`SEGMENT_MIN_ROWS` where none was measured) as one dense SDPA call, which on an H200 runs cuDNN's kernel at
+  346-428 TF/s where Flash's varlen one reaches 207-258 at head dim 72-80 (``benches/attention_kernels.py``), and
+  each run of shorter sequences between them as one varlen call;
 - ``MASKED_SDPA``: on CUDA in fp32 or where varlen is missing (and on the ``meta`` device): a block-diagonal mask
   built from ``cu_seqlens`` with tensor ops only (``searchsorted`` segment ids: no host sync, capturable) and
   ``scaled_dot_product_attention``. Exact but ``tokens^2`` memory and 3-21x slower than varlen on a GPU
@@ -30,12 +32,10 @@ names, and otherwise split on ``cu_seqlens.tolist()``, which cannot be captured.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import enum
 import inspect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,14 +43,16 @@ import torch.nn.functional as F
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
+from encgraph.models import sequence_bounds
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
+from encgraph.models.sequence_bounds import RowsTable, host_bounds
 
 __all__ = [
     "ATTENTION_NAME",
     "MIN_TRANSFORMERS",
     "SEGMENT_MIN_ROWS",
-    "SEGMENT_MAX",
     "AttentionBackend",
+    "RowsTable",
     "hf_attention_forward",
     "host_bounds",
     "packed_attention",
@@ -70,51 +72,27 @@ integer ``max_seqlen`` / ``max_window_seqlen`` among them (5.15; 5.14 still comp
 
 
 SEGMENT_MIN_ROWS = 2048
-"""Mean rows per sequence from which an eager forward with host bounds runs one dense SDPA call per sequence on
-CUDA: measured inside graphs on an H200 at 16 heads x 72, dense cuDNN against Flash varlen per call is 0.33 vs
+"""Rows from which a sequence of an eager forward with host bounds runs as one dense SDPA call on CUDA where no
+crossover was measured for its head geometry (:mod:`encgraph.models.kernel_choice` measures it at capture):
+measured inside graphs on an H200 at 16 heads x 72, dense cuDNN against Flash varlen per call is 0.33 vs
 0.58 ms at 1 x 5120 rows and 0.46 vs 0.73 ms at 2 x 4096, about even at 4 x 1280, and 0.19 vs 0.08 ms at
 16 x 256 (one launch per sequence)."""
-SEGMENT_MAX = 64
-"""At most this many sequences for that path (one launch each)."""
 
-_HOST_BOUNDS: contextvars.ContextVar[dict[tuple[int, int], tuple[int, ...]] | None] = contextvars.ContextVar(
-    "encgraph_host_bounds", default=None
-)
-
-
-@contextlib.contextmanager
-def host_bounds(pairs: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> Iterator[None]:
-    """Inside the block, :func:`packed_attention` called (eagerly, with its default backend) with one of these
-    ``cu_seqlens`` tensors knows its bounds without reading the device: ``pairs`` of ``(cu_seqlens tensor, the
-    same values on the host)``. Where the sequences are long (:data:`SEGMENT_MIN_ROWS`, :data:`SEGMENT_MAX`) it
-    then runs each as one dense SDPA call (``SEGMENTS``); otherwise nothing changes. Never used inside a CUDA graph
-    capture or a compiled trace. The tensors must stay alive for the block (they are matched by storage)."""
-    mapping = {(t.data_ptr(), t.numel()): tuple(int(x) for x in b) for t, b in pairs}
-    token = _HOST_BOUNDS.set(mapping)
-    try:
-        yield
-    finally:
-        _HOST_BOUNDS.reset(token)
-
-
-def _long_segments(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
-    """The host bounds of ``cu_seqlens`` when :func:`host_bounds` gave them and its sequences are long enough for
-    one dense call each; else ``None``."""
-    if torch.compiler.is_compiling():
-        # First: dynamo cannot trace ContextVar.get (a graph break in every attention layer of a compiled region).
+def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
+    """``(host bounds of cu_seqlens, rows from which a sequence runs dense)`` when :func:`host_bounds` gave the
+    bounds and at least one sequence runs dense; else ``None`` (the backend of :func:`pick_backend`)."""
+    found = sequence_bounds.lookup(cu_seqlens)
+    if found is None:
         return None
-    mapping = _HOST_BOUNDS.get()
-    if not mapping:
+    bounds, table = found
+    if not bounds or bounds[0] != 0 or bounds[-1] > query.shape[0]:
         return None
-    bounds = mapping.get((cu_seqlens.data_ptr(), cu_seqlens.numel()))
-    if bounds is None:
+    if pick_backend(query) is not AttentionBackend.VARLEN:
+        return bounds, 1  # the CPU (or no varlen kernel): every sequence on its own
+    rows = sequence_bounds.segment_rows(query, table, SEGMENT_MIN_ROWS)
+    if rows is None or all(b - a < rows for a, b in zip(bounds[:-1], bounds[1:])):
         return None
-    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    sequences = sum(1 for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
-    if not sequences or sequences > SEGMENT_MAX or (bounds[-1] - bounds[0]) / sequences < SEGMENT_MIN_ROWS:
-        return None
-    return bounds
+    return bounds, rows
 
 
 class AttentionBackend(enum.Enum):
@@ -205,15 +183,17 @@ def packed_attention(
             f"packed_attention(max_seqlen): expected a host int >= 1 fixed per layer at capture, got "
             f"{describe(max_seqlen)}; a tensor here would sync the host inside the graph."
         )
-    bounds = _long_segments(cu_seqlens) if backend is None else None
-    backend = (AttentionBackend.SEGMENTS if bounds is not None else pick_backend(query)) if backend is None else backend
+    plan = _host_plan(cu_seqlens, query) if backend is None else None
     head_dim = query.shape[-1]
+    if plan is not None:
+        return _host_planned_attention(query, key, value, cu_seqlens, scale, *plan)
+    backend = pick_backend(query) if backend is None else backend
     if backend is AttentionBackend.VARLEN:
         return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale, head_dim)
     if key.shape[1] != query.shape[1]:
         key, value = _repeat_heads(key, value, query.shape[1])
     if backend is AttentionBackend.SEGMENTS:
-        return _segment_attention(query, key, value, cu_seqlens, scale, bounds)
+        return _segment_attention(query, key, value, cu_seqlens, scale)
     return _masked_attention(query, key, value, cu_seqlens, scale)
 
 
@@ -288,6 +268,54 @@ def _segment_attention(
             q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], scale=scale
         )[0].transpose(0, 1)
     return out
+
+
+def _host_planned_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
+    bounds: Sequence[int], min_rows: int,
+) -> torch.Tensor:
+    """Each sequence of at least ``min_rows`` rows as one dense SDPA call; each run of shorter ones between them
+    as one varlen call over its rows (its ``cu_seqlens`` a slice of the device tensor minus its first value: no
+    host-to-device copy, no sync). ``min_rows == 1``: every sequence dense (the CPU's ``SEGMENTS``)."""
+    if min_rows <= 1:
+        if key.shape[1] != query.shape[1]:
+            key, value = _repeat_heads(key, value, query.shape[1])
+        return _segment_attention(query, key, value, cu_seqlens, scale, bounds)
+    tokens, head_dim = query.shape[0], query.shape[-1]
+    out = query.new_empty(query.shape)
+    dense_k, dense_v = _repeat_heads(key, value, query.shape[1]) if key.shape[1] != query.shape[1] else (key, value)
+    run: int | None = None  # the cu index where the current run of short sequences starts
+
+    def flush(end: int) -> None:
+        a, b = bounds[run], bounds[end]
+        if b > a:
+            longest = max(y - x for x, y in zip(bounds[run:end], bounds[run + 1:end + 1]))
+            cu = cu_seqlens[run:end + 1] - cu_seqlens[run]
+            out[a:b] = _varlen_attention(query[a:b], key[a:b], value[a:b], cu, longest, scale, head_dim)
+
+    for i in range(len(bounds) - 1):
+        a, b = bounds[i], bounds[i + 1]
+        if b - a >= min_rows:
+            if run is not None:
+                flush(i)
+                run = None
+            out[a:b] = _dense_sequence(query[a:b], dense_k[a:b], dense_v[a:b], scale)
+        elif run is None:
+            run = i
+    if run is not None:
+        flush(len(bounds) - 1)
+    if bounds[-1] < tokens:  # rows past cu[-1] (none in encgraph's layouts) attend among themselves
+        a = bounds[-1]
+        out[a:] = _dense_sequence(query[a:], dense_k[a:], dense_v[a:], scale)
+    return out
+
+
+def _dense_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """One sequence ``(rows, heads, head_dim)`` through dense SDPA in the ``(1, heads, rows, head_dim)`` layout of
+    the towers' own SDPA calls (transposed views: on an H200 torch runs cuDNN's kernel for them, the layout the
+    crossover is measured in); returns ``(rows, heads, head_dim)``."""
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1)
 
 
 def _masked_attention(

@@ -57,7 +57,6 @@ import numpy as np
 import torch
 
 from encgraph._validate import check_int, describe
-from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.errors import (
     ConfigError,
@@ -66,6 +65,7 @@ from encgraph.errors import (
     UnsupportedModelError,
 )
 from encgraph.models._hf import require_transformers, tower_dtype_device
+from encgraph.models.deepseek_ocr2_tower import default_side, graph_safe_rel_pos, view_tokens
 from encgraph.packing import ItemSpec
 
 __all__ = ["DeepseekOcr2Adapter", "OcrImages", "adapter", "view_tokens"]
@@ -107,34 +107,6 @@ def _counts(value: Any) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         value = (value,)  # item_specs then names the expected counts and what was given
     return tuple(int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v for v in value)
-
-
-def _sam_grid(side: int, patch: int) -> int:
-    # The SAM patch convolution floors; the two stride-2 convolutions (kernel 3, padding 1) of its projection
-    # give ceil(n / 2) each.
-    n = side // patch
-    for _ in range(2):
-        n = (n - 1) // 2 + 1
-    return n
-
-
-def view_tokens(tower: torch.nn.Module, side: int) -> int:
-    """Output tokens of one ``side x side`` view through ``tower`` (a ``DeepseekOcr2VisionModel``): the count of
-    the learnable queries it picks, which the tower chooses by the SAM output's patch count (``<= 144``: the
-    768 px queries, else the 1024 px ones)."""
-    sam = tower.config.sam_config
-    patch = sam.patch_size if isinstance(sam.patch_size, int) else sam.patch_size[0]
-    patches = _sam_grid(side, patch) ** 2
-    small, large = tower.query_768_resolution.num_embeddings, tower.query_1024_resolution.num_embeddings
-    # The tower compares with the literal 144, the size of its 768 px query table.
-    return small if patches <= small else large
-
-
-def _default_side(tower: torch.nn.Module, queries: int) -> int:
-    # A view whose SAM grid, downsampled 4x, is the query grid: 16 x 16 queries at patch 16 -> 1024 px.
-    sam = tower.config.sam_config
-    patch = sam.patch_size if isinstance(sam.patch_size, int) else sam.patch_size[0]
-    return round(queries**0.5) * 4 * patch
 
 
 class DeepseekOcr2Adapter:
@@ -182,12 +154,12 @@ class DeepseekOcr2Adapter:
         }
         given = {GLOBAL: global_size, LOCAL: local_size}
         self.sizes = {
-            path: _default_side(self.tower, queries[path]) if size is None else check_int(f"{path}_size", size, minimum=1)
+            path: default_side(self.tower, queries[path]) if size is None else check_int(f"{path}_size", size, minimum=1)
             for path, size in given.items()
         }
         self.tokens = {path: view_tokens(self.tower, side) for path, side in self.sizes.items()}
         self._dtype, self._device = tower_dtype_device(self.tower)
-        _graph_safe_rel_pos(self.tower)
+        graph_safe_rel_pos(self.tower)
         self._output_class = importlib.import_module(type(base).__module__).DeepseekOcr2ModelOutputWithPooling
         g, t = self.tokens[GLOBAL], self.tokens[LOCAL]
         self._config = AdapterConfig(
@@ -383,36 +355,3 @@ class DeepseekOcr2Adapter:
 def adapter(module: torch.nn.Module, **options: Any) -> DeepseekOcr2Adapter:
     """Registry factory: ``DeepseekOcr2Adapter(module, **options)``."""
     return DeepseekOcr2Adapter(module, **options)
-
-
-def _graph_safe_rel_pos(tower: torch.nn.Module) -> None:
-    """Make the SAM attention layers' relative-position lookup capturable.
-
-    transformers' ``get_rel_pos`` indexes the (device) table with coordinates built by ``torch.arange`` on the
-    host, a host-to-device copy that a CUDA graph capture refuses. This instance-level override computes the same
-    lookup with the coordinates cached on the table's device (built on the first, uncaptured warm-up call; one
-    per query/key size). Idempotent; the class's own method is untouched.
-    """
-    for module in tower.modules():
-        original = getattr(type(module), "get_rel_pos", None)
-        if original is None or "get_rel_pos" in vars(module):
-            continue
-        cache: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-        def get_rel_pos(q_size: int, k_size: int, rel_pos: torch.Tensor, _cache: dict = cache) -> torch.Tensor:
-            max_rel_dist = int(2 * max(q_size, k_size) - 1)
-            resized = torch.nn.functional.interpolate(
-                rel_pos.reshape(1, rel_pos.shape[0], -1).transpose(1, 2), size=max_rel_dist, mode="linear"
-            ).reshape(-1, max_rel_dist).permute(1, 0)
-            key = (q_size, k_size, rel_pos.device)
-            index = _cache.get(key)
-            if index is None:
-                with persistent():  # cached across calls: never an inference tensor
-                    q = torch.arange(q_size)[:, None] * max(k_size / q_size, 1.0)
-                    k = torch.arange(k_size)[None, :] * max(q_size / k_size, 1.0)
-                    index = (q - k) + (k_size - 1) * max(q_size / k_size, 1.0)
-                    index = _cache[key] = index.long().to(rel_pos.device)
-            return resized[index]
-
-        module.get_rel_pos = get_rel_pos
-

@@ -53,11 +53,11 @@ from encgraph._validate import check_int, describe
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import use_packed_attention
-from encgraph.models.gemma4_layout import PatchLayouts, grid_positions
+from encgraph.models.gemma4_layout import Gemma4Patches, PatchLayouts, grid_positions
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.packing import ItemSpec
 
-__all__ = ["Gemma4Adapter", "Gemma4Patches", "adapter"]
+__all__ = ["Gemma4Adapter", "Gemma4Patches", "adapter"]  # Gemma4Patches: from encgraph.models.gemma4_layout
 
 IMAGE = "image"
 VIDEO = "video"
@@ -67,41 +67,6 @@ MIN_TRANSFORMERS = "5.17"
 5.17 BaseModelOutputWithPast, which the adapter reads from the tower itself)."""
 _IGNORED = frozenset({"use_cache", "num_items_in_batch", "output_router_logits"})
 """Keywords the tower's forward accepts and ignores (they reach only its attention functions' ``**kwargs``)."""
-
-
-@attrs.frozen(eq=False)
-class Gemma4Patches:
-    """The inputs of one call, with the host-side layout of its real patches
-    (:mod:`encgraph.models.gemma4_layout`).
-
-    - ``pixel_values``: ``(B, P, C)`` floating point on the tower's device, as the call passed it (never copied:
-      a sub-batch keeps the whole tensor and its own ``source`` rows);
-    - ``positions``: ``(B, P, 2)`` int64 host copy of ``pixel_position_ids``;
-    - ``tokens``: ``(n,)`` soft tokens per item; ``video``: ``(n,)`` bool, the item runs on the video path;
-    - ``source``: ``(rows,)`` flat row index into ``pixel_values.view(B * P, C)`` of each packed patch, items in
-      order, each in pooling-block order; ``packed_positions``: ``(rows, 2)`` their ``(x, y)``;
-    - ``starts``: ``(n + 1,)`` first packed row of each item, then the total;
-    - ``return_dict``: the caller's (``False``: ``output_for_call`` returns a tuple).
-    """
-
-    pixel_values: torch.Tensor
-    positions: np.ndarray
-    tokens: np.ndarray
-    video: np.ndarray
-    source: np.ndarray
-    packed_positions: np.ndarray
-    starts: np.ndarray
-    return_dict: bool = True
-
-    @property
-    def n(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def rows_of(self, items: np.ndarray) -> np.ndarray:
-        """Packed row indices of ``items`` (positions in this object), in order."""
-        sizes = self.starts[items + 1] - self.starts[items]
-        first = np.repeat(self.starts[items] - np.cumsum(sizes) + sizes, sizes)
-        return first + np.arange(first.shape[0])
 
 
 class Gemma4Adapter:
@@ -277,10 +242,15 @@ class Gemma4Adapter:
         else:
             raise ConfigError(f"path: expected {IMAGE!r} or {VIDEO!r}, got {path!r}.")
         k = self.kernel
+        side = max(1, self.table // k)  # pooled cells a side that fit the position table
         grids = []
         for t in sizes:
-            a = max(d for d in range(1, math.isqrt(t) + 1) if t % d == 0)  # a x b pooled grid, a * b == t
-            grids.append(grid_positions(t // a * k, a * k))
+            # An a x b pooled grid with a * b == t where the table allows it, else the largest that fits (the
+            # adapter refuses coordinates outside the table: a sample must be an input the tower accepts).
+            fits = [d for d in range(1, math.isqrt(t) + 1) if t % d == 0 and t // d <= side]
+            a = max(fits) if fits else min(side, math.isqrt(t))
+            b = t // a if fits else min(side, t // a)
+            grids.append(grid_positions(b * k, a * k))
         p = max(g.shape[0] for g in grids)
         pos = np.full((len(grids), p, 2), -1, np.int64)
         for i, g in enumerate(grids):

@@ -9,17 +9,23 @@ item, soft token ``t``'s ``k^2`` patches at rows ``t * k^2 .. t * k^2 + k^2 - 1`
 :func:`pack_patches` handles any row order (and checks every rule the tower relies on); :class:`PatchLayouts` adds a
 fast path for the processor's own layout (each grid in row-major order, then its padding), with the per-grid
 tables cached: a call of 16 processor-padded images costs one comparison pass over its positions.
+:class:`Gemma4Patches` is a call's inputs with their layout.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
+import attrs
 import numpy as np
 
 from encgraph.errors import InputError
 
-__all__ = ["Layout", "PatchLayouts", "pack_patches", "grid_positions"]
+if TYPE_CHECKING:  # the layout is numpy only; a call's pixels are a tensor
+    import torch
+
+__all__ = ["Layout", "PatchLayouts", "Gemma4Patches", "pack_patches", "grid_positions"]
 
 Layout = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """``(tokens (B,), source (rows,), packed_positions (rows, 2), starts (B + 1,))``, int64: soft tokens per item, the
@@ -132,3 +138,38 @@ class PatchLayouts:
         source = np.concatenate([g[1] for g in grids]) + offsets
         packed = np.concatenate([g[2] for g in grids])
         return counts // k2, source, packed, starts
+
+
+@attrs.frozen(eq=False)
+class Gemma4Patches:
+    """The inputs of one call of the Gemma-4 adapter (:mod:`encgraph.models.gemma4`), with the layout of its real
+    patches (:class:`PatchLayouts`).
+
+    - ``pixel_values``: ``(B, P, C)`` floating point on the tower's device, as the call passed it (never copied:
+      a sub-batch keeps the whole tensor and its own ``source`` rows);
+    - ``positions``: ``(B, P, 2)`` int64 host copy of ``pixel_position_ids``;
+    - ``tokens``: ``(n,)`` soft tokens per item; ``video``: ``(n,)`` bool, the item runs on the video path;
+    - ``source``: ``(rows,)`` flat row index into ``pixel_values.view(B * P, C)`` of each packed patch, items in
+      order, each in pooling-block order; ``packed_positions``: ``(rows, 2)`` their ``(x, y)``;
+    - ``starts``: ``(n + 1,)`` first packed row of each item, then the total;
+    - ``return_dict``: the caller's (``False``: ``output_for_call`` returns a tuple).
+    """
+
+    pixel_values: torch.Tensor
+    positions: np.ndarray
+    tokens: np.ndarray
+    video: np.ndarray
+    source: np.ndarray
+    packed_positions: np.ndarray
+    starts: np.ndarray
+    return_dict: bool = True
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def rows_of(self, items: np.ndarray) -> np.ndarray:
+        """Packed row indices of ``items`` (positions in this object), in order."""
+        sizes = self.starts[items + 1] - self.starts[items]
+        first = np.repeat(self.starts[items] - np.cumsum(sizes) + sizes, sizes)
+        return first + np.arange(first.shape[0])

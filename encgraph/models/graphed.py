@@ -115,7 +115,8 @@ def _is_hf_model(module: torch.nn.Module) -> bool:
 
 
 def graphed(module: torch.nn.Module, *, adapter_options: dict[str, Any] | None = None, **runner_options: Any) -> GraphedModule:
-    """Wrap ``module`` so that its forward replays CUDA graphs (or, on the CPU, runs the padded static forward).
+    """Wrap ``module`` so that its forward replays CUDA graphs (on the CPU, by default, runs the adapter's eager
+    forward: no graphs to gain, so nothing is captured or padded; ``mode=RunMode.STATIC`` runs the padded plan).
 
     A known Hugging Face vision tower gets its model adapter (``encgraph.models.wrap``); a Hugging Face model no
     adapter knows is refused (:class:`~encgraph.UnsupportedModelError`, naming the supported families); any other

@@ -34,7 +34,8 @@ from encgraph.errors import ConfigError, InputError
 from encgraph.models._hf import require_transformers
 from encgraph.models.protocol import BufferSpec, FillRule
 from encgraph.models.qwen_grid import UnitGrid, raster_positions
-from encgraph.models.qwen_vl import QwenVisionAdapter, QwenVisionInputs
+from encgraph.models.qwen_inputs import QwenVisionInputs
+from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["KimiK25Adapter", "adapter", "bicubic_taps", "merge_layout"]
 

@@ -37,7 +37,8 @@ from encgraph.models._hf import require_transformers
 from encgraph.models.protocol import BufferSpec, FillRule, StockCall
 from encgraph.models.qwen2_5_vl import window_layout
 from encgraph.models.qwen_grid import UnitGrid, grid_array, raster_positions, unit_grid
-from encgraph.models.qwen_vl import _RECORDING, QwenVisionAdapter, QwenVisionInputs
+from encgraph.models.qwen_inputs import RECORDING_SWITCHES, QwenVisionInputs
+from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["MiniCPMVAdapter", "adapter", "nearest_positions"]
 
@@ -157,7 +158,7 @@ class MiniCPMVAdapter(QwenVisionAdapter):
                 f"{self.tower_class}.forward: expected pixel_values and target_sizes, got "
                 f"{sorted(k for k, v in values.items() if v is not None)}."
             )
-        for name in _RECORDING:
+        for name in RECORDING_SWITCHES:
             if kwargs.get(name):
                 return StockCall(f"{name} requested")
         if self.merges and not values.get("use_vit_merger", True):

@@ -15,75 +15,45 @@ whose name contains "flash" they run one packed attention per layer. So the stat
 ``forward``, given static buffers, ``grid_thw=None`` (a version that read it would fail loudly, not silently) and
 per-layer ``max_seqlen`` fixed by the budget: nothing in it syncs the host.
 
-All metadata is computed on the host with numpy (the geometry in :mod:`encgraph.models.qwen_grid`), never by per-image computation loops: per frame shape ``(h, w)``
-the tables (rotary positions, window permutation, interpolation taps) come from a bounded LRU cache, the shapes a
-call misses computed together in one vectorized pass; a batch is then a concatenation of its frames' tables with
-offsets (about 0.02 ms for 8 images on a CPU when the shapes repeat; see benches/host_overhead.py).
+The inputs (:class:`~encgraph.models.qwen_inputs.QwenVisionInputs`, their validation, item specs and sub-batches)
+are :mod:`encgraph.models.qwen_inputs`. All metadata is computed on the host with numpy (the geometry in
+:mod:`encgraph.models.qwen_grid`), never by per-image computation loops: per frame shape ``(h, w)`` the tables
+(rotary positions, window permutation, interpolation taps) come from a bounded LRU cache, the shapes a call misses
+computed together in one vectorized pass; a batch is then a concatenation of its frames' tables with offsets (about
+0.02 ms for 8 images on a CPU when the shapes repeat; see benches/host_overhead.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
-import attrs
 import numpy as np
 import torch
 
 from encgraph._validate import check_int, describe
 from encgraph.capture.grad import persistent
-from encgraph.errors import InputError, InputTypeError
+from encgraph.errors import InputTypeError
 from encgraph.models._hf import require_transformers, tower_dtype_device
-from encgraph.models.attention import MIN_TRANSFORMERS, host_bounds, use_packed_attention
+from encgraph.models.attention import MIN_TRANSFORMERS, RowsTable, host_bounds, use_packed_attention
 from encgraph.models.layout import LayoutPatch, apply_all, describe_patches, linear_patch_embed, restore_all
-from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec, StockCall
+from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.models.qwen_grid import (
     FrameTableCache,
     UnitGrid,
     rotary_positions,
     unit_grid,
 )
-from encgraph.models.qwen_grid import grid_array as _grid_array
+from encgraph.models.qwen_inputs import QwenInputsMixin, QwenVisionInputs
 from encgraph.packing import ItemSpec
+from encgraph.packing.kernels import Crossover
 
-__all__ = ["QwenVisionAdapter", "QwenVisionInputs"]
+__all__ = ["QwenVisionAdapter", "QwenVisionInputs"]  # QwenVisionInputs: from encgraph.models.qwen_inputs
 
 PATH = "default"
 
-# Output-recording switches: the graphs record nothing per layer, so a call that turns one on (or whose config
-# does) is answered by the tower's own forward (a StockCall).
-_RECORDING = ("output_hidden_states", "output_attentions")
-
-
-@attrs.frozen(eq=False)
-class QwenVisionInputs:
-    """Validated inputs of a Qwen-VL tower.
-
-    Attributes:
-        pixel_values: ``(rows, C*T*P*P)`` floating tensor on the tower's device (cast to the tower's dtype when
-            copied into the static buffer, as the tower's patch embedding does).
-        grid: ``(n, 3)`` int64 numpy array on the host, ``(t, h, w)`` per item in patches.
-        return_dict: the caller's ``return_dict`` (``False``: ``output_for_call`` returns a tuple).
-        row_starts: ``(n + 1,)`` int64, the first patch row of each item, then the total.
-    """
-
-    pixel_values: torch.Tensor
-    grid: np.ndarray
-    return_dict: bool = True
-    row_starts: np.ndarray = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        rows = self.grid[:, 0] * self.grid[:, 1] * self.grid[:, 2]
-        object.__setattr__(self, "row_starts", np.concatenate(([0], np.cumsum(rows))))
-
-    @property
-    def n(self) -> int:
-        return int(self.grid.shape[0])
-
-
-class QwenVisionAdapter:
+class QwenVisionAdapter(QwenInputsMixin):
     """The adapter of a Qwen-VL vision tower (one path, ``"default"``, budgets in output tokens).
 
     Family modules subclass it: :class:`~encgraph.models.qwen2_vl.Qwen2VLAdapter` is this class as is,
@@ -114,7 +84,7 @@ class QwenVisionAdapter:
     family: ClassVar[str] = "Qwen2-VL"
     tower_class: ClassVar[str] = "Qwen2VisionTransformerPretrainedModel"
     # Per-family facts, set by the families built on this class that differ from the Qwen-VL towers (GLM-4V,
-    # ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V; the table of all families is encgraph.models._builtin_families).
+    # ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V; the table of all families is encgraph.models.builtin).
     required_attributes: ClassVar[tuple[str, ...]] = ("patch_embed", "blocks", "merger", "spatial_merge_size")
     """Attributes a tower of this family has (checked at wrap time)."""
     call_names: ClassVar[tuple[str, str]] = ("hidden_states", "grid_thw")
@@ -160,6 +130,9 @@ class QwenVisionAdapter:
         self._init_family(module)
         self._tables = FrameTableCache(self._compute_tables)
         self._specs: dict[tuple[int, int], ItemSpec] = {}
+        self.kernel_rows: RowsTable | None = None
+        """Per head geometry, the rows from which an eager forward runs a sequence on dense SDPA (set by
+        :meth:`choose_kernels`; ``None``: the default crossover)."""
         # Last: nothing above may leave the tower changed if it raises. The rewritten weights live as long as the
         # tower: never inference tensors, whatever mode the caller wraps in.
         with persistent():
@@ -210,110 +183,7 @@ class QwenVisionAdapter:
             device=self._device,
         )
 
-    # ------------------------------------------------------------------ inputs
-    def inputs(self, pixel_values: Any, grid_thw: Any, *, return_dict: bool = True) -> QwenVisionInputs:
-        """Validate ``(pixel_values, grid_thw)`` (the tower's own arguments) into :class:`QwenVisionInputs`.
-
-        Reads ``grid_thw`` on the host (a device tensor is copied once, as the tower itself does).
-        """
-        if not isinstance(pixel_values, torch.Tensor):
-            raise InputTypeError(
-                f"pixel_values: expected a torch.Tensor (rows, {self.channels}), got {describe(pixel_values)}."
-            )
-        if not pixel_values.is_floating_point():
-            raise InputTypeError(
-                f"pixel_values: expected a floating-point tensor (the processor's normalised patches), got "
-                f"{pixel_values.dtype}."
-            )
-        if tuple(pixel_values.shape[1:]) != self.row_shape:
-            raise InputError(
-                f"pixel_values: expected shape (rows, {', '.join(map(str, self.row_shape))}){self._row_hint()}, got "
-                f"{tuple(pixel_values.shape)}; pass the processor's patches."
-            )
-        if pixel_values.device != self._device:
-            raise InputError(
-                f"pixel_values: expected a tensor on {self._device} (where the tower is), got {pixel_values.device}; "
-                f"move it with .to({str(self._device)!r})."
-            )
-        grid = _grid_array(grid_thw)
-        if grid[:, 1:].min() < 1 or grid[:, 0].min() < 1:
-            raise InputError(f"grid_thw: every t, h, w must be >= 1, got {grid.tolist()}.")
-        bad = np.nonzero((grid[:, 1] % self.merge) | (grid[:, 2] % self.merge))[0]
-        if bad.size:
-            raise InputError(
-                f"grid_thw: h and w must be multiples of the spatial merge size {self.merge}; item {int(bad[0])} "
-                f"has {grid[bad[0]].tolist()}."
-            )
-        rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
-        if rows != pixel_values.shape[0]:
-            raise InputError(
-                f"pixel_values: grid_thw {grid.tolist() if grid.shape[0] <= 8 else f'of {grid.shape[0]} items'} "
-                f"needs sum(t*h*w) = {rows} patch rows, got {pixel_values.shape[0]}; pixel_values and grid_thw must "
-                "describe the same items."
-            )
-        if not isinstance(return_dict, bool):
-            raise InputTypeError(f"return_dict: expected True or False, got {describe(return_dict)}.")
-        return QwenVisionInputs(pixel_values, grid, return_dict)
-
-    def _row_hint(self) -> str:
-        if len(self.patch_shape) == 4 and self.flat_rows:
-            c, t, p, q = self.patch_shape
-            return f" = (rows, channels {c} * temporal patch {t} * patch {p} * {q}), flattened"
-        return ""
-
-    def _coerce(self, inputs: Any) -> QwenVisionInputs:
-        if isinstance(inputs, QwenVisionInputs):
-            return inputs
-        if isinstance(inputs, tuple) and len(inputs) == 2:
-            return self.inputs(*inputs)
-        raise InputTypeError(
-            f"inputs: expected QwenVisionInputs (adapter.inputs(pixel_values, grid_thw)) or a tuple "
-            f"(pixel_values, grid_thw), got {describe(inputs)}."
-        )
-
-    def inputs_from_call(self, *args: Any, **kwargs: Any) -> QwenVisionInputs | StockCall:
-        """The tower's ``forward(hidden_states, grid_thw, **kwargs)`` arguments as inputs.
-
-        ``return_dict`` (default: the config's) is honoured. A call asking for per-layer outputs
-        (``output_hidden_states`` / ``output_attentions`` true, or the config's defaults true) gets a
-        :class:`StockCall`: the tower's own forward answers it. Every other keyword is accepted and ignored, as
-        the tower's ``**kwargs`` swallows it (``use_cache`` from ``generate()``; the metadata a model precomputes
-        from ``grid_thw``, which encgraph computes itself).
-        """
-        names = self.call_names
-        if len(args) > 2:
-            raise InputTypeError(
-                f"{self.tower_class}.forward: expected ({', '.join(names)}), got {len(args)} positional arguments."
-            )
-        values = dict(zip(names, args))
-        for name in names:
-            if name in kwargs:
-                if name in values:
-                    raise InputTypeError(f"{self.tower_class}.forward: got {name!r} both positionally and by keyword.")
-                values[name] = kwargs.pop(name)
-        if values.get(names[0]) is None or values.get(names[1]) is None:
-            raise InputTypeError(
-                f"{self.tower_class}.forward: expected {names[0]} (pixel rows) and {names[1]}, got "
-                f"{sorted(k for k, v in values.items() if v is not None)}; a graphed tower derives all its metadata "
-                "from grid_thw."
-            )
-        config = getattr(self._module, "config", None)
-        for name in _RECORDING:
-            asked = kwargs.get(name)
-            if asked is None:
-                asked = getattr(config, name, False)
-            if asked:
-                return StockCall(f"{name} requested")
-        return_dict = kwargs.get("return_dict")
-        if return_dict is None:
-            return_dict = bool(getattr(config, "return_dict", True))
-        if return_dict is False and not self.with_last_hidden_state:
-            raise InputError(
-                "return_dict=False: the tower's tuple starts with last_hidden_state, which this adapter was built "
-                "without (last_hidden_state=False); wrap with the default, or use return_dict=True."
-            )
-        return self.inputs(values[names[0]], values[names[1]], return_dict=return_dict)
-
+    # ------------------------------------------------------------------ running the tower as it is, compiling
     @contextlib.contextmanager
     def stock_context(self) -> Iterator[None]:
         """The tower exactly as it was before wrapping, for a call its own forward answers: its original attention
@@ -330,56 +200,6 @@ class QwenVisionAdapter:
     def compile_regions(self) -> list[torch.nn.Module]:
         """The vision blocks: what ``compile="auto"`` compiles (once for all of them and every budget)."""
         return list(self._module.blocks)
-
-    def sample_inputs(self, path: str, tokens: int) -> QwenVisionInputs:
-        """One random image of at most ``tokens`` output tokens (``a x c`` merged tokens, ``a = isqrt(tokens)``),
-        normal pixel rows in the tower's dtype on its device."""
-        tokens = check_int("tokens", tokens, minimum=1)
-        a = math.isqrt(tokens)
-        c = tokens // a
-        grid = np.array([[1, a * self.merge, c * self.merge]], dtype=np.int64)
-        pixels = torch.randn(int(grid.prod()), *self.row_shape, device=self._device).to(self._dtype)
-        return QwenVisionInputs(pixels, grid)
-
-    def item_specs(self, inputs: Any) -> list[ItemSpec]:
-        """One spec per item: ``t*h*w / merge^2`` tokens, ``t`` frames, ``t*h*w`` input rows."""
-        inputs = self._coerce(inputs)
-        g = inputs.grid
-        rows = (g[:, 0] * g[:, 1] * g[:, 2]).tolist()
-        # ItemSpec validates on construction (a few us each); equal items share one frozen spec.
-        cache = self._specs
-        if len(cache) > 4096:
-            cache.clear()
-        out = []
-        for r, t in zip(rows, g[:, 0].tolist()):
-            spec = cache.get((r, t))
-            if spec is None:
-                spec = cache[(r, t)] = ItemSpec(r // self.merge**2, frames=1 if self.clip_attention else t, input_size=r)
-            out.append(spec)
-        return out
-
-    def select(self, inputs: Any, indices: Sequence[int]) -> QwenVisionInputs:
-        """The sub-batch of items ``indices``: a view of the pixel rows when they are one run, else a copy."""
-        inputs = self._coerce(inputs)
-        idx = list(indices)
-        starts = inputs.row_starts
-        first, n = idx[0], len(idx)
-        if idx == list(range(first, first + n)):
-            pixels = inputs.pixel_values[int(starts[first]) : int(starts[first + n])]
-        else:
-            pixels = torch.cat([inputs.pixel_values[int(starts[i]) : int(starts[i + 1])] for i in idx])
-        return QwenVisionInputs(pixels, inputs.grid[idx], inputs.return_dict)
-
-    def concat(self, parts: Sequence[Any]) -> QwenVisionInputs:
-        """One input holding every part's items in order: pixel rows concatenated, grids stacked; part 0's
-        ``return_dict`` (``output_for_call`` reads each call's own). Parts were validated by ``item_specs``."""
-        from encgraph.models.generic import concat_parts
-
-        parts = [self._coerce(p) for p in concat_parts(parts, (QwenVisionInputs, tuple))]
-        if len(parts) == 1:
-            return parts[0]
-        pixels = torch.cat([p.pixel_values for p in parts])
-        return QwenVisionInputs(pixels, np.concatenate([p.grid for p in parts]), parts[0].return_dict)
 
     # ------------------------------------------------------------------ buffers and metadata
     def _rows(self, budget: int) -> int:
@@ -481,8 +301,18 @@ class QwenVisionAdapter:
         tokens = int(inputs.pixel_values.shape[0]) // self.merge**2
         # The full-attention bounds are known here: long images then attend with one dense SDPA call each
         # (cuDNN on an H200, faster than Flash varlen at head dim 72), reading nothing back from the device.
-        with host_bounds([(kwargs["cu_seqlens"], host_cu)]):
+        with host_bounds([(kwargs["cu_seqlens"], host_cu)], min_rows=self.kernel_rows):
             return self._run(inputs.pixel_values, tokens, kwargs)
+
+    def choose_kernels(self, known: Mapping[str, Crossover] | None = None) -> dict[str, Crossover]:
+        """Measure (on CUDA; or take from ``known``) from how many rows a sequence of :meth:`forward_eager` runs
+        faster on dense SDPA than on Flash varlen, per head geometry of the tower, and use it from now on
+        (:mod:`encgraph.models.kernel_choice`; the runner calls it at capture). Returns the crossovers by key."""
+        from encgraph.models.kernel_choice import choose, rows_table
+
+        chosen = choose(self._module, self._dtype, self._device, known)
+        self.kernel_rows = rows_table(chosen.values()) if chosen else None
+        return chosen
 
     def _eager_kwargs(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:
         cu = meta.pop("cu_seqlens")

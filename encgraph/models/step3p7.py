@@ -27,7 +27,9 @@ checks, buffers of zero-padded views and per-path budgets in output tokens, mult
 A batch whose crops overflow the local ladder runs that path eagerly while the global path still replays.
 Result per image: ``{"features": (crops * 81 + 169, text_hidden), "last_hidden_state": (169, 4 * hidden)}``.
 
-``graphed()`` cannot stand in (the model's ``forward`` is the language model); replace ``get_image_features`` with
+``graphed(model)`` cannot stand in (the model's ``forward`` is the language model), but ``graphed(vision_model)`` can
+(:mod:`encgraph.models.step3p7_tower`: the tower as the model calls it, global views then crops). This adapter
+also captures the projector and needs one runner call per batch of images: replace ``get_image_features`` with
 the adapter's shim, which answers calls the graphs do not model (``output_hidden_states``, ``output_attentions``,
 unknown keywords) with the model's own function::
 
@@ -53,9 +55,10 @@ from encgraph.capture.protocol import AdapterConfig, PathSpec
 from encgraph.errors import ConfigError, UnsupportedModelError
 from encgraph.models._hf import repeated_blocks, require_transformers, tower_dtype_device
 from encgraph.models.deepseek_ocr2 import GLOBAL, LOCAL, OUTPUT, DeepseekOcr2Adapter, OcrImages
+from encgraph.models.deepseek_ocr2_tower import sam_grid
 from encgraph.models.protocol import StockCall
 
-__all__ = ["Step3p7Adapter", "adapter", "tower_adapter", "view_tokens"]
+__all__ = ["Step3p7Adapter", "adapter", "view_tokens"]
 
 HIDDEN = "last_hidden_state"
 MIN_TRANSFORMERS = "5.17"
@@ -77,13 +80,74 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 def view_tokens(side: int, patch: int) -> int:
     """Output tokens of one ``side x side`` view: ``side // patch`` patches a side, halved (ceiling) by each of the
     two stride-2, padding-1 convolutions. ``view_tokens(728, 14) == 169``, ``view_tokens(504, 14) == 81``."""
-    n = side // patch
-    for _ in range(2):
-        n = (n - 1) // 2 + 1
-    return n * n
+    return sam_grid(side, patch) ** 2
 
 
-class Step3p7Adapter(DeepseekOcr2Adapter):
+class _Step3p7Views(DeepseekOcr2Adapter):
+    """What both Step-3.7 adapters share: the tower's view geometry (``sizes``, ``tokens`` per path), the rotary
+    positions computed once per path, and the static forward on a buffer of stacked views (with the projector
+    when the adapter has one: ``self.projector``). The view buffers and checks are DeepSeek-OCR2's."""
+
+    projector: torch.nn.Module | None
+
+    def _init_tower(self, tower: torch.nn.Module, max_images: int, max_tiles: int, global_size: int | None,
+                    local_size: int | None) -> None:
+        # The tower's geometry, shared with the tower-only adapter (encgraph.models.step3p7_tower).
+        self.tower = tower
+        config = tower.config
+        self.patch = int(config.patch_size)
+        self.max_images = check_int("max_images", max_images, minimum=1)
+        self.max_tiles = check_int("max_tiles", max_tiles, minimum=1)
+        self.channels = int(config.num_channels)
+        given = {GLOBAL: (global_size, int(config.image_size)), LOCAL: (local_size, 36 * self.patch)}
+        self.sizes = {
+            path: default if size is None else check_int(f"{path}_size", size, minimum=self.patch)
+            for path, (size, default) in given.items()
+        }
+        self.tokens = {path: view_tokens(side, self.patch) for path, side in self.sizes.items()}
+        self._dtype, self._device = tower_dtype_device(tower)
+        self._positions = {path: self._rotary_positions(side) for path, side in self.sizes.items()}
+
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The vision tower's encoder layers: what ``compile="auto"`` compiles, once for every layer, budget and
+        path. Without them the whole static forward (47 layers at the released depth) was compiled per path:
+        more than 200 s for the first local graph on an H200."""
+        return repeated_blocks(self.tower)
+
+    def _rotary_positions(self, side: int) -> torch.Tensor:
+        # The host read the tower does on every call, done once: (g * g, 2) int64 (row, col) positions on the device.
+        from transformers.vision_utils import get_vision_position_ids
+
+        g = side // self.patch
+        return get_vision_position_ids(torch.tensor([[1, g, g]]), spatial_merge_size=1).to(self._device)
+
+    def _encode_views(self, path: str, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        # (V, 3, S, S) -> the tower's modules with precomputed rotary positions -> (V, T, 4 * hidden) -> projector
+        # (V, T, text_hidden); rows (V * T, .), each view's tokens consecutive, views in order.
+        tower = self.tower
+        g = self.sizes[path] // self.patch
+        with torch.no_grad():
+            hidden = tower.pre_layernorm(tower.embeddings(pixels, interpolate_pos_encoding=True))
+            rope = tower.rotary_emb(hidden, self._positions[path])
+            for layer in tower.layers:
+                hidden = layer(hidden, position_embeddings=rope)
+            views, _, channels = hidden.shape
+            hidden = hidden.permute(0, 2, 1).view(views, channels, g, g)
+            last = tower.downsampler2(tower.downsampler1(hidden)).flatten(2).permute(0, 2, 1)
+            if self.projector is None:  # the tower alone: its own output rows
+                return {HIDDEN: last.reshape(-1, last.shape[-1])}
+            feats = self.projector(last)
+        out = {OUTPUT: feats.reshape(-1, feats.shape[-1])}
+        if path == GLOBAL:
+            out[HIDDEN] = last.reshape(-1, last.shape[-1])
+        return out
+
+    def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
+        """Tower and projector on the padded view buffer: outputs ``(budget, .)``; nothing reads a value on the host."""
+        return self._encode_views(path, buffers["pixels"])
+
+
+class Step3p7Adapter(_Step3p7Views):
     """Two-path adapter (``global``, ``local``) for a Step-3.7 model's image features.
 
     Args:
@@ -102,21 +166,8 @@ class Step3p7Adapter(DeepseekOcr2Adapter):
                  global_size: int | None = None, local_size: int | None = None) -> None:
         require_transformers(MIN_TRANSFORMERS, "the Step-3.7 adapter")
         self.model = base = _base_model(model)
-        self.tower = base.vision_model
-        self.projector = base.multi_modal_projector
-        config = self.tower.config
-        self.patch = int(config.patch_size)
-        self.max_images = check_int("max_images", max_images, minimum=1)
-        self.max_tiles = check_int("max_tiles", max_tiles, minimum=1)
-        self.channels = int(config.num_channels)
-        given = {GLOBAL: (global_size, int(config.image_size)), LOCAL: (local_size, 36 * self.patch)}
-        self.sizes = {
-            path: default if size is None else check_int(f"{path}_size", size, minimum=self.patch)
-            for path, (size, default) in given.items()
-        }
-        self.tokens = {path: view_tokens(side, self.patch) for path, side in self.sizes.items()}
-        self._dtype, self._device = tower_dtype_device(self.tower)
-        self._positions = {path: self._rotary_positions(side) for path, side in self.sizes.items()}
+        self.projector: torch.nn.Module | None = base.multi_modal_projector
+        self._init_tower(base.vision_model, max_images, max_tiles, global_size, local_size)
         self._stock = type(base).get_image_features.__get__(base)
         self.stock_calls: collections.Counter[str] = collections.Counter()
         g, t = self.tokens[GLOBAL], self.tokens[LOCAL]
@@ -128,19 +179,6 @@ class Step3p7Adapter(DeepseekOcr2Adapter):
             dtype=self._dtype,
             device=self._device,
         )
-
-    def compile_regions(self) -> list[torch.nn.Module]:
-        """The vision tower's encoder layers: what ``compile="auto"`` compiles, once for every layer, budget and
-        path. Without them the whole static forward (47 layers at the released depth) was compiled per path:
-        more than 200 s for the first local graph on an H200."""
-        return repeated_blocks(self.tower)
-
-    def _rotary_positions(self, side: int) -> torch.Tensor:
-        # The host read the tower does on every call, done once: (g * g, 2) int64 (row, col) positions on the device.
-        from transformers.vision_utils import get_vision_position_ids
-
-        g = side // self.patch
-        return get_vision_position_ids(torch.tensor([[1, g, g]]), spatial_merge_size=1).to(self._device)
 
     # -- inputs
     def inputs_from_call(
@@ -190,29 +228,6 @@ class Step3p7Adapter(DeepseekOcr2Adapter):
         )
 
     # -- forwards
-    def _encode_views(self, path: str, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        # (V, 3, S, S) -> the tower's modules with precomputed rotary positions -> (V, T, 4 * hidden) -> projector
-        # (V, T, text_hidden); rows (V * T, .), each view's tokens consecutive, views in order.
-        tower = self.tower
-        g = self.sizes[path] // self.patch
-        with torch.no_grad():
-            hidden = tower.pre_layernorm(tower.embeddings(pixels, interpolate_pos_encoding=True))
-            rope = tower.rotary_emb(hidden, self._positions[path])
-            for layer in tower.layers:
-                hidden = layer(hidden, position_embeddings=rope)
-            views, _, channels = hidden.shape
-            hidden = hidden.permute(0, 2, 1).view(views, channels, g, g)
-            last = tower.downsampler2(tower.downsampler1(hidden)).flatten(2).permute(0, 2, 1)
-            feats = self.projector(last)
-        out = {OUTPUT: feats.reshape(-1, feats.shape[-1])}
-        if path == GLOBAL:
-            out[HIDDEN] = last.reshape(-1, last.shape[-1])
-        return out
-
-    def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
-        """Tower and projector on the padded view buffer: outputs ``(budget, .)``; nothing reads a value on the host."""
-        return self._encode_views(path, buffers["pixels"])
-
     def forward_eager(self, path: str, inputs: OcrImages) -> dict[str, torch.Tensor]:
         return self._encode_views(path, self._pixels(path, inputs).to(self._dtype))
 
@@ -255,14 +270,3 @@ class Step3p7Adapter(DeepseekOcr2Adapter):
 def adapter(module: torch.nn.Module, **options: Any) -> Step3p7Adapter:
     """Registry factory: ``Step3p7Adapter(module, **options)``."""
     return Step3p7Adapter(module, **options)
-
-
-def tower_adapter(module: torch.nn.Module, **options: Any) -> Step3p7Adapter:
-    """Registry factory for ``Step3p7VisionConfig``: the tower alone is refused with a pointer to the model's
-    adapter (rather than left to the generic batch-first adapter, whose dict output the model cannot read)."""
-    raise UnsupportedModelError(
-        f"module: {type(module).__name__} is Step-3.7's vision tower; encgraph wraps the whole model (global views "
-        "and local crops are two paths, joined per image as get_image_features does): adapter = "
-        "encgraph.models.wrap(model); runner = encgraph.EncoderGraphRunner(adapter); "
-        "adapter.model.get_image_features = adapter.shim(runner) (see encgraph.models.step3p7)."
-    )

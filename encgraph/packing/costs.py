@@ -49,8 +49,9 @@ from encgraph._validate import check_int, check_mapping, check_path, describe
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing.eager_cost import EagerCost, eager_dict, fit_eager
 from encgraph.packing.eager_cost import checked_ms as _ms
+from encgraph.packing.kernels import Crossover, kernel_table
 
-__all__ = ["CostModel", "EagerCost", "with_squares"]
+__all__ = ["CostModel", "Crossover", "EagerCost", "with_squares"]
 
 _FORMAT = "encgraph.costs"
 _VERSION = 1
@@ -110,11 +111,15 @@ class CostModel:
         eager: ``{path: EagerCost}``; the same paths as ``graph_ms``.
         attention: ``{path: ms per token^2}``, the part of a replay that follows its sequences' squared lengths
             (paths without one, or with 0, are left out: their replays cost ``graph_ms``).
+        kernels: ``{key: Crossover}``, the attention-kernel crossovers measured at capture per device and head
+            geometry (:mod:`encgraph.packing.kernels`): which kernel the eager forwards run for long sequences,
+            so that the eager times above hold for a model loaded again.
     """
 
     graph_ms: dict[str, dict[int, float]] = attrs.field(converter=_graph_table, hash=False)
     eager: dict[str, EagerCost] = attrs.field(converter=_eager_table, hash=False)
     attention: dict[str, float] = attrs.field(factory=dict, converter=_attention_table, hash=False, kw_only=True)
+    kernels: dict[str, Crossover] = attrs.field(factory=dict, converter=kernel_table, hash=False, kw_only=True)
     _curves: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = attrs.field(
         init=False, eq=False, repr=False, hash=False
     )
@@ -243,6 +248,31 @@ class CostModel:
             out = self._ladder_cache[key] = tuple(self.graph_cost(path, b) for b in ladder)
         return out
 
+    def scaled(self, *, graph: Mapping[str, float] | None = None, eager: Mapping[str, float] | None = None) -> CostModel:
+        """A model whose replay times (and attention coefficient) of each path in ``graph``, and eager times of each
+        path in ``eager``, are multiplied by the given factor (> 0); other paths unchanged. The runner applies it
+        when what it measures while serving departs from what the model predicted
+        (:mod:`encgraph.capture.feedback`).
+
+        >>> m = CostModel.linear(["default"], graph_fixed_ms=1, graph_per_budget_ms=0, eager_fixed_ms=2,
+        ...                      eager_per_token_ms=0)
+        >>> s = m.scaled(graph={"default": 3.0})
+        >>> s.graph_cost("default", 64), s.eager_cost("default", 64)
+        (3.0, 2.0)
+        """
+        graph, eager = dict(graph or {}), dict(eager or {})
+        for where, table in (("graph", graph), ("eager", eager)):
+            for path, factor in table.items():
+                self._path(f"CostModel.scaled({where})", path)
+                if not _ms(f"CostModel.scaled({where}[{path!r}])", factor):
+                    raise ConfigError(f"CostModel.scaled({where}[{path!r}]): expected a factor > 0, got {factor}.")
+        return CostModel(
+            graph_ms={p: {b: ms * graph.get(p, 1.0) for b, ms in t.items()} for p, t in self.graph_ms.items()},
+            eager={p: e.scaled(eager[p]) if p in eager else e for p, e in self.eager.items()},
+            attention={p: a * graph.get(p, 1.0) for p, a in self.attention.items()},
+            kernels=self.kernels,
+        )
+
     # -- fitting ------------------------------------------------------------------------------------------
 
     @classmethod
@@ -285,6 +315,7 @@ class CostModel:
                 }
                 for p in self.graph_ms
             },
+            **({"kernels": {k: c.to_dict() for k, c in self.kernels.items()}} if self.kernels else {}),
         }
 
     @classmethod
@@ -313,7 +344,8 @@ class CostModel:
                 eager[p] = EagerCost(**fields)
             except TypeError as exc:
                 raise ConfigError(f"CostModel.from_dict(data['paths'][{p!r}]['eager']): {exc}.") from None
-        return cls(graph_ms=graph, eager=eager, attention=attention)
+        # "kernels" is absent from files of before the kernel crossover.
+        return cls(graph_ms=graph, eager=eager, attention=attention, kernels=data.get("kernels"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the model as JSON to the file ``path``."""

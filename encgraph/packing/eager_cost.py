@@ -93,6 +93,17 @@ class EagerCost:
         arrays = (np.asarray(xs), np.asarray(ys[:-1]), np.asarray(slopes))
         object.__setattr__(self, "_knots", (xs, ys, slopes, arrays))
 
+    def scaled(self, factor: float) -> EagerCost:
+        """This model with every time multiplied by ``factor`` (> 0): what the runner's cost correction applies
+        when eager runs measured while serving take ``factor`` times what the model predicted.
+
+        >>> EagerCost(2.0, 0.01, curve=((100, 3.0), (200, 5.0))).scaled(2.0).cost(150, 1)
+        8.0
+        """
+        f = checked_ms("EagerCost.scaled(factor)", factor)
+        return EagerCost(self.fixed_ms * f, self.per_token_ms * f, self.per_item_ms * f,
+                         curve=tuple((t, ms * f) for t, ms in self.curve))
+
     def cost(self, tokens: int, items: int) -> float:
         """Expected eager time (ms) of ``tokens`` real tokens in ``items`` items; 0.0 for no tokens."""
         if tokens <= 0:

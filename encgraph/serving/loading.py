@@ -20,15 +20,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from importlib import resources
 from typing import Any
 
 import attrs
 import numpy as np
 
+from encgraph.embedded_towers import build_tower, load_config
 from encgraph.errors import ConfigError, UnsupportedModelError, VersionError
 from encgraph.serving.transfer import HostCopy, to_host, upload
 
@@ -192,11 +191,6 @@ def process_images(processor: Any, images: Sequence[Any]) -> dict[str, np.ndarra
     return {key: processed[key].numpy() for key in PROCESSED if key in processed}
 
 
-def _resource(name: str) -> dict[str, Any]:
-    text = resources.files("encgraph").joinpath("configs", name).read_text(encoding="utf-8")
-    return json.loads(text)
-
-
 def _processor_class(name: str) -> Any:
     import transformers
 
@@ -208,14 +202,12 @@ def _processor_class(name: str) -> Any:
 
 def load_processor(name: str) -> Any:
     """The image processor of embedded model ``name`` (``encgraph/configs/<name>_processor.json``)."""
-    config = _resource(f"{name}_processor.json")
+    config = load_config(f"{name}_processor")
     return _processor_class(config["image_processor_type"]).from_dict(config)
 
 
 def embedded_tower(name: str, *, device: Any, dtype: Any, seed: int = 0) -> tuple[Any, str]:
     """The embedded tower ``name`` (seeded random weights), as ``encgraph demo`` builds it."""
-    from encgraph.cli._towers import build_tower
-
     if name not in EMBEDDED:
         raise ConfigError(f"model: expected one of the embedded models {sorted(EMBEDDED)}, got {name!r}.")
     return build_tower(name, seed=seed, device=device, dtype=dtype)

@@ -21,15 +21,16 @@ vLLM protocol                                   encgraph adapter
                                                 ``scatter_output_slices`` cuts them
 ==============================================  ==================================================================
 
-Buffers. ``prepare_encoder_cudagraph_capture_inputs`` returns the tensors a captured forward reads. A tensor on
-the tower's device with at least one dimension and no ``padding_logics`` entry becomes a runner buffer
-(:class:`BufferSpec`, ``FillRule.ZERO``: zeroed past the replay's rows, which is what vLLM's manager does for
-it), allocated once per path at the largest budget. Every other value is kept by the adapter per budget,
-exactly as the model returned it, and refreshed before each replay the way vLLM's manager refreshes it: 0-d
-tensors are copied, tensors with a ``padding_logics`` entry go through that function, ``None`` replay values
-leave them as they are, host tensors (``max_seqlen`` kept on the CPU, read with ``.item()`` at capture) stay
-where they are. So the model's own metadata layout (its ``cu_seqlens`` padding included) is kept unchanged: the
-shim adds encgraph's planning, not a new metadata layout.
+Buffers. ``prepare_encoder_cudagraph_capture_inputs`` returns the tensors a captured forward reads. The adapter
+keeps every value exactly as the model returned it, per path and budget, and the graph of that budget reads those
+very tensors (vLLM's buffer-identity invariant: ``encoder_cudagraph_forward`` gets the model's own capture
+tensors, never copies); the runner gets no buffers of its own from this adapter (``buffer_specs`` is empty).
+Before each replay they are refreshed the way vLLM's manager refreshes them: 0-d tensors are copied, tensors
+with a ``padding_logics`` entry go through that function, others are zeroed and their leading rows copied,
+``None`` (or a missing key) leaves a buffer as captured (``EncoderCudaGraphReplayBuffers``' contract), host
+tensors (``max_seqlen`` kept on the CPU, read with ``.item()`` at capture) stay where they are. So the model's
+own metadata layout (its ``cu_seqlens`` padding included) is kept unchanged: the shim adds encgraph's planning,
+not a new metadata layout. Memory: one set of capture tensors per budget, as in vLLM.
 
 Not expressible through the protocol, so refused with :class:`~encgraph.errors.UnsupportedModelError`:
 ``capture_axes`` (one graph per budget and axis key) and an overridden ``postprocess_encoder_output`` (it
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 
 from encgraph._validate import check_int, describe
-from encgraph.capture.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
+from encgraph.capture.protocol import AdapterConfig, BufferSpec, PathSpec
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.packing import ItemSpec
 
@@ -129,6 +130,9 @@ class VllmProtocolAdapter:
         model_frames: the ``max_frames_per_batch`` value handed to the model's capture and replay methods
             instead of the runner's frame limit (vLLM's manager passes 0 when videos are disabled).
         sample_inputs, concat: the optional adapter methods, when the caller can provide them.
+        clone_items: ``assemble`` copies each item's rows into storage of its own, as vLLM's
+            ``postprocess_encoder_output(clone=True)`` does, while the sub-batch's output is still valid (for a
+            runner with ``copy_outputs=False``: one copy per item instead of two).
 
     One adapter serves one runner: it keeps the model's per-budget capture values for the graphs of the runner
     that called ``buffer_specs`` (a second runner on the same model needs its own adapter).
@@ -150,6 +154,7 @@ class VllmProtocolAdapter:
         model_frames: int | None = None,
         sample_inputs: Callable[[str, int], Any] | None = None,
         concat: Callable[[Sequence[Any]], Any] | None = None,
+        clone_items: bool = False,
     ) -> None:
         missing = [m for m in _PROTOCOL_METHODS if not callable(getattr(model, m, None))]
         if missing:
@@ -192,12 +197,12 @@ class VllmProtocolAdapter:
         self._frames = frames
         self.model_frames = None if model_frames is None else check_int("model_frames", model_frames, minimum=0)
         self._limits: tuple[int, int] | None = None
-        self._runner_keys: dict[str, tuple[str, ...]] = {}
         self._held: dict[tuple[str, int], dict[str, Any]] = {}
         if sample_inputs is not None:
             self.sample_inputs = sample_inputs
         if concat is not None:
             self.concat = concat
+        self.clone_items = bool(clone_items)
 
     @property
     def config(self) -> AdapterConfig:
@@ -237,52 +242,28 @@ class VllmProtocolAdapter:
         return max_items, (max_frames if self.model_frames is None else self.model_frames)
 
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:
-        """The runner buffers of ``path`` at ``budget``; keeps the model's other capture values (module docs)."""
+        """No runner buffers: keeps the model's capture values of ``path`` at ``budget`` (module docs)."""
         items, frames = self._model_limits(max_items, max_frames)
         self._limits = (items, frames)
         capture = self.model.prepare_encoder_cudagraph_capture_inputs(budget, items, frames, self.device, self.dtype, path)
-        specs: dict[str, BufferSpec] = {}
-        held: dict[str, Any] = {}
-        for key, value in dict(capture.values).items():
-            if self._runner_managed(key, value):
-                specs[key] = BufferSpec(tuple(value.shape), value.dtype, FillRule.ZERO)
-            else:
-                held[key] = value
-        known = self._runner_keys.setdefault(path, tuple(sorted(specs)))
-        if known != tuple(sorted(specs)):
-            raise UnsupportedModelError(
-                f"prepare_encoder_cudagraph_capture_inputs(path={path!r}, budget {budget}): device buffers "
-                f"{sorted(specs)} differ from {list(known)} at another budget; every budget must return the same keys."
-            )
-        self._held[(path, budget)] = held
-        return specs
+        self._held[(path, budget)] = dict(capture.values)
+        return {}
 
-    def _runner_managed(self, key: str, value: Any) -> bool:
-        return (
-            isinstance(value, torch.Tensor) and value.dim() >= 1 and key not in self._padding
-            and _same_device(value.device, self.device)
-        )
+    def captured_values(self, path: str, budget: int) -> dict[str, Any]:
+        """The model's own capture values of ``path`` at ``budget``, which that budget's graph reads."""
+        return self._held[(path, budget)]
 
     def release(self) -> None:
         """Drop the capture values kept per budget (after the runner that used them is gone)."""
         self._held.clear()
-        self._runner_keys.clear()
 
     def replay_values(self, path: str, inputs: Mapping[str, Any], budget: int) -> dict[str, torch.Tensor]:
+        """Refresh the model's capture tensors of ``path`` at ``budget`` in place, as vLLM's manager does before
+        a replay (module docs); nothing for the runner's (empty) buffers."""
         if self._limits is None:
             raise ConfigError("replay_values: buffer_specs was never called; capture the runner first.")
         replay = self.model.prepare_encoder_cudagraph_replay_buffers(inputs, *self._limits, path)
-        values = dict(replay.values)
-        out = {}
-        for key in self._runner_keys[path]:
-            src = values.get(key)
-            if src is None:
-                raise ConfigError(
-                    f"prepare_encoder_cudagraph_replay_buffers: {key!r} is None, but it is a runner buffer (every "
-                    f"row is written on every replay); return its values, or give {key!r} a padding_logics entry "
-                    "(then the model's own buffer is kept and a None leaves it unchanged, as in vLLM)."
-                )
-            out[key] = src
+        values = replay.values
         for key, buf in self._held[(path, budget)].items():
             src = values.get(key)
             if not isinstance(buf, torch.Tensor) or src is None:
@@ -291,11 +272,12 @@ class VllmProtocolAdapter:
                 buf.copy_(src)
             else:
                 self._padding.get(key, _zero_then_copy)(buf, src)
-        return out
+        return {}
 
     # ------------------------------------------------------------------ forwards
     def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
-        out = self.model.encoder_cudagraph_forward({**buffers, **self._held[(path, budget)]}, path=path)
+        # The model's own capture tensors, as vLLM's manager passes them (``buffers`` is empty: no runner buffers).
+        out = self.model.encoder_cudagraph_forward({**self._held[(path, budget)]}, path=path)
         rows = out.shape[0]
         if rows > budget:  # e.g. whole tiles: rows past the budget are padding too
             out = out[:budget]
@@ -308,7 +290,8 @@ class VllmProtocolAdapter:
 
     def assemble(self, parts: Mapping[str, Mapping[str, torch.Tensor]]) -> torch.Tensor:
         # vLLM's default postprocess_encoder_output: scatter_output_slices(outputs["default"], ...).
-        return parts[self._result_path][OUTPUT]
+        rows = parts[self._result_path][OUTPUT]
+        return rows.clone() if self.clone_items else rows
 
     def __repr__(self) -> str:
         return f"VllmProtocolAdapter({type(self.model).__name__}, paths={list(self._config.path_names)})"
@@ -336,12 +319,3 @@ def _budget_range(model: Any, vllm_config: Any, given: tuple[int, int] | None) -
     if low > high:
         raise ConfigError(f"Invalid encoder cudagraph budget range: min_budget={low} > max_budget={high}.")
     return int(low), int(high)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    index = lambda d: d.index if d.index is not None else torch.cuda.current_device()  # noqa: E731
-    return index(a) == index(b)

@@ -278,17 +278,18 @@ def test_eager_forward_attends_long_images_densely(family, monkeypatch):
     # per image (cuDNN here) instead of Flash varlen. Each item still equals the tower's own forward; the time
     # of both kernels is printed (the cost model measures the eager forward at capture and plans with it).
     from encgraph.models import attention
-    from tests.models.test_attention import segment_spy
+    from tests.models.test_kernel_choice import dense_spy
 
     tower, reference, patch = build(family)
     adapter = wrap(tower)
     grid = np.array([[1, 64, 80], [1, 48, 64], [1, 8, 8]])  # 5120 and 3072 patches: dense; 64: not
     pixels = torch.randn(int(grid.prod(1).sum()), adapter.channels, device="cuda", dtype=torch.bfloat16)
     inputs = adapter.inputs(pixels, grid)
-    dense = segment_spy(monkeypatch)
+    dense = dense_spy(monkeypatch)
     with torch.inference_mode():
         got = adapter.forward_eager("default", inputs)
-    assert dense and all(dense), dense  # full-attention layers only (Qwen2.5-VL's window layers stay varlen)
+    # Full-attention layers only (Qwen2.5-VL's window layers stay varlen), the 64-row image in a varlen call.
+    assert dense and set(dense) == {5120, 3072}, sorted(set(dense))
     refs = hf_per_item(reference, pixels, grid)
     counts = (grid.prod(1) // 4).tolist()
     for i, (g, want) in enumerate(zip(torch.split(got["pooler_output"], counts), refs)):

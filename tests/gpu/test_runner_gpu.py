@@ -77,6 +77,21 @@ def test_zero_copy_views_and_fresh_copies():
     check(kept, reference(adapter, a))
 
 
+@pytest.mark.parametrize("paths, empty", [(("default",), ()), (("global", "local"), ("local",))])
+def test_zero_copy_results_of_one_call_with_several_sub_batches(paths, empty):
+    # Every budget of a path shares one output buffer: with several sub-batches in one call, the earlier ones'
+    # zero-copy results must not be overwritten by the later replays (they are valid until the next call).
+    adapter = make(paths, empty, min_budget=32, max_budget=256)
+    views = EncoderGraphRunner(adapter, copy_outputs=False, max_items=2)
+    views.capture()
+    gen = np.random.default_rng(3)
+    for _ in range(10):
+        inputs = random_inputs(gen, adapter, 7, max_len=20, max_frames=1)
+        check(views(inputs), reference(adapter, inputs))
+    replays = sum(n for p in paths for n in views.stats["paths"][p]["replays"].values())
+    assert replays >= 4 * 10  # 7 items, 2 per sub-batch: at least 4 replays of a path per call
+
+
 def test_capture_failure_falls_back_cleanly():
     adapter = make(min_budget=32, max_budget=512, fail_budget=("default", 128))
     runner = EncoderGraphRunner(adapter)

@@ -3,9 +3,9 @@ depth 8, random bf16 weights) exposed through vLLM's ``SupportsEncoderCudaGraph`
 (``tests/shims/protocol_models.HFQwenProtocol``), behind ``VllmProtocolAdapter`` and the runner in GRAPH mode.
 
 Each replay equals the same adapter's static forward run eagerly (per item) and the untouched HF tower's own
-forward per item within bf16 tolerance; the buffers the shim keeps for the model (``cu_seqlens``,
-``cu_window_seqlens``, ``window_index``: vLLM ``padding_logics``) and the runner's buffers survive a NaN-poisoned
-pool. Needs transformers >= 5.15 (the GPU image's 5.17 works); vLLM must not be needed (asserted).
+forward per item within bf16 tolerance; the model's own capture tensors, which the graphs read (kept per
+budget as vLLM's manager keeps them; ``cu_seqlens``, ``cu_window_seqlens``, ``window_index`` refreshed through
+vLLM ``padding_logics``, the others zeroed then copied), survive a NaN-poisoned pool. Needs transformers >= 5.15 (the GPU image's 5.17 works); vLLM must not be needed (asserted).
 """
 
 from __future__ import annotations

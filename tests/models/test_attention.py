@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import encgraph
-from encgraph.models import _hf, attention
+from encgraph.models import _hf, attention, sequence_bounds
 from encgraph.models.attention import (
     ATTENTION_NAME,
     MIN_TRANSFORMERS,
@@ -250,40 +250,29 @@ def segment_spy(monkeypatch) -> list[bool]:
     return calls
 
 
-def test_host_bounds_pick_segments_for_few_long_sequences(monkeypatch):
+def test_host_bounds_run_every_sequence_on_its_own_on_the_cpu(monkeypatch):
     calls = segment_spy(monkeypatch)
     q, k, v = qkv(40)
     cu = torch.tensor([0, 24, 40, 40], dtype=torch.int32)
     plain = packed_attention(q, k, v, cu, 24)
-    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 16)
-    with attention.host_bounds([(cu, [0, 24, 40, 40])]):
-        got = packed_attention(q, k, v, cu, 24)  # 2 sequences of 20 rows on average: long enough
+    with attention.host_bounds([(cu, [0, 24, 40, 40])], min_rows={(3, 8, torch.float32): 10**6}):
+        got = packed_attention(q, k, v, cu, 24)  # the CPU: no varlen kernel to choose, whatever the table says
         other = cu.clone()
         unknown = packed_attention(q, k, v, other, 24)  # another tensor: its bounds are not known
+    packed_attention(q, k, v, cu, 24)  # outside the block
     assert torch.equal(got, plain) and torch.equal(unknown, plain)
-    assert calls == [False, True, False]
+    assert calls == [False, True, False, False]
     assert torch.equal(got, reference(q, k, v, [24, 16]))
-    # Outside the block, or with short sequences, or too many of them: the bounds are not used.
-    calls.clear()
-    packed_attention(q, k, v, cu, 24)
-    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 21)
-    with attention.host_bounds([(cu, [0, 24, 40, 40])]):
-        packed_attention(q, k, v, cu, 24)
-    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 1)
-    monkeypatch.setattr(attention, "SEGMENT_MAX", 1)
-    with attention.host_bounds([(cu, [0, 24, 40, 40])]):
-        packed_attention(q, k, v, cu, 24)
-    assert calls == [False, False, False]
-    assert attention._HOST_BOUNDS.get() is None  # the block restores the context
+    assert sequence_bounds._HOST_BOUNDS.get() is None  # the block restores the context
 
 
 def test_host_bounds_never_apply_while_compiling(monkeypatch):
     cu = torch.tensor([0, 40], dtype=torch.int32)
-    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 1)
+    q = torch.zeros(40, 2, 8)
     with attention.host_bounds([(cu, [0, 40])]):
-        assert attention._long_segments(cu) == (0, 40)
+        assert attention._host_plan(cu, q) == ((0, 40), 1)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert attention._long_segments(cu) is None
+        assert attention._host_plan(cu, q) is None
 
 
 def _eager_towers() -> dict[str, Callable[[], torch.nn.Module]]:

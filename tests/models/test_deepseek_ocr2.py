@@ -108,7 +108,7 @@ def test_geometry_and_registry(model: torch.nn.Module) -> None:
     assert view_tokens(model.model.vision_tower, 1024) == 256
     cfg = adapter.config
     assert cfg.path("local").allow_empty and not cfg.path("global").allow_empty
-    ladders = EncoderGraphRunner(adapter).ladders
+    ladders = EncoderGraphRunner(adapter, mode=RunMode.STATIC).ladders
     # The dense default ladder in multiples of one view's tokens.
     assert ladders == {"global": (256, 512, 768, 1024), "local": (0, 144, 288, 432, 576)}
 
@@ -218,4 +218,4 @@ def test_graphed_refuses_the_full_model_with_a_pointer_to_the_shim(model):
     from encgraph.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="shim"):
-        encgraph.graphed(model)
+        encgraph.graphed(model, mode=RunMode.STATIC)

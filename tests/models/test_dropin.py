@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from encgraph.capture.records import RunMode
 import encgraph
 from tests.toy_models import SequenceFirst
 from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError, UnsupportedModelError
@@ -69,7 +70,7 @@ def qwen(request, qwen_towers):
 def test_qwen_every_grad_mode_in_any_order(qwen, order):
     tower, ref_tower = qwen
     tower.requires_grad_(False)  # plain calls then need no autograd: the graphs answer them
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     pixels, grid = pixels_for(GRID), torch.from_numpy(GRID)
     with torch.no_grad():
         ref = ref_tower(pixels, grid_thw=grid)
@@ -86,7 +87,7 @@ def test_fixed_and_generic_every_grad_mode(order):
     siglip = tiny_siglip().requires_grad_(False)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).requires_grad_(False)
     for module, x in ((siglip, torch.randn(3, 3, 32, 32)), (net, torch.randn(5, 8))):
-        fast = encgraph.graphed(module, budgets=[1, 2, 4])
+        fast = encgraph.graphed(module, budgets=[1, 2, 4], mode=RunMode.STATIC)
         with torch.no_grad():
             ref = module(x)
         for mode in order:
@@ -101,7 +102,7 @@ def test_fixed_and_generic_every_grad_mode(order):
 def test_autograd_asked_for_runs_the_towers_own_forward(qwen, caplog):
     tower, ref_tower = qwen
     tower.requires_grad_(True)  # as from_pretrained leaves them
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     pixels, grid = pixels_for(GRID), torch.from_numpy(GRID)
     with caplog.at_level(logging.INFO, logger="encgraph"):
         out = fast(pixels, grid_thw=grid)
@@ -125,7 +126,7 @@ def test_autograd_asked_for_runs_the_towers_own_forward(qwen, caplog):
 
 def test_runner_buffers_never_become_inference_tensors(qwen):
     tower, _ = qwen
-    runner = encgraph.EncoderGraphRunner(encgraph.models.wrap(tower), budgets=BUDGETS)
+    runner = encgraph.EncoderGraphRunner(encgraph.models.wrap(tower), budgets=BUDGETS, mode=RunMode.STATIC)
     inputs = (pixels_for(GRID), torch.from_numpy(GRID))
     with torch.inference_mode():
         first = runner(inputs)  # allocates and "captures" lazily inside inference_mode
@@ -141,7 +142,7 @@ def test_runner_buffers_never_become_inference_tensors(qwen):
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e30])
 def test_a_poisoned_item_never_reaches_the_others(qwen, poison):
     tower, ref_tower = qwen
-    fast = encgraph.graphed(tower, budgets=[64], max_items=8)  # one batch holds every item
+    fast = encgraph.graphed(tower, budgets=[64], max_items=8, mode=RunMode.STATIC)  # one batch holds every item
     pixels = pixels_for(GRID, seed=1)
     starts = np.concatenate(([0], np.cumsum(GRID.prod(1))))
     bad = pixels.clone()
@@ -162,7 +163,7 @@ def test_a_poisoned_item_never_reaches_the_others(qwen, poison):
 
 def test_qwen_returns_every_field_and_tuples(qwen):
     tower, ref_tower = qwen
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     pixels, grid = pixels_for(GRID), torch.from_numpy(GRID)
     with torch.no_grad():
         out, ref = fast(pixels, grid_thw=grid), ref_tower(pixels, grid_thw=grid)
@@ -179,7 +180,7 @@ def test_qwen_returns_every_field_and_tuples(qwen):
 def test_siglip_returns_every_field():
     tower = tiny_siglip()
     ref_tower = copy.deepcopy(tower)
-    fast = encgraph.graphed(tower, budgets=[1, 2, 4])
+    fast = encgraph.graphed(tower, budgets=[1, 2, 4], mode=RunMode.STATIC)
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         assert_same_output(fast(x), ref_tower(x))
@@ -193,7 +194,7 @@ def test_unknown_hf_tower_is_refused_at_wrap_time():
 
     model = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16))
     with pytest.raises(UnsupportedModelError, match="BertModel") as err:
-        encgraph.graphed(model)
+        encgraph.graphed(model, mode=RunMode.STATIC)
     assert "Qwen2.5-VL" in str(err.value) and "SigLIP" in str(err.value)
     assert isinstance(err.value, TypeError) and isinstance(err.value, EncgraphError)
 
@@ -211,7 +212,7 @@ def test_generic_keeps_a_model_output_type():
             return BaseModelOutputWithPooling(last_hidden_state=h, pooler_output=h.mean(-1))
 
     head = Head().requires_grad_(False)
-    fast = encgraph.graphed(head, budgets=[1, 2, 4])
+    fast = encgraph.graphed(head, budgets=[1, 2, 4], mode=RunMode.STATIC)
     x = torch.randn(5, 4)
     out = fast(x)
     assert isinstance(out, BaseModelOutputWithPooling)
@@ -223,7 +224,7 @@ def test_generic_keeps_a_model_output_type():
 
 def test_self_check_drops_budgets_of_a_module_that_mixes_rows(caplog):
     net = SequenceFirst().requires_grad_(False)
-    fast = encgraph.graphed(net, budgets=[1, 2, 4, 8])
+    fast = encgraph.graphed(net, budgets=[1, 2, 4, 8], mode=RunMode.STATIC)
     with caplog.at_level(logging.WARNING, logger="encgraph"):
         for n in (3, 5, 7):
             x = torch.randn(n, 6)
@@ -235,14 +236,14 @@ def test_self_check_drops_budgets_of_a_module_that_mixes_rows(caplog):
     assert any("self-check" in r.message for r in caplog.records)
     assert fast.stats["stock_calls"] == 3 and fast.stats["calls"] == 0
     # Off by choice: the budgets stay (and the module is silently wrong: why the check is on by default).
-    fast = encgraph.graphed(net, budgets=[1, 2, 4, 8], verify=False)
+    fast = encgraph.graphed(net, budgets=[1, 2, 4, 8], verify=False, mode=RunMode.STATIC)
     x = torch.randn(3, 6)
     assert not torch.allclose(fast(x), net(x), atol=1e-3)
 
 
 def test_self_check_keeps_correct_budgets_and_reports_its_cost(qwen):
     tower, _ = qwen
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     info = fast.capture()
     check = info["selfcheck"]
     assert set(check["checked"]["default"]) == set(BUDGETS)
@@ -255,7 +256,7 @@ def test_self_check_keeps_correct_budgets_and_reports_its_cost(qwen):
 
 def test_keywords_the_tower_swallows_are_accepted(qwen):
     tower, ref_tower = qwen
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     pixels, grid = pixels_for(GRID), torch.from_numpy(GRID)
     with torch.no_grad():
         out = fast(pixels, grid_thw=grid, use_cache=False, output_attentions=False)
@@ -266,7 +267,7 @@ def test_keywords_the_tower_swallows_are_accepted(qwen):
 @pytest.mark.parametrize("request_", ["output_hidden_states", "output_attentions"])
 def test_per_layer_requests_are_answered_by_the_tower(qwen, request_):
     tower, ref_tower = qwen
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     pixels, grid = pixels_for(GRID), torch.from_numpy(GRID)
     with torch.no_grad():
         out = fast(pixels, grid_thw=grid, **{request_: True})
@@ -283,7 +284,7 @@ def test_per_layer_requests_are_answered_by_the_tower(qwen, request_):
 def test_fixed_hidden_states_asked_after_capture_are_answered_by_the_tower():
     tower = tiny_siglip()
     ref_tower = copy.deepcopy(tower)
-    fast = encgraph.graphed(tower, budgets=[1, 2, 4])
+    fast = encgraph.graphed(tower, budgets=[1, 2, 4], mode=RunMode.STATIC)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         fast(x)  # captures without hidden states
@@ -300,7 +301,7 @@ def test_fixed_hidden_states_asked_after_capture_are_answered_by_the_tower():
 
 def test_call_after_unwrap_is_a_clear_error(qwen):
     tower, _ = qwen
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     assert fast.unwrap() is tower
     with pytest.raises(ConfigError, match="after unwrap"):
         fast(pixels_for(GRID), grid_thw=torch.from_numpy(GRID))
@@ -309,12 +310,12 @@ def test_call_after_unwrap_is_a_clear_error(qwen):
 def test_unknown_graphed_option_lists_the_valid_ones(qwen):
     tower, _ = qwen
     with pytest.raises(ConfigTypeError, match="budgets") as err:
-        encgraph.graphed(tower, budget=[8])
+        encgraph.graphed(tower, budget=[8], mode=RunMode.STATIC)
     assert "'budget'" in str(err.value) and isinstance(err.value, TypeError)
     # Nothing stays changed on the tower after a refused option.
     assert all(b.attn.config is tower.config for b in tower.blocks)
     with pytest.raises(ConfigError):
-        encgraph.graphed(tower, budgets=[0])
+        encgraph.graphed(tower, budgets=[0], mode=RunMode.STATIC)
     assert all(b.attn.config is tower.config for b in tower.blocks)
 
 
@@ -322,7 +323,7 @@ def test_wrapping_leaves_the_users_config_alone(qwen):
     tower, _ = qwen
     config = tower.config
     before = config._attn_implementation
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     assert tower.config is config and config._attn_implementation == before and fast.config is config
     twin = type(tower)._from_config(tower.config)  # a second tower from the same config, while wrapped
     assert twin.config._attn_implementation == before
@@ -330,7 +331,7 @@ def test_wrapping_leaves_the_users_config_alone(qwen):
 
 def test_measure_costs_takes_the_call_form(qwen):
     tower, _ = qwen
-    runner = encgraph.EncoderGraphRunner(encgraph.models.wrap(tower), budgets=BUDGETS)
+    runner = encgraph.EncoderGraphRunner(encgraph.models.wrap(tower), budgets=BUDGETS, mode=RunMode.STATIC)
     grids = [np.array([[1, 4, 4]]), np.array([[1, 8, 8], [1, 4, 6]]), np.array([[2, 6, 6]])]
     samples = [(pixels_for(g, seed=i), torch.from_numpy(g)) for i, g in enumerate(grids)]
     costs = runner.measure_costs(samples)

@@ -50,7 +50,7 @@ def test_registered(family):
     tower = family.tower()
     assert type(tower.config).__name__ in known_configs()
     assert type(wrap(tower)).__name__ == family.adapter
-    assert type(encgraph.graphed(tower).adapter).__name__ == family.adapter
+    assert type(encgraph.graphed(tower, mode=RunMode.STATIC).adapter).__name__ == family.adapter
 
 
 def test_graphed_equals_tower_per_item(family):
@@ -59,7 +59,7 @@ def test_graphed_equals_tower_per_item(family):
     tower's own forward on that item alone."""
     tower = family.tower()  # frozen: no autograd asked for, so every grad mode replays
     reference = copy.deepcopy(tower)
-    fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4, mode=RunMode.STATIC)
     gen = np.random.default_rng(3)
     for case, mode in enumerate((torch.inference_mode, torch.no_grad, torch.enable_grad)):
         grid = random_grid(gen, 7, family)
@@ -84,7 +84,7 @@ def test_return_tuple(family):
     rows = family.pixels(grid)
     with torch.no_grad():
         want = family.call(reference, rows, grid, reference=True, return_dict=False)
-        got = family.call(encgraph.graphed(tower, budgets=BUDGETS), rows, grid, return_dict=False)
+        got = family.call(encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC), rows, grid, return_dict=False)
     assert isinstance(got, tuple) and len(got) == len(want)
     for a, b in zip(got, want):
         assert rel_err(a, b) < RTOL
@@ -102,7 +102,7 @@ def test_model_features_unchanged(name):
     with torch.no_grad():
         want = [getattr(base, fn)(*args) for fn, args in inputs]
         tower = getattr(base, family.tower_attr)
-        setattr(base, family.tower_attr, encgraph.graphed(tower, budgets=BUDGETS, max_items=2))
+        setattr(base, family.tower_attr, encgraph.graphed(tower, budgets=BUDGETS, max_items=2, mode=RunMode.STATIC))
         got = [getattr(base, fn)(*args) for fn, args in inputs]
     assert getattr(base, family.tower_attr).stats["graph_items"] > 0
     for (fn, _), a, b in zip(inputs, got, want):
@@ -169,7 +169,7 @@ def test_sample_inputs_and_concat(family):
 def test_unwrap_restores_the_tower(family):
     tower = family.tower()
     before = {id(c): c._attn_implementation for c in _configs(tower)}
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     assert fast.unwrap() is tower
     assert {id(c): c._attn_implementation for c in _configs(tower)} == before
     assert all("forward" not in m.__dict__ for m in tower.modules())
@@ -180,7 +180,7 @@ def _configs(tower):
 
 
 def test_bad_inputs(family):
-    fast = encgraph.graphed(family.tower(), budgets=BUDGETS)
+    fast = encgraph.graphed(family.tower(), budgets=BUDGETS, mode=RunMode.STATIC)
     grid = np.array([[1, 4, 4]])
     rows = family.pixels(grid)
     with pytest.raises(InputError, match="patches|rows|strip|sum"):
@@ -215,7 +215,7 @@ def test_calls_the_graphs_leave_to_the_tower(family):
     answered by the tower's own forward with its own attention, counted in ``eager_reasons``."""
     tower = family.tower()
     reference = copy.deepcopy(tower)
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     grid = np.array([[1, 4, 6], [1, 2, 2]])
     rows = family.pixels(grid)
     with torch.no_grad():

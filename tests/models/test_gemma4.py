@@ -73,7 +73,7 @@ def test_registry_ladders_and_routing(tower: torch.nn.Module) -> None:
     from encgraph.packing import dense_ladder
 
     # The runner's dense default ladder, in multiples of each path's smallest budget.
-    assert EncoderGraphRunner(adapter).ladders == {
+    assert EncoderGraphRunner(adapter, mode=RunMode.STATIC).ladders == {
         "image": dense_ladder(140, 2240, allow_zero=True), "video": dense_ladder(70, 1120, allow_zero=True),
     }
     small = wrap(tower, **OPTIONS)
@@ -96,7 +96,7 @@ def test_registry_ladders_and_routing(tower: torch.nn.Module) -> None:
 @pytest.mark.parametrize("mode", sorted(GRAD_MODES))
 def test_graphed_tower_equals_tower_per_item(tower: torch.nn.Module, mode: str) -> None:
     """Images of both paths in one call (and a call of frames only), each item equal to the tower's rows."""
-    fast = encgraph.graphed(tower, adapter_options=OPTIONS)
+    fast = encgraph.graphed(tower, adapter_options=OPTIONS, mode=RunMode.STATIC)
     try:
         with grad_mode(mode):
             check_call(fast, tower, IMAGES, 108, seed=1)
@@ -110,7 +110,7 @@ def test_graphed_tower_equals_tower_per_item(tower: torch.nn.Module, mode: str) 
 
 def test_any_row_order_and_return_dict(tower: torch.nn.Module) -> None:
     """Real and padding rows in any order (the tower pools by position): the host layout finds every block."""
-    fast = encgraph.graphed(tower, adapter_options=OPTIONS)
+    fast = encgraph.graphed(tower, adapter_options=OPTIONS, mode=RunMode.STATIC)
     try:
         check_call(fast, tower, IMAGES[:4], 108, seed=3, shuffle=True)
         pv, pos = gemma4_batch(IMAGES[:2], 108, C, seed=4)
@@ -142,7 +142,7 @@ def test_full_model_feature_functions(mode: str) -> None:
         want_image = model.get_image_features(pv, pos)
         want_video = video_features(model, frames, frame_pos)
     original = model.vision_tower
-    model.vision_tower = encgraph.graphed(original, adapter_options=OPTIONS)
+    model.vision_tower = encgraph.graphed(original, adapter_options=OPTIONS, mode=RunMode.STATIC)
     try:
         with grad_mode(mode):
             got_image = model.get_image_features(pv, pos)

@@ -55,7 +55,7 @@ def test_sequential_any_batch_size(mode):
 def test_structured_outputs_keep_their_type(as_dict):
     torch.manual_seed(0)
     net = TwoHeads(as_dict)
-    fast = encgraph.graphed(net, budgets=LADDER)
+    fast = encgraph.graphed(net, budgets=LADDER, mode=RunMode.STATIC)
     for n in (1, 3, 6):
         x, scale = inputs(n, seed=n)
         out, ref = fast(x, scale), net(x, scale)
@@ -70,15 +70,15 @@ def test_structured_outputs_keep_their_type(as_dict):
 def test_example_allows_capture_before_the_first_call():
     net = sequential()
     with pytest.raises(ConfigError, match="example="):
-        encgraph.graphed(net, budgets=LADDER).capture()
-    fast = encgraph.graphed(net, adapter_options={"example": torch.zeros(1, 8)}, budgets=LADDER)
+        encgraph.graphed(net, budgets=LADDER, mode=RunMode.STATIC).capture()
+    fast = encgraph.graphed(net, adapter_options={"example": torch.zeros(1, 8)}, budgets=LADDER, mode=RunMode.STATIC)
     fast.capture()
     x = torch.randn(3, 8)
     assert_items_close(fast(x), net(x).detach())
 
 
 def test_bad_calls_raise_clear_errors():
-    fast = encgraph.graphed(TwoHeads(), budgets=LADDER)
+    fast = encgraph.graphed(TwoHeads(), budgets=LADDER, mode=RunMode.STATIC)
     x, scale = inputs(3, seed=0)
     with pytest.raises(InputTypeError, match="keyword arguments"):
         fast(x, scale=scale)
@@ -92,4 +92,4 @@ def test_bad_calls_raise_clear_errors():
     with pytest.raises(InputTypeError, match="batch-first tensor"):
         fast(x, 2.0)
     with pytest.raises(EncgraphError):
-        encgraph.graphed("not a module")
+        encgraph.graphed("not a module", mode=RunMode.STATIC)

@@ -11,6 +11,7 @@ import torch
 vision_utils = pytest.importorskip("transformers.vision_utils")
 
 import encgraph  # noqa: E402
+from encgraph.capture.records import RunMode
 from encgraph.errors import InputError  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models.kimi_k25 import bicubic_taps, merge_layout  # noqa: E402
@@ -63,7 +64,7 @@ def test_merge_layout_is_transformers_up_to_the_unit_offsets():
 
 
 def test_video_longer_than_the_time_table_is_refused():
-    fast = encgraph.graphed(KIMI.tower(), budgets=[8, 16])
+    fast = encgraph.graphed(KIMI.tower(), budgets=[8, 16], mode=RunMode.STATIC)
     grid = np.array([[5, 2, 2]])  # pos_emb_time is 4
     with pytest.raises(InputError, match="pos_emb_time"):
         fast(KIMI.pixels(grid), torch.from_numpy(grid))
@@ -71,7 +72,7 @@ def test_video_longer_than_the_time_table_is_refused():
 
 def test_runner_results_hold_the_pooled_tokens_first():
     adapter = wrap(KIMI.tower())
-    runner = encgraph.EncoderGraphRunner(adapter, budgets=[16, 32])
+    runner = encgraph.EncoderGraphRunner(adapter, budgets=[16, 32], mode=RunMode.STATIC)
     grid = np.array([[3, 4, 4], [1, 2, 4]])
     inputs = adapter.inputs(KIMI.pixels(grid), grid)
     with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 vision_utils = pytest.importorskip("transformers.vision_utils")
 
 import encgraph  # noqa: E402
+from encgraph.capture.records import RunMode
 from encgraph.errors import InputError, InputTypeError  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models.protocol import StockCall  # noqa: E402
@@ -48,7 +49,7 @@ def test_tower_without_the_merger():
     config = MiniCPMV4_6VisionConfig(**dict(MINICPM_VISION, insert_layer_id=-1))
     tower = MiniCPMV4_6VisionModel._from_config(config).eval()
     reference = copy.deepcopy(tower)
-    fast = encgraph.graphed(tower, budgets=[16, 64])
+    fast = encgraph.graphed(tower, budgets=[16, 64], mode=RunMode.STATIC)
     assert fast.adapter.merge == 1 and "window_index" not in fast.adapter.buffer_specs("default", 16, 4, 4)
     grid = np.array([[1, 3, 5], [1, 8, 8], [1, 2, 1]])  # no merger: any size; 64 tokens fill the budget exactly
     rows = MINICPM.pixels(grid)
@@ -83,7 +84,7 @@ def test_calls_left_to_the_tower():
     (np.zeros((1, 3, 2, 32)), torch.tensor([[4, 4]]), InputTypeError, "torch.Tensor"),
 ], ids=["rows", "batch", "width", "odd", "columns", "float", "numpy"])
 def test_bad_strips(pixels, sizes_, error, match):
-    fast = encgraph.graphed(MINICPM.tower(), budgets=[8, 16])
+    fast = encgraph.graphed(MINICPM.tower(), budgets=[8, 16], mode=RunMode.STATIC)
     with pytest.raises(error, match=match):
         fast(pixels, target_sizes=sizes_)
 
@@ -93,7 +94,7 @@ def test_four_x_mode_is_answered_by_the_tower():
     """``use_vit_merger=False`` (the model's "4x" mode: no merge in the tower) runs the tower's own forward."""
     tower = MINICPM.tower()
     reference = copy.deepcopy(tower)
-    fast = encgraph.graphed(tower, budgets=[8, 16])
+    fast = encgraph.graphed(tower, budgets=[8, 16], mode=RunMode.STATIC)
     grid = np.array([[1, 4, 6], [1, 2, 2]])
     pixels, sizes_ = strip(MINICPM.pixels(grid)), torch.from_numpy(grid[:, 1:])
     with torch.no_grad():

@@ -1,8 +1,9 @@
 """The Hugging Face drop-in on a whole model: a tiny random Qwen2.5-VL (built locally, no download) gives the same
-logits and generates the same tokens (greedy) with ``model.model.visual = encgraph.graphed(model.model.visual)``."""
+logits and generates the same tokens (greedy) with ``model.model.visual = encgraph.graphed(model.model.visual, mode=RunMode.STATIC)``."""
 
 from __future__ import annotations
 
+from encgraph.capture.records import RunMode
 import pytest
 import torch
 
@@ -67,7 +68,7 @@ def test_drop_in_generates_the_same_tokens():
 
     visual = model.model.visual
     before = visual.config._attn_implementation
-    model.model.visual = encgraph.graphed(visual, budgets=[4, 8, 16], max_items=2)
+    model.model.visual = encgraph.graphed(visual, budgets=[4, 8, 16], max_items=2, mode=RunMode.STATIC)
     with torch.no_grad():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False)
@@ -119,7 +120,7 @@ def test_full_model_call_patterns_with_the_tower_graphed(build):
         ref_gen = model.generate(**inputs, **kwargs)
         ref_feat = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
         ref_att = model(**inputs, output_attentions=True)
-    model.model.visual = encgraph.graphed(model.model.visual, budgets=[4, 8, 16], max_items=2)
+    model.model.visual = encgraph.graphed(model.model.visual, budgets=[4, 8, 16], max_items=2, mode=RunMode.STATIC)
     with torch.no_grad():
         gen = model.generate(**inputs, **kwargs)
         feat = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])

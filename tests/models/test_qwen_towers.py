@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from encgraph.capture.records import RunMode
 import encgraph
 from encgraph.models import wrap
 from encgraph.models.attention import ATTENTION_NAME
@@ -69,7 +70,7 @@ def towers(family, qwen_towers):
 
 def test_graphed_equals_tower_per_item(family, towers, make_grid, make_pixels):
     tower, ref_tower = towers
-    fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4, mode=RunMode.STATIC)
     assert isinstance(fast.adapter, ADAPTERS[family])
     gen = np.random.default_rng(3)
     for case in range(6):
@@ -109,7 +110,7 @@ def test_static_forward_with_stale_buffers_matches(towers, make_grid, make_pixel
     # A batch after a larger one: every row of every buffer is rewritten (fill rules), nothing stale leaks.
     tower, ref_tower = towers
     adapter = wrap(tower)
-    runner = encgraph.EncoderGraphRunner(adapter, budgets=[64], max_items=4)
+    runner = encgraph.EncoderGraphRunner(adapter, budgets=[64], max_items=4, mode=RunMode.STATIC)
     big = np.array([[1, 8, 8], [2, 4, 6], [1, 2, 2]])
     runner(adapter.inputs(make_pixels(big, seed=1) * 1e3, big))
     small = np.array([[1, 2, 4]])
@@ -138,7 +139,7 @@ def test_unwrap_restores_attention(towers):
     tower, _ = towers
     config = tower.config
     before = config._attn_implementation
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     # The attention modules read the packed implementation from a private copy; the tower's own config (the
     # user's, and the full model's vision_config) is untouched.
     assert tower.config is config and config._attn_implementation == before
@@ -149,7 +150,7 @@ def test_unwrap_restores_attention(towers):
 
 def test_last_hidden_state_and_tuple_output(towers, make_pixels):
     tower, ref_tower = towers
-    fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4, adapter_options={"last_hidden_state": True})
+    fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4, adapter_options={"last_hidden_state": True}, mode=RunMode.STATIC)
     grid = np.array([[1, 4, 6], [2, 2, 4], [1, 6, 2]])
     pixels = make_pixels(grid)
     with torch.no_grad():
@@ -188,7 +189,7 @@ BAD = [
 @pytest.mark.parametrize("what, make, error, match", BAD, ids=[b[0] for b in BAD])
 def test_bad_inputs(qwen_towers, make_pixels, what, make, error, match):
     torch.manual_seed(0)
-    fast = encgraph.graphed(qwen_towers["qwen2_5_vl"](), budgets=BUDGETS)
+    fast = encgraph.graphed(qwen_towers["qwen2_5_vl"](), budgets=BUDGETS, mode=RunMode.STATIC)
     grid = torch.tensor([[1, 4, 4], [2, 2, 2]])
     pixels = make_pixels(grid.numpy())
     with pytest.raises(error, match=match):
@@ -197,7 +198,7 @@ def test_bad_inputs(qwen_towers, make_pixels, what, make, error, match):
 
 def test_precomputed_metadata_keywords_are_accepted(towers, make_pixels):
     tower, ref_tower = towers
-    fast = encgraph.graphed(tower, budgets=BUDGETS)
+    fast = encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)
     grid = torch.tensor([[1, 4, 4]])
     pixels = make_pixels(grid.numpy())
     out = fast(pixels, grid_thw=grid, cu_seqlens=torch.tensor([0, 16], dtype=torch.int32), output_attentions=False)
@@ -207,7 +208,7 @@ def test_precomputed_metadata_keywords_are_accepted(towers, make_pixels):
 
 def test_tuple_output_needs_last_hidden_state(qwen_towers, make_pixels):
     torch.manual_seed(0)
-    fast = encgraph.graphed(qwen_towers["qwen2_5_vl"](), budgets=BUDGETS, adapter_options={"last_hidden_state": False})
+    fast = encgraph.graphed(qwen_towers["qwen2_5_vl"](), budgets=BUDGETS, adapter_options={"last_hidden_state": False}, mode=RunMode.STATIC)
     grid = torch.tensor([[1, 4, 4]])
     with pytest.raises(encgraph.InputError, match="last_hidden_state=False"):
         fast(make_pixels(grid.numpy()), grid_thw=grid, return_dict=False)

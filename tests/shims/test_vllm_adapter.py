@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.shims.vllm import OUTPUT, VllmProtocolAdapter
@@ -21,7 +22,7 @@ VIDEOS = [[2, 2, 4], [1, 4, 4], [2, 4, 2], [3, 2, 2]]
 
 def runner_for(model, **options):
     adapter = VllmProtocolAdapter(model)
-    return adapter, EncoderGraphRunner(adapter, **options)
+    return adapter, EncoderGraphRunner(adapter, **{"mode": RunMode.STATIC, **options})
 
 
 @pytest.mark.parametrize("grad", ["inference_mode", "no_grad", "plain"])
@@ -42,21 +43,22 @@ def test_runner_equals_eager_forward_per_item(grid, video, grad):
     assert sum(stats["paths"]["default"]["replays"].values()) > 0
 
 
-def test_held_buffers_follow_vllm_rules():
+def test_capture_values_are_the_models_own_and_follow_vllm_rules():
     model = ToyVit()
     adapter = VllmProtocolAdapter(model)
-    specs = adapter.buffer_specs("default", 8, 2, 4)
-    # Device tensors without a padding logic are runner buffers; cu_seqlens (padding logic) and max_seqlen
-    # (0-d, the capture bound) are kept per budget as the model returned them.
-    assert sorted(specs) == ["pixel_values", "pos"]
-    held = adapter._held[("default", 8)]
-    assert sorted(held) == ["cu_seqlens", "max_seqlen"] and int(held["max_seqlen"]) == 8 * 4
+    # No runner buffers: every capture value is kept per budget as the model returned it (buffer identity).
+    assert adapter.buffer_specs("default", 8, 2, 4) == {}
+    held = adapter.captured_values("default", 8)
+    assert sorted(held) == ["cu_seqlens", "max_seqlen", "pixel_values", "pos"] and int(held["max_seqlen"]) == 8 * 4
     assert held["cu_seqlens"].shape == (5,)
+    pixels = held["pixel_values"]
     inputs = toy_inputs([[1, 2, 2], [1, 2, 4]])
-    values = adapter.replay_values("default", inputs, 8)
-    assert sorted(values) == ["pixel_values", "pos"]
+    assert adapter.replay_values("default", inputs, 8) == {}
+    assert held["pixel_values"] is pixels  # refreshed in place, never replaced
     assert held["cu_seqlens"].tolist() == [0, 4, 12, 12, 12]  # repeat-last padding logic, in place
     assert int(held["max_seqlen"]) == 8  # 0-d values are copied, as vLLM's manager does
+    torch.testing.assert_close(pixels[:12], inputs["pixel_values"])
+    assert not pixels[12:].any()  # no padding logic: zeroed past the replay's rows (vLLM's _copy_padded_buffer)
 
 
 def test_frames_over_the_limit_run_eagerly():
@@ -93,7 +95,7 @@ def test_budget_range_and_config():
     assert adapter.config.max_frames_per_item == 2
     from encgraph.packing import dense_ladder
 
-    assert EncoderGraphRunner(adapter).ladders == {"default": dense_ladder(8, 40)}
+    assert EncoderGraphRunner(adapter, mode=RunMode.STATIC).ladders == {"default": dense_ladder(8, 40)}
     assert VllmProtocolAdapter(ToyVit(), budget_range=(16, 16)).config.path("default").min_budget == 16
 
 
@@ -131,16 +133,22 @@ def test_unsupported_protocol_features_are_refused():
         VllmProtocolAdapter(CustomPost())
 
 
-def test_none_for_a_runner_buffer_is_an_error():
+def test_none_or_a_missing_replay_value_keeps_the_captured_buffer():
+    # vLLM's EncoderCudaGraphReplayBuffers: a None value leaves the captured buffer as it is.
     class Forgetful(ToyVit):
         def prepare_encoder_cudagraph_replay_buffers(self, mm_kwargs, *args, **kwargs):
             out = super().prepare_encoder_cudagraph_replay_buffers(mm_kwargs, *args, **kwargs)
             out.values["pos"] = None
+            del out.values["max_seqlen"]
             return out
 
     adapter, runner = runner_for(Forgetful(), budgets=[8])
-    with pytest.raises(ConfigError, match="'pos' is None, but it is a runner buffer"):
-        runner(toy_inputs([[1, 2, 2]]))
+    runner.capture()
+    held = adapter.captured_values("default", 8)
+    before = {k: held[k].clone() for k in ("pos", "max_seqlen")}
+    assert len(runner(toy_inputs([[1, 2, 2]]))) == 1
+    for key, value in before.items():
+        assert torch.equal(held[key], value), key
 
 
 def test_optional_methods_only_when_given():
@@ -177,7 +185,7 @@ def test_hf_tower_through_the_protocol_equals_hf_forward():
     model = HFQwenProtocol(tiny_qwen2_5_vl(), max_frames_per_video=2)
     adapter = VllmProtocolAdapter(model, budget_range=(8, 64))
     assert set(adapter._padding) == {"cu_seqlens", "cu_window_seqlens", "window_index"}
-    runner = EncoderGraphRunner(adapter, budgets=[8, 16, 32], max_items=4)
+    runner = EncoderGraphRunner(adapter, budgets=[8, 16, 32], max_items=4, mode=RunMode.STATIC)
     grid = [[1, 4, 6], [1, 8, 8], [2, 4, 4], [1, 12, 12], [1, 2, 4]]  # 144 tokens: over the largest budget
     channels = adapter.model.qwen.channels
     inputs = {"pixel_values": torch.randn(sum(t * h * w for t, h, w in grid), channels), "image_grid_thw": grid}

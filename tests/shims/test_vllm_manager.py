@@ -188,7 +188,8 @@ def test_capture_uses_the_pool_and_clear_releases(captured):  # (vLLM: capture /
     assert mgr.get_cumulative_stats()["num_budgets"] == len([16, 64])
     mgr.clear()
     assert mgr.graph_pool is None and not mgr.is_captured() and not mgr.runner.captured
-    assert mgr.execute(toy_inputs([[1, 4, 4]])) is None  # vLLM's model runner then calls embed_multimodal
+    with pytest.raises(RuntimeError, match="before capture"):  # vLLM's manager fails there too
+        mgr.execute(toy_inputs([[1, 4, 4]]))
     mgr.capture(graph_pool=pool)
     assert len(mgr.execute(toy_inputs([[1, 4, 4]]))) == 1
 
@@ -245,6 +246,6 @@ def test_init_errors(kwargs, match):  # (vLLM: TestInitInvariantValidation)
 
 def test_videos_disabled_gives_image_limits():
     mgr = shim_manager(budgets=[16, 64], max_items=4, video_limit=0)
-    assert mgr.max_frames_per_batch == 0 and mgr.runner.limits.max_frames == 4
+    assert mgr.max_frames_per_batch == 0 and mgr.runner.limits.max_frames == 4 and mgr.runner.limits.max_items == 4
     mgr.capture(graph_pool=object())
     assert_items_close(mgr.execute(toy_inputs([[1, 4, 4]] * 5)), eager_per_item(mgr.model, toy_inputs([[1, 4, 4]] * 5)))

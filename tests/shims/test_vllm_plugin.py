@@ -51,8 +51,9 @@ def test_vllm_loads_the_plugin_and_its_model_runner_builds_the_encgraph_manager(
     monkeypatch.setenv("VLLM_PLUGINS", "encgraph")
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()  # vLLM's own loader, as its engine and workers call it
-    assert manager_module.EncoderCudaGraphManager is shim.make_manager
-    assert model_states.EncoderCudaGraphManager is shim.make_manager
+    assert manager_module.EncoderCudaGraphManager is shim.EncoderCudaGraphManager
+    assert model_states.EncoderCudaGraphManager is shim.EncoderCudaGraphManager
+    assert issubclass(shim.EncoderCudaGraphManager, ORIGINAL)
     shim.register()  # loaded again in another place: idempotent
     assert shim._vllm_manager_class() is ORIGINAL
 
@@ -83,10 +84,8 @@ class WithAxes(ToyVit):
 def test_what_the_shim_does_not_serve_keeps_vllms_manager(model, config, caplog):
     reason = shim.fallback_reason(config, model)
     assert reason
-    built = shim.make_manager(config, torch.device("cpu"), torch.float32, model)
-    assert type(built) is ORIGINAL
-    with pytest.raises(TypeError, match="cannot serve"):
-        shim.EncoderCudaGraphManager(config, torch.device("cpu"), torch.float32, model)
+    for build in (shim.make_manager, shim.EncoderCudaGraphManager):
+        assert type(build(config, torch.device("cpu"), torch.float32, model)) is ORIGINAL
 
 
 def test_environment_options(monkeypatch, tmp_path):

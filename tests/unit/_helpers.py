@@ -21,3 +21,12 @@ def check_bad_argument(call: Callable[[], object], exc: type[BaseException], mat
     if exc is not TypeError:
         assert isinstance(info.value, EncgraphError)
         assert isinstance(info.value, ValueError if exc is ConfigError else TypeError)
+
+
+def smoke_env() -> object:
+    """The benchmarks' environment of a ``--cpu-smoke`` run (one run, no warm-up, seed 0)."""
+    import argparse
+
+    from benches.lib.env import make_env
+
+    return make_env(argparse.Namespace(cpu_smoke=True, runs=1, warmup=0, seed=0))

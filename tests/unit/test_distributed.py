@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from encgraph.capture.records import RunMode
 from encgraph.capture import EncoderGraphRunner
 from encgraph.capture.distributed import (
     DataParallelEncoder,
@@ -138,7 +139,7 @@ def check_against_single_process(report: Report, adapter: ToyAdapter, inputs: To
                                  tag: str) -> None:
     """Per item: exactly the single-process runner's result on the share the item ran in (the same plan, the
     same padded buffers, so the same bits), and close to a single-process run of the whole call and to eager."""
-    single = EncoderGraphRunner(adapter)
+    single = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
     exact: list[Any] = [None] * inputs.n
     for share in shares_of(adapter, inputs, world):
         if share:
@@ -204,7 +205,7 @@ def check_structured_calls(report: Report, adapter: ToyAdapter, calls: list[tupl
 def make_scenarios(rank: int, world: int) -> list[Callable[[Report], None]]:
     def toy_calls(report: Report) -> None:
         adapter = one_path()
-        runner = EncoderGraphRunner(adapter)
+        runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
         dp = DataParallelEncoder(runner)
         total_items, total_tokens, idle = 0, 0, 0
         for n, seed in [(7, 1), (1, 2), (world - 1, 3), (2 * world + 3, 4), (1, 5)]:
@@ -234,7 +235,7 @@ def make_scenarios(rank: int, world: int) -> list[Callable[[Report], None]]:
 
     def two_path_calls(report: Report) -> None:
         adapter = two_path()
-        dp = DataParallelEncoder(EncoderGraphRunner(adapter))
+        dp = DataParallelEncoder(EncoderGraphRunner(adapter, mode=RunMode.STATIC))
         for n, seed in [(9, 11), (1, 12), (2, 13)]:
             inputs = make_inputs(adapter, n, seed)
             check_against_single_process(report, adapter, inputs, dp(inputs), world, f"two paths, {n} items")
@@ -245,7 +246,7 @@ def make_scenarios(rank: int, world: int) -> list[Callable[[Report], None]]:
 
     def failures(report: Report) -> None:
         adapter = one_path()
-        runner = EncoderGraphRunner(adapter)
+        runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
         inputs = make_inputs(adapter, 1, 31)  # one item: rank 0 runs it, the others are idle
 
         def boom(sub: ToyInputs) -> list:
@@ -289,7 +290,7 @@ def test_world_of_one_in_process(tmp_path):
                             timeout=GLOO_TIMEOUT)
     try:
         adapter = two_path()
-        runner = EncoderGraphRunner(adapter)
+        runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
         dp = DataParallelEncoder(runner)
         assert repr(dp).startswith("DataParallelEncoder(rank=0, world_size=1, backend='gloo'")
         inputs = make_inputs(adapter, 6, 3)
@@ -309,7 +310,7 @@ def test_world_of_one_in_process(tmp_path):
 
 def test_needs_an_initialised_group():
     with pytest.raises(ConfigError, match="init_process_group"):
-        DataParallelEncoder(EncoderGraphRunner(one_path()))
+        DataParallelEncoder(EncoderGraphRunner(one_path(), mode=RunMode.STATIC))
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ def assert_same(out, ref, tol=1e-5):
 @pytest.mark.parametrize("make", [one_path, two_path])
 def test_random_mixes_equal_eager_per_item(make):
     adapter = make(min_budget=16, max_budget=128)
-    runner = EncoderGraphRunner(adapter)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
     gen = np.random.default_rng(0)
     for _ in range(25):
         inputs = random_inputs(gen, adapter, int(gen.integers(1, 24)), max_len=70, max_frames=3)
@@ -51,7 +51,7 @@ def test_random_mixes_equal_eager_per_item(make):
 
 def test_partial_eager_only_on_overflowing_path():
     adapter = two_path(min_budget=16, max_budget=64)
-    runner = EncoderGraphRunner(adapter)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
     # Item 0: global fits, local overflows (100 rows > 64). Item 1: both fit.
     seqs = {"global": ((10,), (12,)), "local": ((50, 50), (20,))}
     rows = {p: torch.randn(sum(map(sum, s)), 6) for p, s in seqs.items()}
@@ -67,7 +67,7 @@ def test_partial_eager_only_on_overflowing_path():
 
 def test_frames_over_limit_run_eagerly_alone():
     adapter = one_path(min_budget=16, max_budget=256)
-    runner = EncoderGraphRunner(adapter, max_items=4, max_frames=4)
+    runner = EncoderGraphRunner(adapter, max_items=4, max_frames=4, mode=RunMode.STATIC)
     seqs = {"default": ((3, 3, 3, 3, 3, 3), (5,), (7, 2))}
     inputs = ToyInputs({"default": torch.randn(32, 6)}, seqs)
     assert_same(runner(inputs), reference(adapter, inputs))
@@ -76,7 +76,7 @@ def test_frames_over_limit_run_eagerly_alone():
 
 def test_empty_path_items_have_only_global_rows():
     adapter = two_path()
-    runner = EncoderGraphRunner(adapter)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
     seqs = {"global": ((8,), (9,)), "local": ((), ())}
     inputs = ToyInputs({"global": torch.randn(17, 6), "local": torch.randn(0, 6)}, seqs)
     out = runner(inputs)
@@ -88,7 +88,7 @@ def test_empty_path_items_have_only_global_rows():
 @given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 60)), min_size=1, max_size=30), st.integers(1, 8))
 def test_stats_never_lose_or_double_count(sizes, max_items):
     adapter = one_path(min_budget=16, max_budget=128)
-    runner = EncoderGraphRunner(adapter, max_items=max_items)
+    runner = EncoderGraphRunner(adapter, max_items=max_items, mode=RunMode.STATIC)
     seqs = {"default": tuple((n,) * f for f, n in sizes)}
     inputs = ToyInputs({"default": torch.randn(sum(f * n for f, n in sizes), 6)}, seqs)
     out = runner(inputs)
@@ -104,7 +104,7 @@ def test_eager_mode_and_static_mode_agree():
     adapter = two_path(min_budget=16, max_budget=128)
     gen = np.random.default_rng(3)
     inputs = random_inputs(gen, adapter, 12)
-    static = EncoderGraphRunner(adapter)(inputs)
+    static = EncoderGraphRunner(adapter, mode=RunMode.STATIC)(inputs)
     eager_runner = EncoderGraphRunner(adapter, mode=RunMode.EAGER)
     assert_same(eager_runner(inputs), static)
     assert eager_runner.stats["graph_items"] == 0
@@ -112,7 +112,7 @@ def test_eager_mode_and_static_mode_agree():
 
 def test_concurrent_calls_are_serialised():
     adapter = one_path(min_budget=16, max_budget=128)
-    runner = EncoderGraphRunner(adapter)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
     gen = np.random.default_rng(4)
     batches = [random_inputs(gen, adapter, 10) for _ in range(6)]
     refs = [reference(adapter, b) for b in batches]
@@ -147,18 +147,18 @@ def test_concurrent_calls_are_serialised():
 )
 def test_bad_runner_arguments(kwargs, error, words):
     with pytest.raises(error, match=words) as info:
-        EncoderGraphRunner(one_path(), **kwargs)
+        EncoderGraphRunner(one_path(), **{"mode": RunMode.STATIC, **kwargs})
     assert isinstance(info.value, EncgraphError)
 
 
 def test_not_an_adapter():
     with pytest.raises(ConfigTypeError, match="EncoderAdapter"):
-        EncoderGraphRunner(object())
+        EncoderGraphRunner(object(), mode=RunMode.STATIC)
 
 
 def test_bad_inputs_raise_clear_errors():
     adapter = one_path()
-    runner = EncoderGraphRunner(adapter)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
     with pytest.raises(InputError, match="empty"):
         runner(ToyInputs({"default": torch.randn(0, 6)}, {"default": ()}))
     with pytest.raises(InputTypeError):
@@ -175,7 +175,7 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_failed_budget_is_dropped_from_planning():
     adapter = one_path(min_budget=16, max_budget=128)
-    runner = EncoderGraphRunner(adapter, budgets=(16, 32, 64, 128))
+    runner = EncoderGraphRunner(adapter, budgets=(16, 32, 64, 128), mode=RunMode.STATIC)
     runner.failed["default"][32] = "simulated"
     assert 32 not in runner.planning_ladders["default"]
     inputs = ToyInputs({"default": torch.randn(20, 6)}, {"default": ((20,),)})
@@ -189,7 +189,7 @@ def test_generic_graphed_module_any_batch_size():
     # answered by the module's own forward (tests/models/test_dropin.py).
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
     net.requires_grad_(False)
-    fast = encgraph.graphed(net, budgets=[1, 2, 4, 8])
+    fast = encgraph.graphed(net, budgets=[1, 2, 4, 8], mode=RunMode.STATIC)
     for b in (1, 3, 8, 9, 21):
         x = torch.randn(b, 8)
         torch.testing.assert_close(fast(x), net(x), rtol=1e-6, atol=1e-6)
@@ -201,7 +201,7 @@ def test_measured_costs_tuning_and_recapture():
     from encgraph.packing import CostModel
 
     adapter = one_path(min_budget=16, max_budget=256)
-    runner = EncoderGraphRunner(adapter, record=50, budgets=(16, 32, 64, 128, 256))
+    runner = EncoderGraphRunner(adapter, record=50, budgets=(16, 32, 64, 128, 256), mode=RunMode.STATIC)
     gen = np.random.default_rng(5)
     samples = [random_inputs(gen, adapter, n, max_len=40, max_frames=1) for n in (1, 2, 4, 8)]
     costs = runner.measure_costs(samples, repeats=1)
@@ -221,7 +221,7 @@ def test_measured_costs_tuning_and_recapture():
 
 def test_tune_without_records_raises():
     with pytest.raises(ConfigError, match="record"):
-        EncoderGraphRunner(one_path()).tune(max_budgets=2)
+        EncoderGraphRunner(one_path(), mode=RunMode.STATIC).tune(max_budgets=2)
 
 
 def test_process_group_option_world_of_one(tmp_path):

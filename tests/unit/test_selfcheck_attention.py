@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import encgraph.capture.capture
 from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.protocol import BudgetUnit, BufferSpec, FillRule, PathSpec
 from encgraph.capture.selfcheck import SPLIT_SEQUENCES, _attention_terms
@@ -47,6 +48,17 @@ class Graph:
         self.last_ms = FIXED_MS + MS_PER_ROW2 * float((np.diff(cu) ** 2).sum())
 
 
+@pytest.fixture(autouse=True)
+def simulated_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replays are timed by the cost the stand-in graph computes from its buffers, not by the host's clock."""
+
+    def time_host(fn, repeats, device):
+        fn()
+        return fn.__self__.last_ms
+
+    monkeypatch.setattr(encgraph.capture.capture, "time_host", time_host)
+
+
 def runner(ladder: tuple[int, ...], *, unit: BudgetUnit = BudgetUnit.TOKENS, slots: int = 66, fail: bool = False):
     buffers = PathBuffers("default", {b: _specs(b, slots) for b in ladder}, torch.device("cpu"))
     seen: list[np.ndarray] = []
@@ -55,13 +67,8 @@ def runner(ladder: tuple[int, ...], *, unit: BudgetUnit = BudgetUnit.TOKENS, slo
         graph = Graph(buffers.view(b), seen, fail)
         records[b] = types.SimpleNamespace(path="default", budget=b, graph=graph, inputs=buffers.view(b), replay_ms=1.0)
     spec = PathSpec("default", min(ladder), max(ladder), unit=unit)
-
-    def time_host(fn, repeats):
-        fn()
-        return fn.__self__.last_ms
-
     r = types.SimpleNamespace(records={"default": records}, buffers={"default": buffers},
-                              config=types.SimpleNamespace(path=lambda name: spec), _time_host=time_host)
+                              config=types.SimpleNamespace(path=lambda name: spec), device=torch.device("cpu"))
     return r, seen
 
 

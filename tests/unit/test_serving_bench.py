@@ -33,7 +33,7 @@ def test_inprocess_smoke_writes_every_point(tmp_path):
     assert written["towers"].keys() == data["towers"].keys() == set(serving.TOWERS)
     for tower in written["towers"].values():
         result = tower["inprocess"]
-        assert result["capture"]["mode"] == "static"
+        assert result["capture"]["mode"] == "eager"  # the runner's CPU default
         assert set(result["points"]) == set(serving.SYSTEMS)
         for system, by_c in result["points"].items():
             assert set(by_c) == {"2"}

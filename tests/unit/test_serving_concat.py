@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from encgraph.capture.records import RunMode
 import encgraph
 from encgraph.errors import InputError, InputTypeError
 from encgraph.models.registry import wrap
@@ -40,7 +41,7 @@ def test_qwen_requests_coalesce_per_item_equal_to_the_tower(make):
     with torch.no_grad():
         refs = [tower(pv, grid_thw=g).pooler_output for pv, g in requests]
     adapter = wrap(make_copy(tower, make))
-    runner = encgraph.EncoderGraphRunner(adapter, budgets=[16, 32, 64, 128])
+    runner = encgraph.EncoderGraphRunner(adapter, budgets=[16, 32, 64, 128], mode=RunMode.STATIC)
     with BatchingFront(runner, max_wait_ms=WAIT_MS, max_requests=3) as front:
         futures = [front.submit(adapter.inputs(pv, g)) for pv, g in requests]
         results = [f.result(TIMEOUT) for f in futures]
@@ -78,7 +79,7 @@ def test_siglip_graphed_module_gets_its_own_output_per_request():
     tower = tiny_siglip()
     torch.manual_seed(0)
     twin = tiny_siglip()
-    fast = encgraph.graphed(twin, budgets=[1, 2, 4, 8])
+    fast = encgraph.graphed(twin, budgets=[1, 2, 4, 8], mode=RunMode.STATIC)
     batches = [torch.randn(n, 3, 32, 32) for n in (1, 3, 2)]
     with torch.no_grad():
         refs = [tower(pixel_values=b) for b in batches]
@@ -98,7 +99,7 @@ def test_siglip_graphed_module_gets_its_own_output_per_request():
 
 def test_generic_concat_joins_every_positional_tensor():
     net = torch.nn.Bilinear(3, 4, 2)
-    adapter = encgraph.graphed(net, budgets=[1, 2]).adapter
+    adapter = encgraph.graphed(net, budgets=[1, 2], mode=RunMode.STATIC).adapter
     a = (torch.randn(2, 3), torch.randn(2, 4))
     b = (torch.randn(1, 3), torch.randn(1, 4))
     joined = adapter.concat([a, b])
@@ -119,7 +120,7 @@ def test_deepseek_two_paths_coalesce_per_image_equal_to_the_model():
     with torch.no_grad():
         refs = [model.model.get_image_features(pv, local, torch.tensor(t)).pooler_output for pv, local, t in requests]
     adapter = make_adapter(model)
-    runner = encgraph.EncoderGraphRunner(adapter)
+    runner = encgraph.EncoderGraphRunner(adapter, mode=RunMode.STATIC)
     with BatchingFront(runner, max_wait_ms=WAIT_MS, max_requests=3) as front:
         futures = [front.submit(adapter.inputs_from_call(pv, local, t)) for pv, local, t in requests]
         results = [f.result(TIMEOUT) for f in futures]

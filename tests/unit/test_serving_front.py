@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from encgraph.capture.records import RunMode
 import encgraph
 from encgraph.errors import ConfigError, ConfigTypeError, InputError, OverloadedError, ShutdownError
 from encgraph.serving import BatchingFront
@@ -54,7 +55,7 @@ class Gate:
 
 def _graphed() -> tuple[Net, encgraph.graphed]:
     net = Net().eval()
-    return net, encgraph.graphed(net, budgets=[1, 2, 4, 8, 16])
+    return net, encgraph.graphed(net, budgets=[1, 2, 4, 8, 16], mode=RunMode.STATIC)
 
 
 def test_concurrent_requests_coalesce_into_one_call_and_get_their_own_rows():
@@ -236,7 +237,7 @@ def test_runner_target_returns_per_item_results():
     net = Net().eval()
     from encgraph.models.generic import GenericModuleAdapter
 
-    runner = encgraph.EncoderGraphRunner(GenericModuleAdapter(net, max_batch=8, example=torch.randn(1, 6)))
+    runner = encgraph.EncoderGraphRunner(GenericModuleAdapter(net, max_batch=8, example=torch.randn(1, 6)), mode=RunMode.STATIC)
     xs = [torch.randn(2, 6), torch.randn(1, 6)]
     with BatchingFront(runner, max_wait_ms=LONG_WAIT_MS, max_requests=2, capture=True) as front:
         outs = [f.result(TIMEOUT) for f in [front.submit((x,)) for x in xs]]

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from encgraph.capture.records import RunMode
 import encgraph
 from encgraph.serving import BatchingFront, waiting
 from encgraph.serving.waiting import WaitPolicy
@@ -48,7 +49,7 @@ def fake_device(monkeypatch):
 def _graphed():
     torch.manual_seed(0)
     net = torch.nn.Linear(6, 5).eval()
-    return net, encgraph.graphed(net, budgets=[1, 2, 4, 8, 16])
+    return net, encgraph.graphed(net, budgets=[1, 2, 4, 8, 16], mode=RunMode.STATIC)
 
 
 def test_policy_waits_only_while_the_last_call_runs(fake_device):

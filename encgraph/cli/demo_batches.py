@@ -1,18 +1,12 @@
-"""The towers ``encgraph demo`` ships: tiny random-weight Hugging Face vision towers built from the configs in
-``encgraph/configs/*.json``, and seeded batches shaped as their processors would produce them.
-
-Importing this module is cheap (the command line lists ``--model`` choices from it); building a tower imports
-torch and transformers.  No download: the configs are
-package data and the weights are random (seeded).
+"""The batches ``encgraph demo`` sends to the embedded towers (:mod:`encgraph.embedded_towers`): seeded, shaped as
+the towers' processors would produce them, and mixed so that the plan shows padding, several budgets and the eager
+fallback. Building a batch imports torch; importing this module does not.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import math
-from collections.abc import Callable, Mapping, Sequence
-from importlib import resources
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -20,44 +14,12 @@ import numpy as np
 
 from encgraph.cli.geometry import TOWERS as GEOMETRIES
 from encgraph.cli.geometry import TowerGeometry
-from encgraph.errors import VersionError
+from encgraph.embedded_towers import DemoTower
 
-if TYPE_CHECKING:  # torch is imported when a tower is built, not when the command line is parsed
+if TYPE_CHECKING:  # torch is imported when a batch is built, not when the command line is parsed
     import torch
 
-__all__ = ["DemoTower", "DemoItem", "DemoBatch", "TOWERS", "build_tower", "make_batch"]
-
-
-@attrs.frozen
-class DemoTower:
-    """One ``--model`` choice.
-
-    Attributes:
-        name: the ``--model`` value; also the config file's stem.
-        budgets: the demo's default ladder (tokens for variable-size towers, images for fixed-size ones); for a
-            multi-path tower, ``{path: ladder}``.
-        builtin: the ``encgraph.models._builtin_*`` module that registers the tower's adapter.
-        geometry: for a Qwen-VL tower (items of several sizes: pixel rows + ``grid_thw``), the processor
-            geometry in :data:`encgraph.cli.geometry.TOWERS`; ``None`` for a fixed-size tower.
-    """
-
-    name: str
-    budgets: tuple[int, ...] | Mapping[str, tuple[int, ...]]
-    builtin: str
-    geometry: str | None
-
-
-TOWERS: dict[str, DemoTower] = {
-    t.name: t
-    for t in (
-        DemoTower("qwen2_5_vl", (32, 64, 128), "encgraph.models._builtin_qwen", geometry="qwen2_5_vl"),
-        DemoTower("qwen3_vl", (32, 64, 128), "encgraph.models._builtin_qwen", geometry="qwen3_vl"),
-        DemoTower("siglip", (1, 2, 4, 8), "encgraph.models._builtin_fixed", geometry=None),
-        # Two paths: items of at most 70 soft tokens (video frames, small images) and larger images.
-        DemoTower("gemma4", {"image": (140, 280), "video": (70, 140)}, "encgraph.models._builtin_multipath",
-                  geometry=None),
-    )
-}
+__all__ = ["DemoItem", "DemoBatch", "make_batch"]
 
 
 @attrs.frozen
@@ -78,40 +40,6 @@ class DemoBatch:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     items: tuple[DemoItem, ...]
-
-
-def load_config(name: str) -> dict[str, Any]:
-    """The shipped config envelope ``encgraph/configs/<name>.json``: description, module, classes, config."""
-    text = resources.files("encgraph").joinpath("configs", f"{name}.json").read_text(encoding="utf-8")
-    return json.loads(text)
-
-
-def build_tower(name: str, *, seed: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
-    """Build the shipped tower ``name`` with seeded random weights on ``device`` in ``dtype``, in eval mode.
-
-    Returns the tower and its one-line description.
-
-    Raises:
-        VersionError: transformers is missing or lacks the tower's classes.
-    """
-    import torch
-
-    envelope = load_config(name)
-    try:
-        import transformers
-
-        modeling = importlib.import_module(envelope["module"])
-    except ImportError as exc:
-        raise VersionError(
-            f"--model {name}: needs transformers with {envelope['model_class']} ({exc}); install it with "
-            f"pip install 'encgraph[hf]'."
-        ) from None
-    config_cls = getattr(transformers, envelope["config_class"], None) or getattr(modeling, envelope["config_class"])
-    model_cls = getattr(modeling, envelope["model_class"])
-    config = config_cls(**envelope["config"])
-    torch.manual_seed(seed)
-    tower = model_cls._from_config(config)
-    return tower.to(device=device, dtype=dtype).eval(), envelope["description"]
 
 
 def make_batch(spec: DemoTower, tower: torch.nn.Module, *, seed: int, ladder: Sequence[int]) -> DemoBatch:
@@ -171,7 +99,6 @@ def _fixed_batch(tower: torch.nn.Module, gen: torch.Generator, param: torch.Tens
         DemoItem("image", f"{size}x{size}", None, (pixels[i : i + 1],), {}) for i in range(count)
     )
     return DemoBatch((pixels,), {}, items)
-
 
 
 def _gemma4_batch(tower: torch.nn.Module, gen: torch.Generator, param: torch.Tensor, ladder: Any) -> DemoBatch:

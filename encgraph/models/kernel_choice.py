@@ -1,0 +1,127 @@
+"""Which attention kernel an eager forward runs for a long sequence: measured per device and head geometry.
+
+On CUDA, :func:`measure_crossover` times one sequence of each of :data:`LENGTHS` rows through the two kernels an
+eager forward with host bounds can run (:func:`encgraph.models.attention.host_bounds`): Flash varlen (one call
+for all sequences) and dense SDPA (one call per sequence, in the towers' own layout: cuDNN on an H200). The
+:class:`~encgraph.packing.kernels.Crossover` it returns says from how many rows the dense kernel wins; the
+runner measures it at capture for the adapter's head geometries (:func:`choose`), keeps it in the cost model's
+JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. Measured once per process and
+geometry (about 0.2 s on an H200: 7 lengths, 2 kernels, 4 calls each); a geometry already in a given cost model
+for this device is not measured again.
+
+Nothing here changes torch's settings: the dense kernel is the one torch's SDPA picks with its flags as found.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from encgraph.models import attention
+from encgraph.packing.kernels import Crossover, kernel_key
+
+__all__ = ["LENGTHS", "REPEATS", "choose", "device_name", "measure_crossover", "rows_table", "tower_geometries"]
+
+log = logging.getLogger("encgraph")
+
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+"""Rows of the one sequence timed (16,384: the patch rows of a 4096-token image at merge 2; Qwen's processors
+go to 16,384 tokens, 65,536 rows, where attention only grows more dominant and the dense kernel's lead holds)."""
+REPEATS = 3
+"""Timed calls per kernel and length whose median decides, after a first call (timed too and kept apart: at a new
+length it includes the dense kernel's plan for that shape)."""
+
+_MEASURED: dict[str, Crossover] = {}
+"""Measurements of this process, by key: a second runner of the same geometry reuses them."""
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def tower_geometries(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """``(heads, head_dim)`` of every attention layer of ``module`` (the Hugging Face vision attention classes
+    keep both as ints), distinct, sorted."""
+    seen = set()
+    for m in module.modules():
+        heads, dim = getattr(m, "num_heads", None), getattr(m, "head_dim", None)
+        if isinstance(heads, int) and isinstance(dim, int) and heads > 0 and dim > 0:
+            seen.add((heads, dim))
+    return tuple(sorted(seen))
+
+
+def _timed_ms(fn: Any, repeats: int) -> tuple[float, float]:
+    """``(the first call's ms, the median of ``repeats`` more)``."""
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(float(start.elapsed_time(end)))
+    return times[0], statistics.median(times[1:])
+
+
+def measure_crossover(
+    heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
+    lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS,
+) -> Crossover:
+    """Time one sequence of each length through Flash varlen and dense SDPA (random ``(rows, heads, head_dim)``
+    inputs in ``dtype`` on the CUDA ``device``, the exact calls of :mod:`encgraph.models.attention`) and return
+    the :class:`~encgraph.packing.kernels.Crossover` (the medians decide; the dense kernel's first call at each
+    length, which builds its plan for that shape, is kept beside them). Syncs the host (capture time only)."""
+    lengths = tuple(sorted(set(lengths)))
+    gen = torch.Generator(device=device).manual_seed(0)
+    varlen_ms, dense_ms, first_ms = [], [], []
+    with torch.inference_mode(), torch.cuda.device(device):
+        for rows in lengths:
+            q, k, v = (torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv")
+            cu = torch.tensor([0, rows], device=device, dtype=torch.int32)
+            varlen_ms.append(_timed_ms(
+                lambda: attention._varlen_attention(q, k, v, cu, rows, None, head_dim), repeats)[1])
+            first, steady = _timed_ms(lambda: attention._dense_sequence(q, k, v, None), repeats)
+            dense_ms.append(steady)
+            first_ms.append(first)
+            del q, k, v
+    return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
+                     [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
+                     dense_first_ms=[round(t, 5) for t in first_ms])
+
+
+def choose(
+    module: torch.nn.Module, dtype: torch.dtype, device: torch.device, known: Mapping[str, Crossover] | None = None
+) -> dict[str, Crossover]:
+    """The crossover of every head geometry of ``module`` on ``device``: from ``known`` (a given cost model's) or
+    this process's earlier measurements where they cover it, else measured now. Empty off CUDA, where there is
+    no varlen kernel to choose against (every sequence runs on its own there), and where this torch has no
+    varlen kernel; a failed measurement is logged and leaves that geometry on the default crossover."""
+    if device.type != "cuda" or attention._varlen()[0] is None or dtype not in (torch.float16, torch.bfloat16):
+        return {}
+    name, kind = device_name(device), str(dtype).replace("torch.", "")
+    out: dict[str, Crossover] = {}
+    for heads, dim in tower_geometries(module):
+        key = kernel_key(name, heads, dim, kind)
+        found = (known or {}).get(key) or _MEASURED.get(key)
+        if found is None:
+            try:
+                found = _MEASURED[key] = measure_crossover(heads, dim, dtype, device)
+            except Exception as exc:  # measurement only: eager forwards keep the default crossover
+                log.warning("encgraph: the attention kernel crossover of %d heads x %d was not measured (%s: %s); "
+                            "eager forwards use the default of %d rows.", heads, dim, type(exc).__name__, exc,
+                            attention.SEGMENT_MIN_ROWS)
+                continue
+            log.info("encgraph: %s, %d heads x %d %s: dense SDPA per sequence from %s rows (varlen ms %s, dense ms "
+                     "%s at %s rows).", name, heads, dim, kind, found.min_rows if found.min_rows else "no length",
+                     list(found.varlen_ms), list(found.dense_ms), list(found.lengths))
+        out[key] = found
+    return out
+
+
+def rows_table(crossovers: Iterable[Crossover]) -> attention.RowsTable:
+    """``{(heads, head_dim, dtype): min_rows}`` for :func:`encgraph.models.attention.host_bounds`."""
+    return {(c.heads, c.head_dim, getattr(torch, c.dtype)): c.min_rows for c in crossovers}

@@ -1,0 +1,137 @@
+"""The measured attention-kernel crossover of one head geometry on one device: part of the cost model's JSON.
+
+An eager forward knows every attention sequence on the host, so it can run each long one as a dense SDPA call
+(cuDNN on an H200: 346-428 TF/s at head dim 72-80) instead of one Flash varlen call over all of them (207-258
+TF/s), while many short sequences stay faster in one varlen call (one launch instead of one each). Where the
+two cross depends on the device, the head geometry and the dtype, so it is measured at capture
+(:func:`encgraph.models.kernel_choice.measure_crossover`): one sequence of each of a few lengths through both
+kernels. :class:`Crossover` keeps those timings and derives the crossover from them; the cost model
+(:class:`~encgraph.packing.CostModel`, field ``kernels``) stores it so that a saved model carries it too.
+Pure Python: importing it never imports torch.
+
+>>> c = Crossover("NVIDIA H200", 16, 72, "bfloat16", (1024, 4096, 16384), (0.05, 0.4, 5.5), (0.06, 0.3, 3.5))
+>>> c.min_rows, c.key
+(4096, 'NVIDIA H200/16x72/bfloat16')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from encgraph._validate import check_int, check_mapping, check_sequence, check_str, describe
+from encgraph.errors import ConfigError, ConfigTypeError
+from encgraph.packing.eager_cost import checked_ms
+
+__all__ = ["Crossover", "crossover_rows", "kernel_key", "kernel_table"]
+
+
+def kernel_key(device: str, heads: int, head_dim: int, dtype: str) -> str:
+    """``"<device name>/<heads>x<head_dim>/<dtype>"``: what a crossover is measured for."""
+    return f"{device}/{heads}x{head_dim}/{dtype}"
+
+
+def crossover_rows(lengths: Sequence[int], varlen_ms: Sequence[float], dense_ms: Sequence[float]) -> int | None:
+    """The smallest measured length from which the dense per-sequence kernel is at least as fast as varlen at
+    that length and at every longer one measured; ``None`` where varlen wins at the longest (dense never pays).
+    Lengths are sorted ascending."""
+    best: int | None = None
+    for length, v, d in reversed(list(zip(lengths, varlen_ms, dense_ms))):
+        if d > v:
+            break
+        best = length
+    return best
+
+
+def _ints(name: str, value: Any) -> tuple[int, ...]:
+    check_sequence(name, value, hint="Pass the measured sequence lengths, ascending.")
+    out = tuple(check_int(f"{name}[{i}]", v, minimum=1) for i, v in enumerate(value))
+    if not out or any(b <= a for a, b in zip(out, out[1:])):
+        raise ConfigError(f"{name}: expected at least one length, strictly ascending, got {list(out)}.")
+    return out
+
+
+def _times(name: str, value: Any) -> tuple[float, ...]:
+    check_sequence(name, value, hint="Pass one measured time (ms) per length.")
+    return tuple(checked_ms(f"{name}[{i}]", v) for i, v in enumerate(value))
+
+
+@attrs.frozen
+class Crossover:
+    """One measurement: per sequence length, the ms of one sequence through Flash varlen and through dense SDPA.
+
+    Attributes:
+        device: the device's name (``torch.cuda.get_device_name``); a model loaded on another device is measured
+            again.
+        heads, head_dim, dtype: the head geometry and dtype measured (``"bfloat16"``).
+        lengths: rows of the one sequence, ascending.
+        varlen_ms, dense_ms: one time per length.
+        dense_first_ms: the dense kernel's first call at each length (a new shape: cuDNN builds a plan for it;
+            the tower's own SDPA pays the same), or empty; recorded, not used for the choice.
+        min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
+            dense; ``None``: never.
+    """
+
+    device: str = attrs.field(converter=lambda v: check_str("Crossover(device)", v))
+    heads: int = attrs.field(converter=lambda v: check_int("Crossover(heads)", v, minimum=1))
+    head_dim: int = attrs.field(converter=lambda v: check_int("Crossover(head_dim)", v, minimum=1))
+    dtype: str = attrs.field(converter=lambda v: check_str("Crossover(dtype)", v))
+    lengths: tuple[int, ...] = attrs.field(converter=lambda v: _ints("Crossover(lengths)", v))
+    varlen_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(varlen_ms)", v))
+    dense_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(dense_ms)", v))
+    dense_first_ms: tuple[float, ...] = attrs.field(
+        default=(), kw_only=True, converter=lambda v: _times("Crossover(dense_first_ms)", v) if v else ())
+    min_rows: int | None = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not len(self.varlen_ms) == len(self.dense_ms) == len(self.lengths):
+            raise ConfigError(
+                f"Crossover: expected one varlen and one dense time per length ({len(self.lengths)}), got "
+                f"{len(self.varlen_ms)} and {len(self.dense_ms)}."
+            )
+        if self.dense_first_ms and len(self.dense_first_ms) != len(self.lengths):
+            raise ConfigError(
+                f"Crossover(dense_first_ms): expected one time per length ({len(self.lengths)}) or none, got "
+                f"{len(self.dense_first_ms)}."
+            )
+        object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.varlen_ms, self.dense_ms))
+
+    @property
+    def key(self) -> str:
+        return kernel_key(self.device, self.heads, self.head_dim, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``min_rows`` is written for readers and recomputed on load."""
+        return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
+                "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
+                "dense_first_ms": list(self.dense_first_ms), "min_rows": self.min_rows}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Crossover:
+        check_mapping("Crossover.from_dict(data)", data, hint="Pass the dict Crossover.to_dict() returned.")
+        fields = {k: v for k, v in data.items() if k != "min_rows"}
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise ConfigError(
+                f"Crossover.from_dict(data): {exc}. Pass the dict Crossover.to_dict() returned."
+            ) from None
+
+
+def kernel_table(value: Any) -> dict[str, Crossover]:
+    """``CostModel(kernels=...)``'s converter: ``{key: Crossover or its dict}`` (or ``None``) to ``{key:
+    Crossover}``; each key must be its crossover's :attr:`Crossover.key`."""
+    if value is None:
+        return {}
+    check_mapping("CostModel(kernels)", value, hint="Pass {key: Crossover} (or None for none).")
+    out: dict[str, Crossover] = {}
+    for key, entry in value.items():
+        c = Crossover.from_dict(entry) if isinstance(entry, Mapping) else entry
+        if not isinstance(c, Crossover):
+            raise ConfigTypeError(f"CostModel(kernels[{key!r}]): expected a Crossover, got {describe(entry)}.")
+        if key != c.key:
+            raise ConfigError(f"CostModel(kernels): key {key!r} names another geometry than its entry's {c.key!r}.")
+        out[key] = c
+    return out

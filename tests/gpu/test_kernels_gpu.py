@@ -1,0 +1,151 @@
+"""The eager attention kernel choice on a GPU (issue 32 point 1): the crossover measured per head geometry; the
+host plan's two kernels (dense SDPA per long sequence, one varlen call per run of short ones) against Flash
+varlen alone and an fp32 reference, NaN isolation on each; an adapter's eager forward on every kernel path against
+its padded static forward (run eagerly) and the tower's own forward, per item, after a capture that chose its
+kernels. Run with ``pytest -s`` to see the measured crossovers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from encgraph.capture.execution import run_static
+from encgraph.capture.runner import EncoderGraphRunner
+from encgraph.models import attention, kernel_choice, wrap
+from tests.gpu.test_qwen_gpu import HF_RTOL, build, hf_per_item, rel
+from tests.models.test_kernel_choice import dense_spy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BF16_RTOL = 2e-2
+GEOMETRIES = [(16, 72), (16, 80), (12, 128), (16, 64)]  # Qwen3-VL / Qwen2.5-VL / GLM-4.1V / Gemma-4 and SigLIP-B
+
+
+@pytest.mark.parametrize(("heads", "dim"), GEOMETRIES)
+def test_crossover_is_measured(heads, dim):
+    c = kernel_choice.measure_crossover(heads, dim, torch.bfloat16, torch.device("cuda"))
+    print(f"\n{c.device} {heads}x{dim}: min_rows {c.min_rows}; "
+          + ", ".join(f"{n}: varlen {v:.3f} / dense {d:.3f} ms (first {f:.2f})"
+                      for n, v, d, f in zip(c.lengths, c.varlen_ms, c.dense_ms, c.dense_first_ms)))
+    assert all(t > 0 for t in c.varlen_ms + c.dense_ms)
+    # Attention is quadratic: both kernels take longer for the longest sequence than for the shortest.
+    assert c.varlen_ms[-1] > c.varlen_ms[0] and c.dense_ms[-1] > c.dense_ms[0]
+    # A new sequence length costs the dense kernel a plan on its first call (cuDNN builds one per shape; the
+    # tower's own SDPA pays it too): printed, for the crossover's margin.
+    q, k, v = _qkv([4999], heads, dim, seed=1)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    attention._dense_sequence(q, k, v, None)
+    end.record()
+    end.synchronize()
+    print(f"first dense call at a new length (4999 rows): {start.elapsed_time(end):.2f} ms")
+    if torch.cuda.get_device_capability()[0] == 9 and dim <= 80:
+        # Hopper: this repository measured cuDNN ahead at 5,120-12,800 rows (attention_kernels_nvidia-h200.md).
+        assert c.min_rows is not None and c.min_rows <= 8192, c.to_dict()
+
+
+def _qkv(lengths, heads=16, dim=72, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = sum(lengths)
+    return [torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "qkv"]
+
+
+def _per_sequence_fp32(q, k, v, lengths):
+    out, start = [], 0
+    for n in lengths:
+        s = slice(start, start + n)
+        qq, kk, vv = (t[s].float().transpose(0, 1)[None] for t in (q, k, v))
+        out.append(torch.nn.functional.scaled_dot_product_attention(qq, kk, vv)[0].transpose(0, 1))
+        start += n
+    return out
+
+
+def test_host_plan_equals_varlen_and_isolates_nan(monkeypatch):
+    lengths = [6000, 300, 200, 5000, 64]
+    bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+    q, k, v = _qkv(lengths)
+    table = {(16, 72, torch.bfloat16): 2048}
+    dense = dense_spy(monkeypatch)
+
+    def both(q, k, v):
+        plain = attention.packed_attention(q, k, v, cu, max(lengths))
+        with attention.host_bounds([(cu, bounds)], min_rows=table):
+            planned = attention.packed_attention(q, k, v, cu, max(lengths))
+        return plain, planned
+
+    plain, planned = both(q, k, v)
+    assert dense == [6000, 5000]
+    ref = _per_sequence_fp32(q, k, v, lengths)
+    for i, (a, b, r) in enumerate(zip(torch.split(plain, lengths), torch.split(planned, lengths), ref)):
+        assert rel(a, r) < BF16_RTOL and rel(b, r) < BF16_RTOL and rel(b, a) < BF16_RTOL, i
+    # NaN values in a short sequence (a varlen run) and a long one (dense): only their own rows turn NaN.
+    bad_v = v.clone()
+    bad_v[bounds[1] + 5] = float("nan")
+    bad_v[bounds[3] + 7] = float("nan")
+    for out in both(q, k, bad_v):
+        for i, (got, want) in enumerate(zip(torch.split(out, lengths), torch.split(plain, lengths))):
+            if i in (1, 3):
+                assert torch.isnan(got).all(), i
+            else:
+                assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_eager_items_on_every_kernel_path(family, monkeypatch):
+    """After capture chose the kernels, each item of an eager batch (two long images, two short ones) equals the
+    padded static forward of the same item (run eagerly, Flash varlen) and the tower's own forward, on the
+    measured plan and with every sequence on varlen."""
+    tower, reference, _ = build(family)
+    adapter = wrap(tower)
+    runner = EncoderGraphRunner(adapter, budgets=[64, 1280], max_items=4, compile=False, progress=False)
+    info = runner.capture()
+    assert info["kernels"] and runner.costs is not None and runner.costs.kernels == runner.kernels
+    assert adapter.kernel_rows, info["kernels"]
+    print(f"\n{family}: crossovers {[(c.heads, c.head_dim, c.min_rows) for c in runner.kernels.values()]}")
+    grid = np.array([[1, 64, 80], [1, 8, 8], [1, 72, 72], [1, 12, 16]])  # 1280 and 1296 tokens; 16 and 48
+    pixels = torch.randn(int(grid.prod(1).sum()), adapter.channels, device="cuda", dtype=torch.bfloat16)
+    inputs = adapter.inputs(pixels, grid)
+    refs = hf_per_item(reference, pixels, grid)
+    counts = (grid.prod(1) // 4).tolist()
+    statics = []
+    with torch.inference_mode():
+        for i in range(grid.shape[0]):
+            sub = adapter.select(inputs, [i])
+            if counts[i] <= 1280:
+                statics.append(run_static(runner, "default", 1280 if counts[i] > 64 else 64, sub, counts[i]))
+            else:
+                statics.append(None)  # over every budget: the tower's own forward is its reference
+        dense = dense_spy(monkeypatch)
+        planned = adapter.forward_eager("default", inputs)
+        assert dense, "no sequence ran dense"
+        monkeypatch.setattr(adapter, "kernel_rows", {key: None for key in adapter.kernel_rows})
+        dense.clear()
+        varlen = adapter.forward_eager("default", inputs)
+        assert not dense
+    for name in planned:  # every output is per merged token (last_hidden_state as (tokens, merge^2 * hidden))
+        for i, (p, f) in enumerate(zip(torch.split(planned[name], counts), torch.split(varlen[name], counts))):
+            assert torch.isfinite(p).all() and rel(p, f) < BF16_RTOL, (name, i)
+    for i, (p, r) in enumerate(zip(torch.split(planned["pooler_output"], counts), refs)):
+        assert rel(p, r["pooler_output"]) < HF_RTOL, i
+        if statics[i] is not None:
+            assert rel(p, statics[i]["pooler_output"]) < HF_RTOL, i
+
+
+def test_runner_calls_above_the_ladder_equal_the_tower(monkeypatch):
+    """An item over the ladder's top runs eagerly on the measured plan; the runner's output equals the tower's."""
+    tower, reference, _ = build("qwen3_vl")
+    adapter = wrap(tower)
+    runner = EncoderGraphRunner(adapter, budgets=[64, 256], max_items=4, compile=False, progress=False)
+    runner.capture()
+    grid = np.array([[1, 96, 64], [1, 8, 8]])  # 1536 tokens (6144 rows): eager; 16 tokens: a replay
+    pixels = torch.randn(int(grid.prod(1).sum()), adapter.channels, device="cuda", dtype=torch.bfloat16)
+    dense = dense_spy(monkeypatch)
+    with torch.inference_mode():
+        out = runner(adapter.inputs(pixels, grid))
+    assert 6144 in dense
+    for i, (o, r) in enumerate(zip(out, hf_per_item(reference, pixels, grid))):
+        assert rel(o["pooler_output"], r["pooler_output"]) < HF_RTOL, i
+    assert runner.stats["eager_items"] >= 1  # the small item may join the eager batch if the cost model says so

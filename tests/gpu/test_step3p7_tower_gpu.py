@@ -1,0 +1,63 @@
+"""``graphed(tower)`` for Step-3.7's vision tower on a GPU (bf16, random weights, real geometry, 4 layers), as the
+model calls it: ``model.model.vision_model = encgraph.graphed(model.model.vision_model)``, then the model's own
+``get_image_features`` (global views, then crops with ``output_hidden_states=False``) on fresh random mixes of 0..9
+crops per image. Per image, every field against the model with its own tower: ``pooler_output`` (crop rows and
+global rows) and ``last_hidden_state``; per view, the graphed tower's rows against the tower's forward. Graph
+memory is NaN-poisoned first (every graph replays NaN inputs). With the greedy plan every view replays (asserted);
+with the defaults (cost-aware plan, measured at capture) the same comparisons hold whatever runs eagerly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import encgraph
+from tests.gpu.test_multipath_gpu import DEPTH, HF_TOL, poison
+from tests.models.fixtures_multipath import norm_rel_err, step3p7_model, step3p7_views
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+MIXES = [[0], [2], [3, 0, 1], [0, 0, 0, 0], [2, 2, 2, 2], [1, 4], [9, 0]]
+"""Crops per image; [9, 0] overflows max_tiles=8 (two local batches)."""
+
+
+@pytest.mark.parametrize("costs", [False, None], ids=["greedy", "defaults"])
+def test_graphed_tower_inside_the_model(costs: bool | None) -> None:
+    model = step3p7_model(depth=DEPTH, device="cuda", dtype=torch.bfloat16, real=True, text_hidden=64)
+    base = model.model
+    tower = base.vision_model
+    fast = encgraph.graphed(tower, costs=costs, compile=False, adapter_options={"max_images": 4, "max_tiles": 8})
+    info = fast.capture()
+    assert not info["failed"], info["failed"]
+    poison(fast.runner)
+    sizes = fast.adapter.sizes
+    views = 0
+    for n, tiles in enumerate(MIXES):
+        pv, local, counts = step3p7_views(tiles, sizes["global"], sizes["local"], seed=n, device="cuda",
+                                          dtype=torch.bfloat16)
+        with torch.no_grad():
+            want = base.get_image_features(pv, local, counts)
+            base.vision_model = fast
+            try:
+                got = base.get_image_features(pv, local, counts)
+            finally:
+                base.vision_model = tower
+            for x, kwargs in ((pv, {}), (local, {"output_hidden_states": False})):
+                if x is not None:
+                    g, w = fast(x, **kwargs).last_hidden_state, tower(x, **kwargs).last_hidden_state
+                    for i in range(len(x)):
+                        assert torch.isfinite(g[i]).all() and norm_rel_err(g[i], w[i]) < HF_TOL, (tiles, i)
+        views += 2 * (len(tiles) + sum(tiles))
+        assert got.last_hidden_state.shape == want.last_hidden_state.shape
+        assert norm_rel_err(got.last_hidden_state, want.last_hidden_state) < HF_TOL, tiles
+        assert got.hidden_states is None and got.attentions is None
+        for i, (g, w) in enumerate(zip(got.pooler_output, want.pooler_output)):
+            assert g.shape == w.shape and torch.isfinite(g).all(), (tiles, i)
+            assert norm_rel_err(g, w) < HF_TOL, (tiles, i, norm_rel_err(g, w))
+    stats = fast.stats
+    assert stats["items"] == views and stats["stock_calls"] == 0
+    if costs is False:
+        assert stats["eager_items"] == 0, stats["eager_reasons"]
+    print(f"\nStep-3.7 graphed(tower), costs={costs}: {stats['graph_items']} of {views} views replayed; "
+          f"paths {stats['paths']}")

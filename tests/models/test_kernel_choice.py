@@ -1,0 +1,175 @@
+"""The eager attention kernel choice on the CPU: the crossover data (encgraph.packing.kernels) and its place in the
+cost model's JSON, the host plan of encgraph.models.attention (which sequences run dense, which runs of short ones
+go to one varlen call, with a stand-in varlen kernel: the CPU has none), and the runner's capture hook. The timing
+itself runs on CUDA only (tests/gpu/test_kernels_gpu.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from encgraph.errors import ConfigError
+from encgraph.models import attention, kernel_choice, sequence_bounds
+from encgraph.packing import CostModel
+from encgraph.packing.kernels import Crossover, crossover_rows, kernel_table
+from tests.models.test_attention import qkv, reference
+
+H200 = "NVIDIA H200"
+
+
+@pytest.mark.parametrize(("varlen", "dense", "rows"), [
+    ((1, 2, 3, 4), (2, 1, 2, 3), 2048),  # dense wins from the second length on
+    ((1, 2, 3, 4), (2, 1, 4, 3), 8192),  # a loss at 4096: only the last length counts
+    ((1, 2, 3, 4), (2, 3, 4, 5), None),  # never
+    ((1, 2, 3, 4), (1, 2, 3, 4), 1024),  # ties go dense
+])
+def test_crossover_rows(varlen, dense, rows):
+    assert crossover_rows((1024, 2048, 4096, 8192), varlen, dense) == rows
+
+
+def test_crossover_round_trips_through_the_cost_model():
+    c = Crossover(H200, 16, 72, "bfloat16", (1024, 4096), (0.1, 1.0), (0.2, 0.6), dense_first_ms=(9.0, 3.0))
+    assert c.min_rows == 4096 and c.key == "NVIDIA H200/16x72/bfloat16"
+    model = CostModel.from_measurements({"default": {64: 1.0, 128: 2.0}},
+                                        {"default": [(64, 1, 3.0), (128, 1, 4.0)]})
+    model = type(model)(model.graph_ms, model.eager, kernels={c.key: c})
+    data = model.to_dict()
+    assert data["kernels"][c.key]["min_rows"] == 4096
+    again = CostModel.from_dict(data)
+    assert again.kernels == {c.key: c}
+    old = {k: v for k, v in data.items() if k != "kernels"}  # a file of before the crossover
+    assert CostModel.from_dict(old).kernels == {}
+
+
+@pytest.mark.parametrize(("entry", "match"), [
+    ({"device": H200, "heads": 16, "head_dim": 72, "dtype": "bfloat16", "lengths": [2, 1], "varlen_ms": [1, 1],
+      "dense_ms": [1, 1]}, "ascending"),
+    ({"device": H200, "heads": 16, "head_dim": 72, "dtype": "bfloat16", "lengths": [1, 2], "varlen_ms": [1],
+      "dense_ms": [1, 1]}, "one varlen and one dense time per length"),
+    ({"device": H200, "heads": 16, "head_dim": 72, "dtype": "bfloat16", "lengths": [1], "varlen_ms": [-1],
+      "dense_ms": [1]}, "finite time >= 0"),
+    ({"device": H200, "heads": 16, "dtype": "bfloat16", "lengths": [1], "varlen_ms": [1], "dense_ms": [1]},
+     "head_dim"),
+    ({"device": H200, "heads": 16, "head_dim": 72, "dtype": "bfloat16", "lengths": [1, 2], "varlen_ms": [1, 1],
+      "dense_ms": [1, 1], "dense_first_ms": [5]}, "one time per length"),
+])
+def test_bad_crossover_entries_are_refused(entry, match):
+    with pytest.raises(ConfigError, match=match):
+        kernel_table({"k": entry})
+
+
+def test_a_crossover_under_another_key_is_refused():
+    c = Crossover(H200, 16, 72, "bfloat16", (1024,), (0.1,), (0.2,))
+    with pytest.raises(ConfigError, match="names another geometry"):
+        kernel_table({"NVIDIA H100/16x72/bfloat16": c})
+
+
+# ---------------------------------------------------------------------------------------------------- the host plan
+@pytest.fixture
+def fake_varlen(monkeypatch):
+    """The CPU stand-in of the varlen kernel: exact per-sequence attention read from its ``cu_seqlens``; records
+    ``(rows, cu values, max_seqlen)`` per call. The backend choice then sees a varlen kernel."""
+    calls = []
+
+    def varlen(query, key, value, cu, max_seqlen, scale, head_dim):
+        bounds = cu.tolist()
+        calls.append((query.shape[0], bounds, max_seqlen))
+        assert bounds[-1] == query.shape[0] and max(b - a for a, b in zip(bounds, bounds[1:])) <= max_seqlen
+        if key.shape[1] != query.shape[1]:
+            key, value = attention._repeat_heads(key, value, query.shape[1])
+        return reference(query, key, value, [b - a for a, b in zip(bounds, bounds[1:])], scale)
+
+    monkeypatch.setattr(attention, "_varlen_attention", varlen)
+    monkeypatch.setattr(attention, "pick_backend", lambda q: attention.AttentionBackend.VARLEN)
+    return calls
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_long_sequences_run_dense_and_runs_of_short_ones_varlen(fake_varlen, kv_heads):
+    bounds = [0, 3, 5, 25, 27, 27, 30, 50]
+    q, k, v = qkv(52, kv_heads=kv_heads)  # 2 rows past cu[-1]: one more sequence, as in the other backends
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    with attention.host_bounds([(cu, bounds)], min_rows={(3, 8, torch.float32): 10}):
+        assert attention._host_plan(cu, q) == (tuple(bounds), 10)
+        got = packed_attention_default(q, k, v, cu)
+    assert fake_varlen == [(5, [0, 3, 5], 3), (5, [0, 2, 2, 5], 3)]
+    kk, vv = attention._repeat_heads(k, v, 3) if kv_heads else (k, v)
+    torch.testing.assert_close(got, reference(q, kk, vv, [3, 2, 20, 2, 0, 3, 20, 2]), rtol=1e-6, atol=1e-6)
+
+
+def packed_attention_default(q, k, v, cu):
+    return attention.packed_attention(q, k, v, cu, 20)
+
+
+def test_short_sequences_only_keep_one_varlen_call(fake_varlen):
+    bounds = [0, 3, 5]
+    q, k, v = qkv(5)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    for table in ({(3, 8, torch.float32): 10}, {(3, 8, torch.float32): None}):  # short; dense never pays
+        with attention.host_bounds([(cu, bounds)], min_rows=table):
+            assert attention._host_plan(cu, q) is None
+            packed_attention_default(q, k, v, cu)
+    assert [c[1] for c in fake_varlen] == [bounds, bounds]  # the whole tensor, as without host bounds
+
+
+def test_an_unmeasured_geometry_takes_the_default_with_one_log_line(fake_varlen, monkeypatch, caplog):
+    monkeypatch.setattr(sequence_bounds, "_FALLBACK_LOGGED", set())
+    monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 4)
+    q = torch.zeros(10, 3, 8)
+    cu = torch.tensor([0, 2, 10], dtype=torch.int32)
+    with caplog.at_level(logging.INFO, logger="encgraph"), attention.host_bounds([(cu, [0, 2, 10])]):
+        assert attention._host_plan(cu, q) == ((0, 2, 10), 4)
+        assert attention._host_plan(cu, q) == ((0, 2, 10), 4)
+    assert sum("no kernel crossover measured for 3 heads x 8" in r.message for r in caplog.records) == 1
+
+
+def test_measurement_is_skipped_off_cuda():
+    tower = torch.nn.Module()
+    tower.attn = torch.nn.Module()
+    tower.attn.num_heads, tower.attn.head_dim = 16, 72
+    assert kernel_choice.tower_geometries(tower) == ((16, 72),)
+    assert kernel_choice.choose(tower, torch.bfloat16, torch.device("cpu")) == {}
+
+
+def test_capture_hook_hands_given_crossovers_to_the_adapter_and_keeps_them(monkeypatch):
+    """The runner's hook: the adapter chooses with the given cost model's crossovers, and the model keeps them."""
+    from encgraph.capture import EncoderGraphRunner, RunMode
+    from encgraph.models import wrap
+    from tests.models import conftest as qwen
+
+    adapter = wrap(qwen.qwen2_vl_tower())
+    geometry = kernel_choice.tower_geometries(adapter._module)[0]
+    c = Crossover("cpu", *geometry, "float32", (16, 64), (1.0, 2.0), (2.0, 1.0))
+    monkeypatch.setattr(kernel_choice, "choose", lambda module, dtype, device, known: dict(known or {}))
+    costs = CostModel.linear(["default"], graph_fixed_ms=1, graph_per_budget_ms=0.01, eager_fixed_ms=2,
+                             eager_per_token_ms=0.01)
+    costs = type(costs)(costs.graph_ms, costs.eager, kernels={c.key: c})
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, budgets=[64, 128], costs=costs, verify=False,
+                                progress=False)
+    info = runner.capture()
+    assert info["kernels"] == {c.key: c.to_dict()}
+    assert adapter.kernel_rows == {(geometry[0], geometry[1], torch.float32): 64}
+    assert runner.costs.kernels == {c.key: c}
+
+
+def dense_spy(monkeypatch) -> list[int]:
+    """Records the rows of every dense per-sequence SDPA call of the host plan (CUDA's per-sequence kernel)."""
+    rows: list[int] = []
+    original = attention._dense_sequence
+
+    def spy(q, k, v, scale):
+        rows.append(int(q.shape[0]))
+        return original(q, k, v, scale)
+
+    monkeypatch.setattr(attention, "_dense_sequence", spy)
+    return rows
+
+
+def test_a_scaled_model_keeps_its_crossovers():
+    c = Crossover(H200, 16, 72, "bfloat16", (1024,), (0.1,), (0.2,))
+    model = CostModel.linear(["default"], graph_fixed_ms=1, graph_per_budget_ms=0, eager_fixed_ms=2,
+                             eager_per_token_ms=0)
+    model = type(model)(model.graph_ms, model.eager, kernels={c.key: c})
+    assert model.scaled(graph={"default": 2.0}).kernels == {c.key: c}

@@ -1,0 +1,107 @@
+"""The benchmarks' helpers on the CPU: the matmul floor, relative differences, option lists, time boxes and
+the compile caches' directory."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benches.lib import cli, compiled, outputs, startup, systems, timing  # noqa: E402
+from benches.lib.env import Deadline, Env  # noqa: E402
+from benches.lib.systems import System  # noqa: E402
+from benches.lib.timing import floor_ms  # noqa: E402
+
+
+def test_floor_formula():
+    assert floor_ms(10**9, 1000, 1000.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="tflops must be a positive"):
+        floor_ms(10**9, 1000, 0.0)
+
+
+def test_a_slow_cpu_matmul_keeps_a_nonzero_rate(monkeypatch):
+    # CI once measured a 256^3 matmul at over 67 ms (a cold, busy 2-core machine): three decimals of TFLOP/s
+    # rounded that to 0.0 and the towers smoke divided by it. The rate keeps significant digits, and the first
+    # call is untimed even under --warmup 0.
+    import torch
+
+    calls = []
+    monkeypatch.setattr(timing, "time_once", lambda fn, env: (calls.append(fn()), 100.0)[1])
+    env = Env(torch.device("cpu"), torch.float32, True, runs=1, warmup=0, seed=0)
+    rate = timing.matmul_rate(env)
+    assert len(calls) == 1 and rate["median_ms"] == 100.0
+    assert rate["tflops"] == pytest.approx(2 * 256**3 / 0.1 / 1e12, rel=1e-3) and rate["tflops"] > 0
+    assert floor_ms(10**6, 256, rate["tflops"]) > 0
+
+
+def test_max_rel_diff():
+    import torch
+
+    a = [{"x": torch.ones(2, 3)}, torch.zeros(1)]
+    assert outputs.max_rel_diff(a, a) == 0.0
+    b = [{"x": torch.ones(2, 3) * 1.01}, torch.zeros(1)]
+    assert outputs.max_rel_diff(b, a) == pytest.approx(0.01, rel=1e-3)
+    assert outputs.max_rel_diff(a[:1], a) == math.inf
+
+
+def test_parse_lists_reject_unknown_names():
+    assert systems.parse_systems("graph,adapter_eager") == (System.GRAPH, System.ADAPTER_EAGER)
+    with pytest.raises(argparse.ArgumentTypeError):
+        systems.parse_systems("graphs")
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_names(("a", "b"))("a,c")
+    assert cli.parse_budgets("64,32,64") == (32, 64)
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_budgets("0,8")
+
+
+def test_deadline_share_splits_what_is_left():
+    d = Deadline(100.0)
+    assert d.share(4).seconds == pytest.approx(25.0, abs=0.5)
+    assert Deadline(-5).share(2).seconds == 0.0
+
+
+def test_hard_cap_cuts_a_long_call_and_the_box_stays_spent():
+    box = compiled.TimeBox(0.2)
+    t0 = time.perf_counter()
+    with pytest.raises(compiled.CapExceeded):
+        box.run(lambda: [time.sleep(0.01) for _ in range(500)])
+    assert time.perf_counter() - t0 < 2.0
+    assert box.spent and "cut off" in box.spent
+    with pytest.raises(compiled.CapExceeded):
+        box.run(lambda: None)
+    assert box.summary()["used_seconds"] >= 0.2
+
+
+def test_time_box_counts_the_calls_that_compile():
+    import torch
+
+    fn = torch.compile(lambda x: x * 2 + 1, dynamic=True, backend="eager")
+    before = compiled.dynamo_counters()
+    box = compiled.TimeBox(60)
+    for n in (3, 5, 3):
+        assert torch.equal(box.run(lambda n=n: fn(torch.ones(n))), torch.full((n,), 3.0))
+    delta = compiled.counter_delta(compiled.dynamo_counters(), before)
+    assert box.compiling_calls == 1 and delta["graphs_compiled"] == 1  # dynamic: one graph for every size
+    assert delta["compile_seconds"] > 0 and box.summary()["calls_that_compiled"] == 1
+
+
+def test_cache_env_points_every_cache_at_one_directory_and_restores(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    monkeypatch.delenv("ENCGRAPH_CACHE_DIR", raising=False)
+    with startup.cache_env() as fresh:
+        assert fresh.is_dir() and not any(fresh.iterdir())
+        assert os.environ["ENCGRAPH_CACHE_DIR"] == os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(fresh)
+        assert os.environ["TRITON_CACHE_DIR"] == str(fresh / "triton")
+        (fresh / "a").write_bytes(b"123")
+        assert startup.cache_bytes(fresh) == 3
+    assert not fresh.exists()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else" and "ENCGRAPH_CACHE_DIR" not in os.environ
+    with startup.cache_env(tmp_path) as kept:
+        assert kept == tmp_path
+    assert tmp_path.exists()

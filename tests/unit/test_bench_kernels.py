@@ -1,0 +1,91 @@
+"""benches/kernel_profile.py's kernel categories, summary and table, and attention_kernels.segment_columns (one
+dense attention equal to attention per sequence), on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benches import kernel_profile  # noqa: E402
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_256x128_64x3_tn_align2>", "matmul"),
+    ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN", "matmul"),
+    ("void implicit_convolveNd_sgemm<__nv_bfloat16, 3, 128>", "convolution"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<96, 128>>", "attention"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_9", "fused (triton)"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "copy / cast"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps>>", "reduction / norm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "element-wise"),
+    ("Memcpy HtoD (Pinned -> Device)", "copy / cast"),
+    ("some_custom_kernel", "other"),
+])
+def test_kernel_categories(name, kind):
+    assert kernel_profile.category(name) == kind
+
+
+def test_kernel_profile_summary_and_table():
+    trace_ = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "dur": 300.0},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "dur": 50.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 10.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0},  # host ops are not device time
+        {"ph": "i", "cat": "kernel", "name": "marker"},
+    ]}
+    records = kernel_profile.device_records(trace_)
+    assert len(records) == 4
+    s = kernel_profile.summarize(records, calls=2, median_ms=0.5)
+    assert s["kernel_ms"] == pytest.approx(0.23) and s["idle_ms"] == pytest.approx(0.27)
+    assert s["kernels"] == 2.0
+    assert list(s["categories"]) == ["matmul", "attention", "copy / cast"]
+    assert s["categories"]["matmul"] == {"ms": 0.2, "kernels": 1.0}
+    assert s["top"][0] == {"name": "nvjet_sm90_gemm", "ms": 0.2, "calls": 1.0}
+    data = {"tower": {"label": "T"}, "environment": {"gpu": "G"},
+            "cases": {"1x224": {"floor_ms": 0.25, "systems": {"graph": s, "graph_compile": {"skipped": "skipped: x"}},
+                                "patch_embed": {"rows": 256, "conv_ms": 0.2, "linear_ms": 0.03, "max_abs_diff": 0.0}}}}
+    table = kernel_profile.render(data)
+    assert "| 1x224 | graph | 0.50 | 0.23 | 0.27 | 2.00 | matmul 0.20, attention 0.03, copy / cast 0.01 | 2.00 |" in table
+    assert "| 1x224 | graph_compile | skipped |" in table
+    assert "| 1x224 | 256 | 0.20 | 0.03 | 0 |" in table
+
+
+def test_kernel_profile_refuses_the_cpu_smoke():
+    with pytest.raises(SystemExit, match="no CPU smoke"):
+        kernel_profile.main(["--cpu-smoke"])
+
+
+@pytest.mark.parametrize("lengths", [[37, 0, 50, 13, 0, 0], [64, 0], [5] * 9 + [3]])
+def test_segment_columns_make_one_dense_attention_equal_attention_per_sequence(lengths):
+    """``attention_kernels.segment_columns``: one dense SDPA over every packed row of the widened tensors equals SDPA
+    within each sequence (float32: to rounding; the extra columns add exactly 0 within a sequence), empty slots
+    included, and the same widened call follows other lengths written into the same ``cu_seqlens``."""
+    import torch
+    import torch.nn.functional as F
+
+    from benches import attention_kernels as ak
+
+    def dense(q, k, v, cu):
+        scale = q.shape[-1] ** -0.5
+        wide = ak.segment_columns(q, k, v, cu, scale)
+        assert wide[0].shape[-1] % 8 == 0 and wide[0].shape[-1] >= q.shape[-1] + cu.numel() - 1
+        out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in wide), scale=scale)[0]
+        return out.transpose(0, 1)[..., : q.shape[-1]]
+
+    def per_sequence(q, k, v, lengths):
+        outs, start = [], 0
+        for n in (n for n in lengths if n):
+            part = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(*part)[0].transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    gen = torch.Generator().manual_seed(len(lengths))
+    q, k, v = (torch.randn(sum(lengths), 3, 72, generator=gen) for _ in range(3))
+    cu = ak._cu(lengths, "cpu")
+    torch.testing.assert_close(dense(q, k, v, cu), per_sequence(q, k, v, lengths), atol=1e-5, rtol=1e-5)
+    other = sorted(lengths, reverse=True)  # another split of the same rows, as many slots
+    cu.copy_(ak._cu(other, "cpu"))
+    torch.testing.assert_close(dense(q, k, v, cu), per_sequence(q, k, v, other), atol=1e-5, rtol=1e-5)

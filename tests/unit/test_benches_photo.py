@@ -1,0 +1,113 @@
+"""The photo trace of ``benches/traffic.py`` (issue 32) on the CPU: the trace follows its documented distribution
+and each tower's processor cap, the per-request floor adds its three parts as documented, and a smoke run of the
+photo trace writes the floor ratios and the issue's targets."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benches import traffic  # noqa: E402
+from benches.lib import trace  # noqa: E402
+from benches.lib.request_floor import VALUES_PER_ROW, TowerShape, request_floor  # noqa: E402
+from benches.lib.results import SMOKE_SLUG  # noqa: E402
+from benches.lib.systems import TowerBench  # noqa: E402
+from benches.lib.towers import TOWERS  # noqa: E402
+
+FAST = ["--cpu-smoke", "--runs", "1", "--warmup", "0"]
+
+
+def test_photo_trace_follows_its_distribution():
+    photos = trace.generate_trace(3000, seed=1, kind="photo")
+    assert photos == trace.generate_trace(3000, seed=1, kind="photo")
+    assert trace.generate_trace(50, seed=1, kind="photo") == photos[:50]
+    assert photos[:50] != trace.generate_trace(50, seed=1)  # another distribution than the chat trace
+    counts = np.bincount([len(r) for r in photos], minlength=4)[1:] / len(photos)
+    assert np.allclose(counts, list(trace.PHOTO_ITEMS.values()), atol=0.03)
+    sides = np.array([(v.height, v.width) for r in photos for v in r])
+    assert sides.min() >= trace.PHOTO_SIDES[0] and sides.max() <= trace.PHOTO_SIDES[1]
+    assert {v.kind for r in photos for v in r} == {"photo"}
+    with pytest.raises(ValueError, match="expected one of"):
+        trace.generate_trace(1, kind="video")
+
+
+@pytest.mark.parametrize("tower", ["qwen2_5_vl_7b", "qwen3_vl_8b", "glm4v"])
+def test_photo_caps_are_the_processors(tower):
+    geom = TOWERS[tower].geometry(False)
+    caps = trace.photo_caps(tower, geom)
+    assert caps.image * geom.factor**2 == trace.PHOTO_MAX_PIXELS[tower]
+    sizes = caps.sizes([trace.Visual(3000, 4000)], geom)  # 12 MP: at or just under the cap
+    assert sizes.tokens * geom.factor**2 <= trace.PHOTO_MAX_PIXELS[tower]
+    assert sizes.tokens * geom.factor**2 > 0.85 * min(12e6, trace.PHOTO_MAX_PIXELS[tower])
+
+
+def test_request_floor_adds_its_parts():
+    shape = TowerShape(params=10**9, depth=4, hidden=1024, heads=16, full_layers=1, window_rows=64)
+    rates = {"matmul_tflops": 500.0, "attention_tflops": 400.0, "bandwidth_gbs": 4000.0}
+    grids = [(1, 32, 32), (2, 8, 16)]  # a 1024-row image and a two-frame video of 128 rows each
+    rows = 1024 + 256
+    got = request_floor(shape, grids, rates)
+    attention = 4.0 * 1024 * (1024**2 + 2 * 128**2) + 3 * 4.0 * 1024 * (1024 * 64 + 2 * 128 * 64)
+    assert got["matmul_ms"] == pytest.approx(2e9 * rows / 500e12 * 1e3, abs=1e-4)
+    assert got["attention_ms"] == pytest.approx(attention / 400e12 * 1e3, abs=1e-4)
+    assert got["elementwise_ms"] == pytest.approx(rows * 4 * VALUES_PER_ROW * 1024 * 2 / 4000e9 * 1e3, abs=1e-4)
+    assert got["floor_ms"] == pytest.approx(got["matmul_ms"] + got["attention_ms"] + got["elementwise_ms"], abs=1e-3)
+
+
+def test_tower_shapes_read_each_config():
+    q25 = TowerShape.of(TOWERS["qwen2_5_vl_7b"].make_config(False), 1)
+    assert (q25.depth, q25.hidden, q25.heads, q25.full_layers, q25.window_rows) == (32, 1280, 16, 4, 64)
+    q3 = TowerShape.of(TOWERS["qwen3_vl_8b"].make_config(False), 1)
+    assert (q3.depth, q3.full_layers, q3.window_rows) == (27, 27, None)
+    glm = TowerShape.of(TOWERS["glm4v"].make_config(False), 1)
+    assert (glm.depth, glm.hidden, glm.heads, glm.window_rows) == (24, 1536, 12, None)
+
+
+def test_traffic_photo_smoke(tmp_path, monkeypatch):
+    monkeypatch.setattr(TowerBench, "defaults_options", {"verify": False})
+    traffic.main(FAST + ["--trace", "photo", "--results-dir", str(tmp_path), "--towers", "glm4v", "--requests", "2",
+                         "--warmup-requests", "1", "--no-warm-capture", "--min-requests", "2"])
+    data = json.loads((tmp_path / f"traffic_{SMOKE_SLUG}_photo.json").read_text())
+    doc = data["towers"]["glm4v"]
+    assert doc["trace"]["kind"] == "photo" and doc["trace"]["completed"] == 2
+    assert set(doc["systems"]) == {"hf_sdpa", "defaults", "adapter_eager"}
+    assert len(doc["per_request"]["floor"]) == 2 and all(f["floor_ms"] > 0 for f in doc["per_request"]["floor"])
+    for s, e in doc["systems"].items():
+        assert e["compared_with_floor"] == 2 and e["worst_ratio_vs_floor"] >= e["mean_ratio_vs_floor"] > 0, s
+    assert math.isfinite(doc["floor"]["rates"]["attention_tflops"])
+    assert {t["target"] for t in doc["targets"]} == {"mean speedup vs HF sdpa", "requests slower than HF sdpa",
+                                                     "worst request / its floor"}
+    table = (tmp_path / f"traffic_{SMOKE_SLUG}_photo.md").read_text()
+    assert "### targets (issue 32)" in table and "worst x floor" in table and "floor rates: matmul" in table
+    assert "worst request / floor" in table and "(target >= 2.5x)" not in table
+
+
+def test_long_items_smoke(tmp_path):
+    from benches import long_items
+
+    assert [long_items.grid_of(b) for b in (16, 32, 2048, 16384)] == [
+        (1, 8, 8), (1, 8, 16), (1, 64, 128), (1, 256, 256)]
+    data = long_items.main(FAST + ["--results-dir", str(tmp_path), "--runs", "1"])
+    budgets = data["towers"]["qwen3_vl_8b"]["budgets"]
+    assert set(budgets) == {"16", "32", "64"}
+    for b, e in budgets.items():
+        assert e["rows"] == 4 * int(b) and all(isinstance(e[k], float) for k in (
+            "hf_sdpa_ms", "eager_ms", "eager_varlen_ms", "graph_ms")), e
+    assert "graph replay ms" in (tmp_path / f"long_items_{SMOKE_SLUG}.md").read_text()
+
+
+def test_neighbour_smoke(tmp_path, monkeypatch):
+    from benches import neighbour
+
+    monkeypatch.setattr(neighbour, "GRAPHED_OPTIONS", {"verify": False})
+    data = neighbour.main(FAST + ["--results-dir", str(tmp_path), "--rounds", "2"])
+    assert set(data["phases"]) == set(neighbour.PHASES)
+    for phase in data["phases"].values():
+        assert phase["lm_first"]["runs"] == 2 and phase["tower"]["median_ms"] > 0
