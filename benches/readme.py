@@ -1,11 +1,18 @@
-"""Render the figures of the README's Benchmarks section from the committed result JSON.
+"""Render the README's headline table and the tables of docs/benchmarks.md from the committed result JSON.
 
-Each block sits between ``<!-- benches/readme.py: NAME -->`` and ``<!-- end NAME -->`` in README.md and is
-rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nvidia-h200``):
+Each block sits between ``<!-- benches/readme.py: NAME -->`` and ``<!-- end NAME -->`` and is rewritten whole
+from ``benches/results/<script>_<slug>.json`` (default slug ``nvidia-h200``). Blocks name the machine, versions,
+date and file of their numbers; commits, command lines and run notes stay in the JSON (``environment``).
 
-- ``traffic``: per tower, ``graphed(tower)`` with no options against HF's own forward beside issue 13's targets,
-  then every system of the run (runs of before ``defaults`` existed: what they measured), with the run's
-  machine, versions and commit;
+README.md:
+
+- ``headline``: encgraph with no options against the tower's own forward, one row per workload (the traffic
+  trace per tower, the families at one 448 px image, the server at 32 clients), each row linking its result file.
+
+docs/benchmarks.md (links through ``docs/results``, a link to ``benches/results``):
+
+- ``traffic``: per tower, ``graphed(tower)`` with no options against HF's own forward beside the targets, then
+  every system of the run;
 - ``towers``: median latency per fixed case of HF sdpa, ``defaults``, encgraph's graphs, compiled graphs and the
   matmul floor;
 - ``capture``: graphs, capture seconds and pool memory of the doubling and the default ladders;
@@ -14,7 +21,7 @@ rewritten whole from ``benches/results/<script>_<slug>.json`` (default slug ``nv
   --transports inprocess``), with its plot;
 - ``serving_server``: the same through ``encgraph serve`` over loopback HTTP (``--transports server``);
 - ``serving_repeats``: the server at 32 clients, every system measured in rounds and pooled (``--transports server
-  --concurrency 32 --repeats 3 --tag repeats``).
+  --concurrency 32 --repeats 3``).
 
     python benches/readme.py           # rewrite the blocks
     python benches/readme.py --check   # exit 1 if a block differs from its rendering (CI: no hand-typed figures)
@@ -40,27 +47,28 @@ from benches.lib.results import REPO, RESULTS_DIR, markdown_table, median_of, ra
 from benches.lib.systems import System
 
 README = REPO / "README.md"
+BENCHMARKS_PAGE = REPO / "docs" / "benchmarks.md"
 SLUG = "nvidia-h200"
 TOWER_COLUMNS = (System.HF_SDPA, System.DEFAULTS, System.GRAPH, System.GRAPH_COMPILE)
+# Where a document finds the result files: the README from the repository root, the docs pages through
+# docs/results, a link to benches/results that MkDocs follows.
+LINK_PREFIX = {README.name: "benches/results/", BENCHMARKS_PAGE.name: "results/"}
 
 
 def provenance(data: Mapping[str, Any], script: str, slug: str) -> str:
-    """Where a block's numbers come from: versions, commit and date (per tower when the file merges runs)."""
+    """Where a block's numbers come from: machine, versions, date and file. The commit and the run's notes stay
+    in the file (``environment``)."""
     env = data["environment"]
     runs = env.get("towers_from")
-    if runs:
-        labels = {name: doc.get("tower", {}).get("label", name) for name, doc in data.get("towers", {}).items()}
-        when = "; ".join(f"{labels.get(name, name)} from commit {run['commit'][:7]}, {run['date_utc'][:10]}"
-                         for name, run in runs.items())
-    else:
-        when = f"commit {(env.get('commit') or '?')[:7]}, {env.get('date_utc', '?')[:10]}"
-    return (f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, {env['dtype']}; {when}; "
-            f"`benches/results/{script}_{slug}.json`")
+    dates = sorted({str(run.get("date_utc") or run.get("time", "?"))[:10] for run in runs.values()} if runs else
+                   {str(env.get("date_utc") or env.get("time", "?"))[:10]})
+    versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers") if env.get(name))
+    dtype = f", {env['dtype']}" if env.get("dtype") else ""
+    return f"{env['gpu']}, {versions}{dtype}; {' and '.join(dates)}; `benches/results/{script}_{slug}.json`"
 
 
 def traffic_block(data: Mapping[str, Any], slug: str) -> str:
-    parts = [provenance(data, "traffic", slug), data["environment"].get("commit_note") if data["environment"].get(
-        "towers_from") else None, report.headline(data), "\n".join(report.target_lines(data))]
+    parts = [provenance(data, "traffic", slug), report.headline(data), "\n".join(report.target_lines(data))]
     for name, doc in report.tower_docs(data).items():  # every system of the run (old runs: what they measured)
         trace = doc.get("trace", {})
         planning = f", planning: {doc['planning']}" if doc.get("planning") else ""
@@ -97,27 +105,100 @@ def capture_block(data: Mapping[str, Any], slug: str) -> str:
 def families_block(data: Mapping[str, Any], slug: str) -> str:
     from benches import towers
 
-    note = data["environment"].get("commit_note")
-    return "\n\n".join(p for p in (provenance(data, "towers", f"{slug}_families"), note,
-                                    towers._family_table(data.get("towers", {}))) if p)
+    return provenance(data, "towers", f"{slug}_families") + "\n\n" + towers._family_table(data.get("towers", {}))
 
 
 def serving_block(data: Mapping[str, Any], slug: str, transport: str = "inprocess") -> str:
     from benches import serving
 
-    env = data["environment"]
-    runs = env.get("towers_from")  # a file that merges runs names each tower's
-    when = ("; ".join(f"{serving.TOWERS.get(name, {}).get('label', name)} from commit {run['commit'][:7]}, "
-                      f"{run['time'][:10]}" for name, run in runs.items()) if runs else
-            f"commit {(env.get('commit') or '?')[:7]}, {str(env.get('time', '?'))[:10]}")
-    head = f"{env['gpu']}; {when}; `benches/results/serving_{slug}_{transport}.json`"
+    head = provenance(data, "serving", f"{slug}_{transport}")
     body = serving.render(dict(data)).split("\n", 2)[2]  # without its own title
     body = body.replace("\n## ", "\n#### ")
-    parts = [head, env.get("commit_note"), body.strip()]
+    parts = [head, body.strip()]
     plot = RESULTS_DIR / f"serving_{slug}_{transport}_images_per_s.png"
     if plot.exists():
         parts.append(f"![images/s against closed-loop clients](benches/results/{plot.name})")
     return "\n\n".join(p for p in parts if p)
+
+
+def _load(results_dir: Path, stem: str) -> Mapping[str, Any] | None:
+    path = Path(results_dir) / f"{stem}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _ms(value: float) -> str:
+    """Three significant figures, trailing zeros kept (37.0, not 37)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _short(label: str) -> str:
+    return label.removesuffix(" tower").removesuffix(" vision")
+
+
+def headline_block(results_dir: Path, slug: str) -> str:
+    """The README's table: encgraph with no options against the tower's own forward, one row per workload, each
+    linking the result file it comes from; then the conditions shared by every row."""
+    rows, envs, best = [], [], {}  # best: {"latency" | "throughput": (speedup, tower label)}
+    traffic = _load(results_dir, f"traffic_{slug}")
+    if traffic:
+        envs.append(traffic["environment"])
+        for name, doc in report.tower_docs(traffic).items():
+            hf, d = (doc.get("systems", {}).get(s.value) for s in (System.HF_SDPA, System.DEFAULTS))
+            if hf and d:
+                x = ratio(hf["mean_ms"], d["mean_ms"])
+                best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
+                rows.append([f"{_short(doc['tower']['label'])}: chat-like trace of {d['requests']} requests (1-8 "
+                             "images of any size, or a short video), mean latency", f"{_ms(hf['mean_ms'])} ms",
+                             f"{_ms(d['mean_ms'])} ms", f"**{x:.1f}x**",
+                             f"[traffic](benches/results/traffic_{slug}.md)"])
+    families = _load(results_dir, f"towers_{slug}_families")
+    if families:
+        envs.append(families["environment"])
+        pairs = [(t["label"], median_of(c["systems"].get(System.HF_SDPA.value)),
+                  median_of(c["systems"].get(System.DEFAULTS.value)))
+                 for t in families.get("towers", {}).values() for name, c in t.get("cases", {}).items()
+                 if name == "1x448" and "systems" in c]
+        pairs = [(label, hf, d) for label, hf, d in pairs if hf is not None and d is not None]
+        if pairs:
+            hfs, ds = [p[1] for p in pairs], [p[2] for p in pairs]
+            xs = [hf / d for _, hf, d in pairs]
+            rows.append([f"{len(pairs)} more towers ({', '.join(_short(p[0]) for p in pairs)}): one 448 px "
+                         "image, median latency", f"{_ms(min(hfs))}-{_ms(max(hfs))} ms", f"{_ms(min(ds))}-{_ms(max(ds))} ms",
+                         f"**{min(xs):.1f}-{max(xs):.1f}x**", f"[families](benches/results/towers_{slug}_families.md)"])
+    serving = _load(results_dir, f"serving_{slug}_server_repeats")
+    if serving:
+        from benches import serving as serving_bench
+
+        envs.append(serving["environment"])
+        for tower, by_transport in serving.get("towers", {}).items():
+            points = by_transport.get("server", {}).get("points", {})
+            hf, d = points.get("hf_eager", {}).get("32"), points.get("defaults", {}).get("32")
+            if hf and d and hf.get("requests") and d.get("requests"):
+                x = d["images_per_s"] / hf["images_per_s"]
+                label = _short(serving_bench.TOWERS[tower]["label"])
+                best["throughput"] = max(best.get("throughput", (0.0, "")), (x, label))
+                rows.append([f"{label} behind `encgraph serve`, 32 concurrent "
+                             "clients, images/s", f"{hf['images_per_s']:.0f}/s", f"{d['images_per_s']:.0f}/s",
+                             f"**{x:.1f}x**",
+                             f"[serving](benches/results/serving_{slug}_server_repeats.md)"])
+    if not rows:
+        return f"No results yet: `benches/results/*_{slug}.json` are missing."
+    table = markdown_table(["workload", "tower's own forward (HF, sdpa)", "encgraph, no options", "speedup",
+                            "result"], rows)
+    gpus = sorted({e["gpu"] for e in envs})
+    versions = "; ".join(f"{name} {', '.join(sorted({e[name] for e in envs if e.get(name)}))}"
+                         for name in ("torch", "transformers"))
+    dates = sorted(str(e.get("date_utc") or e.get("time"))[:10] for e in envs)
+    lead = [f"**{best['latency'][0]:.1f}x** lower mean latency than the tower's own forward on a chat-like trace "
+            f"({best['latency'][1]})" if "latency" in best else None,
+            f"**{best['throughput'][0]:.1f}x** the images/s behind `encgraph serve` ({best['throughput'][1]})"
+            if "throughput" in best else None]
+    lead_line = f"With no options, on one {', '.join(gpus)}: " + " and ".join(filter(None, lead)) + ".\n\n"
+    return (f"{lead_line if any(lead) else ''}{table}\n\n<sub>One {', '.join(gpus)}; {versions}; bfloat16 towers at each model's released geometry "
+            f"with random weights; each row's systems measured side by side in one process, {dates[0]} to "
+            f"{dates[-1]}. The latency rows call the tower directly (`graphed(tower)`); the serving rows go through "
+            "the HTTP server, its `--eager` baseline against its defaults. Commits, options and every other "
+            "system are in each result file.</sub>")
 
 
 BLOCKS: dict[str, tuple[str, Callable[[Mapping[str, Any], str], str]]] = {
@@ -129,9 +210,13 @@ BLOCKS: dict[str, tuple[str, Callable[[Mapping[str, Any], str], str]]] = {
     "serving_server": ("serving_{slug}_server", functools.partial(serving_block, transport="server")),
     "serving_repeats": ("serving_{slug}_server_repeats", functools.partial(serving_block, transport="server_repeats")),
 }
+# The blocks each document holds: the README only its headline table, the benchmarks page every table.
+DOCUMENTS: dict[Path, tuple[str, ...]] = {README: ("headline",), BENCHMARKS_PAGE: tuple(BLOCKS)}
 
 
 def render_block(name: str, results_dir: Path, slug: str) -> str:
+    if name == "headline":
+        return headline_block(results_dir, slug)
     stem, render = BLOCKS[name]
     path = Path(results_dir) / f"{stem.format(slug=slug)}.json"
     if not path.exists():
@@ -143,37 +228,40 @@ def _pattern(name: str) -> re.Pattern[str]:
     return re.compile(rf"(<!-- benches/readme.py: {name} -->\n)(.*?)(<!-- end {name} -->)", re.S)
 
 
-def update(text: str, results_dir: Path = RESULTS_DIR, slug: str = SLUG) -> str:
-    """``text`` with every block it has rendered anew."""
-    for name in BLOCKS:
-        body = render_block(name, results_dir, slug)
+def update(text: str, results_dir: Path = RESULTS_DIR, slug: str = SLUG, link_prefix: str = "benches/results/") -> str:
+    """``text`` with every block it has rendered anew, its links to result files starting with ``link_prefix``."""
+    for name in ("headline", *BLOCKS):
+        body = render_block(name, results_dir, slug).replace("](benches/results/", f"]({link_prefix}")
         text = _pattern(name).sub(lambda m: m.group(1) + body + "\n" + m.group(3), text)
     return text
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benches/readme.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="only compare; exit 1 if the README differs")
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a document differs")
     p.add_argument("--readme", type=Path, default=README)
+    p.add_argument("--benchmarks-page", type=Path, default=BENCHMARKS_PAGE)
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--slug", default=SLUG, help=f"machine part of the result file names (default {SLUG})")
     args = p.parse_args(argv)
-    old = args.readme.read_text()
-    missing = [n for n in BLOCKS if not _pattern(n).search(old)]
-    if missing:
-        print(f"readme: {args.readme} has no block for {missing}", file=sys.stderr)
-        return 1
-    new = update(old, args.results_dir, args.slug)
-    if args.check:
-        if new != old:
-            print(f"readme: the Benchmarks blocks of {args.readme} differ from their results; run "
-                  "python benches/readme.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != old:
-        args.readme.write_text(new)
-        print(f"readme: rewrote {args.readme}")
-    return 0
+    status = 0
+    for path, names in ((args.readme, DOCUMENTS[README]), (args.benchmarks_page, DOCUMENTS[BENCHMARKS_PAGE])):
+        old = path.read_text()
+        missing = [n for n in names if not _pattern(n).search(old)]
+        if missing:
+            print(f"readme: {path} has no block for {missing}", file=sys.stderr)
+            status = 1
+            continue
+        new = update(old, args.results_dir, args.slug, LINK_PREFIX.get(path.name, "benches/results/"))
+        if args.check:
+            if new != old:
+                print(f"readme: the blocks of {path} differ from their results; run python benches/readme.py",
+                      file=sys.stderr)
+                status = 1
+        elif new != old:
+            path.write_text(new)
+            print(f"readme: rewrote {path}")
+    return status
 
 
 if __name__ == "__main__":

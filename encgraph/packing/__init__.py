@@ -3,11 +3,11 @@
 Decides *what* to replay (which items go together, through which captured budget, or eager) without touching
 a GPU.  Needs only numpy, attrs and the standard library: importing it never imports torch.
 
->>> from encgraph.packing import ItemSpec, budget_ladder, pack
->>> ladder = budget_ladder(64, 1024)
->>> plan = pack([ItemSpec(300), ItemSpec(200), ItemSpec(700)], ladder, max_items=8)
->>> [(b.items, b.budgets["default"]) for b in plan.batches]
-[((1, 0), 512), ((2,), 1024)]
+    >>> from encgraph.packing import ItemSpec, budget_ladder, pack
+    >>> ladder = budget_ladder(64, 1024)
+    >>> plan = pack([ItemSpec(300), ItemSpec(200), ItemSpec(700)], ladder, max_items=8)
+    >>> [(b.items, b.budgets["default"]) for b in plan.batches]
+    [((1, 0), 512), ((2,), 1024)]
 """
 
 from __future__ import annotations

@@ -213,12 +213,12 @@ class Plan:
         limits: the per-batch limits the plan respects.  A plan made with ``max_frames=None`` records the
             bound that no batch can pass anyway: ``max_items`` x the largest frames of any item.
 
-    >>> from encgraph.packing import ItemSpec, pack
-    >>> plan = pack([ItemSpec(300), ItemSpec(100), ItemSpec(900)], (256, 512, 1024), max_items=2)
-    >>> [(b.items, b.budgets) for b in plan.batches]
-    [((1, 0), {'default': 512}), ((2,), {'default': 1024})]
-    >>> plan.restore([["r1", "r0"], ["r2"]])
-    ['r0', 'r1', 'r2']
+        >>> from encgraph.packing import ItemSpec, pack
+        >>> plan = pack([ItemSpec(300), ItemSpec(100), ItemSpec(900)], (256, 512, 1024), max_items=2)
+        >>> [(b.items, b.budgets) for b in plan.batches]
+        [((1, 0), {'default': 512}), ((2,), {'default': 1024})]
+        >>> plan.restore([["r1", "r0"], ["r2"]])
+        ['r0', 'r1', 'r2']
     """
 
     batches: tuple[Batch, ...] = attrs.field(converter=_as_tuple("Plan(batches)"))
