@@ -139,18 +139,25 @@ def headline_block(results_dir: Path, slug: str) -> str:
     """The README's table: encgraph with no options against the tower's own forward, one row per workload, each
     linking the result file it comes from; then the conditions shared by every row."""
     rows, envs, best = [], [], {}  # best: {"latency" | "throughput": (speedup, tower label)}
-    traffic = _load(results_dir, f"traffic_{slug}")
-    if traffic:
+    traces = ((f"traffic_{slug}", "chat-like trace of {n} requests (1-8 images of any size, or a short video)"),
+              (f"traffic_{slug}_photo", "photo trace of {n} requests (1-3 photos of 400-4000 px at the processor's "
+                                        "default maximum)"))
+    for stem, workload in traces:
+        traffic = _load(results_dir, stem)
+        if not traffic:
+            continue
         envs.append(traffic["environment"])
         for name, doc in report.tower_docs(traffic).items():
             hf, d = (doc.get("systems", {}).get(s.value) for s in (System.HF_SDPA, System.DEFAULTS))
             if hf and d:
                 x = ratio(hf["mean_ms"], d["mean_ms"])
-                best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
-                rows.append([f"{_short(doc['tower']['label'])}: chat-like trace of {d['requests']} requests (1-8 "
-                             "images of any size, or a short video), mean latency", f"{_ms(hf['mean_ms'])} ms",
-                             f"{_ms(d['mean_ms'])} ms", f"**{x:.1f}x**",
-                             f"[traffic](benches/results/traffic_{slug}.md)"])
+                if stem == f"traffic_{slug}":
+                    best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
+                worst = d.get("worst_ratio_vs_hf_sdpa")
+                slower = f"; worst request {worst:.2f}x HF's" if worst is not None and stem.endswith("_photo") else ""
+                rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}, mean latency"
+                             f"{slower}", f"{_ms(hf['mean_ms'])} ms", f"{_ms(d['mean_ms'])} ms", f"**{x:.1f}x**",
+                             f"[traffic](benches/results/{stem}.md)"])
     families = _load(results_dir, f"towers_{slug}_families")
     if families:
         envs.append(families["environment"])

@@ -232,7 +232,7 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
     Started together on one GPU, five servers timed those while the others captured: on the H200 the SigLIP
     server with ``--max-requests 1`` then encoded at HF eager's speed (57 images/s at 32 clients against 293 when
     started one after another, 530 ms of its 580 ms P50 in the encode stage), and in another such start
-    (``--start concurrent``, ``serving_nvidia-h200_server_concurrent_start.md``) the ``graphed_nowait`` server ran
+    (``--start concurrent``; that run's file is in git history) the ``graphed_nowait`` server ran
     its 772 items eagerly ("eager is cheaper"). ``eager_items`` in each point counts the server's eagerly run
     items, so a run like that shows."""
     points: dict[str, dict[str, Any]] = result["points"]
