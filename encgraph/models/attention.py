@@ -274,10 +274,9 @@ def _host_planned_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
     bounds: Sequence[int], min_rows: int,
 ) -> torch.Tensor:
-    """Each sequence of at least ``min_rows`` rows whose length an earlier forward met (cuDNN's per-length plan:
-    :func:`~encgraph.models.sequence_bounds.dense_planned`) as one dense SDPA call; each run of the others between
-    them as one varlen call over its rows (its ``cu_seqlens`` a slice of the device tensor minus its first value:
-    no host-to-device copy, no sync). ``min_rows == 1``: every sequence dense (the CPU's ``SEGMENTS``)."""
+    """Each sequence of at least ``min_rows`` rows as one dense SDPA call; each run of shorter ones between them
+    as one varlen call over its rows (its ``cu_seqlens`` a slice of the device tensor minus its first value: no
+    host-to-device copy, no sync). ``min_rows == 1``: every sequence dense (the CPU's ``SEGMENTS``)."""
     if min_rows <= 1:
         if key.shape[1] != query.shape[1]:
             key, value = _repeat_heads(key, value, query.shape[1])
@@ -296,7 +295,7 @@ def _host_planned_attention(
 
     for i in range(len(bounds) - 1):
         a, b = bounds[i], bounds[i + 1]
-        if b - a >= min_rows and sequence_bounds.dense_planned(query, b - a):
+        if b - a >= min_rows:
             if run is not None:
                 flush(i)
                 run = None

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 
 import torch
 
-__all__ = ["RowsTable", "dense_planned", "host_bounds", "lookup", "segment_rows"]
+__all__ = ["RowsTable", "host_bounds", "lookup", "segment_rows"]
 
 log = logging.getLogger("encgraph")
 
@@ -27,17 +25,10 @@ RowsTable = Mapping[tuple[int, int, torch.dtype], "int | None"]
 """``{(heads, head_dim, dtype): rows}``: per head geometry, the rows from which a sequence runs dense (``None``:
 never), as measured for one device (:func:`encgraph.models.kernel_choice.rows_table`)."""
 
-_HOST_BOUNDS: contextvars.ContextVar[
-    tuple[dict[tuple[int, int], tuple[int, ...]], RowsTable | None, int] | None
-] = contextvars.ContextVar("encgraph_host_bounds", default=None)
+_HOST_BOUNDS: contextvars.ContextVar[tuple[dict[tuple[int, int], tuple[int, ...]], RowsTable | None] | None] = (
+    contextvars.ContextVar("encgraph_host_bounds", default=None)
+)
 _FALLBACK_LOGGED: set[tuple[int, int, torch.dtype]] = set()
-_FORWARDS = itertools.count(1)
-"""Serial number of each :func:`host_bounds` block (one eager forward)."""
-_SEEN: dict[tuple[Any, ...], list[int]] = {}
-"""Per dense shape (device, heads, head_dim, dtype, rows): ``[forwards that met it, serial of the last one,
-whether it runs dense in that forward]``. Bounded by :data:`SEEN_MAX` (oldest dropped)."""
-SEEN_MAX = 65536
-"""Dense shapes remembered per process (an entry is a few hundred bytes)."""
 
 
 @contextlib.contextmanager
@@ -52,7 +43,7 @@ def host_bounds(
     the CPU every sequence is one SDPA call. Never used inside a CUDA graph capture or a compiled trace. The
     tensors must stay alive for the block (they are matched by storage)."""
     mapping = {(t.data_ptr(), t.numel()): tuple(int(x) for x in b) for t, b in pairs}
-    token = _HOST_BOUNDS.set((mapping, min_rows, next(_FORWARDS)))
+    token = _HOST_BOUNDS.set((mapping, min_rows))
     try:
         yield
     finally:
@@ -72,32 +63,6 @@ def lookup(cu_seqlens: torch.Tensor) -> tuple[tuple[int, ...], RowsTable | None]
     if bounds is None or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     return bounds, context[1]
-
-
-def dense_planned(query: torch.Tensor, rows: int) -> bool:
-    """Whether a sequence of ``rows`` rows of ``query``'s head geometry runs dense in this eager forward: only once
-    an earlier forward met that exact shape.
-
-    Why: cuDNN builds a plan for every new sequence length the first time dense SDPA sees it, measured on an H200
-    at 35-39 ms per length (``dense_first_ms`` in the cost model's kernel records) against 0.05-3 ms for the call
-    itself, while Flash varlen has no per-length plan. Images of any size rarely repeat a length, so the first
-    forward that meets a length runs it on varlen (slower per call by at most the measured crossover's gap) and
-    a later one, when the length repeats, pays the plan once and runs dense from then on (a rent-or-buy rule:
-    never more than about twice the better of the two). Every layer of one forward decides alike (the decision
-    is per forward, :func:`host_bounds` numbering them)."""
-    context = _HOST_BOUNDS.get()
-    serial = context[2] if context else 0
-    key = (query.device, int(query.shape[1]), int(query.shape[2]), query.dtype, int(rows))
-    entry = _SEEN.get(key)
-    if entry is None:
-        if len(_SEEN) >= SEEN_MAX:
-            _SEEN.pop(next(iter(_SEEN)))
-        entry = _SEEN[key] = [0, -1, False]
-    if entry[1] != serial:
-        entry[0] += 1
-        entry[1] = serial
-        entry[2] = entry[0] > 1
-    return entry[2]
 
 
 def segment_rows(query: torch.Tensor, table: RowsTable | None, default: int) -> int | None:

@@ -83,7 +83,6 @@ def fake_varlen(monkeypatch):
 
     monkeypatch.setattr(attention, "_varlen_attention", varlen)
     monkeypatch.setattr(attention, "pick_backend", lambda q: attention.AttentionBackend.VARLEN)
-    monkeypatch.setattr(sequence_bounds, "_SEEN", {})  # no length met by an earlier test's forward
     return calls
 
 
@@ -92,19 +91,12 @@ def test_long_sequences_run_dense_and_runs_of_short_ones_varlen(fake_varlen, kv_
     bounds = [0, 3, 5, 25, 27, 27, 30, 50]
     q, k, v = qkv(52, kv_heads=kv_heads)  # 2 rows past cu[-1]: one more sequence, as in the other backends
     cu = torch.tensor(bounds, dtype=torch.int32)
-    table = {(3, 8, torch.float32): 10}
-    kk, vv = attention._repeat_heads(k, v, 3) if kv_heads else (k, v)
-    want = reference(q, kk, vv, [3, 2, 20, 2, 0, 3, 20, 2])
-    with attention.host_bounds([(cu, bounds)], min_rows=table):  # the first forward to meet these lengths
+    with attention.host_bounds([(cu, bounds)], min_rows={(3, 8, torch.float32): 10}):
         assert attention._host_plan(cu, q) == (tuple(bounds), 10)
-        first = packed_attention_default(q, k, v, cu)
-    assert fake_varlen == [(50, bounds, 20)]  # one varlen call: no dense plan built for a length seen once
-    fake_varlen.clear()
-    with attention.host_bounds([(cu, bounds)], min_rows=table):  # a later forward: the long ones dense
         got = packed_attention_default(q, k, v, cu)
     assert fake_varlen == [(5, [0, 3, 5], 3), (5, [0, 2, 2, 5], 3)]
-    for out in (first, got):
-        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    kk, vv = attention._repeat_heads(k, v, 3) if kv_heads else (k, v)
+    torch.testing.assert_close(got, reference(q, kk, vv, [3, 2, 20, 2, 0, 3, 20, 2]), rtol=1e-6, atol=1e-6)
 
 
 def packed_attention_default(q, k, v, cu):
@@ -163,12 +155,7 @@ def test_capture_hook_hands_given_crossovers_to_the_adapter_and_keeps_them(monke
 
 
 def dense_spy(monkeypatch) -> list[int]:
-    """Records the rows of every dense per-sequence SDPA call of the host plan (CUDA's per-sequence kernel), and
-    forgets which shapes earlier forwards met (``sequence_bounds.dense_planned``): the next forward to meet a
-    length runs it on varlen, the one after on the dense kernel."""
-    from encgraph.models import sequence_bounds
-
-    monkeypatch.setattr(sequence_bounds, "_SEEN", {})
+    """Records the rows of every dense per-sequence SDPA call of the host plan (CUDA's per-sequence kernel)."""
     rows: list[int] = []
     original = attention._dense_sequence
 
@@ -186,27 +173,3 @@ def test_a_scaled_model_keeps_its_crossovers():
                              eager_per_token_ms=0)
     model = type(model)(model.graph_ms, model.eager, kernels={c.key: c})
     assert model.scaled(graph={"default": 2.0}).kernels == {c.key: c}
-
-
-def test_a_length_runs_dense_from_the_second_forward_that_meets_it(monkeypatch):
-    # cuDNN plans each new length once (35-39 ms on an H200): the first forward meeting a length takes varlen, and
-    # every layer of one forward decides alike; a later forward meeting it again takes the dense kernel.
-    from encgraph.models import sequence_bounds
-
-    monkeypatch.setattr(sequence_bounds, "_SEEN", {})
-    q = torch.zeros(10, 4, 8)
-    cu = torch.tensor([0, 10])
-    decisions = []
-    for _forward in range(3):
-        with sequence_bounds.host_bounds([(cu, [0, 10])]):
-            decisions.append([sequence_bounds.dense_planned(q, 5000) for _layer in range(4)])
-    assert decisions == [[False] * 4, [True] * 4, [True] * 4]
-    with sequence_bounds.host_bounds([(cu, [0, 10])]):
-        assert not sequence_bounds.dense_planned(q, 5001)  # another length: its own first meeting
-        assert not sequence_bounds.dense_planned(q.to(torch.float64), 5000)  # another dtype: another plan
-    monkeypatch.setattr(sequence_bounds, "SEEN_MAX", 2)
-    monkeypatch.setattr(sequence_bounds, "_SEEN", {})
-    for rows in (1, 2, 3):
-        with sequence_bounds.host_bounds([(cu, [0, 10])]):
-            sequence_bounds.dense_planned(q, rows)
-    assert len(sequence_bounds._SEEN) == 2  # bounded: the oldest shape is forgotten
