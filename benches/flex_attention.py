@@ -103,7 +103,10 @@ def main() -> None:
         out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    (out / f"flex_attention_{gpu}.json").write_text(json.dumps({"environment": env, "rows": rows_out}, indent=1))
+    from benches.lib.results import write_rows
+
+    write_rows(out / f"flex_attention_{gpu}.json", {"environment": env, "rows": rows_out}, rows_out,
+               "FlexAttention against varlen attention inside CUDA graphs")
     print("\n| case | varlen_attn replay ms | flex replay ms | flex mask rebuild ms (host, per new batch) | rel err |")
     print("|---|---|---|---|---|")
     for r in rows_out:

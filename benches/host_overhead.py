@@ -191,8 +191,9 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    from benches.lib.results import write_rows
+
+    write_rows(args.out, report, results, "host overhead per call (CPU): planning, metadata and copies")
 
     m = report["machine"]
     print(f"machine: {m['platform']}, Python {m['python']}, {m['cpu_count']} CPUs, load {m['load_average']}; "

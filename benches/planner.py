@@ -158,8 +158,9 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    from benches.lib.results import write_rows
+
+    write_rows(args.out, report, results, "planner: time per pack() call")
 
     m = report["machine"]
     print(

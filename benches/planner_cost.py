@@ -58,8 +58,9 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    from benches.lib.results import write_rows
+
+    write_rows(args.out, report, results, "planner: greedy against cost-aware packing, time per call and expected cost")
     m = report["machine"]
     print(f"machine: {m['platform']}, {m['cpu_count']} CPUs, load {load_before} -> {m['load_average_1m_after']}; wrote {args.out}")
     print(f"target: costed, {TARGET_ITEMS} items <= {TARGET_US:.0f} us median: wall {report['target']['met']}, cpu {report['target']['met_cpu']}")

@@ -90,7 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
     slug = results["gpu"].lower().replace(" ", "-")
     out = Path(args.results_dir) / f"step3p7_tower_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    from benches.lib.results import write_rows
+
+    write_rows(out, results, [{"case": name, **row, "tower / shim": round(row["tower"] / row["shim"], 3)}
+                              for name, row in results["cases"].items()],
+               f"Step-3.7 get_image_features: HF, graphed(vision tower), the whole-model shim (ms, depth {args.depth})")
     print(f"wrote {out}")
     return results
 

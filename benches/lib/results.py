@@ -187,3 +187,17 @@ def status_of(entry: Mapping[str, Any] | None) -> str:
     if "error" in entry:
         return "error"
     return str(entry.get("skipped") or "-").split(":")[0]
+
+
+def write_rows(json_path: Path, report: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], title: str) -> Path:
+    """Write ``report`` as JSON at ``json_path`` and, beside it (``.md``), ``title`` and a table of ``rows`` (flat
+    dicts, one column per key in first-seen order): for the benchmarks whose result is one list of rows."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(json_ready(report), indent=2) + "\n", encoding="utf-8")
+    headers: list[str] = []
+    for row in rows:
+        headers += [k for k in row if k not in headers]
+    table = markdown_table(headers, [[row.get(h) for h in headers] for row in rows])
+    md = json_path.with_suffix(".md")
+    md.write_text(f"## {title}\n\n{table}\n\nJSON (with the run's environment): `{json_path.name}`\n", encoding="utf-8")
+    return md

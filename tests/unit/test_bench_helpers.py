@@ -3,6 +3,7 @@ the compile caches' directory."""
 
 from __future__ import annotations
 
+import json
 import argparse
 import math
 import os
@@ -105,3 +106,13 @@ def test_cache_env_points_every_cache_at_one_directory_and_restores(tmp_path, mo
     with startup.cache_env(tmp_path) as kept:
         assert kept == tmp_path
     assert tmp_path.exists()
+
+
+def test_write_rows_writes_the_json_and_a_table_beside_it(tmp_path):
+    from benches.lib.results import write_rows
+
+    report = {"environment": {"gpu": "x"}, "results": [{"case": "a", "ms": 1.23456}, {"case": "b", "extra": 2}]}
+    md = write_rows(tmp_path / "bench.json", report, report["results"], "a bench")
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    assert md.read_text().splitlines()[:5] == [
+        "## a bench", "", "| case | ms | extra |", "|---|---|---|", "| a | 1.23 | - |"]
