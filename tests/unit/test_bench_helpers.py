@@ -3,8 +3,8 @@ the compile caches' directory."""
 
 from __future__ import annotations
 
-import json
 import argparse
+import json
 import math
 import os
 import time
