@@ -341,6 +341,9 @@ class EncoderGraphRunner:
         (``samples``: inputs as for a call, of varied sizes; at least two per path), fitted as fixed + per token
         + per item. Keep it with ``runner.costs.save(path)``; pass it back as ``costs=path``.
         """
+        if self.mode is RunMode.EAGER:  # the CPU default: no padded buffers to time, no plan to price
+            raise ConfigError("measure_costs: expected a runner that plans (mode=RunMode.GRAPH or STATIC), got "
+                              "mode=RunMode.EAGER; construct it with mode=RunMode.STATIC (or on CUDA).")
         with self._lock:
             self.capture()
             self.costs = measure_cost_model(self, samples, repeats)

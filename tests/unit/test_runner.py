@@ -197,6 +197,16 @@ def test_generic_graphed_module_any_batch_size():
     assert fast.runner.limits.max_items == 8
 
 
+def test_measure_costs_on_an_eager_runner_names_the_mode():
+    # The CPU default (EAGER) has no padded buffers to time: a clear error, not a KeyError from inside.
+    adapter = one_path(min_budget=16, max_budget=256)
+    runner = EncoderGraphRunner(adapter, budgets=(16, 32))
+    assert runner.mode is RunMode.EAGER
+    samples = [random_inputs(np.random.default_rng(0), adapter, n, max_len=20, max_frames=1) for n in (1, 2)]
+    with pytest.raises(ConfigError, match=r"measure_costs: .*mode=RunMode.EAGER; .*mode=RunMode.STATIC"):
+        runner.measure_costs(samples)
+
+
 def test_measured_costs_tuning_and_recapture():
     from encgraph.packing import CostModel
 
