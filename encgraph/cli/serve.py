@@ -242,12 +242,14 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_request_pixels > args.max_pixels_in_flight:
         raise UsageError(f"encgraph serve: error: --max-pixels-in-flight {args.max_pixels_in_flight}: expected at "
                          f"least --max-request-pixels ({args.max_request_pixels}), or a request could never run")
-    key = args.api_key if args.api_key is not None else os.environ.get("ENCGRAPH_API_KEY")
-    if key is not None and (not key or any(c.isspace() for c in key)):
-        where = "--api-key" if args.api_key is not None else "ENCGRAPH_API_KEY"
+    from encgraph.serving.auth import API_KEY_ENV, valid_key
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not valid_key(key):
+        where = "--api-key" if args.api_key is not None else API_KEY_ENV
         raise UsageError(f"encgraph serve: error: {where}: expected a non-empty key without spaces")
     if args.api_key_everywhere and key is None:
-        raise UsageError("encgraph serve: error: --api-key-everywhere: no key given (--api-key or ENCGRAPH_API_KEY)")
+        raise UsageError(f"encgraph serve: error: --api-key-everywhere: no key given (--api-key or {API_KEY_ENV})")
     args.resolved_api_key = key
 
 
@@ -279,13 +281,12 @@ def build_models(args: argparse.Namespace) -> dict[str, Any]:
     sources = _sources(args)
     names = [n for n, _ in sources]
     budgets = _per_model(args.budgets, names, "--budgets")
+    most = args.max_images * args.max_queue  # budgets in tokens were held to MAX_BUDGET when parsed
     for name, checkpoint in sources:
         unit = loading.FAMILIES[checkpoint.model_type if checkpoint else name].unit
-        most, why = ((args.max_images * args.max_queue, "--max-images x --max-queue") if unit == "images"
-                     else (MAX_BUDGET, "32 of Qwen's largest images twice over"))
-        if name in budgets and budgets[name][-1] > most:
+        if unit == "images" and name in budgets and budgets[name][-1] > most:
             raise UsageError(f"encgraph serve: error: --budgets {name}=...: {budgets[name][-1]} {unit} is more than "
-                             f"one call can hold (at most {most}: {why})")
+                             f"one call can hold (at most {most}: --max-images x --max-queue)")
     options = {"max_wait_ms": args.max_wait_ms, "max_queue": args.max_queue, "max_requests": args.max_requests}
     models = {}
     for name, checkpoint in sources:

@@ -11,21 +11,27 @@ A pure ASGI middleware: it adds no task or body buffering to a request, and one 
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any
 
-__all__ = ["BearerAuth", "API_KEY_ENV"]
+from encgraph.serving.protocol import ApiError
+
+__all__ = ["BearerAuth", "API_KEY_ENV", "valid_key"]
 
 API_KEY_ENV = "ENCGRAPH_API_KEY"
 """The environment variable ``encgraph serve`` reads its key from when ``--api-key`` is not given (a key on the
 command line shows in the process list; one in the environment does not)."""
 
 
+def valid_key(key: str) -> bool:
+    """Whether ``key`` can be sent in an ``Authorization: Bearer`` header: non-empty, without spaces."""
+    return bool(key) and not any(c.isspace() for c in key)
+
+
 class BearerAuth:
     """Wraps an ASGI ``app``: HTTP requests to protected paths need ``Authorization: Bearer <api_key>``."""
 
     def __init__(self, app: Any, api_key: str, *, protect_all: bool = False) -> None:
-        if not api_key or any(c.isspace() for c in api_key):
+        if not valid_key(api_key):
             raise ValueError("api_key: expected a non-empty key without spaces.")
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
@@ -38,18 +44,14 @@ class BearerAuth:
         if scope["type"] == "http" and self.protects(scope["path"]):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
-                await _unauthorized(send, "missing" if not given else "wrong")
+                await _unauthorized("missing" if not given else "wrong")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-async def _unauthorized(send: Any, how: str) -> None:
+def _unauthorized(how: str) -> Any:
+    """The 401 answer (an ASGI app), in the documented error shape (:class:`ApiError`)."""
     message = (f"authorization: {'no' if how == 'missing' else 'a wrong'} API key; send the header "
                "'Authorization: Bearer <key>' with the key the server was started with (--api-key or "
                f"{API_KEY_ENV}).")
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": "authorization",
-                                 "code": "invalid_api_key"}}).encode()
-    await send({"type": "http.response.start", "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"www-authenticate", b"Bearer")]})
-    await send({"type": "http.response.body", "body": body})
+    return ApiError(401, "authorization", "invalid_api_key", message, {"WWW-Authenticate": "Bearer"}).response()

@@ -138,7 +138,6 @@ def count_pixels(images: Sequence[str], limits: ServerLimits) -> int:
     return total
 
 
-
 def _encode(array: Any, fmt: str) -> Any:
     if fmt == "base64":
         return base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")
@@ -157,7 +156,6 @@ def answer(model: Any, results: list[Any], request: EmbeddingRequest) -> JSONRes
     used = model.token_count(results)
     return JSONResponse({"object": "list", "model": model.name, "data": data,
                          "usage": {"prompt_tokens": used, "total_tokens": used}})
-
 
 
 def retry_headers(limits: ServerLimits) -> dict[str, str]:
