@@ -29,7 +29,6 @@ default ladder (64 ... 4096 tokens). For comparison, ``hf_helpers`` times transf
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics

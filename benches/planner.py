@@ -15,7 +15,6 @@ outside the timed region (their validation happens once, when the caller describ
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random

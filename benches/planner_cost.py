@@ -13,7 +13,6 @@ Target: 64 items <= 200 us median (the machine is shared: read the CPU-time medi
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path

@@ -43,7 +43,7 @@ if __package__ in (None, ""):
 
 from benches import capture
 from benches.lib import traffic_report as report
-from benches.lib.results import REPO, RESULTS_DIR, markdown_table, median_of, ratio
+from benches.lib.results import REPO, RESULTS_DIR, fmt, markdown_table, median_of, ratio
 from benches.lib.systems import System
 
 README = REPO / "README.md"
@@ -55,13 +55,17 @@ TOWER_COLUMNS = (System.HF_SDPA, System.DEFAULTS, System.GRAPH, System.GRAPH_COM
 LINK_PREFIX = {README.name: "benches/results/", BENCHMARKS_PAGE.name: "results/"}
 
 
+def _date(run: Mapping[str, Any]) -> str:
+    """The day a run's environment records (``date_utc``; the serving bench's ``time``)."""
+    return str(run.get("date_utc") or run.get("time", "?"))[:10]
+
+
 def provenance(data: Mapping[str, Any], script: str, slug: str) -> str:
     """Where a block's numbers come from: machine, versions, date and file. The commit and the run's notes stay
     in the file (``environment``)."""
     env = data["environment"]
     runs = env.get("towers_from")
-    dates = sorted({str(run.get("date_utc") or run.get("time", "?"))[:10] for run in runs.values()} if runs else
-                   {str(env.get("date_utc") or env.get("time", "?"))[:10]})
+    dates = sorted({_date(run) for run in runs.values()} if runs else {_date(env)})
     versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers") if env.get(name))
     dtype = f", {env['dtype']}" if env.get("dtype") else ""
     return f"{env['gpu']}, {versions}{dtype}; {' and '.join(dates)}; `benches/results/{script}_{slug}.json`"
@@ -126,11 +130,6 @@ def _load(results_dir: Path, stem: str) -> Mapping[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _ms(value: float) -> str:
-    """Three significant figures, trailing zeros kept (37.0, not 37)."""
-    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
-
-
 def _short(label: str) -> str:
     return label.removesuffix(" tower").removesuffix(" vision")
 
@@ -156,7 +155,7 @@ def headline_block(results_dir: Path, slug: str) -> str:
                 worst = d.get("worst_ratio_vs_hf_sdpa")
                 slower = f"; worst request {worst:.2f}x HF's" if worst is not None and stem.endswith("_photo") else ""
                 rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}, mean latency"
-                             f"{slower}", f"{_ms(hf['mean_ms'])} ms", f"{_ms(d['mean_ms'])} ms", f"**{x:.1f}x**",
+                             f"{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms", f"**{x:.1f}x**",
                              f"[traffic](benches/results/{stem}.md)"])
     families = _load(results_dir, f"towers_{slug}_families")
     if families:
@@ -170,7 +169,7 @@ def headline_block(results_dir: Path, slug: str) -> str:
             hfs, ds = [p[1] for p in pairs], [p[2] for p in pairs]
             xs = [hf / d for _, hf, d in pairs]
             rows.append([f"{len(pairs)} more towers ({', '.join(_short(p[0]) for p in pairs)}): one 448 px "
-                         "image, median latency", f"{_ms(min(hfs))}-{_ms(max(hfs))} ms", f"{_ms(min(ds))}-{_ms(max(ds))} ms",
+                         "image, median latency", f"{fmt(min(hfs))}-{fmt(max(hfs))} ms", f"{fmt(min(ds))}-{fmt(max(ds))} ms",
                          f"**{min(xs):.1f}-{max(xs):.1f}x**", f"[families](benches/results/towers_{slug}_families.md)"])
     serving = _load(results_dir, f"serving_{slug}_server_repeats")
     if serving:
@@ -195,7 +194,7 @@ def headline_block(results_dir: Path, slug: str) -> str:
     gpus = sorted({e["gpu"] for e in envs})
     versions = "; ".join(f"{name} {', '.join(sorted({e[name] for e in envs if e.get(name)}))}"
                          for name in ("torch", "transformers"))
-    dates = sorted(str(e.get("date_utc") or e.get("time"))[:10] for e in envs)
+    dates = sorted(_date(e) for e in envs)
     lead = [f"**{best['latency'][0]:.1f}x** lower mean latency than the tower's own forward on a chat-like trace "
             f"({best['latency'][1]})" if "latency" in best else None,
             f"**{best['throughput'][0]:.1f}x** the images/s behind `encgraph serve` ({best['throughput'][1]})"
@@ -238,8 +237,11 @@ def _pattern(name: str) -> re.Pattern[str]:
 def update(text: str, results_dir: Path = RESULTS_DIR, slug: str = SLUG, link_prefix: str = "benches/results/") -> str:
     """``text`` with every block it has rendered anew, its links to result files starting with ``link_prefix``."""
     for name in ("headline", *BLOCKS):
+        pattern = _pattern(name)
+        if not pattern.search(text):  # a block of the other document
+            continue
         body = render_block(name, results_dir, slug).replace("](benches/results/", f"]({link_prefix}")
-        text = _pattern(name).sub(lambda m: m.group(1) + body + "\n" + m.group(3), text)
+        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text)
     return text
 
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     import encgraph
+    from benches.lib.env import Env
     from encgraph.models import wrap
     from tests.models.fixtures_multipath import step3p7_model, step3p7_views
 
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     capture["shim"] = round(time.perf_counter() - t0, 2)
     sizes = adapter.sizes
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    results: dict = {"depth": args.depth, "gpu": gpu, "environment": _provenance(), "capture_seconds": capture,
+    env = Env(torch.device(args.device), dtype, not cuda, args.runs, args.warmup, 0)
+    results: dict = {"depth": args.depth, "gpu": gpu, "environment": _provenance(env), "capture_seconds": capture,
                      "cases": {}}
     print(f"Step-3.7, vision depth {args.depth}, {results['gpu']}; capture s {capture}")
     print("| case | hf ms | tower ms | shim ms | tower / shim |\n|---|---|---|---|---|")
@@ -89,7 +91,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {name} | {row['hf']} | {row['tower']} | {row['shim']} | {row['tower'] / row['shim']:.2f} |")
     slug = results["gpu"].lower().replace(" ", "-")
     out = Path(args.results_dir) / f"step3p7_tower_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     from benches.lib.results import write_rows
 
     write_rows(out, results, [{"case": name, **row, "tower / shim": round(row["tower"] / row["shim"], 3)}
@@ -99,19 +100,12 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def _provenance() -> dict:
-    """Versions, commit and date of this run (the result's provenance lives in its JSON)."""
-    import datetime
-    import platform
+def _provenance(env: Any) -> dict:
+    """Versions, commit and date of this run (the result's provenance lives in its JSON): the shared
+    ``environment()`` without its device fields (this result names its GPU at the top level)."""
+    from benches.lib.results import environment
 
-    import torch
-    import transformers
-
-    from benches.lib.results import git_commit
-
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "python": platform.python_version(), "commit": git_commit(),
-            "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "argv": sys.argv[1:]}
+    return {k: v for k, v in environment(env).items() if k not in ("gpu", "device", "dtype", "tiny_towers")}
 
 
 if __name__ == "__main__":

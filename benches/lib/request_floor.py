@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from benches.lib.env import Env
-from benches.lib.timing import matmul_rate, time_call
+from benches.lib.timing import floor_ms, matmul_rate, time_call
 
 ATTENTION_ROWS = 8192
 """Rows of the one sequence the attention rate is measured on (a 2048-token image at merge 2)."""
@@ -97,7 +97,7 @@ def request_floor(shape: TowerShape, grids: Sequence[tuple[int, int, int]], rate
         attention += sum(4.0 * L * min(L, shape.window_rows) * shape.hidden for L in sequences) * (
             shape.depth - shape.full_layers)
     parts = {
-        "matmul_ms": 2.0 * shape.params * rows / (rates["matmul_tflops"] * 1e12) * 1e3,
+        "matmul_ms": floor_ms(shape.params, rows, rates["matmul_tflops"]),
         "attention_ms": attention / (rates["attention_tflops"] * 1e12) * 1e3,
         "elementwise_ms": rows * shape.depth * VALUES_PER_ROW * shape.hidden * value_bytes
         / (rates["bandwidth_gbs"] * 1e9) * 1e3,

@@ -100,13 +100,7 @@ def _choice(rng: np.random.Generator, weights: dict[Any, float]) -> Any:
 def _image(rng: np.random.Generator) -> Visual:
     kind = _choice(rng, IMAGE_KINDS)
     if kind == "photo":
-        lo, hi = PHOTO_LONG_SIDE
-        long_side = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-        aspect = PHOTO_ASPECTS[int(rng.integers(len(PHOTO_ASPECTS)))]
-        short_side = long_side / aspect
-        portrait = rng.random() < PORTRAIT_SHARE
-        h, w = (long_side, short_side) if portrait else (short_side, long_side)
-        return Visual(round(h), round(w), kind=kind)
+        return _photo(rng, PHOTO_LONG_SIDE)
     if kind == "screenshot":
         h, w = SCREENSHOT_SIZES[int(rng.integers(len(SCREENSHOT_SIZES)))]
         return Visual(h, w, kind=kind)
@@ -127,11 +121,13 @@ def sample_request(rng: np.random.Generator) -> tuple[Visual, ...]:
     return tuple(_image(rng) for _ in range(n))
 
 
-def _photo(rng: np.random.Generator) -> Visual:
-    lo, hi = PHOTO_SIDES
+def _photo(rng: np.random.Generator, sides: tuple[int, int], short_min: float = 0.0) -> Visual:
+    """A photo: long side log-uniform in ``sides``, one of ``PHOTO_ASPECTS``, the short side at least
+    ``short_min``, portrait with ``PORTRAIT_SHARE``."""
+    lo, hi = sides
     long_side = math.exp(rng.uniform(math.log(lo), math.log(hi)))
     aspect = PHOTO_ASPECTS[int(rng.integers(len(PHOTO_ASPECTS)))]
-    short_side = max(long_side / aspect, lo)
+    short_side = max(long_side / aspect, short_min)
     portrait = rng.random() < PORTRAIT_SHARE
     h, w = (long_side, short_side) if portrait else (short_side, long_side)
     return Visual(round(h), round(w), kind="photo")
@@ -139,7 +135,7 @@ def _photo(rng: np.random.Generator) -> Visual:
 
 def sample_photo_request(rng: np.random.Generator) -> tuple[Visual, ...]:
     """One request of the photo trace: 1-3 photos (see the module docstring)."""
-    return tuple(_photo(rng) for _ in range(_choice(rng, PHOTO_ITEMS)))
+    return tuple(_photo(rng, PHOTO_SIDES, PHOTO_SIDES[0]) for _ in range(_choice(rng, PHOTO_ITEMS)))
 
 
 def generate_trace(n: int, seed: int = 0, kind: str = "chat") -> list[tuple[Visual, ...]]:

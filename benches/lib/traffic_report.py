@@ -166,6 +166,11 @@ def tower_docs(data: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {}
 
 
+def is_photo(data: Mapping[str, Any]) -> bool:
+    """Whether a tower of the result ran the photo trace (issue 32's targets and the floor columns)."""
+    return any(doc.get("trace", {}).get("kind") == "photo" for doc in tower_docs(data).values())
+
+
 def baseline_of(doc: Mapping[str, Any]) -> str:
     """The reference a tower's document compares with (old runs: the adapter's eager forward)."""
     return doc.get("baseline", System.ADAPTER_EAGER.value)
@@ -181,9 +186,8 @@ def headline(data: Mapping[str, Any]) -> str:
     """One row per tower: ``defaults`` against HF sdpa, with issue 13's targets beside the numbers ("" if no
     tower measured both); on the photo trace (issue 32's targets, listed apart) with each request's floor."""
     rows = []
-    photo = False
+    photo = is_photo(data)
     for name, doc in tower_docs(data).items():
-        photo = photo or doc.get("trace", {}).get("kind") == "photo"
         systems = doc.get("systems", {})
         d, hf = systems.get(System.DEFAULTS.value), systems.get(System.HF_SDPA.value)
         if not d or not hf:
@@ -313,8 +317,7 @@ def render(data: Mapping[str, Any]) -> str:
         parts += ["### encgraph defaults vs Hugging Face, per tower", head]
     targets = target_lines(data)
     if targets:
-        photo = any(d.get("trace", {}).get("kind") == "photo" for d in tower_docs(data).values())
-        parts += [f"### targets (issue {32 if photo else 13})", "\n".join(targets)]
+        parts += [f"### targets (issue {32 if is_photo(data) else 13})", "\n".join(targets)]
     for name, doc in tower_docs(data).items():
         trace = doc.get("trace", {})
         summary = trace.get("summary", {})
