@@ -17,7 +17,8 @@ at replay):
   runs, on CUDA, each sequence of at least the measured crossover's rows (:mod:`encgraph.models.kernel_choice`;
   :data:`SEGMENT_MIN_ROWS` where none was measured) as one dense SDPA call, which on an H200 runs cuDNN's kernel at
   346-428 TF/s where Flash's varlen one reaches 207-258 at head dim 72-80 (``benches/attention_kernels.py``), and
-  each run of shorter sequences between them as one varlen call;
+  each run of shorter sequences between them as one varlen call; a length new to the thread runs dense only once
+  the saving pays for cuDNN's plan of that shape (rent-or-buy: :class:`~encgraph.packing.kernels.DenseRule`);
 - ``MASKED_SDPA``: on CUDA in fp32 or where varlen is missing (and on the ``meta`` device): a block-diagonal mask
   built from ``cu_seqlens`` with tensor ops only (``searchsorted`` segment ids: no host sync, capturable) and
   ``scaled_dot_product_attention``. Exact but ``tokens^2`` memory and 3-21x slower than varlen on a GPU
@@ -78,9 +79,10 @@ measured inside graphs on an H200 at 16 heads x 72, dense cuDNN against Flash va
 0.58 ms at 1 x 5120 rows and 0.46 vs 0.73 ms at 2 x 4096, about even at 4 x 1280, and 0.19 vs 0.08 ms at
 16 x 256 (one launch per sequence)."""
 
-def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
-    """``(host bounds of cu_seqlens, rows from which a sequence runs dense)`` when :func:`host_bounds` gave the
-    bounds and at least one sequence runs dense; else ``None`` (the backend of :func:`pick_backend`)."""
+def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int, ...], tuple[bool, ...] | None] | None:
+    """``(host bounds of cu_seqlens, per sequence whether it runs dense)`` when :func:`host_bounds` gave the bounds
+    and at least one sequence runs dense in this call (``None`` for the flags: every sequence on its own, the
+    CPU); else ``None`` (the backend of :func:`pick_backend`)."""
     found = sequence_bounds.lookup(cu_seqlens)
     if found is None:
         return None
@@ -88,11 +90,12 @@ def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int
     if not bounds or bounds[0] != 0 or bounds[-1] > query.shape[0]:
         return None
     if pick_backend(query) is not AttentionBackend.VARLEN:
-        return bounds, 1  # the CPU (or no varlen kernel): every sequence on its own
-    rows = sequence_bounds.segment_rows(query, table, SEGMENT_MIN_ROWS)
-    if rows is None or all(b - a < rows for a, b in zip(bounds[:-1], bounds[1:])):
+        return bounds, None  # the CPU (or no varlen kernel): every sequence on its own
+    rule = sequence_bounds.segment_rule(query, table, SEGMENT_MIN_ROWS)
+    if rule.min_rows is None or all(b - a < rule.min_rows for a, b in zip(bounds[:-1], bounds[1:])):
         return None
-    return bounds, rows
+    flags = sequence_bounds.dense_flags(query, bounds, rule)
+    return (bounds, flags) if any(flags) else None
 
 
 class AttentionBackend(enum.Enum):
@@ -272,19 +275,19 @@ def _segment_attention(
 
 def _host_planned_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
-    bounds: Sequence[int], min_rows: int,
+    bounds: Sequence[int], dense: Sequence[bool] | None,
 ) -> torch.Tensor:
-    """Each sequence of at least ``min_rows`` rows as one dense SDPA call; each run of shorter ones between them
-    as one varlen call over its rows (its ``cu_seqlens`` a slice of the device tensor minus its first value: no
-    host-to-device copy, no sync). ``min_rows == 1``: every sequence dense (the CPU's ``SEGMENTS``)."""
-    if min_rows <= 1:
+    """Each sequence flagged in ``dense`` as one dense SDPA call; each run of the others between them as one
+    varlen call over its rows (its ``cu_seqlens`` a slice of the device tensor minus its first value: no
+    host-to-device copy, no sync). ``dense is None``: every sequence on its own (the CPU's ``SEGMENTS``)."""
+    if dense is None:
         if key.shape[1] != query.shape[1]:
             key, value = _repeat_heads(key, value, query.shape[1])
         return _segment_attention(query, key, value, cu_seqlens, scale, bounds)
     tokens, head_dim = query.shape[0], query.shape[-1]
     out = query.new_empty(query.shape)
     dense_k, dense_v = _repeat_heads(key, value, query.shape[1]) if key.shape[1] != query.shape[1] else (key, value)
-    run: int | None = None  # the cu index where the current run of short sequences starts
+    run: int | None = None  # the cu index where the current run of varlen sequences starts
 
     def flush(end: int) -> None:
         a, b = bounds[run], bounds[end]
@@ -295,7 +298,7 @@ def _host_planned_attention(
 
     for i in range(len(bounds) - 1):
         a, b = bounds[i], bounds[i + 1]
-        if b - a >= min_rows:
+        if dense[i]:
             if run is not None:
                 flush(i)
                 run = None

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from encgraph.models import attention
-from encgraph.packing.kernels import Crossover, kernel_key
+from encgraph.packing.kernels import Crossover, DenseRule, kernel_key
 
-__all__ = ["LENGTHS", "REPEATS", "choose", "device_name", "measure_crossover", "rows_table", "tower_geometries"]
+__all__ = ["LENGTHS", "REPEATS", "attention_calls", "choose", "device_name", "measure_crossover", "rows_table",
+           "tower_geometries"]
 
 log = logging.getLogger("encgraph")
 
@@ -52,6 +53,21 @@ def tower_geometries(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
         if isinstance(heads, int) and isinstance(dim, int) and heads > 0 and dim > 0:
             seen.add((heads, dim))
     return tuple(sorted(seen))
+
+
+def attention_calls(module: torch.nn.Module) -> dict[tuple[int, int], int]:
+    """Per ``(heads, head_dim)``, the attention calls of one forward of ``module`` over whole images (what host
+    bounds cover): its attention layers of that geometry, or, where the config lists its full-attention layers
+    (``fullatt_block_indexes``: Qwen2.5-VL, whose other layers attend within windows), that many."""
+    counts: dict[tuple[int, int], int] = {}
+    for m in module.modules():
+        heads, dim = getattr(m, "num_heads", None), getattr(m, "head_dim", None)
+        if isinstance(heads, int) and isinstance(dim, int) and heads > 0 and dim > 0:
+            counts[(heads, dim)] = counts.get((heads, dim), 0) + 1
+    full = getattr(getattr(module, "config", None), "fullatt_block_indexes", None)
+    if isinstance(full, (list, tuple)) and full:
+        counts = {geometry: min(n, len(full)) for geometry, n in counts.items()}
+    return counts
 
 
 def _timed_ms(fn: Any, repeats: int) -> tuple[float, float]:
@@ -122,6 +138,10 @@ def choose(
     return out
 
 
-def rows_table(crossovers: Iterable[Crossover]) -> attention.RowsTable:
-    """``{(heads, head_dim, dtype): min_rows}`` for :func:`encgraph.models.attention.host_bounds`."""
-    return {(c.heads, c.head_dim, getattr(torch, c.dtype)): c.min_rows for c in crossovers}
+def rows_table(crossovers: Iterable[Crossover], calls: Mapping[tuple[int, int], int] | None = None
+               ) -> attention.RowsTable:
+    """``{(heads, head_dim, dtype): DenseRule}`` for :func:`encgraph.models.attention.host_bounds`: each crossover's
+    rows, its times (for rent-or-buy at new lengths) and ``calls[(heads, head_dim)]`` (1 where not given)."""
+    calls = calls or {}
+    return {(c.heads, c.head_dim, getattr(torch, c.dtype)): DenseRule(c.min_rows, c, calls.get((c.heads, c.head_dim), 1))
+            for c in crossovers}

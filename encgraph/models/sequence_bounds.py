@@ -5,7 +5,9 @@ the device. Inside :func:`host_bounds` the packed attention of :mod:`encgraph.mo
 values by the device tensor's storage, and with them, per head geometry, from how many rows a sequence runs on
 dense SDPA instead of Flash varlen (:data:`RowsTable`, measured per device by
 :mod:`encgraph.models.kernel_choice`), all without reading the device. The context is a ``ContextVar``: each
-thread and task sees only its own block.
+thread and task sees only its own block. Which long sequences run dense at a length this thread meets for the
+first time is rent-or-buy (:class:`~encgraph.packing.kernels.DenseRule`, :data:`LEDGER`): the dense kernel's
+first call at a new length builds a plan (about 35 ms on an H200), which pays only where dense saves more.
 """
 
 from __future__ import annotations
@@ -17,13 +19,20 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-__all__ = ["RowsTable", "host_bounds", "lookup", "segment_rows"]
+from encgraph.packing.kernels import DenseRule, PlanLedger
+
+__all__ = ["LEDGER", "RowsTable", "dense_flags", "host_bounds", "lookup", "segment_rule"]
 
 log = logging.getLogger("encgraph")
 
-RowsTable = Mapping[tuple[int, int, torch.dtype], "int | None"]
-"""``{(heads, head_dim, dtype): rows}``: per head geometry, the rows from which a sequence runs dense (``None``:
-never), as measured for one device (:func:`encgraph.models.kernel_choice.rows_table`)."""
+RowsTable = Mapping[tuple[int, int, torch.dtype], "DenseRule | int | None"]
+"""``{(heads, head_dim, dtype): rule}``: per head geometry, which sequences run dense, as measured for one device
+(:func:`encgraph.models.kernel_choice.rows_table`); a bare int is a rule of those rows with no plan cost (every
+sequence from there runs dense), ``None`` never."""
+
+LEDGER = PlanLedger()
+"""The lengths each thread has run dense and the rent of the others (one ledger for the process: every tower of
+a head geometry shares torch's per-thread plan cache)."""
 
 _HOST_BOUNDS: contextvars.ContextVar[tuple[dict[tuple[int, int], tuple[int, ...]], RowsTable | None] | None] = (
     contextvars.ContextVar("encgraph_host_bounds", default=None)
@@ -65,15 +74,23 @@ def lookup(cu_seqlens: torch.Tensor) -> tuple[tuple[int, ...], RowsTable | None]
     return bounds, context[1]
 
 
-def segment_rows(query: torch.Tensor, table: RowsTable | None, default: int) -> int | None:
-    """Rows from which a sequence of ``query``'s head geometry and dtype runs dense: the table's, else
-    ``default`` (logged once per geometry)."""
+def segment_rule(query: torch.Tensor, table: RowsTable | None, default: int) -> DenseRule:
+    """The dense rule of ``query``'s head geometry and dtype: the table's, else ``default`` rows with no plan cost
+    (logged once per geometry)."""
     key = (int(query.shape[1]), int(query.shape[2]), query.dtype)
     if table is not None and key in table:
-        return table[key]
+        rule = table[key]
+        return rule if isinstance(rule, DenseRule) else DenseRule(rule)
     if key not in _FALLBACK_LOGGED:
         _FALLBACK_LOGGED.add(key)
         log.info("encgraph: no kernel crossover measured for %d heads x %d (%s) on this device; eager forwards run "
                  "sequences of %d rows or more as dense SDPA calls (the H200's value; capture() measures it).",
                  key[0], key[1], str(key[2]).replace("torch.", ""), default)
-    return default
+    return DenseRule(default)
+
+
+def dense_flags(query: torch.Tensor, bounds: Sequence[int], rule: DenseRule) -> tuple[bool, ...]:
+    """Per sequence of ``bounds``, whether it runs dense in this call (:data:`LEDGER`'s rent-or-buy, keyed by
+    ``query``'s geometry, dtype and device)."""
+    key = (int(query.shape[1]), int(query.shape[2]), str(query.dtype), str(query.device))
+    return tuple(LEDGER.dense(key, b - a, rule) for a, b in zip(bounds[:-1], bounds[1:]))

@@ -16,7 +16,11 @@ Pure Python: importing it never imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import bisect
+import math
+import statistics
+import threading
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -25,7 +29,7 @@ from encgraph._validate import check_int, check_mapping, check_sequence, check_s
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing.eager_cost import checked_ms
 
-__all__ = ["Crossover", "crossover_rows", "kernel_key", "kernel_table"]
+__all__ = ["Crossover", "DenseRule", "PlanLedger", "crossover_rows", "kernel_key", "kernel_table"]
 
 
 def kernel_key(device: str, heads: int, head_dim: int, dtype: str) -> str:
@@ -69,7 +73,7 @@ class Crossover:
         lengths: rows of the one sequence, ascending.
         varlen_ms, dense_ms: one time per length.
         dense_first_ms: the dense kernel's first call at each length (a new shape: cuDNN builds a plan for it;
-            the tower's own SDPA pays the same), or empty; recorded, not used for the choice.
+            the tower's own SDPA pays the same), or empty; :attr:`plan_ms` is derived from it.
         min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
             dense; ``None``: never.
     """
@@ -101,6 +105,33 @@ class Crossover:
     @property
     def key(self) -> str:
         return kernel_key(self.device, self.heads, self.head_dim, self.dtype)
+
+    @property
+    def plan_ms(self) -> float:
+        """What the dense kernel's first call at a new length costs beyond its later calls (the median over the
+        measured lengths of ``dense_first_ms - dense_ms``, at least 0): cuDNN building the plan of that shape,
+        about 35 ms on an H200 whatever the length. 0.0 when no first calls were recorded."""
+        if not self.dense_first_ms:
+            return 0.0
+        return max(statistics.median(f - d for f, d in zip(self.dense_first_ms, self.dense_ms)), 0.0)
+
+    def ms_at(self, rows: int) -> tuple[float, float]:
+        """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows: linear in log-log between the
+        measured lengths, extended past the longest (and below the shortest) with the slope of the nearest
+        pair (attention is quadratic, so about 2)."""
+        lengths = self.lengths
+        if len(lengths) == 1:
+            scale = (rows / lengths[0]) ** 2
+            return self.varlen_ms[0] * scale, self.dense_ms[0] * scale
+        i = min(max(bisect.bisect_right(lengths, rows) - 1, 0), len(lengths) - 2)
+        x0, x1 = math.log(lengths[i]), math.log(lengths[i + 1])
+        t = (math.log(max(rows, 1)) - x0) / (x1 - x0)
+
+        def at(times: Sequence[float]) -> float:
+            y0, y1 = (math.log(max(v, 1e-9)) for v in (times[i], times[i + 1]))
+            return math.exp(y0 + t * (y1 - y0))
+
+        return at(self.varlen_ms), at(self.dense_ms)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; ``min_rows`` is written for readers and recomputed on load."""
@@ -135,3 +166,96 @@ def kernel_table(value: Any) -> dict[str, Crossover]:
             raise ConfigError(f"CostModel(kernels): key {key!r} names another geometry than its entry's {c.key!r}.")
         out[key] = c
     return out
+
+
+@attrs.frozen
+class DenseRule:
+    """Which sequences of an eager forward run dense, for one head geometry: none shorter than ``min_rows``
+    (``None``: none at all); from there, a length whose dense plan this thread has built runs dense, and a new
+    length runs dense once the time varlen has cost it (rent) plus what dense would save over the ``calls``
+    attention calls of one forward reaches :attr:`Crossover.plan_ms` (buy); until then it runs varlen and the
+    saving it missed is added to its rent (:class:`PlanLedger`). Without a measured ``crossover`` (or with no
+    plan cost measured) every sequence from ``min_rows`` runs dense.
+
+    Attributes:
+        min_rows: the crossover's rows, or ``None``.
+        crossover: the measurement the times come from, or ``None``.
+        calls: attention calls per forward that run with host bounds at this geometry (the tower's
+            full-attention layers), at least 1.
+    """
+
+    min_rows: int | None
+    crossover: Crossover | None = None
+    calls: int = attrs.field(default=1, converter=lambda v: check_int("DenseRule(calls)", v, minimum=1))
+
+    @property
+    def plan_ms(self) -> float:
+        return self.crossover.plan_ms if self.crossover is not None else 0.0
+
+    def gain_ms(self, rows: int) -> float:
+        """ms one call at ``rows`` rows saves on dense against varlen, at least 0."""
+        if self.crossover is None:
+            return 0.0
+        varlen, dense = self.crossover.ms_at(rows)
+        return max(varlen - dense, 0.0)
+
+
+class PlanLedger:
+    """Rent-or-buy of the dense kernel's plans, per thread: torch keeps cuDNN's attention plans in a cache per
+    thread (``getMHAGraphCache_`` in ``aten/src/ATen/native/cudnn/MHA.cpp``: ``thread_local``, never evicted), so a
+    length this thread has run dense is free to run dense again, and a new one costs a plan. The state (the
+    lengths bought, the rent of the others) grows with the distinct lengths a thread sees: one entry each.
+
+    >>> rule = DenseRule(1024, Crossover("gpu", 16, 72, "bfloat16", (1024, 4096), (1.0, 10.0), (0.5, 5.0),
+    ...                                  dense_first_ms=(30.5, 35.0)), calls=4)
+    >>> ledger = PlanLedger()
+    >>> [ledger.dense("g", 4096, rule) for _ in range(4)]  # saves 5 ms a call: rent 10 + a forward's 20 = the plan
+    [False, False, True, True]
+    >>> ledger.dense("g", 1000, rule), ledger.dense("g", 8192, rule)  # under min_rows; saves 80 a forward
+    (False, True)
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._counts = {"bought": 0, "rented_calls": 0}  # every thread's, for stats (int updates under the GIL)
+
+    def _state(self) -> tuple[set[Hashable], dict[Hashable, float]]:
+        state = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = (set(), {})
+        return state
+
+    def dense(self, key: Hashable, rows: int, rule: DenseRule) -> bool:
+        """Whether the call at hand runs its sequence of ``rows`` rows (head geometry ``key``) dense; a rented
+        call adds its missed saving to the length's rent, a bought length is remembered."""
+        if rule.min_rows is None or rows < rule.min_rows:
+            return False
+        plan = rule.plan_ms
+        if plan <= 0.0:
+            return True
+        bought, rent = self._state()
+        entry = (key, rows)
+        if entry in bought:
+            return True
+        gain = rule.gain_ms(rows)
+        paid = rent.get(entry, 0.0)
+        if paid + rule.calls * gain >= plan:
+            bought.add(entry)
+            rent.pop(entry, None)
+            self._counts["bought"] += 1
+            return True
+        rent[entry] = paid + gain
+        self._counts["rented_calls"] += 1
+        return False
+
+    def bought(self, key: Hashable, rows: int) -> bool:
+        return (key, rows) in self._state()[0]
+
+    def stats(self) -> dict[str, int]:
+        """``{"bought": lengths bought, "rented_calls": calls that ran a long sequence on varlen while its
+        length was rented}``, over every thread since the process started (monotonic)."""
+        return dict(self._counts)
+
+    def clear(self) -> None:
+        """Forget this thread's lengths (tests; torch's own cache cannot be emptied)."""
+        self._local.state = None

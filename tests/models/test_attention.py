@@ -270,7 +270,7 @@ def test_host_bounds_never_apply_while_compiling(monkeypatch):
     cu = torch.tensor([0, 40], dtype=torch.int32)
     q = torch.zeros(40, 2, 8)
     with attention.host_bounds([(cu, [0, 40])]):
-        assert attention._host_plan(cu, q) == ((0, 40), 1)
+        assert attention._host_plan(cu, q) == ((0, 40), None)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert attention._host_plan(cu, q) is None
 

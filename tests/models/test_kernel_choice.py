@@ -13,7 +13,7 @@ import torch
 from encgraph.errors import ConfigError
 from encgraph.models import attention, kernel_choice, sequence_bounds
 from encgraph.packing import CostModel
-from encgraph.packing.kernels import Crossover, crossover_rows, kernel_table
+from encgraph.packing.kernels import Crossover, DenseRule, crossover_rows, kernel_table
 from tests.models.test_attention import qkv, reference
 
 H200 = "NVIDIA H200"
@@ -92,7 +92,7 @@ def test_long_sequences_run_dense_and_runs_of_short_ones_varlen(fake_varlen, kv_
     q, k, v = qkv(52, kv_heads=kv_heads)  # 2 rows past cu[-1]: one more sequence, as in the other backends
     cu = torch.tensor(bounds, dtype=torch.int32)
     with attention.host_bounds([(cu, bounds)], min_rows={(3, 8, torch.float32): 10}):
-        assert attention._host_plan(cu, q) == (tuple(bounds), 10)
+        assert attention._host_plan(cu, q) == (tuple(bounds), (False, False, True, False, False, False, True))
         got = packed_attention_default(q, k, v, cu)
     assert fake_varlen == [(5, [0, 3, 5], 3), (5, [0, 2, 2, 5], 3)]
     kk, vv = attention._repeat_heads(k, v, 3) if kv_heads else (k, v)
@@ -120,9 +120,43 @@ def test_an_unmeasured_geometry_takes_the_default_with_one_log_line(fake_varlen,
     q = torch.zeros(10, 3, 8)
     cu = torch.tensor([0, 2, 10], dtype=torch.int32)
     with caplog.at_level(logging.INFO, logger="encgraph"), attention.host_bounds([(cu, [0, 2, 10])]):
-        assert attention._host_plan(cu, q) == ((0, 2, 10), 4)
-        assert attention._host_plan(cu, q) == ((0, 2, 10), 4)
+        assert attention._host_plan(cu, q) == ((0, 2, 10), (False, True))
+        assert attention._host_plan(cu, q) == ((0, 2, 10), (False, True))
     assert sum("no kernel crossover measured for 3 heads x 8" in r.message for r in caplog.records) == 1
+
+
+def test_a_new_length_rents_varlen_until_the_plan_pays_then_runs_dense(fake_varlen, monkeypatch):
+    """Rent-or-buy in the host plan: a long sequence at a length new to the thread runs in the varlen call until
+    the savings it missed reach the dense kernel's plan cost; from then on it runs dense; the outputs are the same
+    attention either way. A long length that saves more than the plan in one forward runs dense at once."""
+    monkeypatch.setattr(sequence_bounds, "LEDGER", type(sequence_bounds.LEDGER)())
+    c = Crossover("cpu", 3, 8, "float32", (10, 40), (1.0, 16.0), (0.5, 8.0), dense_first_ms=(30.5, 38.0))
+    table = {(3, 8, torch.float32): DenseRule(c.min_rows, c, calls=2)}  # plan 30 ms; 20 rows save 2 ms a call
+    bounds = [0, 3, 23]
+    q, k, v = qkv(23)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    dense = dense_spy(monkeypatch)
+    outs = []
+    with attention.host_bounds([(cu, bounds)], min_rows=table):
+        for _ in range(20):
+            outs.append(packed_attention_default(q, k, v, cu))
+    rented = 20 - len(dense)
+    assert dense == [20] * len(dense) and 0 < rented < 20
+    gain = table[(3, 8, torch.float32)].gain_ms(20)  # about 2 ms a call
+    # rented while the rent paid plus one forward's saving (2 calls) stayed under the 30 ms plan
+    assert (rented - 1) * gain + 2 * gain < 30 <= rented * gain + 2 * gain + 1e-9
+    # rented: both sequences in one varlen call; bought: the short one in a varlen call of its own
+    assert [len(c[1]) for c in fake_varlen] == [3] * rented + [2] * len(dense)
+    want = reference(q, k, v, [3, 20])
+    for got in outs:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    long_bounds = [0, 80]
+    q, k, v = qkv(80)
+    cu = torch.tensor(long_bounds, dtype=torch.int32)
+    dense.clear()
+    with attention.host_bounds([(cu, long_bounds)], min_rows=table):
+        packed_attention_default(q, k, v, cu)
+    assert dense == [80]  # saves 32 ms a call: over the 30 ms plan at first sight
 
 
 def test_measurement_is_skipped_off_cuda():
@@ -150,7 +184,8 @@ def test_capture_hook_hands_given_crossovers_to_the_adapter_and_keeps_them(monke
                                 progress=False)
     info = runner.capture()
     assert info["kernels"] == {c.key: c.to_dict()}
-    assert adapter.kernel_rows == {(geometry[0], geometry[1], torch.float32): 64}
+    depth = adapter._module.config.depth  # every layer attends over whole images: that many calls per forward
+    assert adapter.kernel_rows == {(geometry[0], geometry[1], torch.float32): DenseRule(64, c, calls=depth)}
     assert runner.costs.kernels == {c.key: c}
 
 

@@ -1,0 +1,96 @@
+"""Rent-or-buy of the dense attention kernel's plans (encgraph.packing.kernels): the crossover's interpolated
+times and plan cost, the rule per head geometry, and the per-thread ledger. Pure Python: no torch."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from encgraph.errors import ConfigError
+from encgraph.packing.kernels import Crossover, DenseRule, PlanLedger
+
+LENGTHS = (256, 1024, 4096, 16384)
+
+
+def crossover(first: tuple[float, ...] = (36.0, 36.0, 37.0, 40.0)) -> Crossover:
+    # quadratic-ish: varlen 1.6x dense at length, as measured on an H200 at 16 x 72
+    dense = (0.02, 0.06, 0.6, 8.0)
+    return Crossover("gpu", 16, 72, "bfloat16", LENGTHS, tuple(1.6 * d for d in dense), dense, dense_first_ms=first)
+
+
+def test_plan_ms_is_the_median_first_call_surplus():
+    c = crossover()
+    assert c.plan_ms == pytest.approx(36.0 - 0.06 / 2 - 0.6 / 2 + 0.0, abs=0.5)
+    assert Crossover("gpu", 1, 8, "bfloat16", (1,), (1.0,), (1.0,)).plan_ms == 0.0  # none recorded
+    # a first call faster than the median (noise) never makes a negative plan
+    assert crossover(first=(0.0, 0.0, 0.0, 0.0)).plan_ms == 0.0
+
+
+def test_ms_at_hits_the_measured_points_and_extends_quadratically():
+    c = crossover()
+    for n, v, d in zip(c.lengths, c.varlen_ms, c.dense_ms):
+        assert c.ms_at(n) == pytest.approx((v, d))
+    v, d = c.ms_at(32768)  # past the longest: the last pair's slope, about quadratic here
+    assert d == pytest.approx(8.0 * (8.0 / 0.6) ** 0.5, rel=1e-6) and v == pytest.approx(1.6 * d)
+    single = Crossover("gpu", 1, 8, "bfloat16", (100,), (2.0,), (1.0,))
+    assert single.ms_at(200) == pytest.approx((8.0, 4.0))
+
+
+@given(st.integers(min_value=256, max_value=16384), st.integers(min_value=256, max_value=16384))
+def test_ms_at_is_monotone_between_points(a, b):
+    c = crossover()
+    lo, hi = sorted((a, b))
+    assert c.ms_at(lo)[0] <= c.ms_at(hi)[0] + 1e-12 and c.ms_at(lo)[1] <= c.ms_at(hi)[1] + 1e-12
+
+
+def test_a_length_rents_until_its_missed_savings_pay_the_plan_then_buys():
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=27)
+    ledger = PlanLedger()
+    rows = 4096  # saves 0.36 ms a call, 9.7 a forward of 27 calls: under the 36 ms plan
+    flags = [ledger.dense("g", rows, rule) for _ in range(27 * 4)]
+    bought_at = flags.index(True)
+    assert not any(flags[:bought_at]) and all(flags[bought_at:])
+    missed = bought_at * rule.gain_ms(rows)
+    assert missed < rule.plan_ms <= missed + 27 * rule.gain_ms(rows)  # bought once rent + a forward reaches it
+    assert ledger.bought("g", rows) and not ledger.bought("other geometry", rows)
+    assert ledger.stats() == {"bought": 1, "rented_calls": bought_at}
+
+
+def test_a_long_length_buys_at_first_sight_and_short_ones_never_run_dense():
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=27)
+    ledger = PlanLedger()
+    assert ledger.dense("g", 16384, rule)  # saves 4.8 ms a call, 130 a forward
+    assert not any(ledger.dense("g", 200, rule) for _ in range(1000))  # under min_rows
+    assert not ledger.dense("g", 1, DenseRule(None, c))
+
+
+def test_without_a_plan_cost_every_length_from_min_rows_runs_dense():
+    ledger = PlanLedger()
+    assert ledger.dense("g", 2048, DenseRule(2048)) and not ledger.dense("g", 2047, DenseRule(2048))
+    no_first = Crossover("gpu", 16, 72, "bfloat16", LENGTHS, (1, 2, 3, 4), (1, 1, 1, 1))
+    assert ledger.dense("g", 300, DenseRule(no_first.min_rows, no_first, calls=1))
+
+
+def test_the_ledger_is_per_thread():
+    """torch's cuDNN plan cache is per thread: a length bought on one thread is new on another."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=27)
+    ledger = PlanLedger()
+    assert ledger.dense("g", 16384, rule) and ledger.bought("g", 16384)
+    seen: list[bool] = []
+    t = threading.Thread(target=lambda: seen.append(ledger.bought("g", 16384)))
+    t.start()
+    t.join()
+    assert seen == [False]
+    ledger.clear()
+    assert not ledger.bought("g", 16384)
+
+
+def test_bad_calls_are_refused():
+    with pytest.raises(ConfigError, match="calls"):
+        DenseRule(10, None, calls=0)
