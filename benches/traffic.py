@@ -21,7 +21,11 @@ Per tower, in order:
    are compared with ``hf_sdpa``'s;
 4. the trace: each request is one call of each system (the systems take turns, the first one rotating from
    request to request, so that drift hits all alike), each timed with CUDA events around the call. The trace
-   stops at the tower's deadline (recorded).
+   stops at the tower's deadline (recorded). ``--sizes`` says how the calls meet their sizes
+   (``benches.lib.trace.SIZES_MODES``): as drawn (the chat trace), each system at sizes no system has run before
+   (``new``: the photo trace's top-level results; in one process, a plan a kernel builds for a new shape, as
+   cuDNN's attention does in HF's own SDPA, would otherwise serve whichever system came second), or after an
+   untimed call of the same request (``seen``: the photo trace's second pass, under ``sizes_passes``).
 
 ``hf_compile_dynamic`` runs in a time box of its own (``--compile-dynamic-cap`` seconds per tower, compiles
 included): a call that would pass it is cut off (``SIGALRM``) and the system is not run again; its dynamo
@@ -65,7 +69,6 @@ import argparse
 import math
 import sys
 import traceback
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,16 +80,16 @@ import numpy as np
 
 from benches.lib import cli, startup
 from benches.lib import traffic_report as report
-from benches.lib.compiled import CapExceeded, TimeBox, counter_delta, dynamo_counters
+from benches.lib.compiled import CapExceeded, TimeBox, dynamo_counters
 from benches.lib.env import SKIPPED_TIME, Deadline, Env, free_memory, log, short_error
 from benches.lib.outputs import max_rel_diff
+from benches.lib.request_floor import TowerShape, measure_rates, request_floor
 from benches.lib.results import Results
 from benches.lib.systems import GRAPH_SYSTEMS, System, TowerBench, parse_systems
-from benches.lib.timing import time_once
 from benches.lib.towers import QWEN_TOWERS, TOWERS
-from benches.lib.request_floor import TowerShape, measure_rates, request_floor
 from benches.lib.trace import (
     IMAGE_MAX_TOKENS,
+    SIZES_MODES,
     SMOKE_MAX_TOKENS,
     SMOKE_REQUESTS,
     TRACE_KINDS,
@@ -95,31 +98,31 @@ from benches.lib.trace import (
     distribution,
     generate_trace,
     photo_caps,
+    rows_of,
     trace_summary,
 )
+from benches.lib.traffic_replay import TIME_BOXED, Replay, timed
 
 SCRIPT = "traffic"
 DEFAULT_SYSTEMS = (System.HF_SDPA, System.DEFAULTS, System.HF_COMPILE_DYNAMIC, System.ADAPTER_EAGER)
 PHOTO_SYSTEMS = (System.HF_SDPA, System.DEFAULTS, System.ADAPTER_EAGER)
 PHOTO_TOWERS = ("qwen3_vl_8b", "qwen2_5_vl_7b", "glm4v")
 """The photo trace's towers and systems (issue 32 point 4)."""
+PHOTO_SIZES = ("new", "seen")
+"""The photo trace's passes (``--sizes``): unique sizes first (its top-level results), then the same requests
+again with every size met before."""
 REQUESTS = 200
 """Requests per tower: both towers' whole run fits about 6 minutes on an H200 (see benches/README.md)."""
 TIME_BUDGET = 330.0
 COMPILE_DYNAMIC_CAP = 40.0
 SMOKE_COMPILE_DYNAMIC_CAP = 5.0
 """The CPU smoke's box: dynamo alone traces a tiny tower for seconds to tens of seconds on a busy CPU."""
-TIME_BOXED = (System.HF_COMPILE_DYNAMIC,)
-"""Systems bounded by a time box of their own, never dropped for time."""
 OPTIONAL = (System.ADAPTER_EAGER, System.HF_VARLEN)
 """Systems dropped (last first) when the warm-up says the trace would not fit the tower's deadline."""
 CHECKED = (System.DEFAULTS, System.HF_VARLEN, System.HF_COMPILE_DYNAMIC)
 """Systems with the tower's own output type, whose outputs are compared with ``hf_sdpa``'s on one request."""
-MAX_ERRORS = 3
-"""A system that fails on this many requests is dropped from the rest of the replay."""
 MIN_REQUESTS = 50
 """Requests replayed even past the deadline (fewer make no P99)."""
-FLUSH_EVERY = 25
 
 
 def build_parser() -> Any:
@@ -137,6 +140,10 @@ def build_parser() -> Any:
     p.add_argument("--systems", type=parse_systems, default=None,
                    help=f"comma list (default {','.join(s.value for s in DEFAULT_SYSTEMS)}; also graph, "
                         "graph_compile, hf_varlen; compile is not offered: it recompiles per shape)")
+    p.add_argument("--sizes", type=_sizes_modes, default=None,
+                   help=f"comma list of passes over the trace, out of {','.join(SIZES_MODES)} (benches/lib/trace.py "
+                        "SIZES_MODES); the first gives the top-level results, each other one its own under "
+                        f"'sizes_passes' (default: {','.join(PHOTO_SIZES)} for the photo trace, as-drawn otherwise)")
     p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
                    help="each request's floor and each system's ratio to it (default: on for the photo trace)")
     p.add_argument("--min-requests", type=int, default=None,
@@ -167,6 +174,14 @@ def build_parser() -> Any:
     return p
 
 
+def _sizes_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in SIZES_MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"expected distinct names out of {','.join(SIZES_MODES)}, got {text!r}")
+    return modes
+
+
 def resolve_defaults(args: Any) -> Any:
     """Fill the options whose default depends on ``--cpu-smoke`` (the smoke keeps the trace, shrinks its sizes:
     CPU attention is masked SDPA, quadratic in tokens)."""
@@ -180,6 +195,8 @@ def resolve_defaults(args: Any) -> Any:
         args.systems = PHOTO_SYSTEMS if photo else DEFAULT_SYSTEMS
     if args.floor is None:
         args.floor = photo
+    if args.sizes is None:
+        args.sizes = PHOTO_SIZES if photo else ("as-drawn",)
     if photo and args.tag is None:
         args.tag = "photo"
     if args.requests is None:
@@ -233,11 +250,6 @@ def replay_all(args: Any, env: Env, deadline: Deadline, results: Results) -> Non
     results.data["seconds"] = round(deadline.elapsed(), 1)
 
 
-def _order(systems: Sequence[System], index: int) -> list[System]:
-    k = index % len(systems)
-    return list(systems[k:]) + list(systems[:k])
-
-
 def replay_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[str, Any], results: Results,
                  cache: Path) -> None:
     spec = TOWERS[name]
@@ -273,8 +285,18 @@ def replay_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[s
     start = dynamo_counters()
     warm_ms = warm_up(bench, systems, args, env, caps, box, doc)
     systems = drop_for_time(systems, warm_ms, len(trace), deadline, doc, box)
-    replay = Replay(bench, systems, box, warmed=dynamo_counters(), start=start, floor=floor)
-    replay.run(trace, caps, env, deadline, args.min_requests, doc, results)
+    seen: set[int] = set()  # patch-row counts any system has run (the warm-up's too): what "new" keeps apart
+    for request in generate_trace(args.warmup_requests, args.seed + 1, args.trace):
+        seen.update(rows_of(request, bench.geom, caps))
+    doc["sizes"] = args.sizes[0]
+    for k, mode in enumerate(args.sizes):
+        target = doc if k == 0 else doc.setdefault("sizes_passes", {}).setdefault(mode, {})
+        log(f"{name}: pass '{mode}'")
+        replay = Replay(bench, systems, box, warmed=dynamo_counters(), start=start, floor=floor, sizes=mode,
+                        seen=seen)
+        replay.run(trace, caps, env, deadline, args.min_requests, target, results)
+        if k:
+            target["targets"] = report.check_targets(name, report.pass_doc(doc, target))
     bench.close()
 
 
@@ -317,14 +339,6 @@ def capture(bench: TowerBench, system: System, args: Any, caps: Caps, doc: dict[
         doc["unavailable"][system.value] = f"error: capture failed ({short_error(exc)})"
         return False
     return True
-
-
-def timed(bench: TowerBench, system: System, inputs: Any, env: Env, box: TimeBox | None) -> float:
-    """Milliseconds of one call of ``system`` (inside its time box when it has one)."""
-    fn = bench.call(system, inputs)
-    if system in TIME_BOXED and box is not None:
-        return time_once(lambda: box.run(fn), env)
-    return time_once(fn, env)
 
 
 def warm_up(bench: TowerBench, systems: list[System], args: Any, env: Env, caps: Caps, box: TimeBox | None,
@@ -387,79 +401,6 @@ def drop_for_time(systems: list[System], warm: dict[str, float], requests: int, 
         doc.setdefault("dropped", {})[dropped.value] = (
             f"dropped: the warm-up predicts {estimate():.0f} s for the trace without it, {deadline.left():.0f} s left")
     return kept
-
-
-class Replay:
-    """The trace replay of one tower: latencies (NaN where a system failed or was stopped), errors, items and
-    tokens per request; :meth:`record` writes their summaries into the tower's document (also every
-    ``FLUSH_EVERY`` requests, so that a run killed from outside keeps what it measured)."""
-
-    def __init__(self, bench: TowerBench, systems: list[System], box: TimeBox | None, *, warmed: dict[str, Any],
-                 start: dict[str, Any], floor: Any = None) -> None:
-        self.bench, self.systems, self.box, self.floor = bench, systems, box, floor
-        self.floors: list[dict[str, float]] = []
-        self.counters = {"start": start, "warmed": warmed}
-        self.latencies: dict[System, list[float]] = {s: [] for s in systems}
-        self.errors: dict[System, int] = {s: 0 for s in systems}
-        self.items: list[int] = []
-        self.tokens: list[int] = []
-
-    def stopped(self, system: System) -> bool:
-        boxed = system in TIME_BOXED and self.box is not None and self.box.spent is not None
-        return boxed or self.errors[system] >= MAX_ERRORS
-
-    def run(self, trace: list[Any], caps: Caps, env: Env, deadline: Deadline, min_requests: int,
-            doc: dict[str, Any], results: Results) -> None:
-        """Every request through every system (rotating order) until the deadline, but at least
-        ``min_requests``."""
-        for s in (s for s in self.systems if s in GRAPH_SYSTEMS or s is System.ADAPTER_EAGER):
-            self.bench.reset_stats(s)
-        for index, request in enumerate(trace):
-            if deadline.expired() and index >= min_requests:
-                doc["trace"]["stopped"] = f"{SKIPPED_TIME} (after {index} requests)"
-                break
-            inputs = caps.inputs(self.bench, request, 100_000 + index)
-            for s in _order(self.systems, index):
-                self.latencies[s].append(self.one(s, inputs, env, index, doc))
-            self.items.append(inputs.sizes.items)
-            self.tokens.append(inputs.sizes.tokens)
-            if self.floor is not None:
-                self.floors.append(self.floor(inputs.sizes.grids))
-            del inputs
-            if len(self.items) % FLUSH_EVERY == 0:
-                log(f"{self.bench.spec.name}: {len(self.items)}/{len(trace)} requests")
-                self.record(doc)
-                results.flush()
-        self.record(doc)
-
-    def one(self, system: System, inputs: Any, env: Env, index: int, doc: dict[str, Any]) -> float:
-        if self.stopped(system):
-            return math.nan
-        try:
-            return timed(self.bench, system, inputs, env, self.box)
-        except CapExceeded:
-            pass
-        except Exception as exc:
-            self.errors[system] += 1
-            doc.setdefault("errors", {}).setdefault(system.value, []).append(f"request {index}: {short_error(exc)}")
-        free_memory()
-        return math.nan
-
-    def record(self, doc: dict[str, Any]) -> None:
-        doc["trace"]["completed"] = len(self.items)
-        doc["per_request"] = {"items": self.items, "tokens": self.tokens, "latency_ms": {
-            s.value: [round(x, 4) if math.isfinite(x) else None for x in v] for s, v in self.latencies.items()}}
-        if self.floors:
-            doc["per_request"]["floor"] = self.floors
-        doc["systems"] = report.summarize(self.latencies, self.errors,
-                                          [f["floor_ms"] for f in self.floors] if self.floors else None)
-        for s in (s for s in self.systems if s in GRAPH_SYSTEMS):
-            doc.setdefault("graph_stats", {})[s.value] = report.graph_stats(self.bench.stats(s))
-        if self.box is not None:
-            now, c = dynamo_counters(), self.counters
-            doc["compile_dynamic"] = {"warmup": counter_delta(c["warmed"], c["start"]),
-                                      "trace": counter_delta(now, c["warmed"]),
-                                      "total": counter_delta(now, c["start"]), **self.box.summary()}
 
 
 if __name__ == "__main__":

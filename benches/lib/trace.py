@@ -194,3 +194,55 @@ def trace_summary(trace: Sequence[tuple[Visual, ...]], geom: Geometry, caps: Cap
         "tokens_p99": round(float(np.percentile(tokens, 99)), 1) if trace else 0.0,
         "tokens_max": int(tokens.max()) if trace else 0,
     }
+
+
+SIZES_MODES = ("as-drawn", "new", "seen")
+"""How the replay meets each request's sizes (``benches/traffic.py --sizes``):
+
+- ``as-drawn``: every system runs the request as drawn, in rotating order (the chat trace's default);
+- ``new``: every system meets every image at a patch-row count no system of the process has run before
+  (:func:`fresh_request`), as a stream of unique photos does: attention kernels that build a plan per new
+  shape (cuDNN's, in HF's own SDPA too) pay it, and none rides on a plan another system built;
+- ``seen``: every system runs the request once untimed right before its timed run: sizes met before, every plan
+  built (steady traffic of recurring sizes)."""
+
+SHIFT_STEPS = 4
+"""Each side of an image moves by at most this many ``geom.factor``-pixel steps in :func:`fresh_request`."""
+
+
+def fresh_request(request: Sequence[Visual], geom: Geometry, caps: Caps, seen: set[int]
+                  ) -> tuple[tuple[Visual, ...], int]:
+    """``(request with each image resized by whole geom.factor-pixel steps, at most SHIFT_STEPS a side, to the
+    patch-row count nearest its own (the larger on a tie; its own first) that is not in seen, which is then
+    added; the number of images for which no such count was left)``. So each copy is the request as drawn where
+    its sizes are new, else the nearest new size (a photo of 2,000 x 1,500 px moves by about 1%; a small one
+    more, as fewer counts lie near it). An image with no new count in reach (tiny caps: the CPU smoke) is kept
+    as drawn and counted."""
+    out, reused = [], 0
+    steps = range(-SHIFT_STEPS, SHIFT_STEPS + 1)
+    for v in request:
+        drawn = int(np.prod(caps.sizes([v], geom).grids[0]))
+        options = {}
+        for dh in steps:
+            for dw in steps:
+                if v.height + dh * geom.factor < geom.factor or v.width + dw * geom.factor < geom.factor:
+                    continue
+                moved = attrs.evolve(v, height=v.height + dh * geom.factor, width=v.width + dw * geom.factor)
+                rows = int(np.prod(caps.sizes([moved], geom).grids[0]))
+                if rows not in seen:
+                    options.setdefault(rows, moved if (dh, dw) != (0, 0) else v)
+                    if (dh, dw) == (0, 0):
+                        options[rows] = v
+        if not options:
+            out.append(v)
+            reused += 1
+            continue
+        rows = min(options, key=lambda r: (abs(r - drawn), -r))
+        seen.add(rows)
+        out.append(options[rows])
+    return tuple(out), reused
+
+
+def rows_of(request: Sequence[Visual], geom: Geometry, caps: Caps) -> list[int]:
+    """Patch rows per image of ``request`` under ``caps`` (what :func:`fresh_request` keeps apart)."""
+    return [int(np.prod(g)) for g in caps.sizes(request, geom).grids]

@@ -298,13 +298,36 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
     return notes
 
 
+SIZES_LABELS = {"as-drawn": "sizes as drawn", "new": "sizes new to every system",
+                "seen": "sizes seen before (an untimed call of the same request first)"}
+"""How a pass met its sizes (``benches/traffic.py --sizes``)."""
+
+
+def passes(doc: Mapping[str, Any]) -> list[tuple[str | None, Mapping[str, Any]]]:
+    """``(sizes mode, the pass's document)`` of one tower: the top level first (its mode ``None`` in results of
+    before ``--sizes``), then each of ``sizes_passes`` over the top level's other keys."""
+    out: list[tuple[str | None, Mapping[str, Any]]] = [(doc.get("sizes"), doc)]
+    for mode, sub in doc.get("sizes_passes", {}).items():
+        out.append((mode, pass_doc(doc, sub)))
+    return out
+
+
+def pass_doc(doc: Mapping[str, Any], sub: Mapping[str, Any]) -> dict[str, Any]:
+    """One of ``sizes_passes`` over its tower's document (its ``trace`` entries over the tower's)."""
+    return {**doc, **sub, "trace": {**doc.get("trace", {}), **sub.get("trace", {})}}
+
+
 def target_lines(data: Mapping[str, Any]) -> list[str]:
     lines = []
     for name, doc in tower_docs(data).items():
         label = doc.get("tower", {}).get("label", name)
-        for t in doc.get("targets", []):
-            verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-            lines.append(f"- {label}: {t['target']} {fmt(t['value'])} (target {t['op']} {fmt(t['bound'])}): {verdict}")
+        several = len(doc.get("sizes_passes", {})) > 0
+        for mode, one in passes(doc):
+            where = f" ({SIZES_LABELS.get(mode or '', mode)})" if several else ""
+            for t in one.get("targets", []):
+                verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+                lines.append(f"- {label}{where}: {t['target']} {fmt(t['value'])} (target {t['op']} "
+                             f"{fmt(t['bound'])}): {verdict}")
     return lines
 
 
@@ -331,7 +354,10 @@ def render(data: Mapping[str, Any]) -> str:
                      f"tokens per request mean "
                      f"{summary.get('tokens_mean')}, P50 {summary.get('tokens_p50')}, P99 {summary.get('tokens_p99')}"
                      + (f"; planning of the benchmark's own graph runners: {planning}" if planning else ""))
-        parts.append(system_table(doc))
+        for mode, one in passes(doc):
+            if mode is not None:
+                parts.append(f"{SIZES_LABELS.get(mode, mode)}:")
+            parts.append(system_table(one))
         notes = tower_notes(doc)
         if notes:
             parts.append("\n".join(notes))

@@ -48,6 +48,35 @@ def test_photo_caps_are_the_processors(tower):
     assert sizes.tokens * geom.factor**2 > 0.85 * min(12e6, trace.PHOTO_MAX_PIXELS[tower])
 
 
+@pytest.mark.parametrize("tower", ["qwen3_vl_8b", "glm4v"])
+def test_fresh_requests_meet_only_new_sizes_near_the_drawn_ones(tower):
+    """``--sizes new``: every system's copy of a request has patch-row counts no earlier call had, near the drawn
+    ones (a few percent for photos), and the first copy is the request as drawn where its sizes are new."""
+    geom = TOWERS[tower].geometry(False)
+    caps = trace.photo_caps(tower, geom)
+    seen: set[int] = set()
+    met: list[int] = []
+    shifts: list[float] = []
+    moved = total = 0
+    for request in trace.generate_trace(40, seed=3, kind="photo"):
+        drawn = trace.rows_of(request, geom, caps)
+        fresh_drawn = all(r not in seen for r in drawn) and len(set(drawn)) == len(drawn)
+        copies = []
+        for _ in range(3):  # three systems
+            copy, reused = trace.fresh_request(request, geom, caps, seen)
+            assert reused == 0 and len(copy) == len(request)
+            copies.append(copy)
+            rows = trace.rows_of(copy, geom, caps)
+            shifts += [abs(r / d - 1) for r, d in zip(rows, drawn)]
+            moved, total = moved + sum(abs(r - d) for r, d in zip(rows, drawn)), total + sum(drawn)
+            met += rows
+        if fresh_drawn:
+            assert copies[0] == tuple(request)
+    assert len(met) == len(set(met)) and seen == set(met)  # no count met twice
+    # the rows that carry the time barely move; a small image may move more (fewer counts lie near it)
+    assert moved / total < 0.01 and np.median(shifts) < 0.02 and max(shifts) < 0.5, (moved / total, max(shifts))
+
+
 def test_request_floor_adds_its_parts():
     shape = TowerShape(params=10**9, depth=4, hidden=1024, heads=16, full_layers=1, window_rows=64)
     rates = {"matmul_tflops": 500.0, "attention_tflops": 400.0, "bandwidth_gbs": 4000.0}
@@ -87,6 +116,15 @@ def test_traffic_photo_smoke(tmp_path, monkeypatch):
     table = (tmp_path / f"traffic_{SMOKE_SLUG}_photo.md").read_text()
     assert "### targets (issue 32)" in table and "worst x floor" in table and "floor rates: matmul" in table
     assert "worst request / floor" in table and "(target >= 2.5x)" not in table
+    # two passes: sizes new to every system (the top level), then the same requests at sizes seen before
+    assert doc["sizes"] == "new" and set(doc["per_request"]["extra_tokens"]) == set(doc["systems"])
+    assert all(x >= 0 for v in doc["per_request"]["extra_tokens"].values() for x in v)
+    seen = doc["sizes_passes"]["seen"]
+    assert seen["sizes"] == "seen" and seen["trace"]["completed"] == 2 and set(seen["systems"]) == set(doc["systems"])
+    settle = seen["per_request"]["settle_calls"]
+    assert settle["hf_sdpa"] == [1, 1] and all(1 <= n <= 8 for n in settle["defaults"])
+    assert {t["target"] for t in seen["targets"]} == {t["target"] for t in doc["targets"]}
+    assert "sizes new to every system:" in table and "sizes seen before" in table
 
 
 def test_long_items_smoke(tmp_path):
