@@ -35,6 +35,7 @@ from encgraph.capture.protocol import BudgetUnit, FillRule
 from encgraph.capture.records import RunMode
 from encgraph.capture.timing import time_host, time_interleaved
 from encgraph.packing import CostModel
+from encgraph.packing.kernels import LEDGER
 
 __all__ = ["check_and_measure", "measure_cost_model", "tolerance", "relative_error", "SAMPLE_SIZES"]
 
@@ -84,7 +85,13 @@ def _fill_size(ladder: Sequence[int], budget: int, unit: BudgetUnit) -> int:
 
 def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> dict[str, Any]:
     """Run the self-check (``verify``) and build the default cost model (``measure``; GRAPH mode) on sample
-    inputs; returns the summary for ``capture_info["selfcheck"]``. Sets ``runner.costs`` when measuring."""
+    inputs; returns the summary for ``capture_info["selfcheck"]``. Sets ``runner.costs`` when measuring. Eager
+    forwards run at their steady attention kernels (:meth:`~encgraph.packing.kernels.PlanLedger.buying`)."""
+    with LEDGER.buying():
+        return _check_and_measure(runner, verify=verify, measure=measure)
+
+
+def _check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> dict[str, Any]:
     adapter = runner.adapter
     info: dict[str, Any] = {"verify": verify, "costs": "measured" if measure else "not measured"}
     if not (verify or measure):
@@ -133,7 +140,13 @@ def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> di
 def measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int) -> CostModel:
     """The cost model of ``runner.measure_costs(samples)`` (the runner captured): graph costs are each captured
     budget's replay time (timed at capture) or, outside GRAPH mode, the static forward's time on padding; eager
-    costs are the adapter's eager forward timed on each sample input, fitted as fixed + per token + per item."""
+    costs are the adapter's eager forward timed on each sample input (at its steady kernels, as in
+    :func:`check_and_measure`), fitted as fixed + per token + per item."""
+    with LEDGER.buying():
+        return _measure_cost_model(runner, samples, repeats)
+
+
+def _measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int) -> CostModel:
     adapter = runner.adapter
     graph_ms: dict[str, dict[int, float]] = {}
     for path, ladder in runner.ladders.items():

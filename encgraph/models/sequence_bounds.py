@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from encgraph.packing.kernels import DenseRule, PlanLedger
+from encgraph.packing.kernels import LEDGER, DenseRule
 
 __all__ = ["LEDGER", "RowsTable", "dense_flags", "host_bounds", "lookup", "segment_rule"]
 
@@ -30,9 +30,6 @@ RowsTable = Mapping[tuple[int, int, torch.dtype], "DenseRule | int | None"]
 (:func:`encgraph.models.kernel_choice.rows_table`); a bare int is a rule of those rows with no plan cost (every
 sequence from there runs dense), ``None`` never."""
 
-LEDGER = PlanLedger()
-"""The lengths each thread has run dense and the rent of the others (one ledger for the process: every tower of
-a head geometry shares torch's per-thread plan cache)."""
 
 _HOST_BOUNDS: contextvars.ContextVar[tuple[dict[tuple[int, int], tuple[int, ...]], RowsTable | None] | None] = (
     contextvars.ContextVar("encgraph_host_bounds", default=None)

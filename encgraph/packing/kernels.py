@@ -17,10 +17,11 @@ Pure Python: importing it never imports torch.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import statistics
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -29,7 +30,7 @@ from encgraph._validate import check_int, check_mapping, check_sequence, check_s
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing.eager_cost import checked_ms
 
-__all__ = ["Crossover", "DenseRule", "PlanLedger", "crossover_rows", "kernel_key", "kernel_table"]
+__all__ = ["LEDGER", "Crossover", "DenseRule", "PlanLedger", "crossover_rows", "kernel_key", "kernel_table"]
 
 
 def kernel_key(device: str, heads: int, head_dim: int, dtype: str) -> str:
@@ -237,6 +238,11 @@ class PlanLedger:
         entry = (key, rows)
         if entry in bought:
             return True
+        if getattr(self._local, "buying", False):
+            bought.add(entry)
+            rent.pop(entry, None)
+            self._counts["bought"] += 1
+            return True
         gain = rule.gain_ms(rows)
         paid = rent.get(entry, 0.0)
         if paid + rule.calls * gain >= plan:
@@ -247,6 +253,18 @@ class PlanLedger:
         rent[entry] = paid + gain
         self._counts["rented_calls"] += 1
         return False
+
+    @contextlib.contextmanager
+    def buying(self) -> Iterator[None]:
+        """Inside the block this thread buys every length that reaches a rule's ``min_rows`` at once: capture
+        times eager forwards at their steady kernels (the untimed first call builds the plans), which is what the
+        cost model prices; a length's rent at first sight is at most the varlen kernel's time, the graphs' own."""
+        before = getattr(self._local, "buying", False)
+        self._local.buying = True
+        try:
+            yield
+        finally:
+            self._local.buying = before
 
     def bought(self, key: Hashable, rows: int) -> bool:
         return (key, rows) in self._state()[0]
@@ -259,3 +277,8 @@ class PlanLedger:
     def clear(self) -> None:
         """Forget this thread's lengths (tests; torch's own cache cannot be emptied)."""
         self._local.state = None
+
+
+LEDGER = PlanLedger()
+"""The process's ledger (:mod:`encgraph.models.sequence_bounds` consults it): every tower of a head geometry
+shares torch's per-thread plan cache, so they share its lengths."""

@@ -13,6 +13,7 @@ import torch
 from encgraph.capture.execution import run_static
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import attention, kernel_choice, wrap
+from encgraph.packing.kernels import LEDGER
 from tests.gpu.test_qwen_gpu import HF_RTOL, build, hf_per_item, rel
 from tests.models.test_kernel_choice import dense_spy
 
@@ -107,6 +108,7 @@ def test_eager_items_on_every_kernel_path(family, monkeypatch):
     info = runner.capture()
     assert info["kernels"] and runner.costs is not None and runner.costs.kernels == runner.kernels
     assert adapter.kernel_rows, info["kernels"]
+    assert LEDGER.stats()["bought"] > 0  # capture timed its eager samples at their steady (dense) kernels
     print(f"\n{family}: crossovers {[(c.heads, c.head_dim, c.min_rows) for c in runner.kernels.values()]}")
     grid = np.array([[1, 64, 80], [1, 8, 8], [1, 72, 72], [1, 12, 16]])  # 1280 and 1296 tokens; 16 and 48
     pixels = torch.randn(int(grid.prod(1).sum()), adapter.channels, device="cuda", dtype=torch.bfloat16)

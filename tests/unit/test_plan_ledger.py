@@ -94,3 +94,17 @@ def test_the_ledger_is_per_thread():
 def test_bad_calls_are_refused():
     with pytest.raises(ConfigError, match="calls"):
         DenseRule(10, None, calls=0)
+
+
+def test_buying_buys_every_length_past_min_rows_at_once_and_restores():
+    """Capture times eager forwards inside ``buying()``: their kernels are the steady ones the cost model prices."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=1)  # 4096 rows would rent many times over outside the block
+    ledger = PlanLedger()
+    with ledger.buying():
+        assert ledger.dense("g", 4096, rule) and not ledger.dense("g", 100, rule)
+        with ledger.buying():
+            pass
+        assert ledger.dense("g", 5000, rule)  # a nested block leaves the outer one buying
+    assert not ledger.dense("g", 6000, rule)  # after the block: rent again
+    assert ledger.stats() == {"bought": 2, "rented_calls": 1}
