@@ -102,6 +102,8 @@ def capture_chart(data: Mapping[str, Any], path: Path) -> Chart:
             seconds.setdefault(label, {})[f"{which} ladder"] = num(e.get("seconds")) if measured else None
             for part, key in (("pool", "pool_bytes"), ("largest graph", "largest_graph_bytes")):
                 memory.setdefault(label, {})[f"{which}: {part}"] = num(e.get(key, 0) / MIB) if measured else None
+    if data.get("towers") and not any("doubling" in t for t in data["towers"].values()):
+        reasons["doubling ladder"] = "not in this run: the default ladder alone"
     return Chart(titled("capture per ladder: seconds and graph pool", data), (
         Panel("capture seconds", "seconds", cells=seconds),
         Panel("graph pool against the largest single graph", "MiB", cells=memory),
