@@ -21,8 +21,9 @@ the figures; ``--preprocess-workers`` is passed to every server, and recorded in
 ``graphed_coalesce`` >= 3x the images/s of ``hf_eager`` at concurrency 32 with a P99 no worse than
 ``graphed_per_request``.
 
-Writes ``benches/results/serving_<gpu>[_<transport>].json`` and ``.md`` (+ ``_images_per_s.png`` with matplotlib;
-the transport is in the name when one is run alone). The towers' classes and configs are ``benches.lib.towers``'
+Writes ``benches/results/serving_<gpu>[_<transport>][_<tag>].json`` and ``.md``, and with matplotlib a plot beside
+them (``_images_per_s.png``; a tagged run's ``.png``: the names ``benches/plot.py`` draws them under); the
+transport is in the name when one is run alone. The towers' classes and configs are ``benches.lib.towers``'
 (``benches.lib.serving_towers`` adds their processors and request sizes); ``--cpu-smoke`` runs the whole path on
 tiny CPU towers in seconds. The server transport
 needs the ``[serve]`` and ``[bench]`` extras (FastAPI, uvicorn, prometheus_client, Pillow; httpx, aiohttp).
@@ -47,6 +48,7 @@ if __package__ in (None, ""):
 
 # What tests and benches/readme.py reach through this script are re-exported (F401).
 from benches.lib.load import Run, closed_loop, http_closed_loop, summarize, window  # noqa: E402, F401
+from benches.lib.plots_registry import parse  # noqa: E402
 from benches.lib.results import git_commit, result_dirs  # noqa: E402
 from benches.lib.serving_http import (  # noqa: E402, F401
     counter_delta, counter_summary, delta_summary, run_server, server_bodies, server_counters, server_missing,
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.empty_cache()
     flush()
     write(".md", render(data))
-    picture = plot(data, args.results_dir / f"{name}_images_per_s.png")
+    picture = plot(data, parse(args.results_dir / f"{name}.json").png)  # the name benches/plot.py draws it under
     for d in dirs[1:]:
         if picture:
             shutil.copy(picture, d / picture.name)

@@ -3,11 +3,12 @@ images/s against clients."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
-from benches.lib.serving_towers import SYSTEMS, TOWERS
+from benches.lib.plots import pyplot, save
+from benches.lib.plots_models import serving_chart
+from benches.lib.serving_towers import TOWERS
 from encgraph.serving.metrics import STAGES
 
 
@@ -101,33 +102,10 @@ def _reasons(counts: dict[str, int] | None) -> str:
 
 
 def plot(data: dict[str, Any], path: Path) -> Path | None:
-    if importlib.util.find_spec("matplotlib") is None:
+    """``benches/plot.py``'s chart of this result (``plots_models.serving_chart``) at ``path``; ``None`` without
+    matplotlib or with nothing measured."""
+    plt = pyplot()
+    chart = serving_chart(data)
+    if plt is None or not chart.panels:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(t, tr, r) for t, by in data["towers"].items() for tr, r in by.items() if "points" in r]
-    if not panels:
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
-    for ax, (tower, transport, result) in zip(axes[0], panels):
-        for system, by_c in result["points"].items():
-            cs = [int(c) for c, p in by_c.items() if p.get("requests")]
-            # One colour per system in every panel, whatever order a run measured them in: the legend is the
-            # first panel's.
-            ax.plot(cs, [by_c[str(c)]["images_per_s"] for c in cs], marker="o", label=system,
-                    color=f"C{SYSTEMS.index(system)}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("closed-loop clients")
-        ax.set_ylabel("images/s")
-        ax.set_title(f"{TOWERS[tower]['label']} ({transport})", fontsize=9)
-        ax.grid(alpha=0.3)
-    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}  # every system of every panel
-    axes[0][0].legend([handles[n] for n in SYSTEMS if n in handles], [n for n in SYSTEMS if n in handles],
-                      fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(plt, chart, path)

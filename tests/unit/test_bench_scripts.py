@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from benches import capture, floor, plot, readme, towers, traffic  # noqa: E402
-from benches.lib import cases, cli, compiled, outputs, timing  # noqa: E402
+from benches.lib import cases, cli, compiled, outputs, plots_models, plots_registry, timing  # noqa: E402
 from benches.lib.cases import Visual  # noqa: E402
 from benches.lib.env import Deadline, inference, make_env  # noqa: E402
 from benches.lib.results import SMOKE_SLUG, Results, median_of  # noqa: E402
@@ -187,17 +187,19 @@ def test_floor_smoke(smoke_dir, tmp_path):
 
 def test_plot_reads_the_smoke_results(smoke_dir):
     towers_json, traffic_json = _load(smoke_dir, "towers"), _load(smoke_dir, "traffic")
-    bars = plot.speedups(towers_json)
+    bars = plots_models.speedups(towers_json)
     assert set(bars) == {TOWERS[n].label for n in SMOKE_TOWERS}
-    lines = plot.traffic_lines(traffic_json)
+    lines = plots_models.traffic_lines(traffic_json)
     ((baseline, latency, ratios),) = lines.values()
     assert baseline == "hf_sdpa" and "defaults" in ratios and "hf_sdpa" not in ratios
     assert all(y[-1] == 1.0 and np.all(np.diff(x) >= 0) for x, y in latency.values())
-    written = plot.main(["--cpu-smoke", "--results-dir", str(smoke_dir)])
+    written = plot.main(["--cpu-smoke", "--results-dir", str(smoke_dir), "--dpi", "30"])
     if importlib.util.find_spec("matplotlib") is None:
         assert written == []
-    else:
-        assert written and all(p.exists() and p.stat().st_size > 0 for p in written)
+    else:  # every smoke result of this module's scripts is drawn: their charts read the smoke's layout too
+        smoke = sorted(smoke_dir.glob(f"*_{SMOKE_SLUG}*.json"))
+        assert len(smoke) >= 2 and sorted(written) == sorted(plots_registry.parse(p).png for p in smoke)
+        assert all(p.stat().st_size > 0 for p in written)
 
 
 def test_readme_blocks_are_rendered_from_the_committed_results():

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benches import plot  # noqa: E402
+from benches.lib import plots_models  # noqa: E402
 from benches.lib import traffic_report as report  # noqa: E402
 from benches.lib.systems import System  # noqa: E402
 
@@ -58,7 +58,7 @@ def test_the_report_reads_a_single_tower_document():
     assert list(report.tower_docs(data)) == ["qwen2_5_vl_7b"]
     assert report.render(data).count("| HF eager (sdpa) | ") == 1
     assert "Qwen2.5-VL-7B" in report.headline(data) and "Qwen3-VL-8B" not in report.headline(data)
-    ((baseline, latency, ratios),) = plot.traffic_lines(data).values()
+    ((baseline, latency, ratios),) = plots_models.traffic_lines(data).values()
     assert baseline == report.baseline_of(data) == "hf_sdpa" and "defaults" in ratios
     assert all(y[-1] == 1.0 for _, y in latency.values())
 
