@@ -15,7 +15,9 @@ predicted:
 - per path and kind, once :data:`MIN_SAMPLES` ratios ``measured / predicted`` were read since the last correction,
   their median ``m`` outside ``[1 / THRESHOLD, THRESHOLD]`` multiplies that part of the model by ``m``
   (:meth:`~encgraph.packing.CostModel.scaled`): replay times and the attention term for ``graph``, the eager
-  curve for ``eager``. Samples of a part taken before that part was corrected are dropped.
+  curve for ``eager``. Samples of a part taken before that part was corrected are dropped;
+- a model that replaces the runner's (``recapture``, ``measure_costs``, an assigned ``runner.costs``) is checked
+  from scratch (:meth:`CostFeedback.reset`): nothing measured against the old model carries over.
 
 **Bound.** Under steady conditions a part of the model that is off by more than :data:`THRESHOLD` is corrected
 after at most ``SAMPLE_EVERY * MIN_SAMPLES`` runs of that kind on that path (``EXPLORE_EVERY * MIN_SAMPLES``
@@ -209,6 +211,19 @@ class CostFeedback:
                 entry[kind.value] *= m
                 self.generation[(path, kind)] += 1
         return costs.scaled(graph=factors[RunKind.GRAPH], eager=factors[RunKind.EAGER])
+
+    def reset(self) -> None:
+        """Forget what was learned about the model in use: samples still pending, ratios not yet acted on, the run
+        and exploration counts and the cumulative ``scale``. The runner calls it whenever it replaces its cost model
+        (``recapture``, ``measure_costs``, assigning ``runner.costs``): a ratio measured against one model's
+        prediction says nothing about another's, and the new model is checked from its first run. The totals
+        (``samples``, ``explored``, ``corrections``) are kept: they count what happened (counters never go back)."""
+        self._pending.clear()
+        self._ratios.clear()
+        self._runs.clear()
+        self._cheaper.clear()
+        self._forced.clear()
+        self.scale.clear()
 
     def as_dict(self) -> dict[str, Any]:
         """``samples`` read, ``explored`` replays, ``corrections`` per kind, cumulative ``scale`` per path."""

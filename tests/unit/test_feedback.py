@@ -130,3 +130,26 @@ def test_scaled_model_keeps_paths_and_rejects_bad_factors() -> None:
         costs.scaled(graph={"a": 0.0})
     with pytest.raises(ValueError, match="paths"):
         costs.scaled(eager={"c": 2.0})
+
+
+def test_reset_forgets_what_the_old_model_taught() -> None:
+    """Ratios measured against one model (read and still pending) never correct the model that replaces it; the
+    totals stay (they are counters), the cumulative scale restarts."""
+    clock = Clock()
+    feedback = CostFeedback(lambda: FakeEvent(clock), sample_every=1, min_samples=2)
+    old = model(graph_ms=10.0)
+    run(feedback, clock, old, RunKind.GRAPH, true_ms=1.0)
+    assert feedback.poll(old) is None and feedback.samples == 1  # one ratio of 0.1, one short of a correction
+    clock.until = clock.now
+    run(feedback, clock, old, RunKind.GRAPH, true_ms=1.0)  # pending: its events have not completed
+    feedback.scale[PATH] = {"graph": 0.5, "eager": 1.0}  # as a correction of the old model leaves it
+    feedback.reset()
+    clock.done = True
+    new = model(graph_ms=1.0)  # right about replays
+    run(feedback, clock, new, RunKind.GRAPH, true_ms=1.0)
+    assert feedback.poll(new) is None  # the old model's ratios (read and pending) are gone: nothing to correct
+    assert feedback.samples == 2 and feedback.scale == {} and feedback.as_dict()["corrections"] == {}
+    run(feedback, clock, new, RunKind.GRAPH, true_ms=4.0)
+    run(feedback, clock, new, RunKind.GRAPH, true_ms=4.0)
+    corrected = feedback.poll(new)  # the new model's own samples still correct it
+    assert corrected is not None and corrected.graph_cost(PATH, 64) == pytest.approx(4.0)
