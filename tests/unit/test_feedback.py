@@ -153,3 +153,32 @@ def test_reset_forgets_what_the_old_model_taught() -> None:
     run(feedback, clock, new, RunKind.GRAPH, true_ms=4.0)
     corrected = feedback.poll(new)  # the new model's own samples still correct it
     assert corrected is not None and corrected.graph_cost(PATH, 64) == pytest.approx(4.0)
+
+
+def test_cuda_timing_is_on_the_runners_device_not_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner on cuda:1 while cuda:0 is current: its feedback events record on cuda:1's stream and the host
+    timing synchronises cuda:1 (CUDA's defaults name the current device). Fakes stand in for torch.cuda here;
+    tests/gpu/test_cost_feedback_gpu.py times real work on a second GPU."""
+    import torch
+
+    from encgraph.capture.feedback import event_factory
+    from encgraph.capture.timing import time_host
+
+    calls: list[tuple[str, object]] = []
+
+    class CudaEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+
+        def record(self, stream: object = None) -> None:
+            calls.append(("record", stream))
+
+    monkeypatch.setattr(torch.cuda, "Event", CudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    second = torch.device("cuda", 1)
+    event_factory(second)().record()
+    assert calls == [("record", "stream of cuda:1")]
+    calls.clear()
+    time_host(lambda: calls.append(("run", None)), 2, second)
+    assert calls == [("run", None)] + [("sync", second), ("run", None), ("sync", second)] * 2
