@@ -66,6 +66,7 @@ from encgraph.errors import (
 )
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.deepseek_ocr2_tower import default_side, graph_safe_rel_pos, view_tokens
+from encgraph.models.generic import concat_parts, take_rows
 from encgraph.packing import ItemSpec
 
 __all__ = ["DeepseekOcr2Adapter", "OcrImages", "adapter", "view_tokens"]
@@ -266,6 +267,8 @@ class DeepseekOcr2Adapter:
         return [ItemSpec({GLOBAL: g, LOCAL: t * c}) for c in counts]
 
     def select(self, inputs: OcrImages, indices: Sequence[int]) -> OcrImages:
+        """Images ``indices`` with their tiles: views where they are consecutive, else gathers whose index reaches
+        the device without a host wait (:func:`~encgraph.models.generic.take_rows`)."""
         idx = list(indices)
         counts = tuple(inputs.num_local_patches[i] for i in idx)
         pv = inputs.pixel_values
@@ -273,16 +276,12 @@ class DeepseekOcr2Adapter:
         if local is not None:
             starts = inputs.tile_starts
             rows = [r for i in idx for r in range(starts[i], starts[i + 1])]
-            local = local.index_select(0, torch.as_tensor(rows, dtype=torch.long).to(local.device)) if rows else None
-        return OcrImages(
-            pv.index_select(0, torch.as_tensor(idx, dtype=torch.long).to(pv.device)), local, counts, inputs.return_dict
-        )
+            local = take_rows(local, rows) if rows else None
+        return OcrImages(take_rows(pv, idx), local, counts, inputs.return_dict)
 
     def concat(self, parts: Sequence[OcrImages]) -> OcrImages:
         """One input holding every part's images in order: global views and tiles concatenated, tile counts
         joined; part 0's ``return_dict``. Parts were validated by ``item_specs``."""
-        from encgraph.models.generic import concat_parts
-
         parts = concat_parts(parts, OcrImages)
         if len(parts) == 1:
             return parts[0]

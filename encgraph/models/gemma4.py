@@ -54,6 +54,7 @@ from encgraph.errors import ConfigError, InputError, InputTypeError, Unsupported
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import use_packed_attention
 from encgraph.models.gemma4_layout import Gemma4Patches, PatchLayouts, grid_positions
+from encgraph.models.generic import take_rows
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.packing import ItemSpec
 
@@ -290,7 +291,7 @@ class Gemma4Adapter:
         items = np.flatnonzero(inputs.video == (path == VIDEO))
         rows = inputs.rows_of(items)
         flat = inputs.pixel_values.reshape(-1, self.channels)
-        pixels = flat.index_select(0, torch.from_numpy(inputs.source[rows]).to(flat.device))
+        pixels = take_rows(flat, inputs.source[rows])
         sizes = inputs.starts[items + 1] - inputs.starts[items]
         return pixels, inputs.packed_positions[rows], np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
