@@ -56,7 +56,7 @@ import attrs
 import numpy as np
 import torch
 
-from encgraph._validate import check_int, describe
+from encgraph._validate import check_int, check_pixels, describe
 from encgraph.capture.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.errors import (
     ConfigError,
@@ -222,23 +222,18 @@ class DeepseekOcr2Adapter:
     def _check_views(self, name: str, views: Any, path: str) -> int:
         side = self.sizes[path]
         hint = f"(N, {self.channels}, {side}, {side})"
-        if not isinstance(views, torch.Tensor):
-            raise InputTypeError(f"{name}: expected a tensor {hint}, got {describe(views)}.")
-        if not views.is_floating_point():
-            raise InputTypeError(
-                f"{name}: expected floating-point normalized pixels (run the image processor), got {views.dtype}."
-            )
-        if views.dim() != 4 or tuple(views.shape[1:]) != (self.channels, side, side):
-            raise InputError(
-                f"{name}: expected shape {hint} (the {path} views the graphs are built for), got "
-                f"{tuple(views.shape)}; resize with the model's processor, or build the adapter with "
-                f"{path}_size={views.shape[-1] if views.dim() == 4 else '...'}."
-            )
-        if views.device != self._device:
-            raise InputError(
-                f"{name}: expected a tensor on {self._device} (where the model is), got {views.device}; move it "
-                f"with .to({str(self._device)!r})."
-            )
+
+        def views_shape(t: torch.Tensor) -> str | None:
+            if t.dim() == 4 and tuple(t.shape[1:]) == (self.channels, side, side):
+                return None
+            return (f"{name}: expected shape {hint} (the {path} views the graphs are built for), got "
+                    f"{tuple(t.shape)}; resize with the model's processor, or build the adapter with "
+                    f"{path}_size={t.shape[-1] if t.dim() == 4 else '...'}.")
+
+        check_pixels(
+            name, views, expected=f"a tensor {hint}", floating="floating-point normalized pixels (run the image "
+            "processor)", device=self._device, shape=views_shape, owner="model",
+        )
         return int(views.shape[0])
 
     def item_specs(self, inputs: OcrImages) -> list[ItemSpec]:
