@@ -1,16 +1,16 @@
 """Checks on user input, in one place, raising clear errors (never ``assert``).
 
-Pure Python: imported by the torch-free planner.  Each helper names the argument, what was expected, what was
-given, and how to fix it (the ``hint``).
+Pure Python: imported by the torch-free planner (:func:`check_pixels`, for the adapters, imports torch when
+called).  Each helper names the argument, what was expected, what was given, and how to fix it (the ``hint``).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from encgraph.errors import ConfigError, ConfigTypeError
+from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError
 
 __all__ = [
     "check_int",
@@ -22,6 +22,7 @@ __all__ = [
     "check_iterable",
     "check_mapping",
     "check_sequence",
+    "check_pixels",
     "describe",
 ]
 
@@ -104,5 +105,34 @@ def check_sequence(name: str, value: Any, *, hint: str = "") -> Sequence[Any]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ConfigTypeError(
             f"{name}: expected a sequence (list or tuple), got {describe(value)}.{_tail(hint)}"
+        )
+    return value
+
+
+def check_pixels(
+    name: str, value: Any, *, expected: str, floating: str, device: Any, shape: Callable[[Any], str | None],
+    owner: str = "tower", dtype_fix: str = "",
+) -> Any:
+    """An adapter's pixel input ``value`` (the argument ``name``), returned once checked, in this order:
+
+    - a tensor, else ``InputTypeError``: "``name``: expected ``expected``, got ...";
+    - floating point, else ``InputTypeError``: "``name``: expected ``floating``, got <dtype>``dtype_fix``.";
+    - of a shape the graphs take: ``shape(value)`` is the ``InputError`` message, ``None`` when it fits;
+    - on ``device``, else ``InputError`` naming where the ``owner`` (tower or model) is and the ``.to()`` that
+      moves it there.
+    """
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise InputTypeError(f"{name}: expected {expected}, got {describe(value)}.")
+    if not value.is_floating_point():
+        raise InputTypeError(f"{name}: expected {floating}, got {value.dtype}{dtype_fix}.")
+    problem = shape(value)
+    if problem is not None:
+        raise InputError(problem)
+    if value.device != device:
+        raise InputError(
+            f"{name}: expected a tensor on {device} (where the {owner} is), got {value.device}; move it with "
+            f".to({str(device)!r})."
         )
     return value

@@ -12,7 +12,9 @@ and under :func:`~encgraph.capture.grad.persistent`):
 3. time each replay (random floats in the buffers: zeros can run faster than real data).
 
 A budget whose capture fails (out of memory, a kernel that cannot be captured) is logged and dropped; its
-batches move to the next budget or run eagerly.
+batches move to the next budget or run eagerly. Its capture is ended cleanly (:func:`_end_failed_capture`), so
+that the other budgets and later captures still capture (into a fresh pool where the failed one could not be
+put back).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ Forward = Callable[[Mapping[str, torch.Tensor], int], Mapping[str, torch.Tensor]
 
 def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
     """Capture the runner's ladders into the graph memory pool ``pool`` (``torch.cuda.graph_pool_handle()``, kept
-    by the runner for as long as the graphs live); return the capture summary (``capture_info``)."""
+    by the runner for as long as the graphs live); return the capture summary (``capture_info``). A capture that
+    left the pool recording (:func:`_end_failed_capture`) moves the budgets after it to a fresh pool
+    (``capture_info["pools"]`` counts them)."""
     from tqdm.auto import tqdm
 
     device = runner.device
@@ -62,6 +66,7 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
     compile_info: dict[str, Any] = {"mode": runner.compile_mode.value}
     forwards = {path: _plain_forward(runner, path) for path in runner.ladders}
     regions = CompiledRegions(runner.adapter)
+    pools = [pool]
     with contextlib.ExitStack() as stack:
         if runner.compile_mode is not CompileMode.OFF:
             compile_info["cache_dir"] = stack.enter_context(compile_cache(runner.cache_dir))
@@ -91,11 +96,15 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
                     raise
                 except Exception as exc:  # OOM or a kernel that cannot be captured: drop this budget only
                     torch.cuda.synchronize(device)
-                    runner.failed[path][budget] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                    cause = exc.__cause__ if isinstance(exc, _PoolLeftRecording) else exc
+                    runner.failed[path][budget] = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
                     log.warning(
                         "encgraph: capture of path %r at budget %d failed (%s); batches planned there move to the "
                         "next budget, or run eagerly.", path, budget, runner.failed[path][budget]
                     )
+                    if isinstance(exc, _PoolLeftRecording):
+                        pool = torch.cuda.graph_pool_handle()
+                        pools.append(pool)
                 break
             if record is not None:
                 runner.records[path][budget] = record
@@ -119,7 +128,7 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
         for record in path_records.values():
             record.replay_ms = time_replay(runner, record)
     seconds = time.perf_counter() - start
-    pool_held = pool_bytes(device, pool)
+    pool_held = sum(pool_bytes(device, p) for p in pools)
     graphs = [r for rs in runner.records.values() for r in rs.values()]
     info = {
         "mode": runner.mode.value,
@@ -128,6 +137,7 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
         "compile": compile_info,
         "compile_seconds": round(sum(r.compile_seconds for r in graphs), 3),
         "pool_bytes": int(pool_held),
+        "pools": len(pools),
         # Memory the warm-up runs left cached outside the pool (freed by torch.cuda.empty_cache()).
         "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool_held),
         "largest_graph_bytes": max((r.memory_bytes for r in graphs), default=0),
@@ -147,6 +157,11 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
 
 class _CompileFailed(Exception):
     pass
+
+
+class _PoolLeftRecording(Exception):
+    """A capture failed (its error is the ``__cause__``) and left its pool recording: see
+    :func:`_end_failed_capture`."""
 
 
 def _plain_forward(runner: RunnerState, path: str) -> Forward:
@@ -194,11 +209,16 @@ def _capture_one(
         before = pool_bytes(device, pool)
         graph = torch.cuda.CUDAGraph()
         targets = runner.outputs[path].view(budget)
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            produced = forward(views, budget)
-            for name, target in targets.items():
-                target.copy_(produced[name])
-            del produced  # its memory goes back to the pool for the next (smaller) graph
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                produced = forward(views, budget)
+                for name, target in targets.items():
+                    target.copy_(produced[name])
+                del produced  # its memory goes back to the pool for the next (smaller) graph
+        except BaseException as exc:
+            if _end_failed_capture(device, pool) and isinstance(exc, Exception) and not isinstance(exc, EncgraphError):
+                raise _PoolLeftRecording() from exc
+            raise
     torch.cuda.synchronize(device)
     return GraphRecord(
         path=path,
@@ -210,6 +230,28 @@ def _capture_one(
         memory_bytes=pool_bytes(device, pool) - before,
         compile_seconds=compile_seconds,
     )
+
+
+def _end_failed_capture(device: torch.device, pool: Any) -> bool:
+    """End what a capture that raised inside ``torch.cuda.graph`` left open; whether it had left ``pool``
+    recording.
+
+    A capture that CUDA invalidated (a host sync or another call it forbids while capturing; an out-of-memory
+    whose retry synchronises) makes the context's exit raise from ``capture_end`` before the caching allocators
+    stop routing the capture's allocations into the pool (and before the context restores the stream: the
+    caller's own stream context does). The pool stays "recording", and every later ``capture_begin`` on it fails
+    ("already recording to mempool_id"): every smaller budget failed with the first. Here the device allocator's
+    routing ends, and the reference the capture took on the pool is released (no graph was made to release it),
+    so that its memory goes with the graphs. The pinned host allocator (torch 2.13 routes it per pool too) has no
+    Python call to end its routing: the caller captures the rest into a fresh pool. A capture whose body raised a
+    Python error ended normally (``False``): the routing is over, and the graph object releases its reference when
+    it goes."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+    except RuntimeError:  # "not currently recording": capture_end got that far
+        return False
+    torch._C._cuda_releasePool(device.index, pool)
+    return True
 
 
 def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:

@@ -92,14 +92,16 @@ def run_static(
     tensors when ``state.copy_outputs``, else views of the path's shared output buffers, overwritten by the next
     replay of that path. ``last_on_path=False`` (a later sub-batch of the same call may replay this path) copies
     them even then: every budget of a path shares one output buffer, and a zero-copy result must stay valid
-    until the next call, not only until the next sub-batch."""
+    until the next call, not only until the next sub-batch. An adapter whose ``assemble`` copies each item
+    (``assemble_copies``, see :mod:`encgraph.capture.protocol`) always gets the views: its copy, made before the
+    next replay, is the only one."""
     values = state.adapter.replay_values(path, sub, budget)
     views = state.buffers[path].fill(budget, values)
     if state.mode is RunMode.GRAPH:
         record = state.records[path][budget]
         record.graph.replay()
         outputs = record.outputs  # views of the path's shared output buffers
-        if state.copy_outputs or not last_on_path:
+        if (state.copy_outputs or not last_on_path) and getattr(state.adapter, "assemble_copies", False) is not True:
             return {name: t[:used].clone() for name, t in outputs.items()}
         return {name: t[:used] for name, t in outputs.items()}
     outputs = state.adapter.forward_static(path, views, budget)

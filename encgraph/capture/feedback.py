@@ -6,16 +6,18 @@ it can be wrong for the runner's whole life: a server whose replays were timed s
 predicted:
 
 - every :data:`SAMPLE_EVERY`-th run of each path and kind (a replay, or an eager forward) is bracketed by two
-  timing events, recorded on the device's current stream (CUDA events; on the CPU, host clock readings). Nothing
-  waits for them: the events are read on a later call, and only once ``query()`` says they completed, so timing
-  never syncs the host (a sample not complete yet stays pending);
+  timing events, recorded on the current stream of the runner's device (CUDA events; on the CPU, host clock
+  readings). Nothing waits for them: the events are read on a later call, and only once ``query()`` says they
+  completed, so timing never syncs the host (a sample not complete yet stays pending);
 - a batch the model sends eagerly because eager looked cheaper (``EagerReason.COST``) while a captured budget would
   hold it replays instead once in :data:`EXPLORE_EVERY` such batches (timed): without that, a model that prices
   replays too high would never see a replay again;
 - per path and kind, once :data:`MIN_SAMPLES` ratios ``measured / predicted`` were read since the last correction,
   their median ``m`` outside ``[1 / THRESHOLD, THRESHOLD]`` multiplies that part of the model by ``m``
   (:meth:`~encgraph.packing.CostModel.scaled`): replay times and the attention term for ``graph``, the eager
-  curve for ``eager``. Samples of a part taken before that part was corrected are dropped.
+  curve for ``eager``. Samples of a part taken before that part was corrected are dropped;
+- a model that replaces the runner's (``recapture``, ``measure_costs``, an assigned ``runner.costs``) is checked
+  from scratch (:meth:`CostFeedback.reset`): nothing measured against the old model carries over.
 
 **Bound.** Under steady conditions a part of the model that is off by more than :data:`THRESHOLD` is corrected
 after at most ``SAMPLE_EVERY * MIN_SAMPLES`` runs of that kind on that path (``EXPLORE_EVERY * MIN_SAMPLES``
@@ -40,8 +42,8 @@ import torch
 from encgraph.packing import CostModel, ItemSpec
 
 __all__ = [
-    "CostFeedback", "RunKind", "HostEvent", "predicted_ms", "event_factory", "SAMPLE_EVERY", "EXPLORE_EVERY",
-    "MIN_SAMPLES", "THRESHOLD",
+    "CostFeedback", "RunKind", "HostEvent", "DeviceEvent", "predicted_ms", "event_factory", "SAMPLE_EVERY",
+    "EXPLORE_EVERY", "MIN_SAMPLES", "THRESHOLD",
 ]
 
 SAMPLE_EVERY = 8
@@ -91,10 +93,30 @@ class HostEvent:
         return (end.t - self.t) * 1e3
 
 
+class DeviceEvent:
+    """A CUDA timing event recorded on the current stream of ``device`` (an indexed CUDA device), whichever device
+    is current: a runner on ``cuda:1`` called while ``cuda:0`` is current runs its work on ``cuda:1``'s stream (its
+    tensors' and its graphs' device), and an event recorded on ``cuda:0``'s would time nothing of it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.event = torch.cuda.Event(enable_timing=True)
+
+    def record(self) -> None:
+        self.event.record(torch.cuda.current_stream(self.device))
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def elapsed_time(self, end: DeviceEvent) -> float:
+        return self.event.elapsed_time(end.event)
+
+
 def event_factory(device: torch.device) -> Callable[[], Any]:
-    """CUDA timing events on a CUDA device, host clock events elsewhere."""
+    """CUDA timing events on ``device``'s stream (:class:`DeviceEvent`) on a CUDA device, host clock events
+    elsewhere."""
     if device.type == "cuda":
-        return lambda: torch.cuda.Event(enable_timing=True)
+        return lambda: DeviceEvent(device)
     return HostEvent
 
 
@@ -209,6 +231,19 @@ class CostFeedback:
                 entry[kind.value] *= m
                 self.generation[(path, kind)] += 1
         return costs.scaled(graph=factors[RunKind.GRAPH], eager=factors[RunKind.EAGER])
+
+    def reset(self) -> None:
+        """Forget what was learned about the model in use: samples still pending, ratios not yet acted on, the run
+        and exploration counts and the cumulative ``scale``. The runner calls it whenever it replaces its cost model
+        (``recapture``, ``measure_costs``, assigning ``runner.costs``): a ratio measured against one model's
+        prediction says nothing about another's, and the new model is checked from its first run. The totals
+        (``samples``, ``explored``, ``corrections``) are kept: they count what happened (counters never go back)."""
+        self._pending.clear()
+        self._ratios.clear()
+        self._runs.clear()
+        self._cheaper.clear()
+        self._forced.clear()
+        self.scale.clear()
 
     def as_dict(self) -> dict[str, Any]:
         """``samples`` read, ``explored`` replays, ``corrections`` per kind, cumulative ``scale`` per path."""

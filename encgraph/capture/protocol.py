@@ -25,6 +25,11 @@ say so in ``stats`` / a log line where absent):
 - ``concat(parts) -> inputs``: one inputs object holding the items of every part in order (part 0's first);
   every part was already validated by ``item_specs``. The serving front coalesces requests with it.
 
+An optional attribute, ``assemble_copies`` (default ``False``): ``True`` says that ``assemble`` returns results
+with storage of their own, never views of the rows it is given. The runner then hands it a replay's rows as views
+of the graph's output buffer (``assemble`` runs before the next replay) instead of copying them first, so that
+each item is copied once, not twice.
+
 A :class:`ModuleAdapter`'s ``inputs_from_call`` may return :class:`StockCall` for a valid call that the graphs
 cannot answer exactly as the module would (per-layer hidden states or attentions asked for, autograd asked for):
 :func:`encgraph.graphed` then runs the module's own forward (inside the adapter's optional ``stock_context()``,

@@ -162,7 +162,7 @@ class EncoderGraphRunner:
             raise ConfigTypeError("costs: expected None (measured at capture), False (greedy) or a CostModel, got True.")
         # None: measured at capture in GRAPH mode (the default); False: greedy; a model: given.
         self._measure_costs = costs is None and mode is RunMode.GRAPH
-        self.costs: CostModel | None = costs if isinstance(costs, CostModel) else None
+        self._costs: CostModel | None = costs if isinstance(costs, CostModel) else None
         self.kernels: dict[str, Any] = {}  # attention-kernel crossovers chosen at capture (capture/kernels.py)
         self.observed: collections.deque[tuple[ItemSpec, ...]] = collections.deque(
             maxlen=check_int("record", record, minimum=0) or None
@@ -294,8 +294,10 @@ class EncoderGraphRunner:
                 self.capture()
             if self._record:
                 self.observed.append(tuple(specs))
-            if self.costs is not None:  # read what earlier calls timed (never waits); correct the model
-                self.costs = self._feedback.poll(self.costs) or self.costs
+            # Read what earlier calls timed (never waits) and correct the model: a correction is no replacement
+            # (the feedback goes on; the setter would reset it).
+            if self._costs is not None:
+                self._costs = self._feedback.poll(self._costs) or self._costs
             plan = self._pack(specs)
             # Per path, the last sub-batch with tokens there: only its zero-copy results may stay views.
             last = {p: max((i for i, b in enumerate(plan.batches) if b.tokens[p]), default=-1)
@@ -333,6 +335,22 @@ class EncoderGraphRunner:
         return split_outputs(self.adapter, outputs, sub_specs)
 
     # ------------------------------------------------------------------ costs and tuning
+    @property
+    def costs(self) -> CostModel | None:
+        """The cost model calls are planned with (``None``: the greedy planner). Replacing it (assigning one here;
+        ``measure_costs`` and ``recapture`` do too) restarts its checking while serving: what the feedback learned
+        about the old model is dropped (:meth:`~encgraph.capture.feedback.CostFeedback.reset`)."""
+        return self._costs
+
+    @costs.setter
+    def costs(self, value: CostModel | None) -> None:
+        if value is not None and not isinstance(value, CostModel):
+            raise ConfigTypeError(f"costs: expected a CostModel or None (greedy), got {describe(value)}.")
+        with self._lock:
+            if value is not self._costs:
+                self._feedback.reset()
+            self._costs = value
+
     def measure_costs(self, samples: Sequence[Any], *, repeats: int = 3) -> CostModel:
         """Measure a :class:`~encgraph.packing.CostModel` and plan with it from now on.
 

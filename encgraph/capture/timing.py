@@ -25,8 +25,9 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], repeats: int, device: tor
                      spacing_s: float = SPACING_S) -> list[float]:
     """Per function of ``fns``, the minimum ms as the host sees it (``device`` synchronised around each run) over
     ``repeats`` rounds; each round runs every function once, in order, then pauses ``spacing_s``. One untimed run
-    of each first (warm-up)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    of each first (warm-up). ``device`` is the one the functions' work runs on, synchronised by name: the current
+    device may be another (a runner on ``cuda:1`` while ``cuda:0`` is current)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     best = [float("inf")] * len(fns)
     with torch.inference_mode():
         for fn in fns:

@@ -56,7 +56,7 @@ import attrs
 import numpy as np
 import torch
 
-from encgraph._validate import check_int, describe
+from encgraph._validate import check_int, check_pixels, describe
 from encgraph.capture.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.errors import (
     ConfigError,
@@ -66,6 +66,7 @@ from encgraph.errors import (
 )
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.deepseek_ocr2_tower import default_side, graph_safe_rel_pos, view_tokens
+from encgraph.models.generic import concat_parts, take_rows
 from encgraph.packing import ItemSpec
 
 __all__ = ["DeepseekOcr2Adapter", "OcrImages", "adapter", "view_tokens"]
@@ -221,23 +222,18 @@ class DeepseekOcr2Adapter:
     def _check_views(self, name: str, views: Any, path: str) -> int:
         side = self.sizes[path]
         hint = f"(N, {self.channels}, {side}, {side})"
-        if not isinstance(views, torch.Tensor):
-            raise InputTypeError(f"{name}: expected a tensor {hint}, got {describe(views)}.")
-        if not views.is_floating_point():
-            raise InputTypeError(
-                f"{name}: expected floating-point normalized pixels (run the image processor), got {views.dtype}."
-            )
-        if views.dim() != 4 or tuple(views.shape[1:]) != (self.channels, side, side):
-            raise InputError(
-                f"{name}: expected shape {hint} (the {path} views the graphs are built for), got "
-                f"{tuple(views.shape)}; resize with the model's processor, or build the adapter with "
-                f"{path}_size={views.shape[-1] if views.dim() == 4 else '...'}."
-            )
-        if views.device != self._device:
-            raise InputError(
-                f"{name}: expected a tensor on {self._device} (where the model is), got {views.device}; move it "
-                f"with .to({str(self._device)!r})."
-            )
+
+        def views_shape(t: torch.Tensor) -> str | None:
+            if t.dim() == 4 and tuple(t.shape[1:]) == (self.channels, side, side):
+                return None
+            return (f"{name}: expected shape {hint} (the {path} views the graphs are built for), got "
+                    f"{tuple(t.shape)}; resize with the model's processor, or build the adapter with "
+                    f"{path}_size={t.shape[-1] if t.dim() == 4 else '...'}.")
+
+        check_pixels(
+            name, views, expected=f"a tensor {hint}", floating="floating-point normalized pixels (run the image "
+            "processor)", device=self._device, shape=views_shape, owner="model",
+        )
         return int(views.shape[0])
 
     def item_specs(self, inputs: OcrImages) -> list[ItemSpec]:
@@ -266,6 +262,8 @@ class DeepseekOcr2Adapter:
         return [ItemSpec({GLOBAL: g, LOCAL: t * c}) for c in counts]
 
     def select(self, inputs: OcrImages, indices: Sequence[int]) -> OcrImages:
+        """Images ``indices`` with their tiles: views where they are consecutive, else gathers whose index reaches
+        the device without a host wait (:func:`~encgraph.models.generic.take_rows`)."""
         idx = list(indices)
         counts = tuple(inputs.num_local_patches[i] for i in idx)
         pv = inputs.pixel_values
@@ -273,16 +271,12 @@ class DeepseekOcr2Adapter:
         if local is not None:
             starts = inputs.tile_starts
             rows = [r for i in idx for r in range(starts[i], starts[i + 1])]
-            local = local.index_select(0, torch.as_tensor(rows, dtype=torch.long).to(local.device)) if rows else None
-        return OcrImages(
-            pv.index_select(0, torch.as_tensor(idx, dtype=torch.long).to(pv.device)), local, counts, inputs.return_dict
-        )
+            local = take_rows(local, rows) if rows else None
+        return OcrImages(take_rows(pv, idx), local, counts, inputs.return_dict)
 
     def concat(self, parts: Sequence[OcrImages]) -> OcrImages:
         """One input holding every part's images in order: global views and tiles concatenated, tile counts
         joined; part 0's ``return_dict``. Parts were validated by ``item_specs``."""
-        from encgraph.models.generic import concat_parts
-
         parts = concat_parts(parts, OcrImages)
         if len(parts) == 1:
             return parts[0]

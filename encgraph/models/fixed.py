@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from encgraph._validate import check_int, describe
+from encgraph._validate import check_int, check_pixels, describe
 from encgraph.capture.protocol import BufferSpec, StockCall
 from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.models._hf import repeated_blocks, require_transformers
@@ -300,34 +300,25 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         """One spec (one item) per image; checks the images against the tower."""
         if not isinstance(inputs, PixelBatch):
             raise InputTypeError(f"inputs: expected a PixelBatch, got {describe(inputs)}.")
-        pv = inputs.pixel_values
-        expected = (self.channels, *self.image_size)
-        shape_hint = f"(B, {', '.join(map(str, expected))})"
-        if not isinstance(pv, torch.Tensor):
-            raise InputTypeError(f"pixel_values: expected a tensor {shape_hint}, got {describe(pv)}.")
-        if pv.dim() != 4:
-            raise InputError(f"pixel_values: expected 4 dims {shape_hint}, got shape {tuple(pv.shape)}.")
-        if not pv.is_floating_point():
-            raise InputTypeError(
-                f"pixel_values: expected a floating-point tensor (normalized pixels, cast to the tower's "
-                f"{self._dtype} as the tower itself does), got {pv.dtype}; run the image processor first."
-            )
-        if pv.shape[1] != self.channels:
-            raise InputError(
-                f"pixel_values: the tower takes {self.channels} channels, got {pv.shape[1]} (shape "
-                f"{tuple(pv.shape)}, expected {shape_hint})."
-            )
-        if tuple(pv.shape[2:]) != self.image_size:
-            raise InputError(
-                f"pixel_values: the graphs are built for {self.image_size[0]}x{self.image_size[1]} images, got "
-                f"{pv.shape[2]}x{pv.shape[3]}; resize them with the model's image processor, or wrap with "
-                f"adapter_options={{'image_size': ({pv.shape[2]}, {pv.shape[3]})}}."
-            )
-        if pv.device != self._device:
-            raise InputError(
-                f"pixel_values: expected a tensor on {self._device} (where the tower is), got {pv.device}; move "
-                f"it with .to({str(self._device)!r})."
-            )
+        shape_hint = f"(B, {', '.join(map(str, (self.channels, *self.image_size)))})"
+
+        def image_shape(pv: torch.Tensor) -> str | None:
+            if pv.dim() != 4:
+                return f"pixel_values: expected 4 dims {shape_hint}, got shape {tuple(pv.shape)}."
+            if pv.shape[1] != self.channels:
+                return (f"pixel_values: the tower takes {self.channels} channels, got {pv.shape[1]} (shape "
+                        f"{tuple(pv.shape)}, expected {shape_hint}).")
+            if tuple(pv.shape[2:]) != self.image_size:
+                return (f"pixel_values: the graphs are built for {self.image_size[0]}x{self.image_size[1]} images, "
+                        f"got {pv.shape[2]}x{pv.shape[3]}; resize them with the model's image processor, or wrap "
+                        f"with adapter_options={{'image_size': ({pv.shape[2]}, {pv.shape[3]})}}.")
+            return None
+
+        pv = check_pixels(
+            "pixel_values", inputs.pixel_values, expected=f"a tensor {shape_hint}",
+            floating=f"a floating-point tensor (normalized pixels, cast to the tower's {self._dtype} as the tower "
+            "itself does)", dtype_fix="; run the image processor first", device=self._device, shape=image_shape,
+        )
         return [ItemSpec(1)] * pv.shape[0]
 
     def select(self, inputs: PixelBatch, indices: Sequence[int]) -> PixelBatch:

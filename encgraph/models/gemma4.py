@@ -49,11 +49,12 @@ import attrs
 import numpy as np
 import torch
 
-from encgraph._validate import check_int, describe
+from encgraph._validate import check_int, check_pixels, describe
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import use_packed_attention
 from encgraph.models.gemma4_layout import Gemma4Patches, PatchLayouts, grid_positions
+from encgraph.models.generic import take_rows
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.packing import ItemSpec
 
@@ -146,19 +147,16 @@ class Gemma4Adapter:
     def inputs(self, pixel_values: Any, pixel_position_ids: Any, *, return_dict: bool = True) -> Gemma4Patches:
         """Validate the tower's own arguments into :class:`Gemma4Patches` (reads the positions on the host once)."""
         hint = f"(B, P, {self.channels})"
-        if not isinstance(pixel_values, torch.Tensor):
-            raise InputTypeError(
-                f"pixel_values: expected a tensor {hint} (the processor's patches), got {describe(pixel_values)}."
-            )
-        if not pixel_values.is_floating_point():
-            raise InputTypeError(f"pixel_values: expected floating-point patches in [0, 1], got {pixel_values.dtype}.")
-        if pixel_values.dim() != 3 or pixel_values.shape[-1] != self.channels:
-            raise InputError(f"pixel_values: expected shape {hint}, got {tuple(pixel_values.shape)}.")
-        if pixel_values.device != self._device:
-            raise InputError(
-                f"pixel_values: expected a tensor on {self._device} (where the tower is), got {pixel_values.device}; "
-                f"move it with .to({str(self._device)!r})."
-            )
+
+        def patches_shape(pv: torch.Tensor) -> str | None:
+            if pv.dim() == 3 and pv.shape[-1] == self.channels:
+                return None
+            return f"pixel_values: expected shape {hint}, got {tuple(pv.shape)}."
+
+        check_pixels(
+            "pixel_values", pixel_values, expected=f"a tensor {hint} (the processor's patches)",
+            floating="floating-point patches in [0, 1]", device=self._device, shape=patches_shape,
+        )
         if not isinstance(pixel_position_ids, (torch.Tensor, np.ndarray)):
             raise InputTypeError(
                 f"pixel_position_ids: expected an int tensor (B, P, 2), got {describe(pixel_position_ids)}."
@@ -290,7 +288,7 @@ class Gemma4Adapter:
         items = np.flatnonzero(inputs.video == (path == VIDEO))
         rows = inputs.rows_of(items)
         flat = inputs.pixel_values.reshape(-1, self.channels)
-        pixels = flat.index_select(0, torch.from_numpy(inputs.source[rows]).to(flat.device))
+        pixels = take_rows(flat, inputs.source[rows])
         sizes = inputs.starts[items + 1] - inputs.starts[items]
         return pixels, inputs.packed_positions[rows], np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from encgraph._validate import check_int, describe
@@ -26,7 +27,7 @@ from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, Fil
 from encgraph.errors import ConfigError, InputError, InputTypeError
 from encgraph.packing import ItemSpec
 
-__all__ = ["GenericModuleAdapter", "concat_parts"]
+__all__ = ["GenericModuleAdapter", "concat_parts", "take_rows"]
 
 PATH = "default"
 
@@ -40,6 +41,24 @@ def concat_parts(parts: Sequence[Any], kind: type | tuple[type, ...]) -> list[An
         if not isinstance(part, kind):
             raise InputTypeError(f"concat: parts[{i}]: expected {describe_kind(kind)}, got {describe(part)}.")
     return parts
+
+
+def take_rows(t: torch.Tensor, rows: Sequence[int] | np.ndarray) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` (dim 0), in that order, without making the host wait for the device: a view of ``t``
+    when they are one ascending run (a sub-batch of consecutive items, the usual case), else ``index_select`` with
+    the index built on the host and copied to ``t``'s device from pinned memory without blocking (a copy from
+    pageable memory, ``torch.as_tensor(rows, device=...)``, waits for the stream's queued work: the previous
+    replay). Lifetime: a view shares ``t``'s storage; the host allocator keeps the pinned index until its copy is
+    done."""
+    index = np.asarray(rows, dtype=np.int64).reshape(-1)
+    n = index.size
+    start = int(index[0]) if n else 0
+    if n == 0 or (start >= 0 and np.array_equal(index, np.arange(start, start + n))):
+        return t[start : start + n]
+    host = torch.from_numpy(index)
+    if t.device.type == "cuda":
+        return t.index_select(0, host.pin_memory().to(t.device, non_blocking=True))
+    return t.index_select(0, host.to(t.device))
 
 
 def describe_kind(kind: type | tuple[type, ...]) -> str:
@@ -179,10 +198,7 @@ class GenericModuleAdapter:
         return tuple(out)
 
     def select(self, inputs: tuple[torch.Tensor, ...], indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        if list(indices) == list(range(indices[0], indices[0] + len(indices))):
-            return tuple(t[indices[0] : indices[0] + len(indices)] for t in inputs)
-        idx = torch.as_tensor(list(indices), device=self._device)
-        return tuple(t.index_select(0, idx) for t in inputs)
+        return tuple(take_rows(t, indices) for t in inputs)
 
     def concat(self, parts: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         """One input tuple holding every part's items in order (each positional tensor concatenated in dim 0);

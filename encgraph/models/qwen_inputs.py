@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 import torch
 
-from encgraph._validate import check_int, describe
+from encgraph._validate import check_int, check_pixels, describe
 from encgraph.errors import InputError, InputTypeError
 from encgraph.models.protocol import StockCall
 from encgraph.models.qwen_grid import grid_array as _grid_array
@@ -80,25 +80,17 @@ class QwenInputsMixin:
 
         Reads ``grid_thw`` on the host (a device tensor is copied once, as the tower itself does).
         """
-        if not isinstance(pixel_values, torch.Tensor):
-            raise InputTypeError(
-                f"pixel_values: expected a torch.Tensor (rows, {self.channels}), got {describe(pixel_values)}."
-            )
-        if not pixel_values.is_floating_point():
-            raise InputTypeError(
-                f"pixel_values: expected a floating-point tensor (the processor's normalised patches), got "
-                f"{pixel_values.dtype}."
-            )
-        if tuple(pixel_values.shape[1:]) != self.row_shape:
-            raise InputError(
-                f"pixel_values: expected shape (rows, {', '.join(map(str, self.row_shape))}){self._row_hint()}, got "
-                f"{tuple(pixel_values.shape)}; pass the processor's patches."
-            )
-        if pixel_values.device != self._device:
-            raise InputError(
-                f"pixel_values: expected a tensor on {self._device} (where the tower is), got {pixel_values.device}; "
-                f"move it with .to({str(self._device)!r})."
-            )
+        def rows_shape(pv: torch.Tensor) -> str | None:
+            if tuple(pv.shape[1:]) == self.row_shape:
+                return None
+            return (f"pixel_values: expected shape (rows, {', '.join(map(str, self.row_shape))}){self._row_hint()}, "
+                    f"got {tuple(pv.shape)}; pass the processor's patches.")
+
+        check_pixels(
+            "pixel_values", pixel_values, expected=f"a torch.Tensor (rows, {self.channels})",
+            floating="a floating-point tensor (the processor's normalised patches)", device=self._device,
+            shape=rows_shape,
+        )
         grid = _grid_array(grid_thw)
         if grid[:, 1:].min() < 1 or grid[:, 0].min() < 1:
             raise InputError(f"grid_thw: every t, h, w must be >= 1, got {grid.tolist()}.")

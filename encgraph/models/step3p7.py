@@ -146,6 +146,21 @@ class _Step3p7Views(DeepseekOcr2Adapter):
         """Tower and projector on the padded view buffer: outputs ``(budget, .)``; nothing reads a value on the host."""
         return self._encode_views(path, buffers["pixels"])
 
+    def _call_keywords(self, kwargs: dict[str, Any], config: Any) -> bool | StockCall:
+        """A call's ``return_dict`` (``config``'s where not given; ``kwargs`` is emptied of what is read), or a
+        :class:`StockCall` for per-layer outputs (asked for, or the tower config's default) or for keywords the
+        graphs do not model (those in :data:`_IGNORED` change nothing)."""
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = getattr(config, "return_dict", True) if return_dict is None else bool(return_dict)
+        for name in ("output_hidden_states", "output_attentions"):
+            value = kwargs.pop(name, None)
+            if getattr(self.tower.config, name, False) if value is None else value:
+                return StockCall(f"{name} requested")
+        unknown = sorted(k for k in kwargs if k not in _IGNORED)
+        if unknown:
+            return StockCall(f"keyword arguments {unknown}")
+        return return_dict
+
 
 class Step3p7Adapter(_Step3p7Views):
     """Two-path adapter (``global``, ``local``) for a Step-3.7 model's image features.
@@ -190,16 +205,9 @@ class Step3p7Adapter(_Step3p7Views):
     ) -> OcrImages | StockCall:
         """:class:`OcrImages` from ``get_image_features``' own arguments, or a :class:`StockCall` for per-layer
         outputs or keywords the graphs do not model."""
-        config = self.model.config
-        return_dict = kwargs.pop("return_dict", None)
-        return_dict = getattr(config, "return_dict", True) if return_dict is None else bool(return_dict)
-        for name in ("output_hidden_states", "output_attentions"):
-            value = kwargs.pop(name, None)
-            if getattr(self.tower.config, name, False) if value is None else value:
-                return StockCall(f"{name} requested")
-        unknown = sorted(k for k in kwargs if k not in _IGNORED)
-        if unknown:
-            return StockCall(f"keyword arguments {unknown}")
+        return_dict = self._call_keywords(kwargs, self.model.config)
+        if isinstance(return_dict, StockCall):
+            return return_dict
         return super().inputs_from_call(pixel_values, pixel_values_local, num_local_patches, return_dict=return_dict)
 
     def sample_inputs(self, path: str, tokens: int) -> OcrImages:

@@ -36,8 +36,8 @@ from encgraph.capture.protocol import AdapterConfig, PathSpec, StockCall
 from encgraph.errors import ConfigError, InputTypeError, UnsupportedModelError
 from encgraph.models._hf import require_transformers
 from encgraph.models.deepseek_ocr2 import GLOBAL, LOCAL
-from encgraph.models.generic import concat_parts
-from encgraph.models.step3p7 import _IGNORED, HIDDEN, MIN_TRANSFORMERS, _Step3p7Views
+from encgraph.models.generic import concat_parts, take_rows
+from encgraph.models.step3p7 import HIDDEN, MIN_TRANSFORMERS, _Step3p7Views
 from encgraph.packing import ItemSpec
 
 __all__ = ["Step3p7TowerAdapter", "TowerViews", "adapter"]
@@ -107,16 +107,9 @@ class Step3p7TowerAdapter(_Step3p7Views):
     def inputs_from_call(self, pixel_values: torch.Tensor | None = None, **kwargs: Any) -> TowerViews | StockCall:
         """:class:`TowerViews` from the tower forward's own arguments, or a :class:`StockCall` for views of a size
         the graphs are not built for, per-layer outputs, or keywords the graphs do not model."""
-        config = self.tower.config
-        return_dict = kwargs.pop("return_dict", None)
-        return_dict = getattr(config, "return_dict", True) if return_dict is None else bool(return_dict)
-        for name in ("output_hidden_states", "output_attentions"):
-            value = kwargs.pop(name, None)
-            if getattr(config, name, False) if value is None else value:
-                return StockCall(f"{name} requested")
-        unknown = sorted(k for k in kwargs if k not in _IGNORED)
-        if unknown:
-            return StockCall(f"keyword arguments {unknown}")
+        return_dict = self._call_keywords(kwargs, self.tower.config)
+        if isinstance(return_dict, StockCall):
+            return return_dict
         if not isinstance(pixel_values, torch.Tensor):
             raise InputTypeError(f"pixel_values: expected a tensor (N, {self.channels}, S, S), got {describe(pixel_values)}.")
         if pixel_values.dim() == 4 and pixel_values.shape[0] == 0:
@@ -147,11 +140,9 @@ class Step3p7TowerAdapter(_Step3p7Views):
         return [ItemSpec({**empty, p: self.tokens[p]}) for p in inputs.paths]
 
     def select(self, inputs: TowerViews, indices: Sequence[int]) -> TowerViews:
-        rows = inputs.rows(indices)
-        pixels = {
-            p: inputs.pixels[p].index_select(0, torch.as_tensor(r, dtype=torch.long, device=inputs.pixels[p].device))
-            for p, r in rows.items()
-        }
+        """Items ``indices``: per path a view of its views' tensor when they are consecutive, else a gather whose
+        index reaches the device without a host wait (:func:`~encgraph.models.generic.take_rows`)."""
+        pixels = {p: take_rows(inputs.pixels[p], r) for p, r in inputs.rows(indices).items()}
         return TowerViews(pixels, tuple(inputs.paths[i] for i in indices), inputs.return_dict)
 
     def sample_inputs(self, path: str, tokens: int) -> TowerViews:

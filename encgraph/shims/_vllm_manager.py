@@ -17,8 +17,8 @@ vLLM's contracts kept:
   captured ``cu_seqlens`` for that many), so a frame limit below the item limit never splits images.
 - The model's capture tensors are the graph's buffers (:class:`~encgraph.shims._vllm_protocol.VllmProtocolAdapter`);
   ``None`` replay values keep them as captured.
-- Outputs: one tensor per item with storage of its own (cloned from the graph's output, as vLLM's
-  ``postprocess_encoder_output(clone=True)``), valid after later calls.
+- Outputs: one tensor per item with storage of its own (cloned from the graph's output once, as vLLM's
+  ``postprocess_encoder_output(clone=True)``, before a later sub-batch replays), valid after later calls.
 - Counters: per sub-batch, ``graph_hits`` grows by its item count once per path that replayed, ``graph_misses``
   by its item count when no path replayed.
 - ``execute`` of no items returns ``[]``; before ``capture`` it raises
@@ -199,9 +199,9 @@ class ProtocolGraphManager:
                 "there too (on the first batch a budget holds). Call capture() first."
             )
         with torch.inference_mode():
-            # copy_outputs=False and clone_items: each item is copied out of its sub-batch's output right after
-            # that sub-batch ran (before the next replay reuses the graph's output buffer), once, as vLLM's
-            # postprocess_encoder_output(clone=True) copies it.
+            # clone_items (the adapter's assemble_copies): each item is copied out of its sub-batch's output right
+            # after that sub-batch ran (before the next replay reuses the graph's output buffer), once, as vLLM's
+            # postprocess_encoder_output(clone=True) copies it; the runner copies nothing before that.
             try:
                 out = runner(mm_kwargs)
             except InputError:

@@ -131,8 +131,9 @@ class VllmProtocolAdapter:
             instead of the runner's frame limit (vLLM's manager passes 0 when videos are disabled).
         sample_inputs, concat: the optional adapter methods, when the caller can provide them.
         clone_items: ``assemble`` copies each item's rows into storage of its own, as vLLM's
-            ``postprocess_encoder_output(clone=True)`` does, while the sub-batch's output is still valid (for a
-            runner with ``copy_outputs=False``: one copy per item instead of two).
+            ``postprocess_encoder_output(clone=True)`` does, while the sub-batch's output is still valid; the
+            adapter then says so (``assemble_copies``), and the runner copies nothing before it: one copy per
+            item, whatever the runner's ``copy_outputs`` and however many sub-batches a call has.
 
     One adapter serves one runner: it keeps the model's per-budget capture values for the graphs of the runner
     that called ``buffer_specs`` (a second runner on the same model needs its own adapter).
@@ -207,6 +208,11 @@ class VllmProtocolAdapter:
     @property
     def config(self) -> AdapterConfig:
         return self._config
+
+    @property
+    def assemble_copies(self) -> bool:
+        """``clone_items``: ``assemble``'s results never share storage with the rows it is given."""
+        return self.clone_items
 
     # ------------------------------------------------------------------ items
     def item_specs(self, inputs: Any) -> list[ItemSpec]:

@@ -8,6 +8,8 @@
 - **A model off by 20x**: the undisturbed model with replays priced 20x (every batch "eager is cheaper") is given
   to a third runner; explored replays correct it within the bound, ``stats["cost_feedback"]`` counts the
   correction, and its eager share returns to the undisturbed one's.
+- **The runner's device, not the current one**: work queued on the last GPU while ``cuda:0`` is current is what
+  the feedback's events and the host timing measure (with one GPU, the same check on ``cuda:0``).
 
 Prints the models' replay and eager prices before and after, the shares, and the calls it took.
 """
@@ -22,8 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from encgraph.capture.feedback import EXPLORE_EVERY, MIN_SAMPLES
+from encgraph.capture.feedback import EXPLORE_EVERY, MIN_SAMPLES, event_factory
 from encgraph.capture.runner import EncoderGraphRunner
+from encgraph.capture.timing import time_host
 from encgraph.models import wrap
 from tests.gpu.test_qwen_gpu import HF_RTOL, hf_per_item, qwen2_5_vl, random_mix, rel
 
@@ -116,3 +119,33 @@ def test_capture_under_contention_then_serve_alone() -> None:
                 assert torch.isfinite(got[field]).all() and rel(got[field], want[field]) < HF_RTOL, (name, i, field)
     assert wrong.stats["cost_feedback"]["corrections"].get("graph", 0) >= 1
     assert np.mean(serve(wrong, traffic[:1])[0]) <= 1.0  # still answers after the corrections
+
+
+SPIN_CYCLES = 10**8
+"""A spinning kernel's length: at least 50 ms at the H200's top clock (1.98 GHz)."""
+
+
+def test_timing_measures_the_runners_device_while_another_is_current() -> None:
+    """The runner's device (the last GPU) is not the current one (cuda:0): its work, a kernel spinning there as a
+    replay runs there (under a guard for its own device), is what the feedback's events and ``time_host`` see.
+    Timed on the current device's idle stream instead, both read about 0 ms. With one GPU: the same on cuda:0."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+
+    def spin() -> None:
+        with torch.cuda.device(device):
+            torch.cuda._sleep(SPIN_CYCLES)
+
+    with torch.cuda.device(0):
+        spin()  # warm-up: the kernel's first launch loads it
+        torch.cuda.synchronize(device)
+        events = event_factory(device)
+        start, end = events(), events()
+        start.record()
+        spin()
+        end.record()
+        torch.cuda.synchronize(device)
+        assert start.query() and end.query()
+        event_ms = start.elapsed_time(end)
+        host_ms = time_host(spin, 3, device)
+    print(f"\nspin on {device} with cuda:0 current: events {event_ms:.1f} ms, host {host_ms:.1f} ms")
+    assert event_ms > 25 and host_ms > 25, (event_ms, host_ms)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
 
 from encgraph.capture import EncoderGraphRunner
+from encgraph.capture.capture import pool_bytes
 from encgraph.capture.runner import CAPTURE_FAILED
 from tests.toy_models import ToyAdapter, ToyInputs, ToyTower, random_inputs, reference
 
@@ -109,6 +112,49 @@ def test_capture_failure_falls_back_cleanly():
     inputs = random_inputs(gen, all_fail, 3, max_len=10, max_frames=1)
     check(r2(inputs), reference(all_fail, inputs))
     assert r2.stats["eager_reasons"] == {CAPTURE_FAILED: 3}
+
+
+class SyncWhileCapturing(ToyAdapter):
+    """The toy whose static forward at ``fail_budget`` reads a value on the host while it is being captured: CUDA
+    invalidates the capture, and ``torch.cuda.graph``'s exit raises from ``capture_end`` (as an out-of-memory
+    during capture does: the allocator's retry synchronises)."""
+
+    def forward_static(self, path, buffers, budget):
+        if self.fail_budget == (path, budget) and torch.cuda.is_current_stream_capturing():
+            float(buffers["x"].sum())  # a sync: forbidden while capturing
+        return super().forward_static(path, buffers, budget)
+
+
+def test_an_invalidated_capture_fails_its_budget_alone():
+    """A budget whose capture CUDA invalidated fails alone: the smaller budgets captured after it and a later
+    runner's capture() all work (they failed with "already recording to mempool_id" while the failed capture left
+    the pool recording); the stream is the default again; replays equal eager; the first pool's memory goes with
+    the runner (the failed capture's reference on it was released)."""
+    torch.manual_seed(0)
+    adapter = SyncWhileCapturing({"default": ToyTower(channels=32, hidden=64).cuda()}, min_budget=32,
+                                 max_budget=512, fail_budget=("default", 256))
+    runner = EncoderGraphRunner(adapter, budgets=[32, 64, 128, 256, 512], compile=False)
+    info = runner.capture()
+    print(f"\ninvalidated capture at 256: failed {info['failed']}, pools {info['pools']}")
+    assert list(info["failed"]["default"]) == [256], info["failed"]
+    assert sorted(runner.records["default"]) == [32, 64, 128, 512]
+    assert torch.cuda.current_stream() == torch.cuda.default_stream() and not torch.cuda.is_current_stream_capturing()
+    gen = np.random.default_rng(4)
+    for _ in range(10):
+        inputs = random_inputs(gen, adapter, int(gen.integers(1, 10)), max_len=100, max_frames=2)
+        check(runner(inputs), reference(adapter, inputs))
+    later = make(min_budget=32, max_budget=512)
+    second = EncoderGraphRunner(later, budgets=[32, 64, 128, 256, 512], compile=False)
+    assert not second.capture()["failed"]
+    inputs = random_inputs(gen, later, 6, max_len=100, max_frames=2)
+    check(second(inputs), reference(later, inputs))
+    # The failed capture's reference on the pool was released: once the runner goes, so does the pool's memory.
+    pool, device = runner._pool, runner.device
+    del runner
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert pool_bytes(device, pool) == 0
 
 
 def test_pool_memory_reported():

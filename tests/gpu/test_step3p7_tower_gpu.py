@@ -4,7 +4,8 @@ model calls it: ``model.model.vision_model = encgraph.graphed(model.model.vision
 crops per image. Per image, every field against the model with its own tower: ``pooler_output`` (crop rows and
 global rows) and ``last_hidden_state``; per view, the graphed tower's rows against the tower's forward. Graph
 memory is NaN-poisoned first (every graph replays NaN inputs). With the greedy plan every view replays (asserted);
-with the defaults (cost-aware plan, measured at capture) the same comparisons hold whatever runs eagerly.
+with the defaults (cost-aware plan, measured at capture) the same comparisons hold whatever runs eagerly. Both
+Step-3.7 adapters' ``select`` never waits for the device (CUDA's sync debug mode set to raise).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import encgraph
+from encgraph.models.registry import wrap
 from tests.gpu.test_multipath_gpu import DEPTH, HF_TOL, poison
 from tests.models.fixtures_multipath import norm_rel_err, step3p7_model, step3p7_views
 
@@ -61,3 +63,24 @@ def test_graphed_tower_inside_the_model(costs: bool | None) -> None:
         assert stats["eager_items"] == 0, stats["eager_reasons"]
     print(f"\nStep-3.7 graphed(tower), costs={costs}: {stats['graph_items']} of {views} views replayed; "
           f"paths {stats['paths']}")
+
+
+def test_select_never_waits_for_the_device() -> None:
+    """``select`` of consecutive and of scattered items, for the tower's adapter and the model's, with work queued
+    on the device: nothing synchronises (a pageable host-to-device copy of the index did, once per call)."""
+    model = step3p7_model(depth=1, device="cuda", dtype=torch.bfloat16, real=True, text_hidden=64)
+    options = {"max_images": 4, "max_tiles": 8}
+    tower, whole = wrap(model.model.vision_model, **options), wrap(model, **options)
+    pv, local, counts = step3p7_views([1, 2, 0, 1], tower.sizes["global"], tower.sizes["local"], seed=3,
+                                      device="cuda", dtype=torch.bfloat16)
+    views, images = tower.inputs_from_call(pv), whole.inputs_from_call(pv, local, counts)
+    picks = ([1, 2], [3, 0, 2])
+    torch.cuda._sleep(10**8)  # about 50 ms of queued work that a synchronising call would wait for
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [(tower.select(views, idx), whole.select(images, idx)) for idx in picks]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for idx, (sub, sub_images) in zip(picks, got):
+        assert torch.equal(sub.pixels["global"], pv[idx]) and torch.equal(sub_images.pixel_values, pv[idx])
+    assert torch.equal(got[1][1].pixel_values_local, local[[3, 0]])  # image 3's crop, then image 0's

@@ -6,8 +6,8 @@ part only resolves budgets and limits from its config. This test drives that cor
 directly, on a real-geometry Hugging Face Qwen2.5-VL tower (7B geometry, depth 8, random bf16 weights) exposed
 through vLLM's ``SupportsEncoderCudaGraph`` methods (``tests/shims/protocol_models.HFQwenProtocol``): capture in
 GRAPH mode, replays equal to the same manager run without graphs (STATIC mode) and to the model's eager forward,
-per item; every item with storage of its own, unchanged by later calls; vLLM's counters; ``clear()`` then
-``capture()`` again. Needs transformers >= 5.15.
+per item; every item with storage of its own, copied once out of the graph's output (not with its whole sub-batch
+first), unchanged by later calls; vLLM's counters; ``clear()`` then ``capture()`` again. Needs transformers >= 5.15.
 """
 
 from __future__ import annotations
@@ -70,7 +70,24 @@ def check_calls(graph, static, model, gen, calls):
     return first
 
 
-def test_manager_capture_replay_clear_on_cuda(model):
+def copied_rows(graph, model, monkeypatch, inputs):
+    """The rows of each output-wide tensor cloned while ``graph`` executes ``inputs``, and the outputs."""
+    width = int(model.tower.config.out_hidden_size)
+    copied = []
+    clone = torch.Tensor.clone
+
+    def counting_clone(t, *args, **kwargs):
+        if t.dim() == 2 and t.shape[-1] == width:
+            copied.append(t.shape[0])
+        return clone(t, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "clone", counting_clone)
+        out = graph.execute(inputs)
+    return copied, out
+
+
+def test_manager_capture_replay_clear_on_cuda(model, monkeypatch):
     graph = manager(model, compile=False)
     static = manager(model, mode=RunMode.STATIC)
     pool = object()
@@ -83,6 +100,14 @@ def test_manager_capture_replay_clear_on_cuda(model):
     _, outputs, kept = check_calls(graph, static, model, gen, calls=8)
     for o, k in zip(outputs, kept):  # later calls replayed the same graphs: the first call's outputs stand
         assert torch.equal(o, k)
+    # 20 images of 16 tokens: two sub-batches or more (16 items at most each), a replayed one before the last;
+    # each item copied once, alone (an eager sub-batch's items too).
+    grid = np.array([[1, 8, 8]] * (MAX_ITEMS + 4))
+    pixels = torch.randn(int(grid.prod(1).sum()), model.qwen.channels, device="cuda", dtype=torch.bfloat16)
+    copied, got = copied_rows(graph, model, monkeypatch, {"pixel_values": pixels, "image_grid_thw": grid.tolist()})
+    batches = graph.runner.last_plan.batches
+    assert any(b.budgets["default"] in graph.runner.records["default"] for b in batches[:-1]), batches
+    assert sorted(copied) == sorted(o.shape[0] for o in got) == [16] * len(grid), copied
     stats = graph.get_cumulative_stats()
     print(f"\nvLLM shim manager on CUDA: hits {stats['graph_hits']}, misses {stats['graph_misses']}, runner "
           f"{stats['encgraph']['graph_items']} graph items, {stats['encgraph']['eager_items']} eager")

@@ -8,7 +8,7 @@ import torch
 import encgraph
 from encgraph.capture.records import RunMode
 from encgraph.errors import ConfigError, EncgraphError, InputError, InputTypeError
-from encgraph.models.generic import GenericModuleAdapter
+from encgraph.models.generic import GenericModuleAdapter, take_rows
 from tests.models.fixtures_fixed import LADDER, assert_items_close
 
 
@@ -93,3 +93,15 @@ def test_bad_calls_raise_clear_errors():
         fast(x, 2.0)
     with pytest.raises(EncgraphError):
         encgraph.graphed("not a module", mode=RunMode.STATIC)
+
+
+@pytest.mark.parametrize("rows", [[2, 3, 4], [4, 0, 2], [0], [], [3, 2], [1, 1]])
+def test_take_rows_views_one_run_and_gathers_the_rest(rows):
+    import numpy as np
+
+    t = torch.arange(30.0).reshape(6, 5)
+    for given in (rows, np.asarray(rows, dtype=np.int64)):
+        got = take_rows(t, given)
+        assert torch.equal(got, t[torch.as_tensor(rows, dtype=torch.long)])
+        one_run = rows == list(range(rows[0], rows[0] + len(rows))) if rows else True
+        assert (got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()) is one_run

@@ -289,6 +289,24 @@ def test_tower_concat_mixes_sizes(model: torch.nn.Module) -> None:
     assert sample.paths == ("local",) * 2 and bool((sample.pixels["local"] != 0).any())
 
 
+def test_select_views_consecutive_items_and_gathers_others(model: torch.nn.Module) -> None:
+    """Both adapters' ``select``: a sub-batch of consecutive items is a view of the caller's views (no copy, no
+    index to send), others are gathered in the order asked; tests/gpu checks that neither waits for the device."""
+    pv, local, counts = views([1, 2, 0, 1], seed=13)
+    tower = wrap(model.model.vision_model, **OPTIONS)
+    inputs = tower.inputs_from_call(pv)
+    sub = tower.select(inputs, [1, 2])
+    assert sub.pixels["global"].data_ptr() == pv[1].data_ptr() and torch.equal(sub.pixels["global"], pv[1:3])
+    assert torch.equal(tower.select(inputs, [3, 0, 2]).pixels["global"], pv[[3, 0, 2]])
+    adapter = wrap(model, **OPTIONS)
+    images = adapter.inputs_from_call(pv, local, counts)
+    sub = adapter.select(images, [1, 2])
+    assert sub.pixel_values.data_ptr() == pv[1].data_ptr() and sub.pixel_values_local.data_ptr() == local[1].data_ptr()
+    assert torch.equal(sub.pixel_values_local, local[1:3]) and sub.num_local_patches == (2, 0)
+    sub = adapter.select(images, [3, 1])
+    assert torch.equal(sub.pixel_values, pv[[3, 1]]) and torch.equal(sub.pixel_values_local, local[[3, 1, 2]])
+
+
 def test_tower_bad_inputs(model: torch.nn.Module) -> None:
     fast = graphed_tower(model)
     with pytest.raises(InputError, match="expected shape"):

@@ -8,7 +8,8 @@ same input tensors, substituting each recorded intermediate by its replayed valu
 block (the manager's buffers) are read and written in place, as a graph would.
 
 It is a test double for the graph API only: vLLM's manager code (budgets, packing, buffer copies, padding
-logic, scatter) runs unchanged around it.
+logic, scatter) runs unchanged around it. :func:`graph_mode_on_cpu` likewise runs encgraph's own runner in GRAPH
+mode after capture (replays into each path's one shared output buffer, results copied out of it) on the CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["RecordedGraph", "recorded_graph", "patch_cuda_graphs"]
+__all__ = ["RecordedGraph", "recorded_graph", "patch_cuda_graphs", "graph_mode_on_cpu"]
 
 
 class _Recorder(TorchDispatchMode):
@@ -68,3 +69,23 @@ def patch_cuda_graphs(monkeypatch: Any) -> None:
     """Replace ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` by the stand-ins for the test's duration."""
     monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
     monkeypatch.setattr(torch.cuda, "graph", recorded_graph)
+
+
+def graph_mode_on_cpu(runner: Any) -> None:
+    """Turn a captured STATIC-mode runner on the CPU into a GRAPH-mode one whose graphs are :class:`RecordedGraph`
+    s: per path and budget, the static forward recorded with its copy into the path's shared output buffer, as
+    ``encgraph.capture.capture`` captures it (capture itself needs CUDA: streams, pools, synchronisation)."""
+    from encgraph.capture.records import GraphRecord, RunMode
+
+    for path, ladder in runner.ladders.items():
+        for budget in (b for b in ladder if b > 0):
+            views = runner.buffers[path].fill(budget, None)
+            runner.outputs[path].ensure(runner.adapter.forward_static(path, views, budget), ladder)
+            targets = runner.outputs[path].view(budget)
+            graph = RecordedGraph()
+            with recorded_graph(graph):
+                produced = runner.adapter.forward_static(path, views, budget)
+                for name, target in targets.items():
+                    target.copy_(produced[name])
+            runner.records[path][budget] = GraphRecord(path, budget, graph, views, targets, 0.0, 0)
+    runner.mode = RunMode.GRAPH

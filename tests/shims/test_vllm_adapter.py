@@ -1,6 +1,7 @@
 """VllmProtocolAdapter without vLLM: protocol objects (the toy encoder with stand-in data classes, and a Hugging
 Face Qwen2.5-VL tower exposed through the protocol) behind the runner on the CPU, per item against the model's
-own eager forward (and the HF forward); frames limits, held buffers, errors."""
+own eager forward (and the HF forward); frames limits, held buffers, errors; the manager core's outputs copied
+once per item in GRAPH mode (recorded graphs on the CPU)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
-from encgraph.shims.vllm import OUTPUT, VllmProtocolAdapter
-from tests.shims.protocol_models import LOCAL_DEFS, toy_inputs, toy_model_class
+from encgraph.shims.vllm import OUTPUT, ProtocolGraphManager, VllmProtocolAdapter
+from tests.shims.cpu_graph import graph_mode_on_cpu
+from tests.shims.protocol_models import HIDDEN, LOCAL_DEFS, toy_inputs, toy_model_class
 
 ToyVit = toy_model_class(LOCAL_DEFS)
 GRIDS = [[1, 2, 4], [1, 4, 4], [1, 2, 2], [1, 6, 4], [1, 2, 8]]
@@ -196,3 +198,39 @@ def test_hf_tower_through_the_protocol_equals_hf_forward():
         torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-5)
     stats = runner.stats
     assert stats["graph_items"] == 4 and stats["eager_items"] == 1
+
+
+def test_the_manager_copies_each_item_once_and_later_replays_change_none(monkeypatch):
+    """GRAPH mode (recorded graphs on the CPU: every replay writes the path's one shared output buffer) with
+    several sub-batches on the path: each item is copied out of the graph's output once (vLLM's clone=True), not
+    also with its whole sub-batch first; every item owns its storage and equals the model's eager forward after
+    the later sub-batches and calls replayed over the buffer."""
+    model = ToyVit().eval()
+    manager = ProtocolGraphManager(model, device="cpu", dtype=torch.float32, token_budgets=[4, 8, 16],
+                                   max_batch_size=4, max_frames_per_batch=4)
+    manager.capture(graph_pool=object())
+    graph_mode_on_cpu(manager.runner)
+    inputs = toy_inputs(GRIDS, seed=7)  # 17 tokens: two sub-batches or more, each within a budget
+    copied = []
+    clone = torch.Tensor.clone
+
+    def counting_clone(t, *args, **kwargs):
+        if t.dim() == 2 and t.shape[-1] == HIDDEN:  # output rows (the model's inputs are wider)
+            copied.append(t.shape[0])
+        return clone(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", counting_clone)
+    with torch.inference_mode():
+        got = manager.execute(inputs)
+    monkeypatch.undo()
+    plan = manager.runner.last_plan
+    assert len(plan.batches) >= 2 and all(b.budgets["default"] for b in plan.batches)  # every sub-batch replayed
+    assert sorted(copied) == sorted(o.shape[0] for o in got)  # one copy per item, of its rows alone
+    assert len({o.untyped_storage().data_ptr() for o in got}) == len(got)
+    kept = [o.clone() for o in got]
+    manager.execute(toy_inputs([[1, 4, 8], [1, 2, 6]], seed=8))  # replays over the same output buffer
+    with torch.inference_mode():
+        want = [model.encoder_eager_forward(model.select_encoder_cudagraph_items(inputs, [i])) for i in range(len(GRIDS))]
+    for g, k, w in zip(got, kept, want):
+        assert torch.equal(g, k)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -130,3 +130,55 @@ def test_scaled_model_keeps_paths_and_rejects_bad_factors() -> None:
         costs.scaled(graph={"a": 0.0})
     with pytest.raises(ValueError, match="paths"):
         costs.scaled(eager={"c": 2.0})
+
+
+def test_reset_forgets_what_the_old_model_taught() -> None:
+    """Ratios measured against one model (read and still pending) never correct the model that replaces it; the
+    totals stay (they are counters), the cumulative scale restarts."""
+    clock = Clock()
+    feedback = CostFeedback(lambda: FakeEvent(clock), sample_every=1, min_samples=2)
+    old = model(graph_ms=10.0)
+    run(feedback, clock, old, RunKind.GRAPH, true_ms=1.0)
+    assert feedback.poll(old) is None and feedback.samples == 1  # one ratio of 0.1, one short of a correction
+    clock.until = clock.now
+    run(feedback, clock, old, RunKind.GRAPH, true_ms=1.0)  # pending: its events have not completed
+    feedback.scale[PATH] = {"graph": 0.5, "eager": 1.0}  # as a correction of the old model leaves it
+    feedback.reset()
+    clock.done = True
+    new = model(graph_ms=1.0)  # right about replays
+    run(feedback, clock, new, RunKind.GRAPH, true_ms=1.0)
+    assert feedback.poll(new) is None  # the old model's ratios (read and pending) are gone: nothing to correct
+    assert feedback.samples == 2 and feedback.scale == {} and feedback.as_dict()["corrections"] == {}
+    run(feedback, clock, new, RunKind.GRAPH, true_ms=4.0)
+    run(feedback, clock, new, RunKind.GRAPH, true_ms=4.0)
+    corrected = feedback.poll(new)  # the new model's own samples still correct it
+    assert corrected is not None and corrected.graph_cost(PATH, 64) == pytest.approx(4.0)
+
+
+def test_cuda_timing_is_on_the_runners_device_not_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner on cuda:1 while cuda:0 is current: its feedback events record on cuda:1's stream and the host
+    timing synchronises cuda:1 (CUDA's defaults name the current device). Fakes stand in for torch.cuda here;
+    tests/gpu/test_cost_feedback_gpu.py times real work on a second GPU."""
+    import torch
+
+    from encgraph.capture.feedback import event_factory
+    from encgraph.capture.timing import time_host
+
+    calls: list[tuple[str, object]] = []
+
+    class CudaEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+
+        def record(self, stream: object = None) -> None:
+            calls.append(("record", stream))
+
+    monkeypatch.setattr(torch.cuda, "Event", CudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    second = torch.device("cuda", 1)
+    event_factory(second)().record()
+    assert calls == [("record", "stream of cuda:1")]
+    calls.clear()
+    time_host(lambda: calls.append(("run", None)), 2, second)
+    assert calls == [("run", None)] + [("sync", second), ("run", None), ("sync", second)] * 2

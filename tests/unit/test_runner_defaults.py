@@ -4,17 +4,19 @@
 - capture-time work never fails a valid call: an adapter whose ``sample_inputs`` raises at some sizes loses those
   budgets (reason in ``capture_info["failed"]``), and the call is answered;
 - the cost model corrects itself while serving: a model that prices replays 10^4 times too high (every batch
-  "eager is cheaper") sees explored replays and is corrected within the stated bound; ``stats`` counts it.
+  "eager is cheaper") sees explored replays and is corrected within the stated bound; ``stats`` counts it; a model
+  that replaces it (assigned, measured, or dropped by a recapture) starts unscaled.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from encgraph.capture import EncoderGraphRunner, RunMode
 from encgraph.capture.feedback import EXPLORE_EVERY, MIN_SAMPLES, SAMPLE_EVERY
-from encgraph.errors import InputError
+from encgraph.errors import ConfigTypeError, InputError
 from encgraph.packing import CostModel
 from tests.toy_models import ToyAdapter, ToyInputs, ToyTower, random_inputs, reference
 
@@ -60,20 +62,52 @@ def test_a_failing_sample_drops_its_budget_not_the_call() -> None:
     assert runner.capture_info["selfcheck"]["checked"]["default"].keys() == {16, 32}
 
 
-def test_a_wrong_cost_model_is_corrected_within_the_bound() -> None:
-    adapter = toy()
-    wrong = CostModel.linear(["default"], graph_fixed_ms=1e4, graph_per_budget_ms=0, eager_fixed_ms=0.5,
-                             eager_per_token_ms=0)
-    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, costs=wrong, budgets=[16, 32, 64, 128])
-    gen = np.random.default_rng(2)
+def wrong_model() -> CostModel:
+    """Replays priced 10^4 times too high: every batch "eager is cheaper"."""
+    return CostModel.linear(["default"], graph_fixed_ms=1e4, graph_per_budget_ms=0, eager_fixed_ms=0.5,
+                            eager_per_token_ms=0)
+
+
+def serve_until_corrected(runner: EncoderGraphRunner, adapter: SampledToy, gen: np.random.Generator) -> None:
     calls = 0
     bound = EXPLORE_EVERY * MIN_SAMPLES + 1
-    while not runner.stats["cost_feedback"]["corrections"].get("graph"):
+    while runner.stats["cost_feedback"]["scale"].get("default", {}).get("graph", 1.0) == 1.0:  # since the model came
         runner(random_inputs(gen, adapter, 1, max_len=40, max_frames=1))
         calls += 1
         assert calls <= bound, runner.stats["cost_feedback"]
+
+
+def test_a_wrong_cost_model_is_corrected_within_the_bound() -> None:
+    adapter = toy()
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, costs=wrong_model(), budgets=[16, 32, 64, 128])
+    serve_until_corrected(runner, adapter, np.random.default_rng(2))
     feedback = runner.stats["cost_feedback"]
     assert feedback["explored"] >= MIN_SAMPLES and feedback["scale"]["default"]["graph"] < 1e-2
     assert runner.costs.graph_cost("default", 64) < 100  # from 10^4 ms to the order of what a replay takes
     replays = sum(runner.stats["paths"]["default"]["replays"].values())
     assert replays >= MIN_SAMPLES and SAMPLE_EVERY >= 1
+
+
+@pytest.mark.parametrize("replace", ["assign", "measure_costs", "recapture"])
+def test_a_replaced_cost_model_starts_unscaled(replace: str) -> None:
+    """What the feedback learned about one model (its scale, samples not yet acted on) never carries over to the
+    model that replaces it."""
+    adapter = toy()
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, costs=wrong_model(), budgets=[16, 32, 64, 128])
+    gen = np.random.default_rng(3)
+    serve_until_corrected(runner, adapter, gen)
+    learned = runner.stats["cost_feedback"]
+    assert learned["scale"]["default"]["graph"] < 1e-2
+    if replace == "assign":
+        with pytest.raises(ConfigTypeError, match="costs: expected a CostModel or None"):
+            runner.costs = "costs.json"
+        runner.costs = wrong_model()
+    elif replace == "measure_costs":
+        runner.measure_costs([random_inputs(gen, adapter, n, max_len=40, max_frames=1) for n in (1, 2, 4)], repeats=1)
+    else:
+        runner.recapture(budgets=[16, 64])
+    feedback = runner.stats["cost_feedback"]
+    assert feedback["scale"] == {} and feedback["corrections"] == learned["corrections"]  # counters: kept
+    if replace == "assign":  # the same wrong prices again: checked from scratch, and corrected again
+        serve_until_corrected(runner, adapter, gen)
+        assert runner.costs.graph_cost("default", 64) < 100
