@@ -40,6 +40,7 @@ import attrs
 import torch
 
 from encgraph.packing import CostModel, ItemSpec
+from encgraph.packing.kernels import LEDGER
 
 __all__ = [
     "CostFeedback", "RunKind", "HostEvent", "DeviceEvent", "predicted_ms", "event_factory", "SAMPLE_EVERY",
@@ -149,6 +150,8 @@ class CostFeedback:
         self._ratios: dict[tuple[str, RunKind], list[float]] = collections.defaultdict(list)
         self.samples = 0
         self.explored = 0
+        self.first_sights = 0
+        """Samples dropped because the run rented a kernel (:data:`~encgraph.packing.kernels.LEDGER`)."""
         self.corrections: collections.Counter[str] = collections.Counter()
         self.scale: dict[str, dict[str, float]] = {}
 
@@ -185,7 +188,13 @@ class CostFeedback:
             yield
             return
         sample = self.start(path, kind, predicted_ms(costs, path, budget, specs))
+        rented = LEDGER.stats()["rented_calls"]
         yield
+        if LEDGER.stats()["rented_calls"] != rented:
+            # A long sequence at a length new to this thread ran on the rented kernel: a first sight, not what
+            # the model prices (eager at its steady kernels). Dropped, so that new sizes never price eager up.
+            self.first_sights += 1
+            return
         self.stop(sample)
 
     def start(self, path: str, kind: RunKind, predicted_ms: float) -> _Sample:
@@ -246,10 +255,12 @@ class CostFeedback:
         self.scale.clear()
 
     def as_dict(self) -> dict[str, Any]:
-        """``samples`` read, ``explored`` replays, ``corrections`` per kind, cumulative ``scale`` per path."""
+        """``samples`` read, ``explored`` replays, ``first_sights`` (samples dropped: the run rented a kernel),
+        ``corrections`` per kind, cumulative ``scale`` per path."""
         return {
             "samples": self.samples,
             "explored": self.explored,
+            "first_sights": self.first_sights,
             "corrections": dict(self.corrections),
             "scale": {p: {k: round(v, 4) for k, v in e.items()} for p, e in self.scale.items()},
         }

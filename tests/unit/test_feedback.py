@@ -182,3 +182,27 @@ def test_cuda_timing_is_on_the_runners_device_not_the_current_one(monkeypatch: p
     calls.clear()
     time_host(lambda: calls.append(("run", None)), 2, second)
     assert calls == [("run", None)] + [("sync", second), ("run", None), ("sync", second)] * 2
+
+
+def test_runs_that_rent_a_kernel_are_not_samples() -> None:
+    """An eager run that met a long sequence at a new length ran the rented (varlen) kernel: slower than the steady
+    kernels the model prices, and no sign the model is wrong. Its sample is dropped and counted; a run that did not
+    rent is sampled as before."""
+    from encgraph.packing import ItemSpec
+    from encgraph.packing.kernels import LEDGER, Crossover, DenseRule
+
+    specs = [ItemSpec(64)]
+    clock = Clock()
+    feedback = CostFeedback(lambda: FakeEvent(clock), sample_every=1, min_samples=1)
+    costs = model(eager_ms=2.0)
+    c = Crossover("gpu", 1, 8, "bfloat16", (100, 1000), (1.0, 100.0), (0.5, 50.0), dense_first_ms=(1000.5, 1050.0))
+    rule = DenseRule(c.min_rows, c, calls=1)  # a 1000 ms plan: every new length rents
+    for length in (701, 702, 703):
+        with feedback.timed(costs, PATH, None, specs):
+            assert not LEDGER.dense(("test feedback", id(feedback)), length, rule)
+            clock.now += 8.0 / 1e3  # 4x the model: a correction if it counted
+    assert feedback.poll(costs) is None and feedback.samples == 0 and feedback.as_dict()["first_sights"] == 3
+    with feedback.timed(costs, PATH, None, specs):
+        clock.now += 8.0 / 1e3
+    corrected = feedback.poll(costs)
+    assert feedback.samples == 1 and corrected is not None and corrected.eager_cost(PATH, 64) == pytest.approx(8.0)
