@@ -25,13 +25,20 @@ from typing import Any
 import torch
 
 from encgraph._validate import check_int, describe
+from encgraph.capture import relayout
 from encgraph.capture.buffers import PathBuffers, PathOutputs
 from encgraph.capture.capture import capture_graphs
 from encgraph.capture.compiling import CompileMode, resolve_compile
-from encgraph.capture.feedback import CostFeedback, event_factory
 from encgraph.capture.execution import (
-    CAPTURE_FAILED, EAGER_MODE, check_outputs, item_specs, route, run_static, split_outputs,
+    CAPTURE_FAILED,
+    EAGER_MODE,
+    check_outputs,
+    item_specs,
+    route,
+    run_static,
+    split_outputs,
 )
+from encgraph.capture.feedback import CostFeedback, event_factory
 from encgraph.capture.grad import persistent
 from encgraph.capture.kernels import choose_kernels, keep_kernels
 from encgraph.capture.options import check_bool, resolve_device, resolve_ladders, resolve_limits
@@ -39,15 +46,9 @@ from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
 from encgraph.capture.selfcheck import check_and_measure, measure_cost_model
 from encgraph.capture.stats import RunStats
-from encgraph.errors import CaptureError, ConfigError, ConfigTypeError, EncgraphError
-from encgraph.packing import (
-    CostModel,
-    ItemSpec,
-    Plan,
-    TunedLadder,
-    pack,
-    tune_ladder,
-)
+from encgraph.errors import CaptureError, ConfigError, ConfigTypeError
+from encgraph.packing import CostModel, ItemSpec, Plan, TunedLadder, pack
+from encgraph.packing.kernels import LEDGER
 
 __all__ = ["EncoderGraphRunner", "CAPTURE_FAILED", "EAGER_MODE"]
 
@@ -372,12 +373,8 @@ class EncoderGraphRunner:
     def tune(self, *, max_budgets: int, memory_cap_tokens: int | None = None, granularity: int = 64) -> TunedLadder:
         """The ladder that minimises expected cost on the calls recorded so far (``record=N``), under the
         runner's cost model (or the planner's default one). Apply it with ``recapture(**tuned.to_runner_options())``."""
-        if not self.observed:
-            raise ConfigError("tune: no calls recorded; construct the runner with record=N and serve traffic first.")
-        return tune_ladder(
-            list(self.observed), max_budgets=max_budgets, max_items=self.limits.max_items,
-            memory_cap_tokens=memory_cap_tokens, costs=self.costs, granularity=granularity, baseline=self.ladders,
-        )
+        return relayout.tune(self, max_budgets=max_budgets, memory_cap_tokens=memory_cap_tokens,
+                             granularity=granularity)
 
     def recapture(self, *, budgets: Any, max_items: int | None = None, max_frames: int | None = None) -> dict[str, Any]:
         """Drop every graph and buffer, take the new ladders and limits, and capture again (GRAPH mode).
@@ -385,26 +382,7 @@ class EncoderGraphRunner:
         A measured cost model is dropped too (its budgets are gone): measure again for the new ladder.
         """
         with self._lock:
-            ladders = resolve_ladders(self.config, budgets)
-            old = (self.ladders, self.limits)
-            self.ladders = ladders
-            try:
-                self.limits = resolve_limits(self.config, self.ladders, max_items, max_frames)
-            except EncgraphError:
-                self.ladders, self.limits = old
-                raise
-            self.records = {p: {} for p in self.config.path_names}
-            self.failed = {p: {} for p in self.config.path_names}
-            self.buffers = {}
-            self.outputs = {p: PathOutputs(p, self.device) for p in self.config.path_names}
-            self._pool = None
-            if self.costs is not None and not self._measure_costs:
-                log.info("encgraph: recapture drops the cost model (its budgets are gone); planning greedily until "
-                         "measure_costs() is called again.")
-            self.costs = None
-            self.captured = False
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            relayout.reset_ladders(self, budgets, max_items, max_frames)
             return self.capture()
 
     # ------------------------------------------------------------------ reporting
@@ -416,14 +394,17 @@ class EncoderGraphRunner:
         mode), ``eager_items`` (items with at least one path run eagerly), ``eager_reasons`` (item-paths per
         reason), ``paths`` (per path: ``replays`` per budget, ``eager_runs``, ``eager_items``, ``real_tokens``,
         ``padded_tokens``), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
-        serving: ``samples`` read, ``explored`` replays, ``corrections`` per kind, cumulative ``scale`` per path;
-        kept across ``reset_stats()``). ``graph_items + eager_items == items``.
+        serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``corrections`` per kind,
+        cumulative ``scale`` per path; kept across ``reset_stats()``), ``kernel_plans`` (the process's dense
+        attention plans: ``bought`` lengths, ``rented_calls``; :data:`~encgraph.packing.kernels.LEDGER`).
+        ``graph_items + eager_items == items``.
         """
         out = self._stats.as_dict()
         if self._dp is not None:
             out["data_parallel"] = self._dp.stats
         out["mode"] = self.mode.value
         out["cost_feedback"] = self._feedback.as_dict()
+        out["kernel_plans"] = LEDGER.stats()
         out["capture"] = dict(self.capture_info)
         return out
 
