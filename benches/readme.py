@@ -130,6 +130,10 @@ def _load(results_dir: Path, stem: str) -> Mapping[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+SIZES_SHORT = {"new": "every size new", "seen": "sizes seen before"}
+"""How the headline names a traffic pass's sizes (``benches/traffic.py --sizes``; as drawn: nothing)."""
+
+
 def _short(label: str) -> str:
     return label.removesuffix(" tower").removesuffix(" vision")
 
@@ -146,17 +150,20 @@ def headline_block(results_dir: Path, slug: str) -> str:
         if not traffic:
             continue
         envs.append(traffic["environment"])
-        for name, doc in report.tower_docs(traffic).items():
-            hf, d = (doc.get("systems", {}).get(s.value) for s in (System.HF_SDPA, System.DEFAULTS))
-            if hf and d:
+        for name, tower in report.tower_docs(traffic).items():
+            for mode, doc in report.passes(tower):
+                hf, d = (doc.get("systems", {}).get(s.value) for s in (System.HF_SDPA, System.DEFAULTS))
+                if not (hf and d):
+                    continue
                 x = ratio(hf["mean_ms"], d["mean_ms"])
                 if stem == f"traffic_{slug}":
                     best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
                 worst = d.get("worst_ratio_vs_hf_sdpa")
                 slower = f"; worst request {worst:.2f}x HF's" if worst is not None and stem.endswith("_photo") else ""
-                rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}, mean latency"
-                             f"{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms", f"**{x:.1f}x**",
-                             f"[traffic](benches/results/{stem}.md)"])
+                sizes = f" ({SIZES_SHORT[mode]})" if mode in SIZES_SHORT else ""
+                rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}{sizes}, mean "
+                             f"latency{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms",
+                             f"**{x:.1f}x**", f"[traffic](benches/results/{stem}.md)"])
     families = _load(results_dir, f"towers_{slug}_families")
     if families:
         envs.append(families["environment"])
