@@ -160,7 +160,7 @@ def headline_block(results_dir: Path, slug: str) -> str:
                     best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
                 worst = d.get("worst_ratio_vs_hf_sdpa")
                 slower = f"; worst request {worst:.2f}x HF's" if worst is not None and stem.endswith("_photo") else ""
-                sizes = f" ({SIZES_SHORT[mode]})" if mode in SIZES_SHORT else ""
+                sizes = f", {SIZES_SHORT[mode]}" if mode in SIZES_SHORT else ""
                 rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}{sizes}, mean "
                              f"latency{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms",
                              f"**{x:.1f}x**", f"[traffic](benches/results/{stem}.md)"])
