@@ -238,21 +238,17 @@ class PlanLedger:
         entry = (key, rows)
         if entry in bought:
             return True
-        if getattr(self._local, "buying", False):
-            bought.add(entry)
-            rent.pop(entry, None)
-            self._counts["bought"] += 1
-            return True
-        gain = rule.gain_ms(rows)
-        paid = rent.get(entry, 0.0)
-        if paid + rule.calls * gain >= plan:
-            bought.add(entry)
-            rent.pop(entry, None)
-            self._counts["bought"] += 1
-            return True
-        rent[entry] = paid + gain
-        self._counts["rented_calls"] += 1
-        return False
+        if not getattr(self._local, "buying", False):  # inside buying(): bought at once
+            gain = rule.gain_ms(rows)
+            paid = rent.get(entry, 0.0)
+            if paid + rule.calls * gain < plan:
+                rent[entry] = paid + gain
+                self._counts["rented_calls"] += 1
+                return False
+        bought.add(entry)
+        rent.pop(entry, None)
+        self._counts["bought"] += 1
+        return True
 
     @contextlib.contextmanager
     def buying(self) -> Iterator[None]:
@@ -268,6 +264,11 @@ class PlanLedger:
 
     def bought(self, key: Hashable, rows: int) -> bool:
         return (key, rows) in self._state()[0]
+
+    @property
+    def rented_calls(self) -> int:
+        """Calls rented so far, every thread's (monotonic): a run that moved it rented a kernel."""
+        return self._counts["rented_calls"]
 
     def stats(self) -> dict[str, int]:
         """``{"bought": lengths bought, "rented_calls": calls that ran a long sequence on varlen while its
