@@ -55,7 +55,7 @@ JSON (``benches/results/traffic_<gpu>.json``)::
                     "speedup_{mean,p50,p99}_vs_<ref>", "worst_ratio_vs_<ref>", "worst_request_vs_<ref>",
                     "slower_than_<ref>", "compared_with_<ref>"}},
         "graph_stats": {"<graph system>": {"padded_share", "runner_padded_share", "eager_items", "items",
-                        "eager_reasons", "replays"}},
+                        "eager_reasons", "replays", "cost_feedback"}},
         "output_check": {"<system>": max relative difference vs hf_sdpa},
         "targets": [{"target", "value", "op", "bound", "met"}],
         "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}, "floor"?: [{"floor_ms", ...}]},

@@ -90,6 +90,8 @@ def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
         "eager_items": stats["eager_items"],
         "eager_reasons": stats["eager_reasons"],
         "replays": {k: p["replays"] for k, p in paths.items()},
+        "cost_feedback": {k: v for k, v in stats.get("cost_feedback", {}).items()
+                          if k in ("samples", "explored", "rerouted", "first_sights")},
     }
 
 

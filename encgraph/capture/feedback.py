@@ -59,6 +59,15 @@ MAX_PENDING = 64
 """Samples waiting for their events; older ones are dropped (a device that never completes them)."""
 
 
+def holding_budget(path: str, ladder: Sequence[int], specs: Sequence[ItemSpec], limits: Any) -> int | None:
+    """The smallest budget of ``ladder`` (ascending) that holds ``specs`` on ``path`` within ``limits``
+    (``max_items``, ``max_frames``); ``None`` where none does."""
+    tokens = sum(s.tokens[path] for s in specs)
+    if len(specs) > limits.max_items or sum(s.frames for s in specs) > limits.max_frames:
+        return None
+    return next((b for b in ladder if b >= tokens > 0), None)
+
+
 def predicted_ms(costs: CostModel, path: str, budget: int | None, specs: Sequence[ItemSpec]) -> float:
     """What ``costs`` predicts for running ``specs`` on ``path``: eagerly (``budget`` ``None``) or replaying
     ``budget``, the replay priced by its content (the attention term) as the cost-aware planner prices it."""
@@ -152,6 +161,8 @@ class CostFeedback:
         self.explored = 0
         self.first_sights = 0
         """Samples dropped because the run rented a kernel (:data:`~encgraph.packing.kernels.LEDGER`)."""
+        self.rerouted = 0
+        """Cost-eager batches replayed because their eager run would rent a kernel or buy a plan (:meth:`reroute`)."""
         self.corrections: collections.Counter[str] = collections.Counter()
         self.scale: dict[str, dict[str, float]] = {}
 
@@ -168,13 +179,27 @@ class CostFeedback:
         self._cheaper[path] = n + 1
         if n % self.explore_every != self.explore_every - 1:
             return None
-        tokens = sum(s.tokens[path] for s in specs)
-        if len(specs) > limits.max_items or sum(s.frames for s in specs) > limits.max_frames:
-            return None
-        budget = next((b for b in ladder if b >= tokens > 0), None)
+        budget = holding_budget(path, ladder, specs, limits)
         if budget is not None:
             self.explored += 1
             self._forced.add(path)  # an explored replay is always timed: it is what the model lacks
+        return budget
+
+    def reroute(self, costs: CostModel | None, path: str, ladder: Sequence[int], specs: Sequence[ItemSpec],
+                limits: Any, surcharge_ms: float) -> int | None:
+        """A batch the model sends eagerly as cheaper, whose eager run would cost ``surcharge_ms`` beyond the
+        model's price (the adapter's ``eager_surcharge_ms``: its long sequences meet lengths this thread has not
+        bought a dense plan for, so they rent the varlen kernel or buy a plan): the smallest budget of ``ladder``
+        that holds it within ``limits`` where replaying it is predicted cheaper than that, else ``None``. Counted
+        in :attr:`rerouted`."""
+        if costs is None or surcharge_ms <= 0.0:
+            return None
+        budget = holding_budget(path, ladder, specs, limits)
+        if budget is None:
+            return None
+        if predicted_ms(costs, path, budget, specs) >= predicted_ms(costs, path, None, specs) + surcharge_ms:
+            return None
+        self.rerouted += 1
         return budget
 
     @contextlib.contextmanager
@@ -188,9 +213,9 @@ class CostFeedback:
             yield
             return
         sample = self.start(path, kind, predicted_ms(costs, path, budget, specs))
-        rented = LEDGER.stats()["rented_calls"]
+        rented = LEDGER.rented_calls
         yield
-        if LEDGER.stats()["rented_calls"] != rented:
+        if LEDGER.rented_calls != rented:
             # A long sequence at a length new to this thread ran on the rented kernel: a first sight, not what
             # the model prices (eager at its steady kernels). Dropped, so that new sizes never price eager up.
             self.first_sights += 1
@@ -256,11 +281,12 @@ class CostFeedback:
 
     def as_dict(self) -> dict[str, Any]:
         """``samples`` read, ``explored`` replays, ``first_sights`` (samples dropped: the run rented a kernel),
-        ``corrections`` per kind, cumulative ``scale`` per path."""
+        ``rerouted`` batches (:meth:`reroute`), ``corrections`` per kind, cumulative ``scale`` per path."""
         return {
             "samples": self.samples,
             "explored": self.explored,
             "first_sights": self.first_sights,
+            "rerouted": self.rerouted,
             "corrections": dict(self.corrections),
             "scale": {p: {k: round(v, 4) for k, v in e.items()} for p, e in self.scale.items()},
         }

@@ -394,8 +394,9 @@ class EncoderGraphRunner:
         mode), ``eager_items`` (items with at least one path run eagerly), ``eager_reasons`` (item-paths per
         reason), ``paths`` (per path: ``replays`` per budget, ``eager_runs``, ``eager_items``, ``real_tokens``,
         ``padded_tokens``), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
-        serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``corrections`` per kind,
-        cumulative ``scale`` per path; kept across ``reset_stats()``), ``kernel_plans`` (the process's dense
+        serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``rerouted`` batches (eager
+        would rent a kernel), ``corrections`` per kind, cumulative ``scale`` per path; kept across
+        ``reset_stats()``), ``kernel_plans`` (the process's dense
         attention plans: ``bought`` lengths, ``rented_calls``; :data:`~encgraph.packing.kernels.LEDGER`).
         ``graph_items + eager_items == items``.
         """

@@ -26,7 +26,7 @@ computed together in one vectorized pass; a batch is then a concatenation of its
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,6 +35,7 @@ import torch
 from encgraph._validate import check_int, describe
 from encgraph.capture.grad import persistent
 from encgraph.errors import InputTypeError
+from encgraph.models import sequence_bounds
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import MIN_TRANSFORMERS, RowsTable, host_bounds, use_packed_attention
 from encgraph.models.layout import LayoutPatch, apply_all, describe_patches, linear_patch_embed, restore_all
@@ -303,6 +304,15 @@ class QwenVisionAdapter(QwenInputsMixin):
         # (cuDNN on an H200, faster than Flash varlen at head dim 72), reading nothing back from the device.
         with host_bounds([(kwargs["cu_seqlens"], host_cu)], min_rows=self.kernel_rows):
             return self._run(inputs.pixel_values, tokens, kwargs)
+
+    def eager_surcharge_ms(self, path: str, specs: Sequence[ItemSpec]) -> float:
+        """What :meth:`forward_eager` of items ``specs`` would cost now beyond its steady kernels (the cost
+        model's eager price): its long frames at lengths whose dense plan this thread has not bought rent Flash
+        varlen or buy the plan (:func:`~encgraph.models.sequence_bounds.eager_surcharge_ms`). The runner replays
+        such a batch instead where that is cheaper. One attention sequence per frame (per item where the family
+        attends over whole clips), ``input_size / frames`` rows each."""
+        rows = [s.input_size // s.frames for s in specs if s.input_size for _ in range(s.frames)]
+        return sequence_bounds.eager_surcharge_ms(self.kernel_rows, self._device, rows)
 
     def choose_kernels(self, known: Mapping[str, Crossover] | None = None) -> dict[str, Crossover]:
         """Measure (on CUDA; or take from ``known``) from how many rows a sequence of :meth:`forward_eager` runs

@@ -21,7 +21,8 @@ import torch
 
 from encgraph.packing.kernels import LEDGER, DenseRule
 
-__all__ = ["LEDGER", "RowsTable", "dense_flags", "host_bounds", "lookup", "segment_rule"]
+__all__ = ["LEDGER", "RowsTable", "dense_flags", "eager_surcharge_ms", "host_bounds", "ledger_key", "lookup",
+           "segment_rule"]
 
 log = logging.getLogger("encgraph")
 
@@ -86,8 +87,31 @@ def segment_rule(query: torch.Tensor, table: RowsTable | None, default: int) -> 
     return DenseRule(default)
 
 
+def ledger_key(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, str, str]:
+    """:data:`LEDGER`'s key of a head geometry on a device (``cuda:<index>``: plans are per device)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return int(heads), int(head_dim), str(dtype), str(device)
+
+
 def dense_flags(query: torch.Tensor, bounds: Sequence[int], rule: DenseRule) -> tuple[bool, ...]:
     """Per sequence of ``bounds``, whether it runs dense in this call (:data:`LEDGER`'s rent-or-buy, keyed by
     ``query``'s geometry, dtype and device)."""
-    key = (int(query.shape[1]), int(query.shape[2]), str(query.dtype), str(query.device))
+    key = ledger_key(query.shape[1], query.shape[2], query.dtype, query.device)
     return tuple(LEDGER.dense(key, b - a, rule) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def _rents(device: torch.device) -> bool:
+    """Whether eager forwards on ``device`` consult the ledger: only CUDA runs the varlen kernel."""
+    return device.type == "cuda"
+
+
+def eager_surcharge_ms(table: RowsTable | None, device: torch.device, rows: Sequence[int]) -> float:
+    """What an eager forward on ``device`` whose full-attention sequences have ``rows`` rows (in order) would
+    cost beyond its steady kernels, over every head geometry of ``table`` with a plan cost
+    (:meth:`~encgraph.packing.kernels.PlanLedger.surcharge_ms`; this thread's ledger, unchanged). 0.0 off CUDA
+    (every sequence runs on its own there, nothing rents) and without a table."""
+    if table is None or not _rents(device):
+        return 0.0
+    return sum(LEDGER.surcharge_ms(ledger_key(heads, head_dim, dtype, device), rows, rule)
+               for (heads, head_dim, dtype), rule in table.items() if isinstance(rule, DenseRule))

@@ -262,6 +262,45 @@ class PlanLedger:
         finally:
             self._local.buying = before
 
+    def surcharge_ms(self, key: Hashable, rows: Sequence[int], rule: DenseRule) -> float:
+        """What one forward whose attention sequences have ``rows`` rows (head geometry ``key``, ``rule.calls``
+        calls each, in order) would cost beyond its steady kernels, the cost model's price of an eager run
+        (:meth:`buying`): per rented call, the saving it misses (:meth:`DenseRule.gain_ms`); per length bought
+        on the way, its plan (:attr:`DenseRule.plan_ms`). Reads this thread's ledger without changing it.
+
+        >>> rule = DenseRule(1024, Crossover("gpu", 16, 72, "bfloat16", (1024, 4096), (1.0, 10.0), (0.5, 5.0),
+        ...                                  dense_first_ms=(30.5, 35.0)), calls=4)
+        >>> ledger = PlanLedger()
+        >>> round(ledger.surcharge_ms("g", [4096], rule), 6)  # rents two calls (5 ms each), buys at the third
+        40.0
+        >>> ledger.surcharge_ms("g", [1000, 8192], rule)  # under min_rows; 8192 buys at first sight
+        30.0
+        >>> [ledger.dense("g", 4096, rule) for _ in range(4)] and ledger.surcharge_ms("g", [4096], rule)
+        0.0
+        """
+        plan = rule.plan_ms
+        if rule.min_rows is None or plan <= 0.0:
+            return 0.0
+        bought, rent = self._state()
+        buying = getattr(self._local, "buying", False)
+        paid: dict[Hashable, float] = {}  # this forward's view of the rent of the lengths it meets
+        done: set[Hashable] = set()
+        total = 0.0
+        for _ in range(rule.calls):
+            for n in rows:
+                entry = (key, int(n))
+                if n < rule.min_rows or entry in bought or entry in done:
+                    continue
+                gain = rule.gain_ms(n)
+                so_far = paid.get(entry, rent.get(entry, 0.0))
+                if not buying and so_far + rule.calls * gain < plan:
+                    paid[entry] = so_far + gain
+                    total += gain
+                else:
+                    done.add(entry)
+                    total += plan
+        return total
+
     def bought(self, key: Hashable, rows: int) -> bool:
         return (key, rows) in self._state()[0]
 

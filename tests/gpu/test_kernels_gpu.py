@@ -168,3 +168,41 @@ def test_runner_calls_above_the_ladder_equal_the_tower(monkeypatch):
             break
     assert 6144 in dense
     assert runner.stats["eager_items"] >= 1  # the small item may join the eager batch if the cost model says so
+
+
+def test_an_eager_batch_that_would_rent_replays_instead():
+    """The cost model prices eager at its steady kernels. An image at a length this thread has not bought would
+    rent varlen (the adapter's surcharge): with eager priced a hair under the replay, the runner replays it
+    (``rerouted``); once the length is bought, the same image runs eagerly on the dense plan. Both equal the
+    tower's own forward; called outside ``inference_mode`` (``no_grad``, as ``generate()`` does)."""
+    from encgraph.packing import CostModel
+
+    tower, reference, _ = build("qwen3_vl")
+    adapter = wrap(tower)
+    runner = EncoderGraphRunner(adapter, budgets=[64, 1280], max_items=4, compile=False, progress=False)
+    runner.capture()
+    rule = next(iter(adapter.kernel_rows.values()))
+    assert rule.min_rows is not None and rule.min_rows <= 4560 and rule.plan_ms > 0, rule
+    linear = CostModel.linear(["default"], graph_fixed_ms=1.0001, graph_per_budget_ms=0, eager_fixed_ms=1.0,
+                              eager_per_token_ms=0)
+    runner.costs = CostModel(linear.graph_ms, linear.eager, kernels=runner.costs.kernels)
+    LEDGER.clear()  # every length new to this thread
+    grid = np.array([[1, 76, 60]])  # 1140 tokens, 4560 rows
+    pixels = torch.randn(int(grid.prod(1).sum()), adapter.channels, device="cuda", dtype=torch.bfloat16)
+    inputs = adapter.inputs(pixels, grid)
+    ref = hf_per_item(reference, pixels, grid)[0]["pooler_output"]
+    specs = adapter.item_specs(inputs)
+    with torch.no_grad():
+        surcharge = adapter.eager_surcharge_ms("default", specs)
+        assert surcharge > 0
+        out = runner(inputs)
+        stats = runner.stats
+        assert stats["cost_feedback"]["rerouted"] == 1 and stats["eager_items"] == 0, stats
+        assert rel(out[0]["pooler_output"], ref) < HF_RTOL
+        with LEDGER.buying():
+            adapter.forward_eager("default", adapter.select(inputs, [0]))  # buys the length's plan
+        assert adapter.eager_surcharge_ms("default", specs) == 0.0
+        runner.reset_stats()
+        out = runner(inputs)
+    assert runner.stats["eager_items"] == 1 and runner.stats["eager_reasons"] == {"eager is cheaper": 1}
+    assert rel(out[0]["pooler_output"], ref) < HF_RTOL

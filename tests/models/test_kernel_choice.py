@@ -208,3 +208,53 @@ def test_a_scaled_model_keeps_its_crossovers():
                              eager_per_token_ms=0)
     model = type(model)(model.graph_ms, model.eager, kernels={c.key: c})
     assert model.scaled(graph={"default": 2.0}).kernels == {c.key: c}
+
+
+def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen, monkeypatch):
+    """The runner decides eager-or-replay with the adapter's ``eager_surcharge_ms`` before the forward runs: over
+    a stream of calls (new lengths renting, then bought; an image and a video's frames), it must be exactly what
+    the forward's attention calls then pay in rent and plans, per frame sequence, and reading it changes
+    nothing. Off CUDA nothing rents (every sequence on its own): 0."""
+    import numpy as np
+
+    from encgraph.models import wrap
+    from encgraph.models.qwen_vl import QwenVisionInputs
+    from encgraph.packing.kernels import PlanLedger
+    from tests.models import conftest as qwen
+
+    ledger = PlanLedger()
+    monkeypatch.setattr(sequence_bounds, "LEDGER", ledger)
+    torch.manual_seed(0)
+    adapter = wrap(qwen.qwen2_vl_tower())
+    grid = np.array([[1, 8, 8], [1, 4, 6], [2, 6, 6], [1, 2, 2]], dtype=np.int64)  # frames of 64, 24, 36, 36, 4 rows
+    inputs = QwenVisionInputs(qwen.random_pixels(grid), grid)
+    specs = adapter.item_specs(inputs)
+    heads, head_dim = kernel_choice.tower_geometries(adapter._module)[0]
+    c = Crossover("cpu", heads, head_dim, "float32", (16, 64), (1.0, 16.0), (0.5, 8.0), dense_first_ms=(30.5, 38.0))
+    rule = DenseRule(c.min_rows, c, calls=adapter._module.config.depth)
+    adapter.kernel_rows = {(heads, head_dim, torch.float32): rule}
+    assert adapter.eager_surcharge_ms("default", specs) == 0.0  # the CPU: no varlen kernel, nothing rents
+    monkeypatch.setattr(sequence_bounds, "_rents", lambda device: True)  # the stand-in varlen kernel rents
+
+    paid: list[float] = []
+    dense = ledger.dense
+
+    def spy(key, rows, r):
+        new = not ledger.bought(key, rows)
+        out = dense(key, rows, r)
+        if rows >= r.min_rows:
+            paid.append(r.plan_ms if out and new else 0.0 if out else r.gain_ms(rows))
+        return out
+
+    monkeypatch.setattr(ledger, "dense", spy)
+    want = adapter.forward_eager("default", inputs)["pooler_output"]
+    ledger.clear()
+    for call in range(6):
+        predicted = adapter.eager_surcharge_ms("default", specs)
+        assert adapter.eager_surcharge_ms("default", specs) == predicted  # reading changed nothing
+        paid.clear()
+        got = adapter.forward_eager("default", inputs)["pooler_output"]
+        assert predicted == pytest.approx(sum(paid), abs=1e-9), call
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    key = sequence_bounds.ledger_key(heads, head_dim, torch.float32, torch.device("cpu"))
+    assert ledger.bought(key, 64) and ledger.bought(key, 36) and ledger.stats()["rented_calls"] > 0

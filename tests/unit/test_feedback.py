@@ -206,3 +206,24 @@ def test_runs_that_rent_a_kernel_are_not_samples() -> None:
         clock.now += 8.0 / 1e3
     corrected = feedback.poll(costs)
     assert feedback.samples == 1 and corrected is not None and corrected.eager_cost(PATH, 64) == pytest.approx(8.0)
+
+
+def test_a_cost_eager_batch_replays_when_its_eager_run_would_rent() -> None:
+    """The model prices eager at its steady kernels; a batch whose eager run would rent a kernel (a surcharge)
+    replays the smallest budget holding it where that is predicted cheaper than eager plus the surcharge, and
+    is counted; otherwise (no surcharge, a replay still dearer, no budget holds it, no model) it stays eager."""
+    from encgraph.packing import ItemSpec, Limits
+
+    feedback = CostFeedback(lambda: FakeEvent(Clock()))
+    costs = CostModel.linear([PATH], graph_fixed_ms=1.0, graph_per_budget_ms=0.01, eager_fixed_ms=1.0,
+                             eager_per_token_ms=0.01)  # replay of 128: 2.28 ms; eager of 70 tokens: 1.7 ms
+    specs, limits = [ItemSpec(40), ItemSpec(30)], Limits(max_items=4, max_frames=4)
+    replay, eager = costs.graph_cost(PATH, 128), costs.eager_cost(PATH, 70, 2)
+    assert replay > eager
+    assert feedback.reroute(costs, PATH, (64, 128, 256), specs, limits, replay - eager + 0.01) == 128
+    assert feedback.reroute(costs, PATH, (64, 128, 256), specs, limits, replay - eager - 0.01) is None
+    assert feedback.reroute(costs, PATH, (64, 128), specs, limits, 0.0) is None
+    assert feedback.reroute(costs, PATH, (64,), specs, limits, 100.0) is None  # nothing holds it
+    assert feedback.reroute(costs, PATH, (128,), specs, Limits(max_items=1, max_frames=1), 100.0) is None
+    assert feedback.reroute(None, PATH, (128,), specs, limits, 100.0) is None
+    assert feedback.rerouted == 1 and feedback.as_dict()["rerouted"] == 1 and feedback.explored == 0

@@ -108,3 +108,46 @@ def test_buying_buys_every_length_past_min_rows_at_once_and_restores():
         assert ledger.dense("g", 5000, rule)  # a nested block leaves the outer one buying
     assert not ledger.dense("g", 6000, rule)  # after the block: rent again
     assert ledger.stats() == {"bought": 2, "rented_calls": 1}
+
+
+def _paid(ledger: PlanLedger, key: str, rows: list[int], rule: DenseRule) -> float:
+    """What one forward of ``rule.calls`` attention calls over ``rows`` pays beyond its steady kernels, as
+    ``dense`` decides call by call: a rented call misses its saving, a length's first dense call builds its plan."""
+    total = 0.0
+    for _ in range(rule.calls):
+        for n in rows:
+            if n < (rule.min_rows or 0) or rule.min_rows is None:
+                continue
+            new = not ledger.bought(key, n)
+            if not ledger.dense(key, n, rule):
+                total += rule.gain_ms(n)
+            elif new:
+                total += rule.plan_ms
+    return total
+
+
+@given(st.lists(st.lists(st.sampled_from([100, 2000, 4096, 4096, 6000, 9000, 16384]), max_size=4), max_size=6),
+       st.integers(min_value=1, max_value=30))
+def test_surcharge_is_what_the_forward_then_pays_and_changes_nothing(forwards, calls):
+    """The runner prices an eager run with ``surcharge_ms`` before it runs: it must be what that forward's calls
+    then pay (rents and plans), for any history of earlier forwards, and reading it must leave the ledger as it
+    was."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=calls)
+    ledger = PlanLedger()
+    for rows in forwards:
+        before = (ledger.stats(), set(ledger._state()[0]), dict(ledger._state()[1]))
+        predicted = ledger.surcharge_ms("g", rows, rule)
+        assert (ledger.stats(), set(ledger._state()[0]), dict(ledger._state()[1])) == before
+        assert predicted == pytest.approx(_paid(ledger, "g", rows, rule), abs=1e-9)
+
+
+def test_surcharge_is_zero_without_a_plan_cost_and_plans_only_inside_buying():
+    c = crossover()
+    ledger = PlanLedger()
+    assert ledger.surcharge_ms("g", [16384, 4096], DenseRule(2048)) == 0.0  # no plan cost: dense at once, free
+    assert ledger.surcharge_ms("g", [16384], DenseRule(None, c)) == 0.0
+    rule = DenseRule(c.min_rows, c, calls=27)
+    with ledger.buying():  # every length buys at first sight: each new one costs its plan, once
+        assert ledger.surcharge_ms("g", [4096, 4096, 16384], rule) == pytest.approx(2 * rule.plan_ms)
+    assert ledger.surcharge_ms("g", [4096], rule) == pytest.approx(27 * rule.gain_ms(4096))  # rents a whole forward
