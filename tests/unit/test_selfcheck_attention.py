@@ -11,11 +11,13 @@ import types
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import encgraph.capture.capture
 from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.protocol import BudgetUnit, BufferSpec, FillRule, PathSpec
-from encgraph.capture.selfcheck import SPLIT_SEQUENCES, _attention_terms
+from encgraph.capture.selfcheck import SAMPLE_SIZES, SPLIT_SEQUENCES, _attention_terms, timed_budgets
 from encgraph.packing import CostModel, EagerCost, ItemSpec, pack
 
 ROWS_PER_TOKEN = 4  # Qwen-VL: 2 x 2 patch rows per merged token
@@ -124,3 +126,16 @@ def test_any_error_in_a_path_leaves_only_that_path_without_the_term(caplog) -> N
     with caplog.at_level(logging.WARNING, logger="encgraph"):
         assert "KeyError" in _attention_terms(r)["default"]["skipped"]
     assert "attention term of the cost model was not measured" in caplog.text
+
+
+@settings(max_examples=50)
+@given(st.lists(st.integers(min_value=1, max_value=20000), min_size=1, max_size=40, unique=True))
+def test_eager_samples_cover_the_ladder_by_index_and_by_tokens(budgets):
+    """The eager curve is a chord between timed samples: no two consecutive ones may be farther apart in tokens
+    than a SAMPLE_SIZES-th of the span plus the ladder's widest step, and the ends are always timed."""
+    ladder = sorted(budgets)
+    picks = sorted(timed_budgets(ladder))
+    assert set(picks) <= set(ladder) and picks[0] == ladder[0] and picks[-1] == ladder[-1]
+    widest = max((b - a for a, b in zip(ladder, ladder[1:])), default=0)
+    assert all(b - a <= (ladder[-1] - ladder[0]) / SAMPLE_SIZES + widest for a, b in zip(picks, picks[1:]))
+    assert len(picks) <= 2 * SAMPLE_SIZES + 1
