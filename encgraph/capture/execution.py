@@ -68,10 +68,10 @@ def route(state: RunnerState, feedback: Any, batch: Batch, path: str, specs: Seq
     """How ``path`` of a planned ``batch`` (items ``specs``) runs: ``(budget, None)`` to replay ``budget`` (the
     static forward outside GRAPH mode), or ``(budget or None, reason)`` to run eagerly, ``reason`` counted in
     ``stats["eager_reasons"]``. A batch the cost model sends eagerly as cheaper replays instead where its eager
-    run would pay beyond the model's price (the adapter's optional ``eager_surcharge_ms(path, specs)``: dense
-    attention plans not yet bought, see :class:`~encgraph.packing.kernels.PlanLedger`) and replaying is cheaper
-    than that; and now and then anyway (``feedback``, a :class:`~encgraph.capture.feedback.CostFeedback`: the
-    model may be wrong)."""
+    run would lose more than that to rent (the adapter's optional ``eager_surcharge_ms(path, specs)``: dense
+    attention plans not bought yet, see :class:`~encgraph.packing.kernels.PlanLedger`), and the adapter's
+    ``rent_replayed(path, specs)`` records the rent; and now and then anyway (``feedback``, a
+    :class:`~encgraph.capture.feedback.CostFeedback`: the model may be wrong)."""
     budget = batch.budgets[path]
     if state.mode is RunMode.EAGER:
         return budget, EAGER_MODE
@@ -79,9 +79,11 @@ def route(state: RunnerState, feedback: Any, batch: Batch, path: str, specs: Seq
         if batch.eager[path] is EagerReason.COST:
             usable = [b for b in state.planning_ladders[path] if state.mode is not RunMode.GRAPH or b in state.records[path]]
             surcharge = getattr(state.adapter, "eager_surcharge_ms", None)
-            if surcharge is not None:
+            rent = getattr(state.adapter, "rent_replayed", None)
+            if surcharge is not None and rent is not None:
                 rerouted = feedback.reroute(state.costs, path, usable, specs, state.limits, surcharge(path, specs))
                 if rerouted is not None:
+                    rent(path, specs)  # the lengths pay their rent: each is bought once it pays the plan
                     return rerouted, None
             explored = feedback.explore(path, usable, specs, state.limits)
             if explored is not None:

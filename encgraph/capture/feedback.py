@@ -189,7 +189,7 @@ class CostFeedback:
                 limits: Any, surcharge_ms: float) -> int | None:
         """A batch the model sends eagerly as cheaper, whose eager run would cost ``surcharge_ms`` beyond the
         model's price (the adapter's ``eager_surcharge_ms``: its long sequences meet lengths this thread has not
-        bought a dense plan for, so they rent the varlen kernel or buy a plan): the smallest budget of ``ladder``
+        bought a dense plan for, so they rent the varlen kernel): the smallest budget of ``ladder``
         that holds it within ``limits`` where replaying it is predicted cheaper than that, else ``None``. Counted
         in :attr:`rerouted`."""
         if costs is None or surcharge_ms <= 0.0:

@@ -306,13 +306,22 @@ class QwenVisionAdapter(QwenInputsMixin):
             return self._run(inputs.pixel_values, tokens, kwargs)
 
     def eager_surcharge_ms(self, path: str, specs: Sequence[ItemSpec]) -> float:
-        """What :meth:`forward_eager` of items ``specs`` would cost now beyond its steady kernels (the cost
-        model's eager price): its long frames at lengths whose dense plan this thread has not bought rent Flash
-        varlen or buy the plan (:func:`~encgraph.models.sequence_bounds.eager_surcharge_ms`). The runner replays
-        such a batch instead where that is cheaper. One attention sequence per frame (per item where the family
-        attends over whole clips), ``input_size / frames`` rows each."""
-        rows = [s.input_size // s.frames for s in specs if s.input_size for _ in range(s.frames)]
-        return sequence_bounds.eager_surcharge_ms(self.kernel_rows, self._device, rows)
+        """What :meth:`forward_eager` of items ``specs`` would lose now against its steady kernels (the cost
+        model's eager price): its long frames at lengths whose dense plan this thread has not bought yet rent
+        Flash varlen (:func:`~encgraph.models.sequence_bounds.eager_surcharge_ms`). The runner replays such a
+        batch instead where that is cheaper, and then calls :meth:`rent_replayed`."""
+        return sequence_bounds.eager_surcharge_ms(self.kernel_rows, self._device, self._frame_rows(specs))
+
+    def rent_replayed(self, path: str, specs: Sequence[ItemSpec]) -> None:
+        """The runner replayed items ``specs`` in place of an eager forward that would have rented: their lengths'
+        rent grows as that forward's would, so that each is bought (and runs eagerly on the dense kernel) once
+        its rent pays the plan (:func:`~encgraph.models.sequence_bounds.rent_replayed`)."""
+        sequence_bounds.rent_replayed(self.kernel_rows, self._device, self._frame_rows(specs))
+
+    def _frame_rows(self, specs: Sequence[ItemSpec]) -> list[int]:
+        """The rows of each full-attention sequence of items ``specs``: one per frame (per item where the family
+        attends over whole clips), ``input_size / frames`` each."""
+        return [s.input_size // s.frames for s in specs if s.input_size for _ in range(s.frames)]
 
     def choose_kernels(self, known: Mapping[str, Crossover] | None = None) -> dict[str, Crossover]:
         """Measure (on CUDA; or take from ``known``) from how many rows a sequence of :meth:`forward_eager` runs

@@ -22,7 +22,7 @@ import torch
 from encgraph.packing.kernels import LEDGER, DenseRule
 
 __all__ = ["LEDGER", "RowsTable", "dense_flags", "eager_surcharge_ms", "host_bounds", "ledger_key", "lookup",
-           "segment_rule"]
+           "rent_replayed", "segment_rule"]
 
 log = logging.getLogger("encgraph")
 
@@ -106,12 +106,24 @@ def _rents(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def eager_surcharge_ms(table: RowsTable | None, device: torch.device, rows: Sequence[int]) -> float:
-    """What an eager forward on ``device`` whose full-attention sequences have ``rows`` rows (in order) would
-    cost beyond its steady kernels, over every head geometry of ``table`` with a plan cost
-    (:meth:`~encgraph.packing.kernels.PlanLedger.surcharge_ms`; this thread's ledger, unchanged). 0.0 off CUDA
-    (every sequence runs on its own there, nothing rents) and without a table."""
+def _rules(table: RowsTable | None, device: torch.device) -> list[tuple[tuple[int, int, str, str], DenseRule]]:
+    """``(ledger key, rule)`` of each head geometry of ``table`` with a rent-or-buy rule; none off CUDA (every
+    sequence runs on its own there: nothing rents) or without a table."""
     if table is None or not _rents(device):
-        return 0.0
-    return sum(LEDGER.surcharge_ms(ledger_key(heads, head_dim, dtype, device), rows, rule)
-               for (heads, head_dim, dtype), rule in table.items() if isinstance(rule, DenseRule))
+        return []
+    return [(ledger_key(heads, head_dim, dtype, device), rule)
+            for (heads, head_dim, dtype), rule in table.items() if isinstance(rule, DenseRule)]
+
+
+def eager_surcharge_ms(table: RowsTable | None, device: torch.device, rows: Sequence[int]) -> float:
+    """What an eager forward on ``device`` whose full-attention sequences have ``rows`` rows (in order) would lose
+    to rent against its steady kernels, over every head geometry of ``table``
+    (:meth:`~encgraph.packing.kernels.PlanLedger.surcharge_ms`; this thread's ledger, unchanged)."""
+    return sum((LEDGER.surcharge_ms(key, rows, rule) for key, rule in _rules(table, device)), 0.0)
+
+
+def rent_replayed(table: RowsTable | None, device: torch.device, rows: Sequence[int]) -> int:
+    """Record a replay run in place of an eager forward that would have rented (the same sequences): their
+    lengths' rent grows as that forward's would (:meth:`~encgraph.packing.kernels.PlanLedger.rent`). Returns the
+    calls rented."""
+    return sum(LEDGER.rent(key, rows, rule) for key, rule in _rules(table, device))

@@ -262,44 +262,64 @@ class PlanLedger:
         finally:
             self._local.buying = before
 
+    def _rented(self, key: Hashable, rows: Sequence[int], rule: DenseRule) -> Iterator[tuple[Hashable, float]]:
+        """``(length's entry, missed saving)`` of each call that one forward of ``rule.calls`` attention calls over
+        sequences of ``rows`` rows would rent, in order, from this thread's ledger as it stands; a length stops
+        renting at the call where :meth:`dense` would buy it. Changes nothing."""
+        if rule.min_rows is None or rule.plan_ms <= 0.0 or getattr(self._local, "buying", False):
+            return
+        bought, rent = self._state()
+        paid: dict[Hashable, float] = {}  # this forward's view of the rent of the lengths it meets
+        for _ in range(rule.calls):
+            for n in rows:
+                entry = (key, int(n))
+                if n < rule.min_rows or entry in bought or paid.get(entry) == math.inf:
+                    continue
+                gain = rule.gain_ms(n)
+                so_far = paid.get(entry, rent.get(entry, 0.0))
+                if so_far + rule.calls * gain < rule.plan_ms:
+                    paid[entry] = so_far + gain
+                    yield entry, gain
+                else:
+                    paid[entry] = math.inf  # bought at this call: dense from here on
+
     def surcharge_ms(self, key: Hashable, rows: Sequence[int], rule: DenseRule) -> float:
-        """What one forward whose attention sequences have ``rows`` rows (head geometry ``key``, ``rule.calls``
-        calls each, in order) would cost beyond its steady kernels, the cost model's price of an eager run
-        (:meth:`buying`): per rented call, the saving it misses (:meth:`DenseRule.gain_ms`); per length bought
-        on the way, its plan (:attr:`DenseRule.plan_ms`). Reads this thread's ledger without changing it.
+        """What one eager forward whose attention sequences have ``rows`` rows (head geometry ``key``,
+        ``rule.calls`` calls each, in order) would lose to rent against its steady kernels, the cost model's price
+        (:meth:`buying`): per call that :meth:`dense` would rent, the saving it misses (:meth:`DenseRule.gain_ms`).
+        A plan bought on the way is not counted: buying is the rule's decision (rent until the rent paid reaches
+        the plan, then buy: never more than twice the best choice in hindsight), not a cost to avoid; pricing it
+        would make a replay look cheaper every time and the length would rent for ever. Reads this thread's
+        ledger without changing it.
 
         >>> rule = DenseRule(1024, Crossover("gpu", 16, 72, "bfloat16", (1024, 4096), (1.0, 10.0), (0.5, 5.0),
         ...                                  dense_first_ms=(30.5, 35.0)), calls=4)
         >>> ledger = PlanLedger()
-        >>> round(ledger.surcharge_ms("g", [4096], rule), 6)  # rents two calls (5 ms each), buys at the third
-        40.0
+        >>> round(ledger.surcharge_ms("g", [4096], rule), 9)  # rents two calls (5 ms each), buys at the third
+        10.0
         >>> ledger.surcharge_ms("g", [1000, 8192], rule)  # under min_rows; 8192 buys at first sight
-        30.0
-        >>> [ledger.dense("g", 4096, rule) for _ in range(4)] and ledger.surcharge_ms("g", [4096], rule)
         0.0
         """
-        plan = rule.plan_ms
-        if rule.min_rows is None or plan <= 0.0:
-            return 0.0
-        bought, rent = self._state()
-        buying = getattr(self._local, "buying", False)
-        paid: dict[Hashable, float] = {}  # this forward's view of the rent of the lengths it meets
-        done: set[Hashable] = set()
-        total = 0.0
-        for _ in range(rule.calls):
-            for n in rows:
-                entry = (key, int(n))
-                if n < rule.min_rows or entry in bought or entry in done:
-                    continue
-                gain = rule.gain_ms(n)
-                so_far = paid.get(entry, rent.get(entry, 0.0))
-                if not buying and so_far + rule.calls * gain < plan:
-                    paid[entry] = so_far + gain
-                    total += gain
-                else:
-                    done.add(entry)
-                    total += plan
-        return total
+        return sum((gain for _, gain in self._rented(key, rows, rule)), 0.0)
+
+    def rent(self, key: Hashable, rows: Sequence[int], rule: DenseRule) -> int:
+        """Record that one forward over sequences of ``rows`` rows ran them on varlen in place of an eager forward
+        that would have rented (the runner replayed it instead: the same kernel, without the eager launches): each
+        call :meth:`surcharge_ms` counts adds its missed saving to its length's rent, as a rented call of
+        :meth:`dense` does, so that the length is bought once its rent pays the plan. Returns the calls rented.
+
+        >>> rule = DenseRule(1024, Crossover("gpu", 16, 72, "bfloat16", (1024, 4096), (1.0, 10.0), (0.5, 5.0),
+        ...                                  dense_first_ms=(30.5, 35.0)), calls=4)
+        >>> ledger = PlanLedger()
+        >>> ledger.rent("g", [4096], rule), ledger.surcharge_ms("g", [4096], rule), ledger.dense("g", 4096, rule)
+        (2, 0.0, True)
+        """
+        _, rent = self._state()
+        calls = list(self._rented(key, rows, rule))
+        for entry, gain in calls:
+            rent[entry] = rent.get(entry, 0.0) + gain
+        self._counts["rented_calls"] += len(calls)
+        return len(calls)
 
     def bought(self, key: Hashable, rows: int) -> bool:
         return (key, rows) in self._state()[0]

@@ -213,8 +213,8 @@ def test_a_scaled_model_keeps_its_crossovers():
 def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen, monkeypatch):
     """The runner decides eager-or-replay with the adapter's ``eager_surcharge_ms`` before the forward runs: over
     a stream of calls (new lengths renting, then bought; an image and a video's frames), it must be exactly what
-    the forward's attention calls then pay in rent and plans, per frame sequence, and reading it changes
-    nothing. Off CUDA nothing rents (every sequence on its own): 0."""
+    the forward's attention calls then lose to rent, per frame sequence, and reading it changes nothing. A
+    replay in place of the forward (``rent_replayed``) pays the same rent. Off CUDA nothing rents: 0."""
     import numpy as np
 
     from encgraph.models import wrap
@@ -240,10 +240,9 @@ def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen,
     dense = ledger.dense
 
     def spy(key, rows, r):
-        new = not ledger.bought(key, rows)
         out = dense(key, rows, r)
-        if rows >= r.min_rows:
-            paid.append(r.plan_ms if out and new else 0.0 if out else r.gain_ms(rows))
+        if rows >= r.min_rows and not out:
+            paid.append(r.gain_ms(rows))
         return out
 
     monkeypatch.setattr(ledger, "dense", spy)
@@ -258,3 +257,21 @@ def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen,
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     key = sequence_bounds.ledger_key(heads, head_dim, torch.float32, torch.device("cpu"))
     assert ledger.bought(key, 64) and ledger.bought(key, 36) and ledger.stats()["rented_calls"] > 0
+    ledger.clear()  # a replay in place of the first forward pays what that forward would have lost
+    first = adapter.eager_surcharge_ms("default", specs)
+    adapter.rent_replayed("default", specs)
+    paid.clear()
+    adapter.forward_eager("default", inputs)
+    assert first > 0 and adapter.eager_surcharge_ms("default", specs) < first
+    assert sum(paid) == pytest.approx(ledger_after_one_forward(c, rule, [64, 24, 36, 36, 4]), abs=1e-9)
+
+
+def ledger_after_one_forward(c, rule, rows):
+    """What a second forward over ``rows`` loses to rent on a fresh ledger (its first forward already rented)."""
+    from encgraph.packing.kernels import PlanLedger
+
+    ledger = PlanLedger()
+    for _ in range(rule.calls):
+        for n in rows:
+            ledger.dense("k", n, rule)
+    return ledger.surcharge_ms("k", rows, rule)

@@ -122,16 +122,20 @@ class RentingToy(SampledToy):
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.asked: list[int] = []
+        self.rented: list[int] = []
 
     def eager_surcharge_ms(self, path: str, specs) -> float:
         self.asked.append(sum(s.tokens[path] for s in specs))
         return self.surcharge
 
+    def rent_replayed(self, path: str, specs) -> None:
+        self.rented.append(sum(s.tokens[path] for s in specs))
+
 
 def test_an_eager_run_that_would_rent_replays_instead_with_equal_outputs() -> None:
     """Eager priced 1 ms, a replay 2 ms: every batch "eager is cheaper" until the adapter says its eager run would
-    pay 5 ms more now; then the batch replays (counted as ``rerouted``), and its outputs are the eager ones. Its
-    timed replays are checked against the model as any replay is."""
+    pay 5 ms more now; then the batch replays (counted as ``rerouted``, its rent recorded with the adapter), and
+    its outputs are the eager ones. Its timed replays are checked against the model as any replay is."""
     adapter = RentingToy({"default": ToyTower()}, min_budget=16, max_budget=128)
     costs = CostModel.linear(["default"], graph_fixed_ms=2.0, graph_per_budget_ms=0, eager_fixed_ms=1.0,
                              eager_per_token_ms=0)
@@ -149,6 +153,7 @@ def test_an_eager_run_that_would_rent_replays_instead_with_equal_outputs() -> No
     stats = runner.stats
     assert stats["eager_items"] == 0 and stats["graph_items"] == stats["items"] > 0
     assert stats["cost_feedback"]["rerouted"] == sum(stats["paths"]["default"]["replays"].values())
+    assert len(adapter.rented) == stats["cost_feedback"]["rerouted"]  # each rerouted batch paid its rent
     adapter.surcharge = 0.5  # eager still cheaper with it: stays eager
     runner.reset_stats()
     runner(random_inputs(gen, adapter, 1, max_len=40, max_frames=1))
