@@ -58,7 +58,8 @@ JSON (``benches/results/traffic_<gpu>.json``)::
                         "eager_reasons", "replays", "cost_feedback"}},
         "output_check": {"<system>": max relative difference vs hf_sdpa},
         "targets": [{"target", "value", "op", "bound", "met"}],
-        "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}, "floor"?: [{"floor_ms", ...}]},
+        "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}, "floor"?: [{"floor_ms", ...}],
+                        "routes": {"<graph system>": [{"replays", "eager", "rerouted"?, "explored"?}]}},
         "floor"?: {"shape", "rates"},
         "unavailable", "dropped"?, "warmup_mean_ms", "seconds"}}}
 """

@@ -61,6 +61,7 @@ class Replay:
         self.errors: dict[System, int] = {s: 0 for s in systems}
         self.items: list[int] = []
         self.tokens: list[int] = []
+        self.routes: dict[System, list[dict[str, Any]]] = {s: [] for s in systems if s in GRAPH_SYSTEMS}
 
     def stopped(self, system: System) -> bool:
         boxed = system in TIME_BOXED and self.box is not None and self.box.spent is not None
@@ -82,7 +83,10 @@ class Replay:
             for s in _order(self.systems, index):
                 if self.sizes == "seen":
                     self.settle(s, inputs[s], env, index, doc)  # untimed: the timed run meets sizes it has seen
+                before = self.bench.stats(s) if s in self.routes else None
                 self.latencies[s].append(self.one(s, inputs[s], env, index, doc))
+                if before is not None:  # how the timed call ran (its batches' budgets, eager reasons)
+                    self.routes[s].append(report.route(before, self.bench.stats(s)))
                 self.extra_tokens[s].append(inputs[s].sizes.tokens / max(first.tokens, 1) - 1.0)
             self.items.append(first.items)
             self.tokens.append(first.tokens)
@@ -146,6 +150,8 @@ class Replay:
             doc["per_request"]["settle_calls"] = {s.value: v for s, v in self.settle_calls.items()}
         if self.floors:
             doc["per_request"]["floor"] = self.floors
+        if self.routes:
+            doc["per_request"]["routes"] = {s.value: v for s, v in self.routes.items()}
         doc["systems"] = report.summarize(self.latencies, self.errors,
                                           [f["floor_ms"] for f in self.floors] if self.floors else None)
         for s in (s for s in self.systems if s in GRAPH_SYSTEMS):

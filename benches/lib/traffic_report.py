@@ -95,6 +95,33 @@ def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def route(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """How a graph runner ran one request, from its ``stats`` before and after the call: ``replays`` per budget
+    (over every path), ``eager`` items per reason, and the cost feedback's ``rerouted`` and ``explored`` batches
+    where there were any. Read outside the timed call.
+
+    >>> b = {"paths": {"p": {"replays": {"64": 1}}}, "eager_reasons": {}, "cost_feedback": {"rerouted": 2}}
+    >>> a = {"paths": {"p": {"replays": {"64": 1, "2688": 1}}}, "eager_reasons": {"eager is cheaper": 1},
+    ...      "cost_feedback": {"rerouted": 3}}
+    >>> route(b, a)
+    {'replays': {'2688': 1}, 'eager': {'eager is cheaper': 1}, 'rerouted': 1}
+    """
+    replays: dict[str, int] = {}
+    for name, path in after["paths"].items():
+        old = before["paths"].get(name, {}).get("replays", {})
+        for budget, n in path["replays"].items():
+            if n - old.get(budget, 0):
+                replays[str(budget)] = replays.get(str(budget), 0) + n - old.get(budget, 0)
+    eager = {k: n - before["eager_reasons"].get(k, 0) for k, n in after["eager_reasons"].items()
+             if n - before["eager_reasons"].get(k, 0)}
+    out: dict[str, Any] = {"replays": replays, "eager": eager}
+    for key in ("rerouted", "explored"):
+        moved = after.get("cost_feedback", {}).get(key, 0) - before.get("cost_feedback", {}).get(key, 0)
+        if moved:
+            out[key] = moved
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- targets
 @attrs.frozen
 class Target:

@@ -136,6 +136,10 @@ def test_traffic_smoke(smoke_dir):
     stats = doc["graph_stats"]["defaults"]
     assert stats["items"] == sum(doc["per_request"]["items"]) and 0 <= stats["padded_share"] < 1
     assert doc["graph_stats"]["graph"]["items"] == stats["items"]  # the cost model may send all of it eagerly
+    routes = doc["per_request"]["routes"]
+    assert set(routes) == {"defaults", "graph"} and all(len(v) == 5 for v in routes.values())
+    for r, n in zip(routes["graph"], doc["per_request"]["items"]):  # every item replayed or eager, per request
+        assert sum(r["eager"].values()) <= n and (r["replays"] or r["eager"]), r
     assert doc["costs"]["graph"]["paths"]["default"]["graph_ms"]
     cold, warm = doc["startup"]["cold"], doc["startup"]["warm"]
     assert cold["capture_seconds"] >= 0 and cold["capture_info"]["mode"] == "eager"  # the CPU default

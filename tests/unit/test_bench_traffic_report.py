@@ -68,3 +68,14 @@ def test_the_report_reads_the_committed_two_tower_run():
     assert list(report.tower_docs(data)) == ["qwen2_5_vl_7b", "qwen3_vl_8b"]
     headline = report.headline(data)
     assert "Qwen2.5-VL-7B" in headline and "Qwen3-VL-8B" in headline and "target" in headline
+
+
+def test_route_is_the_difference_of_two_stats_over_every_path():
+    from benches.lib.traffic_report import route
+
+    before = {"paths": {"a": {"replays": {"64": 2}}, "b": {"replays": {}}}, "eager_reasons": {"x": 1},
+              "cost_feedback": {"rerouted": 1, "explored": 4}}
+    after = {"paths": {"a": {"replays": {"64": 3, "128": 1}}, "b": {"replays": {"64": 1}}},
+             "eager_reasons": {"x": 1, "y": 2}, "cost_feedback": {"rerouted": 1, "explored": 5}}
+    assert route(before, after) == {"replays": {"64": 2, "128": 1}, "eager": {"y": 2}, "explored": 1}
+    assert route(after, after) == {"replays": {}, "eager": {}}
