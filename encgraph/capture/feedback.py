@@ -162,7 +162,7 @@ class CostFeedback:
         self.first_sights = 0
         """Samples dropped because the run rented a kernel (:data:`~encgraph.packing.kernels.LEDGER`)."""
         self.rerouted = 0
-        """Cost-eager batches replayed because their eager run would rent a kernel or buy a plan (:meth:`reroute`)."""
+        """Cost-eager batches replayed because their eager run would rent a kernel (:meth:`reroute`)."""
         self.corrections: collections.Counter[str] = collections.Counter()
         self.scale: dict[str, dict[str, float]] = {}
 

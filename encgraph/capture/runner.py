@@ -396,8 +396,8 @@ class EncoderGraphRunner:
         ``padded_tokens``), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
         serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``rerouted`` batches (eager
         would rent a kernel), ``corrections`` per kind, cumulative ``scale`` per path; kept across
-        ``reset_stats()``), ``kernel_plans`` (the process's dense
-        attention plans: ``bought`` lengths, ``rented_calls``; :data:`~encgraph.packing.kernels.LEDGER`).
+        ``reset_stats()``), ``kernel_plans`` (the process's dense attention plans: ``bought`` lengths,
+        ``rented_calls``; :data:`~encgraph.packing.kernels.LEDGER`).
         ``graph_items + eager_items == items``.
         """
         out = self._stats.as_dict()
