@@ -91,7 +91,7 @@ def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
         "eager_reasons": stats["eager_reasons"],
         "replays": {k: p["replays"] for k, p in paths.items()},
         "cost_feedback": {k: v for k, v in stats.get("cost_feedback", {}).items()
-                          if k in ("samples", "explored", "rerouted", "first_sights", "corrections", "scale")},
+                          if k in ("samples", "explored", "rerouted", "first_sights", "unchosen", "corrections", "scale")},
     }
 
 
