@@ -77,6 +77,10 @@ def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[Syste
     return out
 
 
+FEEDBACK_KEYS = ("samples", "explored", "rerouted", "first_sights", "unchosen", "corrections", "scale")
+"""The runner's ``stats["cost_feedback"]`` entries a traffic result keeps (those the runner has)."""
+
+
 def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
     """Padding and eager fallbacks of a graph runner over the replayed trace. ``padded_share`` counts padded
     rows over all replayed rows (budget x replays); the runner's own share also counts eager tokens as real."""
@@ -90,8 +94,7 @@ def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
         "eager_items": stats["eager_items"],
         "eager_reasons": stats["eager_reasons"],
         "replays": {k: p["replays"] for k, p in paths.items()},
-        "cost_feedback": {k: v for k, v in stats.get("cost_feedback", {}).items()
-                          if k in ("samples", "explored", "rerouted", "first_sights", "unchosen", "corrections", "scale")},
+        "cost_feedback": {k: v for k, v in stats.get("cost_feedback", {}).items() if k in FEEDBACK_KEYS},
     }
 
 
