@@ -193,6 +193,12 @@ class DenseRule:
     def plan_ms(self) -> float:
         return self.crossover.plan_ms if self.crossover is not None else 0.0
 
+    def rent_ms(self, rows: int, paid_ms: float) -> float | None:
+        """The call at hand at a length not bought, whose rent so far is ``paid_ms``: the saving it misses by
+        renting (varlen), or ``None`` where it buys (the rent plus one forward's saving reaches the plan)."""
+        gain = self.gain_ms(rows)
+        return gain if paid_ms + self.calls * gain < self.plan_ms else None
+
     def gain_ms(self, rows: int) -> float:
         """ms one call at ``rows`` rows saves on dense against varlen, at least 0."""
         if self.crossover is None:
@@ -239,10 +245,9 @@ class PlanLedger:
         if entry in bought:
             return True
         if not getattr(self._local, "buying", False):  # inside buying(): bought at once
-            gain = rule.gain_ms(rows)
-            paid = rent.get(entry, 0.0)
-            if paid + rule.calls * gain < plan:
-                rent[entry] = paid + gain
+            missed = rule.rent_ms(rows, rent.get(entry, 0.0))
+            if missed is not None:
+                rent[entry] = rent.get(entry, 0.0) + missed
                 self._counts["rented_calls"] += 1
                 return False
         bought.add(entry)
@@ -269,19 +274,20 @@ class PlanLedger:
         if rule.min_rows is None or rule.plan_ms <= 0.0 or getattr(self._local, "buying", False):
             return
         bought, rent = self._state()
+        # The sequences that could rent (long, at a length not bought); none in the usual steady case.
+        pending = [(key, int(n)) for n in rows if n >= rule.min_rows and (key, int(n)) not in bought]
         paid: dict[Hashable, float] = {}  # this forward's view of the rent of the lengths it meets
-        for _ in range(rule.calls):
-            for n in rows:
-                entry = (key, int(n))
-                if n < rule.min_rows or entry in bought or paid.get(entry) == math.inf:
+        for _ in range(rule.calls if pending else 0):
+            for entry in pending:
+                if paid.get(entry) == math.inf:
                     continue
-                gain = rule.gain_ms(n)
                 so_far = paid.get(entry, rent.get(entry, 0.0))
-                if so_far + rule.calls * gain < rule.plan_ms:
-                    paid[entry] = so_far + gain
-                    yield entry, gain
-                else:
+                missed = rule.rent_ms(entry[1], so_far)
+                if missed is None:
                     paid[entry] = math.inf  # bought at this call: dense from here on
+                else:
+                    paid[entry] = so_far + missed
+                    yield entry, missed
 
     def surcharge_ms(self, key: Hashable, rows: Sequence[int], rule: DenseRule) -> float:
         """What one eager forward whose attention sequences have ``rows`` rows (head geometry ``key``,
