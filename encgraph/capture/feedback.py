@@ -163,6 +163,8 @@ class CostFeedback:
         """Samples dropped because the run rented a kernel (:data:`~encgraph.packing.kernels.LEDGER`)."""
         self.rerouted = 0
         """Cost-eager batches replayed because their eager run would rent a kernel (:meth:`reroute`)."""
+        self.unchosen = 0
+        """Eager runs not timed because the model did not choose them (``chosen=False`` in :meth:`timed`)."""
         self.corrections: collections.Counter[str] = collections.Counter()
         self.scale: dict[str, dict[str, float]] = {}
 
@@ -203,10 +205,21 @@ class CostFeedback:
         return budget
 
     @contextlib.contextmanager
-    def timed(self, costs: CostModel | None, path: str, budget: int | None, specs: Sequence[ItemSpec]) -> Iterator[None]:
+    def timed(self, costs: CostModel | None, path: str, budget: int | None, specs: Sequence[ItemSpec], *,
+              chosen: bool = True) -> Iterator[None]:
         """Around one run of ``specs`` on ``path`` (a replay of ``budget``, or eager for ``None``): time it when
-        there is a model to check and the run is sampled."""
+        there is a model to check and the run is sampled.
+
+        ``chosen=False``: an eager run the model did not choose (tokens over the largest budget, frames over
+        ``max_frames``). It is never timed, only counted in :attr:`unchosen`: such items lie past the eager
+        curve's last sample, where the curve is extrapolated (measured on the H200: a 7,081-token Qwen3-VL item
+        took 1.4x its straight-line price), and their ratios would scale every eager price up, so that the
+        planner replays mid-size batches that eager runs faster. No choice depends on their price."""
         kind = RunKind.EAGER if budget is None else RunKind.GRAPH
+        if kind is RunKind.EAGER and not chosen:
+            self.unchosen += 1
+            yield
+            return
         forced = kind is RunKind.GRAPH and path in self._forced
         self._forced.discard(path)
         if costs is None or not (forced or self.sampled(path, kind)):
@@ -281,12 +294,13 @@ class CostFeedback:
 
     def as_dict(self) -> dict[str, Any]:
         """``samples`` read, ``explored`` replays, ``first_sights`` (samples dropped: the run rented a kernel),
-        ``rerouted`` batches (:meth:`reroute`), ``corrections`` per kind, cumulative ``scale`` per path."""
+        ``rerouted`` batches (:meth:`reroute`), ``unchosen`` eager runs not timed, ``corrections`` per kind, cumulative ``scale`` per path."""
         return {
             "samples": self.samples,
             "explored": self.explored,
             "first_sights": self.first_sights,
             "rerouted": self.rerouted,
+            "unchosen": self.unchosen,
             "corrections": dict(self.corrections),
             "scale": {p: {k: round(v, 4) for k, v in e.items()} for p, e in self.scale.items()},
         }

@@ -47,7 +47,7 @@ from encgraph.capture.records import GraphRecord, RunMode
 from encgraph.capture.selfcheck import check_and_measure, measure_cost_model
 from encgraph.capture.stats import RunStats
 from encgraph.errors import CaptureError, ConfigError, ConfigTypeError
-from encgraph.packing import CostModel, ItemSpec, Plan, TunedLadder, pack
+from encgraph.packing import CostModel, EagerReason, ItemSpec, Plan, TunedLadder, pack
 from encgraph.packing.kernels import LEDGER
 
 __all__ = ["EncoderGraphRunner", "CAPTURE_FAILED", "EAGER_MODE"]
@@ -321,7 +321,9 @@ class EncoderGraphRunner:
             if budget == 0 or used == 0:
                 continue
             budget, reason = route(self, self._feedback, batch, path, sub_specs)
-            with self._feedback.timed(self.costs, path, None if reason else budget, sub_specs):
+            # Forced eager runs (over the ladder, over max_frames) lie where the model is extrapolated: not checked.
+            chosen = reason is None or reason == EagerReason.COST.value
+            with self._feedback.timed(self.costs, path, None if reason else budget, sub_specs, chosen=chosen):
                 if reason is not None:
                     out = self.adapter.forward_eager(path, sub)
                     check_outputs(self.adapter, path, budget, out, used, "eager")
@@ -395,7 +397,7 @@ class EncoderGraphRunner:
         reason), ``paths`` (per path: ``replays`` per budget, ``eager_runs``, ``eager_items``, ``real_tokens``,
         ``padded_tokens``), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
         serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``rerouted`` batches (eager
-        would rent a kernel), ``corrections`` per kind, cumulative ``scale`` per path; kept across
+        would rent a kernel), ``unchosen`` eager runs not timed (forced eager), ``corrections`` per kind, cumulative ``scale`` per path; kept across
         ``reset_stats()``), ``kernel_plans`` (the process's dense attention plans: ``bought`` lengths,
         ``rented_calls``; :data:`~encgraph.packing.kernels.LEDGER`).
         ``graph_items + eager_items == items``.

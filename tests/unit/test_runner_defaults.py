@@ -158,3 +158,31 @@ def test_an_eager_run_that_would_rent_replays_instead_with_equal_outputs() -> No
     runner.reset_stats()
     runner(random_inputs(gen, adapter, 1, max_len=40, max_frames=1))
     assert runner.stats["eager_items"] == 1
+
+
+def test_eager_runs_the_model_did_not_choose_never_correct_it() -> None:
+    """Eager priced 10^-6 ms, far below what it takes. Items over the largest budget run eagerly whatever the price
+    (``tokens over the largest budget``): they are counted as ``unchosen`` and never scale the eager curve, however
+    many run. The same wrong price on batches the model sent eagerly as cheaper is corrected within the bound."""
+    adapter = toy()
+    costs = CostModel.linear(["default"], graph_fixed_ms=1.0, graph_per_budget_ms=0, eager_fixed_ms=1e-6,
+                             eager_per_token_ms=0)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, costs=costs, budgets=[16, 32, 64, 128])
+    gen = np.random.default_rng(5)
+    calls = SAMPLE_EVERY * MIN_SAMPLES + 2
+    for _ in range(calls):
+        inputs = adapter.sample_inputs("default", int(gen.integers(129, 200)))
+        for a, b in zip(runner(inputs), reference(adapter, inputs)):
+            torch.testing.assert_close(a, b)
+    feedback = runner.stats["cost_feedback"]
+    assert runner.stats["eager_reasons"] == {"tokens over the largest budget": calls}
+    assert feedback["unchosen"] == calls and feedback["scale"] == {} and feedback["samples"] == 0
+    runner.reset_stats()
+    chosen = 0
+    while runner.stats["cost_feedback"]["scale"].get("default", {}).get("eager", 1.0) == 1.0:
+        runner(random_inputs(gen, adapter, 1, max_len=40, max_frames=1))
+        chosen += 1
+        assert chosen <= SAMPLE_EVERY * MIN_SAMPLES + 1, runner.stats["cost_feedback"]
+    stats = runner.stats  # every call chose eager, but for the explored replays
+    assert stats["eager_reasons"] == {"eager is cheaper": chosen - stats["cost_feedback"]["explored"]}
+    assert runner.stats["cost_feedback"]["scale"]["default"]["eager"] > 1e2
