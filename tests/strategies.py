@@ -85,10 +85,11 @@ def sizes() -> st.SearchStrategy[list[int]]:
 def cost_models(draw: Any, paths: tuple[str, ...]) -> Any:
     """A :class:`CostModel` of ``paths``: a few measured graph budgets and an eager model, some with large fixed
     costs (eager wins small batches) and some with large per-token costs (graphs win); some paths with an
-    attention term (a replay's cost following its sequences' squared lengths, floored at 0 for some budgets)."""
+    attention term (a replay's cost following its sequences' lengths raised to a power, squared for most, floored
+    at 0 for some budgets)."""
     from encgraph.packing.costs import CostModel, EagerCost
 
-    graph, eager, attention = {}, {}, {}
+    graph, eager, attention, power = {}, {}, {}, {}
     for p in paths:
         budgets = draw(st.lists(st.integers(1, 6000), min_size=1, max_size=5, unique=True))
         base = draw(st.floats(0.0, 5.0))
@@ -101,4 +102,5 @@ def cost_models(draw: Any, paths: tuple[str, ...]) -> Any:
             curve = tuple((t, fixed + per_token * t + draw(st.floats(0.0, 1e-5)) * t * t) for t in sizes)
         eager[p] = EagerCost(fixed, per_token, per_item, curve=curve)
         attention[p] = draw(st.sampled_from([0.0, 0.0, 1e-8, 3e-7, 2e-6]))
-    return CostModel(graph_ms=graph, eager=eager, attention=attention)
+        power[p] = draw(st.sampled_from([2.0, 2.0, 1.83, 1.5]))
+    return CostModel(graph_ms=graph, eager=eager, attention=attention, attention_power=power)

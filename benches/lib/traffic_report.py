@@ -292,9 +292,12 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
             notes.append(f"- defaults, {phase} capture: " + ", ".join(f"{k} {fmt(v)}" for k, v in shown.items()))
     for name, cap in doc.get("capture", {}).items():
         for path, term in (cap.get("selfcheck", {}).get("attention") or {}).items():
-            how = (f"{term['ms_per_token2']:.3g} ms per token^2 (budget {term['budget']}: {fmt(term['full_ms'])} ms "
-                   f"as one sequence, {fmt(term['split_ms'])} ms as {term['sequences']})"
-                   if "ms_per_token2" in term else f"none ({term.get('skipped')})")
+            coef, power = term.get("coef", term.get("ms_per_token2")), term.get("power", 2.0)  # older files: 2
+            fit = term.get("fit")
+            how = (f"{coef:.3g} ms per token^{power:g} (budget {term['budget']}: {fmt(term['full_ms'])} ms "
+                   f"as one sequence, {fmt(term['split_ms'])} ms as {term['sequences']}"
+                   + (f"; budget {fit['budget']}: {fmt(fit['full_ms'])} / {fmt(fit['split_ms'])} ms" if fit else "")
+                   + ")" if coef is not None else f"none ({term.get('skipped')})")
             notes.append(f"- {System(name).label}, cost model attention term, path {path}: {how}")
     comp = doc.get("compile_dynamic")
     if comp:

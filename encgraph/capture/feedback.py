@@ -40,6 +40,7 @@ import attrs
 import torch
 
 from encgraph.packing import CostModel, ItemSpec
+from encgraph.packing.attention_term import item_term
 from encgraph.packing.kernels import LEDGER
 
 __all__ = [
@@ -75,7 +76,8 @@ def predicted_ms(costs: CostModel, path: str, budget: int | None, specs: Sequenc
     items = sum(1 for s in specs if s.tokens[path])
     if budget is None:
         return costs.eager_cost(path, tokens, items)
-    squares = sum(s.tokens[path] ** 2 / s.frames for s in specs) + (budget - tokens) ** 2
+    power = costs.power(path)
+    squares = sum(item_term(s.tokens[path], s.frames, power) for s in specs) + item_term(budget - tokens, 1, power)
     return costs.graph_cost(path, budget, squares)
 
 

@@ -35,6 +35,7 @@ from encgraph.capture.protocol import BudgetUnit, FillRule
 from encgraph.capture.records import RunMode
 from encgraph.capture.timing import time_host, time_interleaved
 from encgraph.packing import CostModel
+from encgraph.packing.attention_term import DEFAULT_POWER, fit_power
 from encgraph.packing.kernels import LEDGER
 
 __all__ = ["check_and_measure", "measure_cost_model", "tolerance", "relative_error", "timed_budgets", "SAMPLE_SIZES"]
@@ -126,8 +127,7 @@ def _check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> d
     info["checked"] = checked
     if measure:
         attention = _attention_terms(runner)
-        coefs = {p: a["ms_per_token2"] for p, a in attention.items() if "ms_per_token2" in a}
-        costs = _cost_model(runner, eager, coefs)
+        costs = _cost_model(runner, eager, {p: a for p, a in attention.items() if "coef" in a})
         if costs is not None:
             runner.costs = costs
             info["eager_samples"] = {p: [list(s) for s in v] for p, v in eager.items()}
@@ -258,7 +258,7 @@ def _drop(runner: RunnerState, path: str, budget: int, reason: str, *, wide: boo
 
 
 def _cost_model(
-    runner: RunnerState, eager: Mapping[str, list[tuple[int, int, float]]], attention: Mapping[str, float]
+    runner: RunnerState, eager: Mapping[str, list[tuple[int, int, float]]], attention: Mapping[str, Mapping[str, Any]]
 ) -> CostModel | None:
     graph_ms = {
         path: {b: r.replay_ms for b, r in records.items() if r.replay_ms is not None}
@@ -266,11 +266,14 @@ def _cost_model(
     }
     if any(not graph_ms[p] or len(eager.get(p, ())) < 2 for p in runner.ladders):
         return None
-    return CostModel.from_measurements(graph_ms, eager, {p: a for p, a in attention.items() if graph_ms.get(p)})
+    measured = {p: a for p, a in attention.items() if graph_ms.get(p)}
+    return CostModel.from_measurements(graph_ms, eager, {p: a["coef"] for p, a in measured.items()},
+                                       {p: a["power"] for p, a in measured.items()})
 
 
 def _attention_terms(runner: RunnerState) -> dict[str, dict[str, Any]]:
-    """Per path, the cost model's attention coefficient (``CostModel.attention``) and how it was measured.
+    """Per path, the cost model's attention term (``CostModel.attention``, ``attention_power``) and how it was
+    measured.
 
     The replay times of capture fill each graph's buffers as padding: one attention sequence over the whole
     budget (in buffers whose padding is not chunked: full attention). A batch of several items attends within
@@ -278,9 +281,12 @@ def _attention_terms(runner: RunnerState) -> dict[str, dict[str, Any]]:
     1280 as one sequence, 67.6 ms for 2240; two 1100-token images would not share one replay at those prices).
     So one graph of each token-budget path (the smallest budget of at least a quarter of the largest: a clear
     attention share at a fraction of the largest replay's time) is timed with those buffers split into
-    :data:`SPLIT_SEQUENCES` equal sequences, right after a timing of the one-sequence fill: the coefficient is
-    ``max(0, full - split) / (budget^2 * (1 - 1 / k))`` ms per token^2 (attention's cost grows with each
-    sequence's length squared, so it holds at every budget). Paths whose budgets count items, or with
+    :data:`SPLIT_SEQUENCES` equal sequences, right after a timing of the one-sequence fill, and so is the largest
+    graph where it is at least twice that budget. Attention over one sequence of ``n`` tokens costs about
+    ``coef * n^q``, so ``full - split = coef * budget^q * (1 - k^(1 - q))`` at both: ``q`` is fitted from the two
+    (:func:`~encgraph.packing.attention_term.fit_power`: Flash varlen gets more efficient with length, about 1.83
+    for Qwen3-VL-8B on an H200; 2 from one budget), ``coef`` the geometric mean of what each budget gives at that
+    ``q``. Paths whose budgets count items, or with
     no unchunked sequence-bounds buffer, or too few sequence slots, get none (their entry says why); a failure is
     logged and leaves the path without the term (replays then cost their measured times, as before)."""
     out: dict[str, dict[str, Any]] = {}
@@ -299,15 +305,27 @@ def _attention_term(runner: RunnerState, path: str, records: Mapping[int, Any]) 
     if runner.config.path(path).unit is BudgetUnit.ITEMS or not timed:
         return {"skipped": "budgets count items" if timed else "no timed graph"}
     budget = min(b for b in timed if 4 * b >= max(timed))
-    specs = runner.buffers[path].specs[budget]
-    bounds = {n: sp for n, sp in specs.items()
-              if sp.fill is FillRule.SEQUENCE_BOUNDS and sp.total and sp.chunk >= sp.total}
-    k = min([SPLIT_SEQUENCES] + [sp.shape[0] - 1 for sp in bounds.values()])
-    if not bounds or k < 2:
-        return {"skipped": "no full-attention sequence bounds" if not bounds else "too few sequence slots"}
-    split = {n: np.linspace(0, sp.total, k + 1).round().astype(np.int64) for n, sp in bounds.items()}
-    full_ms = time_replay(runner, timed[budget], SPLIT_REPEATS)
-    split_ms = time_replay(runner, timed[budget], SPLIT_REPEATS, split)
-    coef = max(0.0, full_ms - split_ms) / (float(budget) ** 2 * (1.0 - 1.0 / k))
-    return {"budget": budget, "sequences": k, "full_ms": round(full_ms, 4), "split_ms": round(split_ms, 4),
-            "ms_per_token2": coef}
+    fitted = [budget] + ([max(timed)] if max(timed) >= 2 * budget else [])
+    bounds = {}
+    for b in fitted:
+        bounds[b] = {n: sp for n, sp in runner.buffers[path].specs[b].items()
+                     if sp.fill is FillRule.SEQUENCE_BOUNDS and sp.total and sp.chunk >= sp.total}
+    k = min([SPLIT_SEQUENCES] + [sp.shape[0] - 1 for bs in bounds.values() for sp in bs.values()])
+    if not bounds[budget] or k < 2:
+        return {"skipped": "no full-attention sequence bounds" if not bounds[budget] else "too few sequence slots"}
+    full, split = [], []
+    for b in fitted:
+        cuts = {n: np.linspace(0, sp.total, k + 1).round().astype(np.int64) for n, sp in bounds[b].items()}
+        full.append(time_replay(runner, timed[b], SPLIT_REPEATS))
+        split.append(time_replay(runner, timed[b], SPLIT_REPEATS, cuts))
+    deltas = [max(0.0, f - s) for f, s in zip(full, split)]
+    power = round(fit_power((fitted[0], fitted[-1]), (deltas[0], deltas[-1])), 4) if len(fitted) == 2 else (
+        DEFAULT_POWER)
+    share = 1.0 - float(k) ** (1.0 - power)  # of a budget's attention, what splitting it in k saves
+    coefs = [d / (float(b) ** power * share) for b, d in zip(fitted, deltas)]
+    coef = math.prod(coefs) ** (1.0 / len(coefs)) if all(coefs) else max(coefs)
+    out = {"budget": budget, "sequences": k, "full_ms": round(full[0], 4), "split_ms": round(split[0], 4),
+           "coef": coef, "power": power}
+    if len(fitted) == 2:
+        out["fit"] = {"budget": fitted[1], "full_ms": round(full[1], 4), "split_ms": round(split[1], 4)}
+    return out

@@ -10,8 +10,9 @@ Algorithm (deterministic, ``O(n * L)`` for ``n`` items and runs of at most ``L``
    every path's largest budget is a candidate batch.  Its cost is, per path, the cheaper of the graph of the
    smallest budget that holds its tokens and an eager run (:attr:`EagerReason.COST` when eager is strictly
    cheaper); 0 on a path with no tokens.  Where the model has an attention coefficient for the path, the
-   graph's cost follows the run's content (:func:`~encgraph.packing.costs.with_squares`: the items'
-   ``tokens^2 / frames`` and the padding's ``(budget - tokens)^2``), so that several large images may share one
+   graph's cost follows the run's content (:func:`~encgraph.packing.attention_term.with_squares`: the items'
+   ``frames * (tokens / frames)^q`` and the padding's ``(budget - tokens)^q`` at the path's power ``q``, 2 unless
+   measured), so that several large images may share one
    larger replay when that is cheaper than one replay each.  The costs of all runs are computed at once with
    numpy.
 3. Dynamic programming over run ends picks the split of least total cost (ties: the shorter last run).
@@ -31,7 +32,8 @@ import numpy as np
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, ConfigTypeError
-from encgraph.packing.costs import CostModel, EagerCost, with_squares
+from encgraph.packing.attention_term import item_term, with_squares
+from encgraph.packing.costs import CostModel, EagerCost
 from encgraph.packing.plan import Batch, EagerReason, _fast_batch
 
 __all__ = ["check_costs", "cost_batches"]
@@ -65,8 +67,9 @@ class _PathTable(NamedTuple):
     ladder_np: np.ndarray  # (L,) int64, ``ladder``
     graph_np: np.ndarray  # (L,) float64, ``graph``
     eager: EagerCost
-    att: float  # ms per token^2 (0.0: replays cost ``graph``)
-    ladder_sq_np: np.ndarray  # (L,) float64, ``ladder`` squared
+    att: float  # ms per token^power (0.0: replays cost ``graph``)
+    ladder_sq_np: np.ndarray  # (L,) float64, ``ladder`` raised to ``power``
+    power: float  # the attention term's power (2.0 unless measured otherwise)
 
 
 def _table(costs: CostModel, path: str, ladder: tuple[int, ...]) -> _PathTable:
@@ -78,17 +81,18 @@ def _table(costs: CostModel, path: str, ladder: tuple[int, ...]) -> _PathTable:
         lad = np.asarray(ladder, dtype=np.int64)
         out = costs._table_cache[key] = _PathTable(
             ladder, graph, lad, np.asarray(graph, dtype=np.float64), e, costs.attention.get(path, 0.0),
-            lad.astype(np.float64) ** 2,
+            lad.astype(np.float64) ** costs.power(path), costs.power(path),
         )
     return out
 
 
 def _graph(tab: _PathTable, k: int, t: int, sq: float) -> float:
-    """The graph cost of budget ``tab.ladder[k]`` for ``t`` tokens whose items' squares sum to ``sq``."""
+    """The graph cost of budget ``tab.ladder[k]`` for ``t`` tokens whose items' terms (:func:`item_term`) sum to
+    ``sq``."""
     if not tab.att:
         return tab.graph[k]
     b = tab.ladder[k]
-    return with_squares(tab.graph[k], tab.att, b, sq + float(b - t) ** 2)
+    return with_squares(tab.graph[k], tab.att, b, sq + item_term(b - t, 1, tab.power), tab.power)
 
 
 def _choose(tab: _PathTable, t: int, items: int, sq: float) -> tuple[int | None, float]:
@@ -121,7 +125,7 @@ def _lone(
             total += e
             continue
         k = bisect_left(tab.ladder, t)
-        g = _graph(tab, k, t, t * t / f)
+        g = _graph(tab, k, t, item_term(t, f, tab.power))
         if e < g:
             budgets[path] = None
             eager[path] = _COST
@@ -179,10 +183,11 @@ def cost_batches(
     if m == 1:
         # One item (most requests): no split to choose, skip numpy.
         f1 = frames[keep[0]]
-        total += sum(_choose(tab, t, 1, t * t / f1)[1] for tab, t in zip(tables, values[keep[0]]))
+        terms = [item_term(t, f1, tab.power) for tab, t in zip(tables, values[keep[0]])]
+        total += sum(_choose(tab, t, 1, sq)[1] for tab, t, sq in zip(tables, values[keep[0]], terms))
         runs = [(0, 1)]
         cum = [[0] * len(paths), list(values[keep[0]])]
-        cum_sq = [[0.0] * len(paths), [t * t / f1 for t in values[keep[0]]]] if squared else None
+        cum_sq = [[0.0] * len(paths), terms] if squared else None
     else:
         c, runs, cum, cum_sq = _best_runs(values, frames, keep, tables, caps, n_max, f_cap, squared)
         total += c
@@ -234,7 +239,8 @@ def _best_runs(
 ) -> tuple[float, list[tuple[int, int]], list[list[int]], list[list[float]] | None]:
     """Least total cost of splitting ``keep`` (sorted, none lone) into runs, the runs ``(lo, hi)``, the
     cumulative tokens per path (``cum[j][p]``: path ``p``'s tokens of the first ``j`` kept items) and, with
-    ``squared``, the cumulative ``tokens^2 / frames`` likewise (else ``None``)."""
+    ``squared``, the cumulative item terms likewise (:func:`item_term`: ``tokens^2 / frames`` at power 2; else
+    ``None``)."""
     m = len(keep)
     n_paths = len(tables)
     vals = np.array([values[i] for i in keep], dtype=np.int64).reshape(m, n_paths)
@@ -244,7 +250,9 @@ def _best_runs(
     if squared:
         fr_all = np.array([frames[i] for i in keep], dtype=np.float64)[:, None]
         cum_sq = np.zeros((m + 1, n_paths), dtype=np.float64)
-        np.cumsum(vals.astype(np.float64) ** 2 / fr_all, axis=0, out=cum_sq[1:])
+        powers = np.array([tab.power for tab in tables], dtype=np.float64)[None, :]
+        # frames * (tokens / frames) ** power, per path's power
+        np.cumsum(vals.astype(np.float64) ** powers / fr_all ** (powers - 1.0), axis=0, out=cum_sq[1:])
     # The longest run that can fit: bounded by the k smallest items on every path and in frames.
     span = min(n_max, m)
     for p in range(n_paths):
@@ -275,7 +283,7 @@ def _best_runs(
         if tab.att:  # with_squares, elementwise: the run's items' squares plus the padding's
             b = tab.ladder_np[idx]
             b2 = tab.ladder_sq_np[idx]
-            sq = (cum_sq[ends, p] - cum_sq[starts, p]) + (b - t).astype(np.float64) ** 2
+            sq = (cum_sq[ends, p] - cum_sq[starts, p]) + np.maximum(b - t, 0).astype(np.float64) ** tab.power  # b < t: past the cap, masked
             g = np.maximum(tab.graph_np[idx] - tab.att * (b2 - np.clip(sq, 0.0, b2)), 0.0)
             np.minimum(g, c, out=c)
         else:

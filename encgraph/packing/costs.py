@@ -10,13 +10,14 @@ Per path:
   capture).  A budget without a measurement (the tuner asks about budgets not captured yet) is read off the
   piecewise-linear curve through the measured points, extended past the ends with the nearest segment's slope
   (one point: flat below it, proportional above), never below 0.  Budget ``0`` (an empty path) costs 0.
-- **attention** (optional): ``{path: ms per token^2}``.  A replay's time depends on its content where the tower
-  attends over whole images: the captured ``graph`` time is that of the budget as one attention sequence (what
-  the runner times), and a batch of several items attends within each item.  With a coefficient ``a``, a batch
-  whose sequences' squared lengths sum to ``s`` (its items' ``tokens^2 / frames`` plus the padding sequence's
-  ``(budget - tokens)^2``) costs ``graph - a * (budget^2 - s)``, never below 0.  The runner measures ``a`` at
-  capture from one replay of its largest graph split into equal sequences; without it (0) every replay costs
-  ``graph``, as before.
+- **attention** (optional): ``{path: ms per token^power}`` and ``attention_power`` ``{path: power}`` (2 where
+  absent).  A replay's time depends on its content where the tower attends over whole images: the captured
+  ``graph`` time is that of the budget as one attention sequence (what the runner times), and a batch of several
+  items attends within each item.  With a coefficient ``a`` and a power ``q``, a batch whose sequences' lengths
+  raised to ``q`` sum to ``s`` (its items' ``frames * (tokens / frames)^q`` plus the padding sequence's
+  ``(budget - tokens)^q``) costs ``graph - a * (budget^q - s)``, never below 0
+  (:mod:`encgraph.packing.attention_term`).  The runner measures ``a`` and ``q`` at capture from replays split
+  into equal sequences at two budgets; without ``a`` (0) every replay costs ``graph``, as before.
 - **eager**: for a batch with ``tokens > 0`` real tokens on the path and ``items`` items (0 when the path has no
   tokens), either the line ``fixed_ms + per_token_ms * tokens + per_item_ms * items``, or, where eager runs
   of one item were measured at two sizes or more (what the runner does at capture), the piecewise-linear
@@ -47,11 +48,12 @@ import attrs
 
 from encgraph._validate import check_int, check_mapping, check_path, describe
 from encgraph.errors import ConfigError, ConfigTypeError
+from encgraph.packing.attention_term import DEFAULT_POWER, coef_table, item_term, power_table, with_squares
 from encgraph.packing.eager_cost import EagerCost, eager_dict, fit_eager
 from encgraph.packing.eager_cost import checked_ms as _ms
 from encgraph.packing.kernels import Crossover, kernel_table
 
-__all__ = ["CostModel", "Crossover", "EagerCost", "with_squares"]
+__all__ = ["CostModel", "Crossover", "EagerCost", "with_squares"]  # with_squares: from attention_term
 
 _FORMAT = "encgraph.costs"
 _VERSION = 1
@@ -77,19 +79,6 @@ def _graph_table(value: Any) -> dict[str, dict[int, float]]:
     return out
 
 
-def _attention_table(value: Any) -> dict[str, float]:
-    if value is None:
-        return {}
-    check_mapping("CostModel(attention)", value, hint="Pass {path: ms per token^2} (or None for none).")
-    out: dict[str, float] = {}
-    for path, coef in value.items():
-        check_path("CostModel(attention) path name", path)
-        c = _ms(f"CostModel(attention[{path!r}])", coef)
-        if c:
-            out[path] = c
-    return out
-
-
 def _eager_table(value: Any) -> dict[str, EagerCost]:
     check_mapping("CostModel(eager)", value, hint="Pass {path: EagerCost(fixed_ms, per_token_ms)}.")
     out: dict[str, EagerCost] = {}
@@ -109,8 +98,10 @@ class CostModel:
         graph_ms: ``{path: {budget: ms}}``, measured replay times (the budget as one attention sequence),
             budgets sorted.
         eager: ``{path: EagerCost}``; the same paths as ``graph_ms``.
-        attention: ``{path: ms per token^2}``, the part of a replay that follows its sequences' squared lengths
-            (paths without one, or with 0, are left out: their replays cost ``graph_ms``).
+        attention: ``{path: ms per token^power}``, the part of a replay that follows its sequences' lengths
+            raised to the path's power (paths without one, or with 0, are left out: their replays cost
+            ``graph_ms``).
+        attention_power: ``{path: power}`` in ``[1.5, 2]``; a path left out has power 2.
         kernels: ``{key: Crossover}``, the attention-kernel crossovers measured at capture per device and head
             geometry (:mod:`encgraph.packing.kernels`): which kernel the eager forwards run for long sequences,
             so that the eager times above hold for a model loaded again.
@@ -118,7 +109,8 @@ class CostModel:
 
     graph_ms: dict[str, dict[int, float]] = attrs.field(converter=_graph_table, hash=False)
     eager: dict[str, EagerCost] = attrs.field(converter=_eager_table, hash=False)
-    attention: dict[str, float] = attrs.field(factory=dict, converter=_attention_table, hash=False, kw_only=True)
+    attention: dict[str, float] = attrs.field(factory=dict, converter=coef_table, hash=False, kw_only=True)
+    attention_power: dict[str, float] = attrs.field(factory=dict, converter=power_table, hash=False, kw_only=True)
     kernels: dict[str, Crossover] = attrs.field(factory=dict, converter=kernel_table, hash=False, kw_only=True)
     _curves: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = attrs.field(
         init=False, eq=False, repr=False, hash=False
@@ -138,12 +130,13 @@ class CostModel:
                 f"CostModel: expected the same paths in graph_ms and eager, got graph_ms {sorted(self.graph_ms)} "
                 f"and eager {sorted(self.eager)}. Measure both the graphs and eager runs of every path."
             )
-        extra = sorted(set(self.attention) - set(self.graph_ms))
-        if extra:
-            raise ConfigError(
-                f"CostModel(attention): path {extra[0]!r} is not one of graph_ms's {sorted(self.graph_ms)}; give "
-                f"attention coefficients only for measured paths."
-            )
+        for field in ("attention", "attention_power"):
+            extra = sorted(set(getattr(self, field)) - set(self.graph_ms))
+            if extra:
+                raise ConfigError(
+                    f"CostModel({field}): path {extra[0]!r} is not one of graph_ms's {sorted(self.graph_ms)}; give "
+                    f"attention terms only for measured paths."
+                )
         curves = {p: (tuple(t), tuple(t.values())) for p, t in self.graph_ms.items()}
         object.__setattr__(self, "_curves", curves)
 
@@ -161,12 +154,17 @@ class CostModel:
             )
         return path
 
+    def power(self, path: str) -> float:
+        """The power of ``path``'s attention term (2 unless measured otherwise)."""
+        return self.attention_power.get(path, DEFAULT_POWER)
+
     # -- costs --------------------------------------------------------------------------------------------
 
     def graph_cost(self, path: str, budget: int, squares: float | None = None) -> float:
         """Expected replay time (ms) of ``path``'s graph for ``budget`` (interpolated when not measured);
-        with ``squares`` (the sum of the replay's sequences' squared lengths in tokens, padding included) and an
-        attention coefficient, the content-dependent cost of the module docs."""
+        with ``squares`` (the sum of the replay's sequences' lengths in tokens raised to the path's
+        :meth:`power`, padding included) and an attention coefficient, the content-dependent cost of the module
+        docs."""
         budgets, times = self._curves[self._path("CostModel.graph_cost", path)]
         b = check_int("CostModel.graph_cost(budget)", budget, minimum=0, hint="Budgets are token counts.")
         if b == 0:
@@ -183,7 +181,7 @@ class CostModel:
         a = self.attention.get(path, 0.0)
         if squares is None or not a:
             return full
-        return with_squares(full, a, b, squares)
+        return with_squares(full, a, b, squares, self.power(path))
 
     def eager_cost(self, path: str, tokens: int, items: int = 1) -> float:
         """Expected eager time (ms) of ``tokens`` real tokens in ``items`` items on ``path`` (0.0 for none)."""
@@ -203,7 +201,8 @@ class CostModel:
     ) -> float:
         """Expected time (ms) of one batch: per path, the graph of its budget, eager where the budget is
         ``None``, nothing where the path has no tokens; ``items`` counts for the eager per-item term.
-        ``squares``: per path, the items' ``tokens^2 / frames`` summed (the padding sequence is added here);
+        ``squares``: per path, the items' :func:`~encgraph.packing.attention_term.item_term` summed (the padding
+        sequence is added here);
         without it a replay costs the budget's measured time."""
         check_mapping("CostModel.batch_cost(batch_tokens_per_path)", batch_tokens_per_path)
         check_mapping("CostModel.batch_cost(budgets)", budgets)
@@ -225,7 +224,8 @@ class CostModel:
                         f"CostModel.batch_cost(budgets[{path!r}]): expected a budget >= the path's {tokens} tokens "
                         f"or None (eager), got {budget}."
                     )
-                sq = None if squares is None or path not in squares else squares[path] + (budget - tokens) ** 2
+                sq = None if squares is None or path not in squares else (
+                    squares[path] + item_term(budget - tokens, 1, self.power(path)))
                 total += self.graph_cost(path, budget, sq)
         return total
 
@@ -237,7 +237,8 @@ class CostModel:
         for b in plan.batches:
             squares = None
             if items is not None and self.attention:
-                squares = {p: sum(items[i].tokens.get(p, 0) ** 2 / items[i].frames for i in b.items) for p in b.tokens}
+                squares = {p: sum(item_term(items[i].tokens.get(p, 0), items[i].frames, self.power(p)) for i in b.items)
+                           for p in b.tokens}
             total += self.batch_cost(b.tokens, b.budgets, items=len(b.items), squares=squares)
         return total
 
@@ -270,6 +271,7 @@ class CostModel:
             graph_ms={p: {b: ms * graph.get(p, 1.0) for b, ms in t.items()} for p, t in self.graph_ms.items()},
             eager={p: e.scaled(eager[p]) if p in eager else e for p, e in self.eager.items()},
             attention={p: a * graph.get(p, 1.0) for p, a in self.attention.items()},
+            attention_power=self.attention_power,
             kernels=self.kernels,
         )
 
@@ -281,6 +283,7 @@ class CostModel:
         graph_ms: Mapping[str, Mapping[int, float]],
         eager_samples: Mapping[str, Sequence[tuple[int, int, float]]],
         attention: Mapping[str, float] | None = None,
+        attention_power: Mapping[str, float] | None = None,
     ) -> CostModel:
         """Build a model from replay times and eager samples ``{path: [(tokens, items, ms), ...]}``.
 
@@ -290,15 +293,15 @@ class CostModel:
         when every sample has one item, is left at 0).  Where one-item samples cover two sizes or more, the
         model also carries their curve (repeated sizes averaged), which then gives the cost, and ``per_item``
         is refitted as the multi-item samples' least-squares excess over it (>= 0; 0 without such samples).
-        Needs at least two samples per path.  ``attention``: ``{path: ms per token^2}`` as measured (see the
-        module docs), or ``None``.
+        Needs at least two samples per path.  ``attention``: ``{path: ms per token^power}`` and
+        ``attention_power``: ``{path: power}`` as measured (see the module docs), or ``None``.
         """
         check_mapping("CostModel.from_measurements(eager_samples)", eager_samples, hint="Pass {path: [(tokens, items, ms)]}.")
         eager = {}
         for path, samples in eager_samples.items():
             check_path("CostModel.from_measurements(eager_samples) path name", path)
             eager[path] = fit_eager(f"CostModel.from_measurements(eager_samples[{path!r}])", samples)
-        return cls(graph_ms=graph_ms, eager=eager, attention=attention)
+        return cls(graph_ms=graph_ms, eager=eager, attention=attention, attention_power=attention_power)
 
     # -- serialisation ------------------------------------------------------------------------------------
 
@@ -312,6 +315,7 @@ class CostModel:
                     "graph_ms": {str(b): ms for b, ms in self.graph_ms[p].items()},
                     "eager": eager_dict(self.eager[p]),
                     **({"attention": self.attention[p]} if p in self.attention else {}),
+                    **({"attention_power": self.attention_power[p]} if p in self.attention_power else {}),
                 }
                 for p in self.graph_ms
             },
@@ -328,7 +332,7 @@ class CostModel:
                 f"{data.get('format')!r} version {data.get('version')!r}. Pass the dict CostModel.to_dict() returned."
             )
         paths = check_mapping("CostModel.from_dict(data['paths'])", data.get("paths"))
-        graph, eager, attention = {}, {}, {}
+        graph, eager, attention, power = {}, {}, {}, {}
         for p, entry in paths.items():
             check_mapping(f"CostModel.from_dict(data['paths'][{p!r}])", entry)
             if "graph_ms" not in entry or "eager" not in entry:
@@ -339,13 +343,16 @@ class CostModel:
             graph[p] = entry["graph_ms"]
             if "attention" in entry:  # absent from files of before the attention term
                 attention[p] = entry["attention"]
+            if "attention_power" in entry:  # absent from files of before the power (and where it is 2)
+                power[p] = entry["attention_power"]
             fields = check_mapping(f"CostModel.from_dict(data['paths'][{p!r}]['eager'])", entry["eager"])
             try:
                 eager[p] = EagerCost(**fields)
             except TypeError as exc:
                 raise ConfigError(f"CostModel.from_dict(data['paths'][{p!r}]['eager']): {exc}.") from None
         # "kernels" is absent from files of before the kernel crossover.
-        return cls(graph_ms=graph, eager=eager, attention=attention, kernels=data.get("kernels"))
+        return cls(graph_ms=graph, eager=eager, attention=attention, attention_power=power,
+                   kernels=data.get("kernels"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the model as JSON to the file ``path``."""
@@ -380,12 +387,3 @@ class CostModel:
         eager = EagerCost(eager_fixed_ms, eager_per_token_ms)
         return cls(graph_ms={p: {1: a + b, 1 << 20: a + b * (1 << 20)} for p in paths}, eager={p: eager for p in paths})
 
-
-def with_squares(full: float, coef: float, budget: int, squares: float) -> float:
-    """A replay's cost from its budget's measured ``full`` time (one sequence of ``budget`` tokens), the path's
-    attention ``coef`` (ms per token^2) and the replay's ``squares`` (its sequences' squared lengths summed):
-    ``full - coef * (budget^2 - squares)``, ``squares`` clipped to ``[0, budget^2]``, never below 0.  The
-    planner's vectorised form (``cost_pack``) computes the same expression."""
-    b2 = float(budget) * float(budget)
-    s = min(max(float(squares), 0.0), b2)
-    return max(0.0, full - coef * (b2 - s))

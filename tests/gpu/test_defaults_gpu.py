@@ -49,13 +49,15 @@ def test_defaults_compile_once_measure_costs_and_share_the_pool():
     assert info["pool_bytes"] <= 1.1 * info["largest_graph_bytes"]
     assert check["seconds"] < 3.0 + 0.1 * len(ladder)  # extra capture time for the cost model and the check
     assert isinstance(runner.costs, CostModel) and info["costs"].startswith("cost-aware")
-    # The attention term: one replay split into equal sequences, at a quarter of the largest budget or above.
+    # The attention term: replays split into equal sequences, at a quarter of the largest budget or above and at
+    # the largest (the power fitted from the two).
     term = check["attention"]["default"]
     print(f"attention term: {term}")
-    assert "ms_per_token2" in term, term
+    assert "coef" in term and 1.5 <= term["power"] <= 2.0, term
     # Splitting the full-attention bounds never makes a replay dearer (timing noise aside; windows untouched).
     assert term["split_ms"] <= term["full_ms"] * 1.25 and 4 * term["budget"] >= max(ladder)
-    assert runner.costs.attention.get("default", 0.0) == term["ms_per_token2"]
+    assert runner.costs.attention.get("default", 0.0) == term["coef"]
+    assert runner.costs.power("default") == term["power"]
     # The first call is planned with that model; costs=False keeps the greedy planner.
     pixels, grid = random_mix(np.random.default_rng(7), adapter.channels, 12, big=True)
     inputs = adapter.inputs(pixels, grid)

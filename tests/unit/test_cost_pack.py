@@ -151,3 +151,27 @@ def test_attention_term_packs_large_images_into_one_larger_replay() -> None:
     video = [ItemSpec(2000, frames=8)]
     assert aware.plan_cost(pack(video, (1280, 2240), max_items=8, costs=aware), video) == pytest.approx(
         67.6 - a * (2240**2 - 2000**2 / 8 - 240**2))
+
+
+@given(problems(), st.data())
+def test_the_planners_own_total_is_what_plan_cost_prices(p: Problem, data: st.DataObject) -> None:
+    """The planner's vectorised prices (the ladder tuner ranks ladders by them) agree with ``plan_cost`` on the
+    plan it returns, with the attention term at any power."""
+    import encgraph.packing.greedy as greedy
+
+    model = data.draw(cost_models(p.paths))
+    totals: list[float] = []
+    real = greedy.cost_batches
+
+    def recording(*args, **kw):
+        batches, total = real(*args, **kw)
+        totals.append(total)
+        return batches, total
+
+    greedy.cost_batches = recording
+    try:
+        plan = run(p, model)
+    finally:
+        greedy.cost_batches = real
+    expected = model.plan_cost(plan, p.items)
+    assert totals == [pytest.approx(expected, rel=1e-9, abs=1e-9)]

@@ -179,3 +179,41 @@ def test_attention_term_prices_a_replay_by_its_sequences() -> None:
 def test_bad_attention(attention, error, match) -> None:
     with pytest.raises(error, match=match):
         CostModel(graph_ms={"default": {1024: 10.0}}, eager={"default": EagerCost(1.0, 0.01)}, attention=attention)
+
+
+def test_attention_power_prices_each_sequence_at_its_power() -> None:
+    """At power q a replay of budget b costs ``full - a * (b^q - sum of its sequences' lengths^q)``: a video's
+    frames attend one by one (``frames * (tokens / frames)^q``); the padding is one more sequence. The power
+    travels through scaled() and the JSON, and power 2 is what a model without one has."""
+    from encgraph.packing.attention_term import fit_power, item_term
+
+    a, q = 3e-6, 1.8
+    m = CostModel(graph_ms={"default": {1024: 10.0, 4096: 100.0}}, eager={"default": EagerCost(1.0, 0.01)},
+                  attention={"default": a}, attention_power={"default": q})
+    assert m.power("default") == q and item_term(600, 3, q) == pytest.approx(3 * 200**q)
+    assert m.batch_cost({"default": 600}, {"default": 1024}, squares={"default": item_term(600, 3, q)}) == (
+        pytest.approx(10.0 - a * (1024**q - 3 * 200**q - 424**q)))
+    items = [ItemSpec(600, frames=3), ItemSpec(300)]
+    plan = pack(items, (1024, 4096), max_items=8)
+    assert [b.budgets["default"] for b in plan.batches] == [1024]
+    assert m.plan_cost(plan, items) == pytest.approx(10.0 - a * (1024**q - 3 * 200**q - 300**q - 124**q))
+    assert m.scaled(graph={"default": 2.0}).attention_power == {"default": q}
+    again = CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again == m and again.power("default") == q
+    assert CostModel(graph_ms=m.graph_ms, eager=m.eager, attention_power={"default": 2.0}).attention_power == {}
+    # Fitted from two split replays: delta grows as budget^q at a fixed split; clipped to [1.5, 2].
+    assert fit_power((1088, 4096), (11.0, 11.0 * (4096 / 1088) ** 1.83)) == pytest.approx(1.83)
+    assert fit_power((1088, 4096), (11.0, 11.0 * (4096 / 1088) ** 2.4)) == 2.0
+    assert fit_power((1088, 4096), (11.0, 12.0)) == 1.5
+    assert fit_power((1088, 4096), (0.0, 12.0)) == fit_power((1088, 1088), (3.0, 4.0)) == 2.0
+
+
+@pytest.mark.parametrize(
+    "power, error, match",
+    [({"default": 2.5}, ConfigError, r"in \[1.5, 2.0\]"), ({"default": 1.0}, ConfigError, "power"),
+     ({"other": 1.8}, ConfigError, "not one of graph_ms"), ({"default": "2"}, ConfigTypeError, "attention_power")],
+)
+def test_bad_attention_power(power, error, match) -> None:
+    with pytest.raises(error, match=match):
+        CostModel(graph_ms={"default": {1024: 10.0}}, eager={"default": EagerCost(1.0, 0.01)},
+                  attention_power=power)
