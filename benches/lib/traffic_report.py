@@ -324,8 +324,11 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
     for name, cap in doc.get("capture", {}).items():
         for key, c in (cap.get("kernels") or {}).items():
             if isinstance(c, dict) and "min_rows" in c:
+                padded = c.get("padded_ms") or []
+                ratio = (f"; padded / exact dense at {c['lengths'][-1]} rows {padded[-1] / c['dense_ms'][-1]:.2f}"
+                         if padded and c.get("dense_ms") else "")
                 notes.append(f"- {System(name).label}, eager kernel crossover {key}: dense SDPA per sequence from "
-                             f"{c['min_rows']} rows")
+                             f"{c['min_rows']} rows{ratio}")
     if doc.get("trace", {}).get("stopped"):
         notes.append(f"- trace stopped early: {doc['trace']['stopped']}")
     if doc.get("error"):

@@ -46,6 +46,7 @@ from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
 from encgraph.models import sequence_bounds
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
+from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.models.sequence_bounds import RowsTable, host_bounds
 
 __all__ = [
@@ -79,10 +80,10 @@ measured inside graphs on an H200 at 16 heads x 72, dense cuDNN against Flash va
 0.58 ms at 1 x 5120 rows and 0.46 vs 0.73 ms at 2 x 4096, about even at 4 x 1280, and 0.19 vs 0.08 ms at
 16 x 256 (one launch per sequence)."""
 
-def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int, ...], tuple[bool, ...] | None] | None:
-    """``(host bounds of cu_seqlens, per sequence whether it runs dense)`` when :func:`host_bounds` gave the bounds
-    and at least one sequence runs dense in this call (``None`` for the flags: every sequence on its own, the
-    CPU); else ``None`` (the backend of :func:`pick_backend`)."""
+def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...] | None] | None:
+    """``(host bounds of cu_seqlens, per sequence the rows it runs dense at, 0 for varlen)`` when
+    :func:`host_bounds` gave the bounds and at least one sequence runs dense in this call (``None`` for the
+    flags: every sequence on its own, the CPU); else ``None`` (the backend of :func:`pick_backend`)."""
     found = sequence_bounds.lookup(cu_seqlens)
     if found is None:
         return None
@@ -275,11 +276,12 @@ def _segment_attention(
 
 def _host_planned_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
-    bounds: Sequence[int], dense: Sequence[bool] | None,
+    bounds: Sequence[int], dense: Sequence[int] | None,
 ) -> torch.Tensor:
-    """Each sequence flagged in ``dense`` as one dense SDPA call; each run of the others between them as one
-    varlen call over its rows (its ``cu_seqlens`` a slice of the device tensor minus its first value: no
-    host-to-device copy, no sync). ``dense is None``: every sequence on its own (the CPU's ``SEGMENTS``)."""
+    """Each sequence with rows in ``dense`` as one dense SDPA call at that many rows (:func:`padded_dense` where
+    they exceed its own); each run of the others (0) between them as one varlen call over its rows (its
+    ``cu_seqlens`` a slice of the device tensor minus its first value: no host-to-device copy, no sync).
+    ``dense is None``: every sequence on its own (the CPU's ``SEGMENTS``)."""
     if dense is None:
         if key.shape[1] != query.shape[1]:
             key, value = _repeat_heads(key, value, query.shape[1])
@@ -302,23 +304,15 @@ def _host_planned_attention(
             if run is not None:
                 flush(i)
                 run = None
-            out[a:b] = _dense_sequence(query[a:b], dense_k[a:b], dense_v[a:b], scale)
+            out[a:b] = padded_dense(query[a:b], dense_k[a:b], dense_v[a:b], scale, dense[i])
         elif run is None:
             run = i
     if run is not None:
         flush(len(bounds) - 1)
     if bounds[-1] < tokens:  # rows past cu[-1] (none in encgraph's layouts) attend among themselves
         a = bounds[-1]
-        out[a:] = _dense_sequence(query[a:], dense_k[a:], dense_v[a:], scale)
+        out[a:] = dense_sequence(query[a:], dense_k[a:], dense_v[a:], scale)
     return out
-
-
-def _dense_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """One sequence ``(rows, heads, head_dim)`` through dense SDPA in the ``(1, heads, rows, head_dim)`` layout of
-    the towers' own SDPA calls (transposed views: on an H200 torch runs cuDNN's kernel for them, the layout the
-    crossover is measured in); returns ``(rows, heads, head_dim)``."""
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    return F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1)
 
 
 def _masked_attention(

@@ -6,7 +6,7 @@ for all sequences) and dense SDPA (one call per sequence, in the towers' own lay
 :class:`~encgraph.packing.kernels.Crossover` it returns says from how many rows the dense kernel wins; the
 runner measures it at capture for the adapter's head geometries (:func:`choose`), keeps it in the cost model's
 JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. Measured once per process and
-geometry (about 0.2 s on an H200: 7 lengths, 2 kernels, 4 calls each); a geometry already in a given cost model
+geometry (about 0.5 s on an H200: 7 lengths, 3 kernels, 4 calls each, two new plans per length); a geometry already in a given cost model
 for this device is not measured again.
 
 Nothing here changes torch's settings: the dense kernel is the one torch's SDPA picks with its flags as found.
@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from encgraph.models import attention
+from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.packing.kernels import Crossover, DenseRule, kernel_key
 
-__all__ = ["LENGTHS", "REPEATS", "attention_calls", "choose", "device_name", "measure_crossover", "rows_table",
+__all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "attention_calls", "choose", "device_name", "measure_crossover", "rows_table",
            "tower_geometries"]
 
 log = logging.getLogger("encgraph")
@@ -32,6 +33,10 @@ log = logging.getLogger("encgraph")
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 """Rows of the one sequence timed (16,384: the patch rows of a 4096-token image at merge 2; Qwen's processors
 go to 16,384 tokens, 65,536 rows, where attention only grows more dominant and the dense kernel's lead holds)."""
+PADDED_SHARE = 1 / 32
+"""How much shorter than each length the padded timing's sequence is: half a bucket's width
+(:data:`~encgraph.packing.kernels.PER_OCTAVE` buckets per doubling), the mean padding (the kernel's work is the
+length's either way; the copies into the padded buffers scale with the rows)."""
 REPEATS = 3
 """Timed calls per kernel and length whose median decides, after a first call (timed too and kept apart: at a new
 length it includes the dense kernel's plan for that shape)."""
@@ -88,25 +93,29 @@ def measure_crossover(
     lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS,
 ) -> Crossover:
     """Time one sequence of each length through Flash varlen and dense SDPA (random ``(rows, heads, head_dim)``
-    inputs in ``dtype`` on the CUDA ``device``, the exact calls of :mod:`encgraph.models.attention`) and return
-    the :class:`~encgraph.packing.kernels.Crossover` (the medians decide; the dense kernel's first call at each
-    length, which builds its plan for that shape, is kept beside them). Syncs the host (capture time only)."""
+    inputs in ``dtype`` on the CUDA ``device``, the exact calls of :mod:`encgraph.models.attention`), and the
+    dense kernel at each length over a sequence :data:`PADDED_SHARE` shorter, padded to it
+    (:func:`~encgraph.models.dense_sequence.padded_dense`: the mask column's cost, where buckets can pay), and
+    return the :class:`~encgraph.packing.kernels.Crossover` (the medians decide; the dense kernel's first call at
+    each length, which builds its plan for that shape, is kept beside them). Syncs the host (capture time
+    only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
-    varlen_ms, dense_ms, first_ms = [], [], []
+    varlen_ms, dense_ms, first_ms, padded_ms = [], [], [], []
     with torch.inference_mode(), torch.cuda.device(device):
         for rows in lengths:
-            q, k, v = (torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv")
+            qkv = [torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv"]
             cu = torch.tensor([0, rows], device=device, dtype=torch.int32)
+            short = [t[:max(rows - int(rows * PADDED_SHARE), 1)] for t in qkv]
             varlen_ms.append(_timed_ms(
-                lambda: attention._varlen_attention(q, k, v, cu, rows, None, head_dim), repeats)[1])
-            first, steady = _timed_ms(lambda: attention._dense_sequence(q, k, v, None), repeats)
+                lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim), repeats)[1])
+            first, steady = _timed_ms(lambda: dense_sequence(*qkv, None), repeats)
             dense_ms.append(steady)
             first_ms.append(first)
-            del q, k, v
+            padded_ms.append(_timed_ms(lambda: padded_dense(*short, None, rows), repeats)[1])
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
                      [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
-                     dense_first_ms=[round(t, 5) for t in first_ms])
+                     dense_first_ms=[round(t, 5) for t in first_ms], padded_ms=[round(t, 5) for t in padded_ms])
 
 
 def choose(

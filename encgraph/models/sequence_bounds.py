@@ -94,11 +94,12 @@ def ledger_key(heads: int, head_dim: int, dtype: torch.dtype, device: torch.devi
     return int(heads), int(head_dim), str(dtype), str(device)
 
 
-def dense_flags(query: torch.Tensor, bounds: Sequence[int], rule: DenseRule) -> tuple[bool, ...]:
-    """Per sequence of ``bounds``, whether it runs dense in this call (:data:`LEDGER`'s rent-or-buy, keyed by
-    ``query``'s geometry, dtype and device)."""
+def dense_flags(query: torch.Tensor, bounds: Sequence[int], rule: DenseRule) -> tuple[int, ...]:
+    """Per sequence of ``bounds``, the rows it runs dense at in this call (its run length,
+    :meth:`~encgraph.packing.kernels.DenseRule.run_rows`: its own rows or its bucket's), 0 where it runs varlen
+    (:data:`LEDGER`'s rent-or-buy, keyed by ``query``'s geometry, dtype and device)."""
     key = ledger_key(query.shape[1], query.shape[2], query.dtype, query.device)
-    return tuple(LEDGER.dense(key, b - a, rule) for a, b in zip(bounds[:-1], bounds[1:]))
+    return tuple(rule.run_rows(b - a) if LEDGER.dense(key, b - a, rule) else 0 for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def _rents(device: torch.device) -> bool:

@@ -1,179 +1,40 @@
-"""The measured attention-kernel crossover of one head geometry on one device: part of the cost model's JSON.
-
-An eager forward knows every attention sequence on the host, so it can run each long one as a dense SDPA call
-(cuDNN on an H200: 346-428 TF/s at head dim 72-80) instead of one Flash varlen call over all of them (207-258
-TF/s), while many short sequences stay faster in one varlen call (one launch instead of one each). Where the
-two cross depends on the device, the head geometry and the dtype, so it is measured at capture
-(:func:`encgraph.models.kernel_choice.measure_crossover`): one sequence of each of a few lengths through both
-kernels. :class:`Crossover` keeps those timings and derives the crossover from them; the cost model
-(:class:`~encgraph.packing.CostModel`, field ``kernels``) stores it so that a saved model carries it too.
-Pure Python: importing it never imports torch.
-
->>> c = Crossover("NVIDIA H200", 16, 72, "bfloat16", (1024, 4096, 16384), (0.05, 0.4, 5.5), (0.06, 0.3, 3.5))
->>> c.min_rows, c.key
-(4096, 'NVIDIA H200/16x72/bfloat16')
+"""Rent-or-buy of the dense attention kernel's plans: which long sequences of an eager forward run dense
+(:class:`DenseRule`, one per head geometry, from its measured :class:`~encgraph.packing.crossover.Crossover`) and
+which run lengths this thread holds a plan for (:class:`PlanLedger`, :data:`LEDGER`). The crossover's names are
+re-exported here. Pure Python: importing it never imports torch.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import math
-import statistics
 import threading
-from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterator, Sequence
 
 import attrs
 
-from encgraph._validate import check_int, check_mapping, check_sequence, check_str, describe
-from encgraph.errors import ConfigError, ConfigTypeError
-from encgraph.packing.eager_cost import checked_ms
+from encgraph._validate import check_int
+from encgraph.packing.crossover import (
+    BUCKET_SLACK,
+    PER_OCTAVE,
+    Crossover,
+    bucket_rows,
+    crossover_rows,
+    kernel_key,
+    kernel_table,
+)
 
-__all__ = ["LEDGER", "Crossover", "DenseRule", "PlanLedger", "crossover_rows", "kernel_key", "kernel_table"]
-
-
-def kernel_key(device: str, heads: int, head_dim: int, dtype: str) -> str:
-    """``"<device name>/<heads>x<head_dim>/<dtype>"``: what a crossover is measured for."""
-    return f"{device}/{heads}x{head_dim}/{dtype}"
-
-
-def crossover_rows(lengths: Sequence[int], varlen_ms: Sequence[float], dense_ms: Sequence[float]) -> int | None:
-    """The smallest measured length from which the dense per-sequence kernel is at least as fast as varlen at
-    that length and at every longer one measured; ``None`` where varlen wins at the longest (dense never pays).
-    Lengths are sorted ascending."""
-    best: int | None = None
-    for length, v, d in reversed(list(zip(lengths, varlen_ms, dense_ms))):
-        if d > v:
-            break
-        best = length
-    return best
-
-
-def _ints(name: str, value: Any) -> tuple[int, ...]:
-    check_sequence(name, value, hint="Pass the measured sequence lengths, ascending.")
-    out = tuple(check_int(f"{name}[{i}]", v, minimum=1) for i, v in enumerate(value))
-    if not out or any(b <= a for a, b in zip(out, out[1:])):
-        raise ConfigError(f"{name}: expected at least one length, strictly ascending, got {list(out)}.")
-    return out
-
-
-def _times(name: str, value: Any) -> tuple[float, ...]:
-    check_sequence(name, value, hint="Pass one measured time (ms) per length.")
-    return tuple(checked_ms(f"{name}[{i}]", v) for i, v in enumerate(value))
-
-
-@attrs.frozen
-class Crossover:
-    """One measurement: per sequence length, the ms of one sequence through Flash varlen and through dense SDPA.
-
-    Attributes:
-        device: the device's name (``torch.cuda.get_device_name``); a model loaded on another device is measured
-            again.
-        heads, head_dim, dtype: the head geometry and dtype measured (``"bfloat16"``).
-        lengths: rows of the one sequence, ascending.
-        varlen_ms, dense_ms: one time per length.
-        dense_first_ms: the dense kernel's first call at each length (a new shape: cuDNN builds a plan for it;
-            the tower's own SDPA pays the same), or empty; :attr:`plan_ms` is derived from it.
-        min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
-            dense; ``None``: never.
-    """
-
-    device: str = attrs.field(converter=lambda v: check_str("Crossover(device)", v))
-    heads: int = attrs.field(converter=lambda v: check_int("Crossover(heads)", v, minimum=1))
-    head_dim: int = attrs.field(converter=lambda v: check_int("Crossover(head_dim)", v, minimum=1))
-    dtype: str = attrs.field(converter=lambda v: check_str("Crossover(dtype)", v))
-    lengths: tuple[int, ...] = attrs.field(converter=lambda v: _ints("Crossover(lengths)", v))
-    varlen_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(varlen_ms)", v))
-    dense_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(dense_ms)", v))
-    dense_first_ms: tuple[float, ...] = attrs.field(
-        default=(), kw_only=True, converter=lambda v: _times("Crossover(dense_first_ms)", v) if v else ())
-    min_rows: int | None = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        if not len(self.varlen_ms) == len(self.dense_ms) == len(self.lengths):
-            raise ConfigError(
-                f"Crossover: expected one varlen and one dense time per length ({len(self.lengths)}), got "
-                f"{len(self.varlen_ms)} and {len(self.dense_ms)}."
-            )
-        if self.dense_first_ms and len(self.dense_first_ms) != len(self.lengths):
-            raise ConfigError(
-                f"Crossover(dense_first_ms): expected one time per length ({len(self.lengths)}) or none, got "
-                f"{len(self.dense_first_ms)}."
-            )
-        object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.varlen_ms, self.dense_ms))
-
-    @property
-    def key(self) -> str:
-        return kernel_key(self.device, self.heads, self.head_dim, self.dtype)
-
-    @property
-    def plan_ms(self) -> float:
-        """What the dense kernel's first call at a new length costs beyond its later calls (the median over the
-        measured lengths of ``dense_first_ms - dense_ms``, at least 0): cuDNN building the plan of that shape,
-        about 35 ms on an H200 whatever the length. 0.0 when no first calls were recorded."""
-        if not self.dense_first_ms:
-            return 0.0
-        return max(statistics.median(f - d for f, d in zip(self.dense_first_ms, self.dense_ms)), 0.0)
-
-    def ms_at(self, rows: int) -> tuple[float, float]:
-        """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows: linear in log-log between the
-        measured lengths, extended past the longest (and below the shortest) with the slope of the nearest
-        pair (attention is quadratic, so about 2)."""
-        lengths = self.lengths
-        if len(lengths) == 1:
-            scale = (rows / lengths[0]) ** 2
-            return self.varlen_ms[0] * scale, self.dense_ms[0] * scale
-        i = min(max(bisect.bisect_right(lengths, rows) - 1, 0), len(lengths) - 2)
-        x0, x1 = math.log(lengths[i]), math.log(lengths[i + 1])
-        t = (math.log(max(rows, 1)) - x0) / (x1 - x0)
-
-        def at(times: Sequence[float]) -> float:
-            y0, y1 = (math.log(max(v, 1e-9)) for v in (times[i], times[i + 1]))
-            return math.exp(y0 + t * (y1 - y0))
-
-        return at(self.varlen_ms), at(self.dense_ms)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; ``min_rows`` is written for readers and recomputed on load."""
-        return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
-                "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
-                "dense_first_ms": list(self.dense_first_ms), "min_rows": self.min_rows}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Crossover:
-        check_mapping("Crossover.from_dict(data)", data, hint="Pass the dict Crossover.to_dict() returned.")
-        fields = {k: v for k, v in data.items() if k != "min_rows"}
-        try:
-            return cls(**fields)
-        except TypeError as exc:
-            raise ConfigError(
-                f"Crossover.from_dict(data): {exc}. Pass the dict Crossover.to_dict() returned."
-            ) from None
-
-
-def kernel_table(value: Any) -> dict[str, Crossover]:
-    """``CostModel(kernels=...)``'s converter: ``{key: Crossover or its dict}`` (or ``None``) to ``{key:
-    Crossover}``; each key must be its crossover's :attr:`Crossover.key`."""
-    if value is None:
-        return {}
-    check_mapping("CostModel(kernels)", value, hint="Pass {key: Crossover} (or None for none).")
-    out: dict[str, Crossover] = {}
-    for key, entry in value.items():
-        c = Crossover.from_dict(entry) if isinstance(entry, Mapping) else entry
-        if not isinstance(c, Crossover):
-            raise ConfigTypeError(f"CostModel(kernels[{key!r}]): expected a Crossover, got {describe(entry)}.")
-        if key != c.key:
-            raise ConfigError(f"CostModel(kernels): key {key!r} names another geometry than its entry's {c.key!r}.")
-        out[key] = c
-    return out
+__all__ = ["BUCKET_SLACK", "LEDGER", "PER_OCTAVE", "Crossover", "DenseRule", "PlanLedger", "bucket_rows",
+           "crossover_rows", "kernel_key", "kernel_table"]
 
 
 @attrs.frozen
 class DenseRule:
     """Which sequences of an eager forward run dense, for one head geometry: none shorter than ``min_rows``
-    (``None``: none at all); from there, a length whose dense plan this thread has built runs dense, and a new
-    length runs dense once the time varlen has cost it (rent) plus what dense would save over the ``calls``
+    (``None``: none at all); from there, a sequence runs dense at its run length (:meth:`run_rows`: its bucket
+    where the crossover is :attr:`~Crossover.bucketed`, so one plan serves many lengths), a run length whose dense
+    plan this thread has built at once, and a new one once the time varlen has cost it (rent) plus what dense
+    would save over the ``calls``
     attention calls of one forward reaches :attr:`Crossover.plan_ms` (buy); until then it runs varlen and the
     saving it missed is added to its rent (:class:`PlanLedger`). Without a measured ``crossover`` (or with no
     plan cost measured) every sequence from ``min_rows`` runs dense.
@@ -200,11 +61,23 @@ class DenseRule:
         return gain if paid_ms + self.calls * gain < self.plan_ms else None
 
     def gain_ms(self, rows: int) -> float:
-        """ms one call at ``rows`` rows saves on dense against varlen, at least 0."""
+        """ms one call at ``rows`` rows saves on dense (as it runs: :meth:`Crossover.dense_at`) against varlen,
+        at least 0."""
         if self.crossover is None:
             return 0.0
-        varlen, dense = self.crossover.ms_at(rows)
-        return max(varlen - dense, 0.0)
+        return max(self.crossover.ms_at(rows)[0] - self.crossover.dense_at(rows), 0.0)
+
+    def may_run_dense(self, rows: int) -> bool:
+        """Whether a sequence of ``rows`` rows ever runs dense: from ``min_rows``, except where it would run
+        padded to its bucket no faster than varlen (just past the crossover)."""
+        if self.min_rows is None or rows < self.min_rows:
+            return False
+        return not (self.crossover is not None and self.crossover.bucketed and self.gain_ms(rows) <= 0.0)
+
+    def run_rows(self, rows: int) -> int:
+        """The length a dense call over ``rows`` rows runs at, whose plan it needs (:meth:`Crossover.run_rows`;
+        ``rows`` without a crossover)."""
+        return self.crossover.run_rows(rows) if self.crossover is not None else int(rows)
 
 
 class PlanLedger:
@@ -235,13 +108,13 @@ class PlanLedger:
     def dense(self, key: Hashable, rows: int, rule: DenseRule) -> bool:
         """Whether the call at hand runs its sequence of ``rows`` rows (head geometry ``key``) dense; a rented
         call adds its missed saving to the length's rent, a bought length is remembered."""
-        if rule.min_rows is None or rows < rule.min_rows:
+        if not rule.may_run_dense(rows):
             return False
         plan = rule.plan_ms
         if plan <= 0.0:
             return True
         bought, rent = self._state()
-        entry = (key, rows)
+        entry = (key, rule.run_rows(rows))
         if entry in bought:
             return True
         if not getattr(self._local, "buying", False):  # inside buying(): bought at once
@@ -274,15 +147,17 @@ class PlanLedger:
         if rule.min_rows is None or rule.plan_ms <= 0.0 or getattr(self._local, "buying", False):
             return
         bought, rent = self._state()
-        # The sequences that could rent (long, at a length not bought); none in the usual steady case.
-        pending = [(key, int(n)) for n in rows if n >= rule.min_rows and (key, int(n)) not in bought]
+        # The sequences that could rent (long, at a length not bought); none in the usual steady case. Two of
+        # one bucket share its entry (and its rent).
+        pending = [((key, rule.run_rows(n)), int(n)) for n in rows if rule.may_run_dense(n)]
+        pending = [(entry, n) for entry, n in pending if entry not in bought]
         paid: dict[Hashable, float] = {}  # this forward's view of the rent of the lengths it meets
         for _ in range(rule.calls if pending else 0):
-            for entry in pending:
+            for entry, n in pending:
                 if paid.get(entry) == math.inf:
                     continue
                 so_far = paid.get(entry, rent.get(entry, 0.0))
-                missed = rule.rent_ms(entry[1], so_far)
+                missed = rule.rent_ms(n, so_far)
                 if missed is None:
                     paid[entry] = math.inf  # bought at this call: dense from here on
                 else:
@@ -328,6 +203,7 @@ class PlanLedger:
         return len(calls)
 
     def bought(self, key: Hashable, rows: int) -> bool:
+        """Whether this thread holds the plan of length ``rows`` (a run length: :meth:`DenseRule.run_rows`)."""
         return (key, rows) in self._state()[0]
 
     @property

@@ -13,6 +13,7 @@ import torch
 from encgraph.capture.execution import run_static
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import attention, kernel_choice, sequence_bounds, wrap
+from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.packing.kernels import LEDGER
 from tests.gpu.test_qwen_gpu import HF_RTOL, build, hf_per_item, rel
 from tests.models.test_kernel_choice import dense_spy
@@ -41,10 +42,19 @@ def test_crossover_is_measured(heads, dim):
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    attention._dense_sequence(q, k, v, None)
+    dense_sequence(q, k, v, None)
     end.record()
     end.synchronize()
     print(f"first dense call at a new length (4999 rows): {start.elapsed_time(end):.2f} ms")
+    # Padded to its bucket (an extra mask column): the same attention within bf16 tolerance, rows unmixed.
+    assert len(c.padded_ms) == len(c.lengths) and all(t > 0 for t in c.padded_ms)
+    print(f"padded / exact dense at {list(c.lengths)}: "
+          + ", ".join(f"{p / d:.2f}" for p, d in zip(c.padded_ms, c.dense_ms)) + f"; bucketed {c.bucketed}")
+    want = dense_sequence(q, k, v, None).float()
+    for padded in (5000, 5120, 6144):
+        got = padded_dense(q, k, v, None, padded).float()
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        assert rel(got, want) < 1e-2, (padded, rel(got, want))
     if torch.cuda.get_device_capability()[0] == 9 and dim <= 80:
         # Hopper: this repository measured cuDNN ahead at 5,120-12,800 rows (attention_kernels_nvidia-h200.md).
         assert c.min_rows is not None and c.min_rows <= 8192, c.to_dict()

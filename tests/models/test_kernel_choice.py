@@ -92,7 +92,7 @@ def test_long_sequences_run_dense_and_runs_of_short_ones_varlen(fake_varlen, kv_
     q, k, v = qkv(52, kv_heads=kv_heads)  # 2 rows past cu[-1]: one more sequence, as in the other backends
     cu = torch.tensor(bounds, dtype=torch.int32)
     with attention.host_bounds([(cu, bounds)], min_rows={(3, 8, torch.float32): 10}):
-        assert attention._host_plan(cu, q) == (tuple(bounds), (False, False, True, False, False, False, True))
+        assert attention._host_plan(cu, q) == (tuple(bounds), (0, 0, 20, 0, 0, 0, 20))
         got = packed_attention_default(q, k, v, cu)
     assert fake_varlen == [(5, [0, 3, 5], 3), (5, [0, 2, 2, 5], 3)]
     kk, vv = attention._repeat_heads(k, v, 3) if kv_heads else (k, v)
@@ -120,8 +120,8 @@ def test_an_unmeasured_geometry_takes_the_default_with_one_log_line(fake_varlen,
     q = torch.zeros(10, 3, 8)
     cu = torch.tensor([0, 2, 10], dtype=torch.int32)
     with caplog.at_level(logging.INFO, logger="encgraph"), attention.host_bounds([(cu, [0, 2, 10])]):
-        assert attention._host_plan(cu, q) == ((0, 2, 10), (False, True))
-        assert attention._host_plan(cu, q) == ((0, 2, 10), (False, True))
+        assert attention._host_plan(cu, q) == ((0, 2, 10), (0, 8))
+        assert attention._host_plan(cu, q) == ((0, 2, 10), (0, 8))
     assert sum("no kernel crossover measured for 3 heads x 8" in r.message for r in caplog.records) == 1
 
 
@@ -192,13 +192,13 @@ def test_capture_hook_hands_given_crossovers_to_the_adapter_and_keeps_them(monke
 def dense_spy(monkeypatch) -> list[int]:
     """Records the rows of every dense per-sequence SDPA call of the host plan (CUDA's per-sequence kernel)."""
     rows: list[int] = []
-    original = attention._dense_sequence
+    original = attention.padded_dense
 
-    def spy(q, k, v, scale):
+    def spy(q, k, v, scale, padded):
         rows.append(int(q.shape[0]))
-        return original(q, k, v, scale)
+        return original(q, k, v, scale, padded)
 
-    monkeypatch.setattr(attention, "_dense_sequence", spy)
+    monkeypatch.setattr(attention, "padded_dense", spy)
     return rows
 
 

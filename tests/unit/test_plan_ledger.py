@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from encgraph.errors import ConfigError
-from encgraph.packing.kernels import Crossover, DenseRule, PlanLedger
+from encgraph.packing.kernels import BUCKET_SLACK, PER_OCTAVE, Crossover, DenseRule, PlanLedger, bucket_rows
 
 LENGTHS = (256, 1024, 4096, 16384)
 
@@ -169,3 +169,51 @@ def test_replays_in_place_of_renting_pay_rent_until_the_length_is_bought(rows, c
     assert paid <= rule.plan_ms + calls * copies * gain
     assert ledger.dense("g", rows, rule) and ledger.bought("g", rows)  # the next eager forward buys it
     assert ledger.stats() == {"bought": 1, "rented_calls": rented}
+
+
+def bucketed(slack: float = 1.05) -> Crossover:
+    c = crossover()
+    return Crossover("gpu", 16, 72, "bfloat16", LENGTHS, c.varlen_ms, c.dense_ms, dense_first_ms=c.dense_first_ms,
+                     padded_ms=tuple(slack * d for d in c.dense_ms))
+
+
+@given(st.integers(min_value=1, max_value=1 << 20))
+def test_a_bucket_holds_its_length_within_a_sixteenth(rows):
+    b = bucket_rows(rows)
+    assert rows <= b <= rows + max(rows / PER_OCTAVE, 8) and bucket_rows(b) == b
+    assert b % 8 == 0 or b == rows  # whole kernel tiles; a length of 8 rows or fewer keeps its own
+    assert bucket_rows(1 << 12) == 1 << 12  # a power of two is its own bucket
+
+
+def test_bucketed_only_where_the_padded_kernel_costs_little():
+    assert bucketed(1.05).bucketed and not bucketed(BUCKET_SLACK + 0.1).bucketed
+    assert not crossover().bucketed  # no padded times measured: exact lengths, as before
+    c = bucketed(1.05)
+    assert c.run_rows(4000) == bucket_rows(4000) == 4096 and crossover().run_rows(4000) == 4000
+    # at a bucket length the exact kernel (no padding); between, the padded kernel at the bucket
+    assert c.dense_at(4096) == pytest.approx(c.ms_at(4096)[1])
+    assert c.dense_at(3900) == pytest.approx(1.05 * c.ms_at(bucket_rows(3900))[1])
+    assert Crossover.from_dict(c.to_dict()) == c
+
+
+def test_lengths_of_one_bucket_share_its_plan_and_its_rent():
+    rule = DenseRule(256, bucketed(), calls=27)
+    ledger = PlanLedger()
+    lengths = [3970, 4000, 4030, 4060, 4090]  # one bucket (3968, 4096]: 4096
+    assert {bucket_rows(n) for n in lengths} == {4096}
+    flags = [ledger.dense("g", lengths[i % len(lengths)], rule) for i in range(27 * 4)]
+    bought_at = flags.index(True)
+    assert all(flags[bought_at:]) and ledger.bought("g", 4096) and ledger.stats()["bought"] == 1
+    # every length of the bucket now runs dense at once; the next bucket is new
+    assert all(ledger.dense("g", n, rule) for n in (3969, 4096)) and not ledger.dense("g", 4100, rule)
+    # two sequences of one bucket in one forward: one entry, its rent the sum of both's missed savings
+    fresh = PlanLedger()
+    def forwards_until_bought(ledger: PlanLedger, rows: list[int]) -> int:
+        for n in range(1, 100):
+            ledger.rent("g", rows, rule)
+            if not ledger.surcharge_ms("g", rows, rule):  # nothing left to rent: bought at its next call
+                return n
+        raise AssertionError("never bought")
+
+    alone, together = forwards_until_bought(PlanLedger(), [4000]), forwards_until_bought(fresh, [3980, 4000])
+    assert together < alone  # the shared rent reaches the plan sooner

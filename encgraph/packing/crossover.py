@@ -1,0 +1,224 @@
+"""The measured attention-kernel crossover of one head geometry on one device: part of the cost model's JSON.
+
+An eager forward knows every attention sequence on the host, so it can run each long one as a dense SDPA call
+(cuDNN on an H200: 346-428 TF/s at head dim 72-80) instead of one Flash varlen call over all of them (207-258
+TF/s), while many short sequences stay faster in one varlen call (one launch instead of one each). Where the
+two cross depends on the device, the head geometry and the dtype, so it is measured at capture
+(:func:`encgraph.models.kernel_choice.measure_crossover`): one sequence of each of a few lengths through both
+kernels. :class:`Crossover` keeps those timings and derives the crossover from them; the cost model
+(:class:`~encgraph.packing.CostModel`, field ``kernels``) stores it so that a saved model carries it too.
+Pure Python: importing it never imports torch.
+
+>>> c = Crossover("NVIDIA H200", 16, 72, "bfloat16", (1024, 4096, 16384), (0.05, 0.4, 5.5), (0.06, 0.3, 3.5))
+>>> c.min_rows, c.key
+(4096, 'NVIDIA H200/16x72/bfloat16')
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from encgraph._validate import check_int, check_mapping, check_sequence, check_str, describe
+from encgraph.errors import ConfigError, ConfigTypeError
+from encgraph.packing.eager_cost import checked_ms
+
+__all__ = ["BUCKET_SLACK", "PER_OCTAVE", "Crossover", "bucket_rows", "crossover_rows", "kernel_key", "kernel_table"]
+
+PER_OCTAVE = 16
+"""Bucket lengths per power of two (:func:`bucket_rows`): a sequence padded to its bucket has at most 1/16 more
+rows (6.25%; attention's work at most 13% more, about 6% on average), and 16 plans cover each doubling of the
+length where one plan per exact length would be needed otherwise."""
+
+BUCKET_SLACK = 1.2
+"""A head geometry runs its dense calls at bucket lengths (:attr:`Crossover.bucketed`) where the padded kernel,
+extra mask column included, costs at most this much of the exact one at the longest lengths measured: at head
+dim 72 on an H200 the mask column (72 -> 80) cost 5% at 12,800 rows (``benches/attention_kernels_*_cols.md``),
+at head dim 128 (-> 136) 54%, where exact lengths, each bought with its own plan, pay better."""
+
+
+def bucket_rows(rows: int, per_octave: int = PER_OCTAVE) -> int:
+    """``rows`` rounded up to a multiple of ``2^floor(log2 rows) / per_octave`` (at least 8): the length a padded
+    dense call runs at, so that one cuDNN plan serves every length of its bucket. A power of two is its own
+    bucket.
+
+    >>> [bucket_rows(r) for r in (1000, 1024, 1100, 13700, 27000)]
+    [1024, 1024, 1152, 13824, 27648]
+    """
+    rows = int(rows)
+    if rows <= 0:
+        return rows
+    step = max((1 << (rows.bit_length() - 1)) // per_octave, 8)
+    return -(-rows // step) * step
+
+
+def kernel_key(device: str, heads: int, head_dim: int, dtype: str) -> str:
+    """``"<device name>/<heads>x<head_dim>/<dtype>"``: what a crossover is measured for."""
+    return f"{device}/{heads}x{head_dim}/{dtype}"
+
+
+def crossover_rows(lengths: Sequence[int], varlen_ms: Sequence[float], dense_ms: Sequence[float]) -> int | None:
+    """The smallest measured length from which the dense per-sequence kernel is at least as fast as varlen at
+    that length and at every longer one measured; ``None`` where varlen wins at the longest (dense never pays).
+    Lengths are sorted ascending."""
+    best: int | None = None
+    for length, v, d in reversed(list(zip(lengths, varlen_ms, dense_ms))):
+        if d > v:
+            break
+        best = length
+    return best
+
+
+def _ints(name: str, value: Any) -> tuple[int, ...]:
+    check_sequence(name, value, hint="Pass the measured sequence lengths, ascending.")
+    out = tuple(check_int(f"{name}[{i}]", v, minimum=1) for i, v in enumerate(value))
+    if not out or any(b <= a for a, b in zip(out, out[1:])):
+        raise ConfigError(f"{name}: expected at least one length, strictly ascending, got {list(out)}.")
+    return out
+
+
+def _times(name: str, value: Any) -> tuple[float, ...]:
+    check_sequence(name, value, hint="Pass one measured time (ms) per length.")
+    return tuple(checked_ms(f"{name}[{i}]", v) for i, v in enumerate(value))
+
+
+@attrs.frozen
+class Crossover:
+    """One measurement: per sequence length, the ms of one sequence through Flash varlen and through dense SDPA.
+
+    Attributes:
+        device: the device's name (``torch.cuda.get_device_name``); a model loaded on another device is measured
+            again.
+        heads, head_dim, dtype: the head geometry and dtype measured (``"bfloat16"``).
+        lengths: rows of the one sequence, ascending.
+        varlen_ms, dense_ms: one time per length.
+        dense_first_ms: the dense kernel's first call at each length (a new shape: cuDNN builds a plan for it;
+            the tower's own SDPA pays the same), or empty; :attr:`plan_ms` is derived from it.
+        padded_ms: per length, the dense kernel on a sequence of fewer rows padded to that length (the padding
+            keys masked by an extra head-dim column: :func:`encgraph.models.attention.padded_dense`), or empty
+            (no bucketed calls); :attr:`bucketed` is derived from it.
+        min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
+            dense; ``None``: never.
+    """
+
+    device: str = attrs.field(converter=lambda v: check_str("Crossover(device)", v))
+    heads: int = attrs.field(converter=lambda v: check_int("Crossover(heads)", v, minimum=1))
+    head_dim: int = attrs.field(converter=lambda v: check_int("Crossover(head_dim)", v, minimum=1))
+    dtype: str = attrs.field(converter=lambda v: check_str("Crossover(dtype)", v))
+    lengths: tuple[int, ...] = attrs.field(converter=lambda v: _ints("Crossover(lengths)", v))
+    varlen_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(varlen_ms)", v))
+    dense_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(dense_ms)", v))
+    dense_first_ms: tuple[float, ...] = attrs.field(
+        default=(), kw_only=True, converter=lambda v: _times("Crossover(dense_first_ms)", v) if v else ())
+    padded_ms: tuple[float, ...] = attrs.field(
+        default=(), kw_only=True, converter=lambda v: _times("Crossover(padded_ms)", v) if v else ())
+    min_rows: int | None = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not len(self.varlen_ms) == len(self.dense_ms) == len(self.lengths):
+            raise ConfigError(
+                f"Crossover: expected one varlen and one dense time per length ({len(self.lengths)}), got "
+                f"{len(self.varlen_ms)} and {len(self.dense_ms)}."
+            )
+        for name in ("dense_first_ms", "padded_ms"):
+            times = getattr(self, name)
+            if times and len(times) != len(self.lengths):
+                raise ConfigError(
+                    f"Crossover({name}): expected one time per length ({len(self.lengths)}) or none, got "
+                    f"{len(times)}."
+                )
+        object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.varlen_ms, self.dense_ms))
+
+    @property
+    def key(self) -> str:
+        return kernel_key(self.device, self.heads, self.head_dim, self.dtype)
+
+    @property
+    def plan_ms(self) -> float:
+        """What the dense kernel's first call at a new length costs beyond its later calls (the median over the
+        measured lengths of ``dense_first_ms - dense_ms``, at least 0): cuDNN building the plan of that shape,
+        about 35 ms on an H200 whatever the length. 0.0 when no first calls were recorded."""
+        if not self.dense_first_ms:
+            return 0.0
+        return max(statistics.median(f - d for f, d in zip(self.dense_first_ms, self.dense_ms)), 0.0)
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether dense calls run at bucket lengths (:func:`bucket_rows`; one plan per bucket): padded times
+        were measured and, at the longest two lengths measured (where the dense kernel is used), cost at most
+        :data:`BUCKET_SLACK` times the exact ones."""
+        if not self.padded_ms:
+            return False
+        return all(p <= BUCKET_SLACK * d for p, d in zip(self.padded_ms[-2:], self.dense_ms[-2:]))
+
+    def run_rows(self, rows: int) -> int:
+        """The rows a dense call over a sequence of ``rows`` rows runs at: its bucket where :attr:`bucketed`,
+        else ``rows``; the plan it needs is that length's."""
+        return bucket_rows(rows) if self.bucketed else int(rows)
+
+    def dense_at(self, rows: int) -> float:
+        """ms of the dense call over one sequence of ``rows`` rows as it runs (:meth:`run_rows`): at its bucket
+        with the padded kernel (the exact one where no padding is needed), or at ``rows``."""
+        run = self.run_rows(rows)
+        if run == rows:
+            return self.ms_at(rows)[1]
+        return _interpolated(self.lengths, self.padded_ms, run)
+
+    def ms_at(self, rows: int) -> tuple[float, float]:
+        """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows: linear in log-log between the
+        measured lengths, extended past the longest (and below the shortest) with the slope of the nearest
+        pair (attention is quadratic, so about 2)."""
+        return _interpolated(self.lengths, self.varlen_ms, rows), _interpolated(self.lengths, self.dense_ms, rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``min_rows`` is written for readers and recomputed on load."""
+        return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
+                "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
+                "dense_first_ms": list(self.dense_first_ms), "padded_ms": list(self.padded_ms),
+                "min_rows": self.min_rows}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Crossover:
+        check_mapping("Crossover.from_dict(data)", data, hint="Pass the dict Crossover.to_dict() returned.")
+        fields = {k: v for k, v in data.items() if k != "min_rows"}
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise ConfigError(
+                f"Crossover.from_dict(data): {exc}. Pass the dict Crossover.to_dict() returned."
+            ) from None
+
+
+def _interpolated(lengths: Sequence[int], times: Sequence[float], rows: int) -> float:
+    """``times`` (one per ascending length) at ``rows``: linear in log-log between the measured lengths,
+    extended past the longest (and below the shortest) with the slope of the nearest pair (2 with one length:
+    attention is quadratic)."""
+    if len(lengths) == 1:
+        return times[0] * (rows / lengths[0]) ** 2
+    i = min(max(bisect.bisect_right(lengths, rows) - 1, 0), len(lengths) - 2)
+    x0, x1 = math.log(lengths[i]), math.log(lengths[i + 1])
+    t = (math.log(max(rows, 1)) - x0) / (x1 - x0)
+    y0, y1 = (math.log(max(v, 1e-9)) for v in (times[i], times[i + 1]))
+    return math.exp(y0 + t * (y1 - y0))
+
+
+def kernel_table(value: Any) -> dict[str, Crossover]:
+    """``CostModel(kernels=...)``'s converter: ``{key: Crossover or its dict}`` (or ``None``) to ``{key:
+    Crossover}``; each key must be its crossover's :attr:`Crossover.key`."""
+    if value is None:
+        return {}
+    check_mapping("CostModel(kernels)", value, hint="Pass {key: Crossover} (or None for none).")
+    out: dict[str, Crossover] = {}
+    for key, entry in value.items():
+        c = Crossover.from_dict(entry) if isinstance(entry, Mapping) else entry
+        if not isinstance(c, Crossover):
+            raise ConfigTypeError(f"CostModel(kernels[{key!r}]): expected a Crossover, got {describe(entry)}.")
+        if key != c.key:
+            raise ConfigError(f"CostModel(kernels): key {key!r} names another geometry than its entry's {c.key!r}.")
+        out[key] = c
+    return out
