@@ -5,9 +5,11 @@ eager forward with host bounds can run (:func:`encgraph.models.attention.host_bo
 for all sequences) and dense SDPA (one call per sequence, in the towers' own layout: cuDNN on an H200). The
 :class:`~encgraph.packing.kernels.Crossover` it returns says from how many rows the dense kernel wins; the
 runner measures it at capture for the adapter's head geometries (:func:`choose`), keeps it in the cost model's
-JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. Measured once per process and
-geometry (about 0.5 s on an H200: 7 lengths, 3 kernels, 4 calls each, two new plans per length); a geometry already in a given cost model
-for this device is not measured again.
+JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. The dense kernel is timed a second way
+at each length, on a shorter sequence padded to it (:func:`~encgraph.models.dense_sequence.padded_dense`): where
+that costs little, dense calls run at bucket lengths (``Crossover.bucketed``). Measured once per process and
+geometry (about 0.5 s on an H200: 7 lengths, 3 kernels, 4 calls each, two new plans per length); a geometry
+already in a given cost model for this device is not measured again.
 
 Nothing here changes torch's settings: the dense kernel is the one torch's SDPA picks with its flags as found.
 """
@@ -25,8 +27,8 @@ from encgraph.models import attention
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.packing.kernels import Crossover, DenseRule, kernel_key
 
-__all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "attention_calls", "choose", "device_name", "measure_crossover", "rows_table",
-           "tower_geometries"]
+__all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "attention_calls", "choose", "device_name", "measure_crossover",
+           "rows_table", "tower_geometries"]
 
 log = logging.getLogger("encgraph")
 
