@@ -4,7 +4,8 @@ torch keeps one cuDNN attention plan per exact shape (``MHA.cpp``'s thread-local
 about 35 ms on an H200 whatever the length, so every new image size pays it once (Hugging Face's sdpa does too)
 or runs Flash varlen at about 0.65x cuDNN's rate (encgraph's rent-or-buy). Padding each long sequence up to a
 bucket length (:func:`encgraph.packing.kernels.bucket_rows`, ``--per-octave`` buckets per power of two) lets a
-handful of plans serve every size, if the padding rows can be masked cheaply. For one sequence of each length, per head geometry, this measures:
+handful of plans serve every size, if the padding rows can be masked cheaply. For one sequence of each length,
+per head geometry, this measures:
 
 - ``flash``: ``varlen_attn`` over the exact rows (what a rented call runs);
 - ``exact``: cuDNN dense SDPA at the exact length (``aten._scaled_dot_product_cudnn_attention``);
