@@ -228,5 +228,5 @@ def test_an_eager_batch_that_would_rent_replays_instead():
     stats = runner.stats
     assert stats["eager_items"] == 1 and stats["eager_reasons"] == {"eager is cheaper": 1}, stats
     assert stats["cost_feedback"]["rerouted"] == call >= 1 and LEDGER.bought(
-        sequence_bounds.ledger_key(16, 72, torch.bfloat16, torch.device("cuda")), 4560)
+        sequence_bounds.ledger_key(16, 72, torch.bfloat16, torch.device("cuda")), rule.run_rows(4560))
     assert adapter.eager_surcharge_ms("default", specs) == 0.0
