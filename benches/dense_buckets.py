@@ -125,7 +125,10 @@ def render(rows: list[dict[str, Any]], gpu: str, per_octave: int) -> str:
     head = ["geometry", "rows", "bucket"] + [f"{n} ms" for n in VARIANTS]
     body = [[r["geometry"], str(r["rows"]), str(r["bucket"])] + [cell(r, n) for n in VARIANTS] for r in rows]
     return (f"## dense cuDNN attention at bucketed lengths ({gpu}, bfloat16, {per_octave} buckets per octave)\n\n"
-            "TF/s count the exact rows' work; `first`: the first call at that shape, ms (a new plan).\n\n"
+            "TF/s count the exact rows' work; `first`: the first call at that shape, ms (a new plan). `dense` runs "
+            "after `exact` at the same shape and its first call reuses that plan (torch's SDPA dispatches the same "
+            "cuDNN kernel): a plan belongs to the shape, not to the caller. `bias` reaches only Flash's rate: "
+            "cuDNN's kernel with a bias is a slower one.\n\n"
             + markdown_table(head, body) + "\n")
 
 
