@@ -50,6 +50,21 @@ def attention_chart(data: Mapping[str, Any], path: Path) -> Chart:
                  note=missing(reasons, width=90), cols=2, width=14.0)
 
 
+def dense_buckets_chart(data: Mapping[str, Any], path: Path) -> Chart:
+    """Useful TFLOP/s of one sequence per length and kernel (Flash varlen, exact cuDNN, padded to its bucket with
+    the mask column or a bias), a panel per head geometry."""
+    panels: dict[str, Cells] = {}
+    for row in data.get("rows", []):
+        group = f"{row.get('rows')} -> {row.get('bucket')}"
+        cells = panels.setdefault(str(row.get("geometry")), {}).setdefault(group, {})
+        for name in ("flash", "exact", "cols", "bias"):
+            ms = num(row.get(f"{name}_ms"))
+            cells[name] = row["flops"] / (ms * 1e9) if ms and row.get("flops") else None
+    return Chart(titled("dense attention at bucket lengths: useful TFLOP/s of one sequence", data),
+                 tuple(Panel(t, "TFLOP/s", cells=c, xlabel="rows -> bucket") for t, c in panels.items()),
+                 cols=3, width=16.0)
+
+
 def flex_chart(data: Mapping[str, Any], path: Path) -> Chart:
     rows = data.get("rows", [])
     return Chart(titled("FlexAttention against varlen attention inside CUDA graphs", data), (

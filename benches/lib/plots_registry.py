@@ -38,6 +38,7 @@ REGISTRY: tuple[Plot, ...] = (
     Plot("capture", plots_kernels.capture_chart),
     Plot("compile_start", plots_kernels.compile_start_chart),
     Plot("data_parallel", plots_models.data_parallel_chart),
+    Plot("dense_buckets", plots_kernels.dense_buckets_chart),
     Plot("flex_attention", plots_kernels.flex_chart),
     Plot("floor", plots_models.floor_chart),
     Plot("host_overhead", plots_host.host_overhead_chart),
