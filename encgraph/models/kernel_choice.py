@@ -7,7 +7,7 @@ for all sequences) and dense SDPA (one call per sequence, in the towers' own lay
 runner measures it at capture for the adapter's head geometries (:func:`choose`), keeps it in the cost model's
 JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. The dense kernel is timed a second way
 at each length, on a shorter sequence padded to it (:func:`~encgraph.models.dense_sequence.padded_dense`): where
-that costs little, dense calls run at bucket lengths (``Crossover.bucketed``). Measured once per process and
+that costs little, dense calls run at bucket lengths (``Crossover.bucket_from``). Measured once per process and
 geometry (about 0.5 s on an H200: 7 lengths, 3 kernels, 4 calls each, two new plans per length); a geometry
 already in a given cost model for this device is not measured again.
 

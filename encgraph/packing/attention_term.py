@@ -20,6 +20,7 @@ Pure Python: importing it never imports torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from encgraph._validate import check_mapping, check_path
@@ -67,18 +68,21 @@ def fit_power(budgets: tuple[int, int], deltas: tuple[float, float]) -> float:
     return min(max(math.log(d1 / d0) / math.log(b1 / b0), MIN_POWER), MAX_POWER)
 
 
+def _per_path(field: str, value: Any, hint: str) -> Iterator[tuple[str, float]]:
+    """``(path, value)`` of ``CostModel(<field>)``, a ``{path: float}``: each path name checked, each value a finite
+    number >= 0."""
+    check_mapping(f"CostModel({field})", value, hint=hint)
+    for path, v in value.items():
+        check_path(f"CostModel({field}) path name", path)
+        yield path, checked_ms(f"CostModel({field}[{path!r}])", v)
+
+
 def coef_table(value: Any) -> dict[str, float]:
     """``CostModel(attention)``: ``{path: ms per token^power}``, zeros dropped."""
     if value is None:
         return {}
-    check_mapping("CostModel(attention)", value, hint="Pass {path: ms per token^power} (or None for none).")
-    out: dict[str, float] = {}
-    for path, coef in value.items():
-        check_path("CostModel(attention) path name", path)
-        c = checked_ms(f"CostModel(attention[{path!r}])", coef)
-        if c:
-            out[path] = c
-    return out
+    hint = "Pass {path: ms per token^power} (or None for none)."
+    return {path: c for path, c in _per_path("attention", value, hint) if c}
 
 
 def power_table(value: Any) -> dict[str, float]:
@@ -86,14 +90,11 @@ def power_table(value: Any) -> dict[str, float]:
     dropped (a path without an entry has it)."""
     if value is None:
         return {}
-    check_mapping("CostModel(attention_power)", value, hint="Pass {path: power} (or None: every path at 2).")
     out: dict[str, float] = {}
-    for path, power in value.items():
-        check_path("CostModel(attention_power) path name", path)
-        p = checked_ms(f"CostModel(attention_power[{path!r}])", power)
+    for path, p in _per_path("attention_power", value, "Pass {path: power} (or None: every path at 2)."):
         if not MIN_POWER <= p <= MAX_POWER:
             raise ConfigError(
-                f"CostModel(attention_power[{path!r}]): expected a power in [{MIN_POWER}, {MAX_POWER}], got {power}. "
+                f"CostModel(attention_power[{path!r}]): expected a power in [{MIN_POWER}, {MAX_POWER}], got {p}. "
                 f"Fit it with fit_power (clipped to that range), or leave the path out for {DEFAULT_POWER}."
             )
         if p != DEFAULT_POWER:

@@ -36,10 +36,12 @@ rows (6.25%; attention's work at most 13% more, about 6% on average), and 16 pla
 length where one plan per exact length would be needed otherwise."""
 
 BUCKET_SLACK = 1.2
-"""A head geometry runs its dense calls at bucket lengths (:attr:`Crossover.bucketed`) where the padded kernel,
-extra mask column included, costs at most this much of the exact one at the longest lengths measured: at head
-dim 72 on an H200 the mask column (72 -> 80) cost 5% at 12,800 rows (``benches/attention_kernels_*_cols.md``),
-at head dim 128 (-> 136) 54%, where exact lengths, each bought with its own plan, pay better."""
+"""Sequences of a head geometry run their dense calls at bucket lengths from :attr:`Crossover.bucket_from`, the
+shortest measured length from which the padded kernel, copies and extra mask column included, costs at most
+this much of the exact one at every longer length measured. On an H200 at 16 heads x 72 the padded kernel cost
+1.04x the exact one at 16,384 rows and 1.12x at 8,192, but 1.5-3x at 4,096 rows and below, where the copies into
+the padded buffers cost as much as the kernel; at 12 x 128 (the column widens it to 136) 1.5-1.8x everywhere.
+Shorter sequences buy exact lengths, each with its own plan."""
 
 
 def bucket_rows(rows: int, per_octave: int = PER_OCTAVE) -> int:
@@ -101,7 +103,7 @@ class Crossover:
             the tower's own SDPA pays the same), or empty; :attr:`plan_ms` is derived from it.
         padded_ms: per length, the dense kernel on a sequence of fewer rows padded to that length (the padding
             keys masked by an extra head-dim column: :func:`encgraph.models.attention.padded_dense`), or empty
-            (no bucketed calls); :attr:`bucketed` is derived from it.
+            (no bucketed calls); :attr:`bucket_from` is derived from it.
         min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
             dense; ``None``: never.
     """
@@ -148,18 +150,27 @@ class Crossover:
         return max(statistics.median(f - d for f, d in zip(self.dense_first_ms, self.dense_ms)), 0.0)
 
     @property
+    def bucket_from(self) -> int | None:
+        """The shortest measured length from which dense calls run at bucket lengths (:func:`bucket_rows`; one plan
+        per bucket): where the padded kernel costs at most :data:`BUCKET_SLACK` times the exact one at it and at
+        every longer length measured; ``None`` without padded times or where the longest length fails."""
+        best: int | None = None
+        for length, padded, dense in reversed(list(zip(self.lengths, self.padded_ms, self.dense_ms))):
+            if padded > BUCKET_SLACK * dense:
+                break
+            best = length
+        return best
+
+    @property
     def bucketed(self) -> bool:
-        """Whether dense calls run at bucket lengths (:func:`bucket_rows`; one plan per bucket): padded times
-        were measured and, at the longest two lengths measured (where the dense kernel is used), cost at most
-        :data:`BUCKET_SLACK` times the exact ones."""
-        if not self.padded_ms:
-            return False
-        return all(p <= BUCKET_SLACK * d for p, d in zip(self.padded_ms[-2:], self.dense_ms[-2:]))
+        """Whether any dense call runs at a bucket length (:attr:`bucket_from`)."""
+        return self.bucket_from is not None
 
     def run_rows(self, rows: int) -> int:
-        """The rows a dense call over a sequence of ``rows`` rows runs at: its bucket where :attr:`bucketed`,
-        else ``rows``; the plan it needs is that length's."""
-        return bucket_rows(rows) if self.bucketed else int(rows)
+        """The rows a dense call over a sequence of ``rows`` rows runs at: its bucket from :attr:`bucket_from`
+        rows, else ``rows``; the plan it needs is that length's."""
+        start = self.bucket_from
+        return bucket_rows(rows) if start is not None and rows >= start else int(rows)
 
     def dense_at(self, rows: int) -> float:
         """ms of the dense call over one sequence of ``rows`` rows as it runs (:meth:`run_rows`): at its bucket

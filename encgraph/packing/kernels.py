@@ -32,12 +32,12 @@ __all__ = ["BUCKET_SLACK", "LEDGER", "PER_OCTAVE", "Crossover", "DenseRule", "Pl
 class DenseRule:
     """Which sequences of an eager forward run dense, for one head geometry: none shorter than ``min_rows``
     (``None``: none at all); from there, a sequence runs dense at its run length (:meth:`run_rows`: its bucket
-    where the crossover is :attr:`~Crossover.bucketed`, so one plan serves many lengths), a run length whose dense
-    plan this thread has built at once, and a new one once the time varlen has cost it (rent) plus what dense
-    would save over the ``calls``
-    attention calls of one forward reaches :attr:`Crossover.plan_ms` (buy); until then it runs varlen and the
-    saving it missed is added to its rent (:class:`PlanLedger`). Without a measured ``crossover`` (or with no
-    plan cost measured) every sequence from ``min_rows`` runs dense.
+    from the crossover's :attr:`~Crossover.bucket_from` rows, so one plan serves many lengths); a run length
+    whose dense plan this thread has built does so at once, and a new one once the time varlen has cost it
+    (rent) plus what dense would save over the ``calls`` attention calls of one forward reaches
+    :attr:`Crossover.plan_ms` (buy); until then it runs varlen and the saving it missed is added to its rent
+    (:class:`PlanLedger`). Without a measured ``crossover`` (or with no plan cost measured) every sequence from
+    ``min_rows`` runs dense.
 
     Attributes:
         min_rows: the crossover's rows, or ``None``.
@@ -69,10 +69,10 @@ class DenseRule:
 
     def may_run_dense(self, rows: int) -> bool:
         """Whether a sequence of ``rows`` rows ever runs dense: from ``min_rows``, except where it would run
-        padded to its bucket no faster than varlen (just past the crossover)."""
+        padded to its bucket no faster than varlen."""
         if self.min_rows is None or rows < self.min_rows:
             return False
-        return not (self.crossover is not None and self.crossover.bucketed and self.gain_ms(rows) <= 0.0)
+        return self.run_rows(rows) == rows or self.gain_ms(rows) > 0.0
 
     def run_rows(self, rows: int) -> int:
         """The length a dense call over ``rows`` rows runs at, whose plan it needs (:meth:`Crossover.run_rows`;

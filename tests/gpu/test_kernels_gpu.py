@@ -199,6 +199,9 @@ def test_an_eager_batch_that_would_rent_replays_instead():
     runner.capture()
     (key, rule), = adapter.kernel_rows.items()
     assert rule.min_rows is not None and rule.min_rows <= 4560, rule
+    # 4,560 rows: under the bucket lengths' start on an H200 (about 8,192 rows at 16 x 72: below it the padded
+    # copies cost as much as the kernel), so an exact length that dense runs faster than varlen.
+    assert rule.run_rows(4560) == 4560 and rule.gain_ms(4560) > 0, rule.crossover.to_dict()
     # The plan as 5 forwards' savings: the crossover's own plan time depends on whether this process built
     # cuDNN plans at its lengths before (earlier tests did), and this test is about the rent, not the device.
     plan = 5 * rule.calls * rule.gain_ms(4560)

@@ -171,10 +171,11 @@ def test_replays_in_place_of_renting_pay_rent_until_the_length_is_bought(rows, c
     assert ledger.stats() == {"bought": 1, "rented_calls": rented}
 
 
-def bucketed(slack: float = 1.05) -> Crossover:
+def bucketed(slack: float | tuple[float, ...] = 1.05) -> Crossover:
     c = crossover()
+    slacks = slack if isinstance(slack, tuple) else (slack,) * len(LENGTHS)
     return Crossover("gpu", 16, 72, "bfloat16", LENGTHS, c.varlen_ms, c.dense_ms, dense_first_ms=c.dense_first_ms,
-                     padded_ms=tuple(slack * d for d in c.dense_ms))
+                     padded_ms=tuple(f * d for f, d in zip(slacks, c.dense_ms)))
 
 
 @given(st.integers(min_value=1, max_value=1 << 20))
@@ -186,7 +187,7 @@ def test_a_bucket_holds_its_length_within_a_sixteenth(rows):
 
 
 def test_bucketed_only_where_the_padded_kernel_costs_little():
-    assert bucketed(1.05).bucketed and not bucketed(BUCKET_SLACK + 0.1).bucketed
+    assert bucketed(1.05).bucket_from == LENGTHS[0] and not bucketed(BUCKET_SLACK + 0.1).bucketed
     assert not crossover().bucketed  # no padded times measured: exact lengths, as before
     c = bucketed(1.05)
     assert c.run_rows(4000) == bucket_rows(4000) == 4096 and crossover().run_rows(4000) == 4000
@@ -194,6 +195,20 @@ def test_bucketed_only_where_the_padded_kernel_costs_little():
     assert c.dense_at(4096) == pytest.approx(c.ms_at(4096)[1])
     assert c.dense_at(3900) == pytest.approx(1.05 * c.ms_at(bucket_rows(3900))[1])
     assert Crossover.from_dict(c.to_dict()) == c
+
+
+def test_buckets_start_where_the_padded_kernel_stays_cheap_to_the_longest_length():
+    # As measured on an H200 at 16 x 72: the copies into the padded buffers dominate up to 4,096 rows.
+    c = bucketed((2.2, 2.9, 1.12, 1.04))
+    assert c.bucket_from == 4096 and c.run_rows(4000) == 4000 and c.run_rows(5000) == bucket_rows(5000) == 5120
+    assert c.dense_at(4000) == pytest.approx(c.ms_at(4000)[1])  # exact below: its own plan, the exact kernel
+    assert bucketed((1.0, 1.0, 1.5, 1.1)).bucket_from == 16384  # a costly length in between cuts the run
+    assert bucketed((1.0, 1.0, 1.0, 1.3)).bucket_from is None  # the longest decides
+    # below bucket_from the exact rule of before: bought per exact length
+    rule, ledger = DenseRule(256, c, calls=27), PlanLedger()
+    while not ledger.dense("g", 2000, rule):
+        pass
+    assert ledger.bought("g", 2000) and not ledger.bought("g", bucket_rows(2000))
 
 
 def test_lengths_of_one_bucket_share_its_plan_and_its_rent():
