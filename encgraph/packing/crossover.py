@@ -64,16 +64,22 @@ def kernel_key(device: str, heads: int, head_dim: int, dtype: str) -> str:
     return f"{device}/{heads}x{head_dim}/{dtype}"
 
 
+def _holding_from(lengths: Sequence[int], holds: Sequence[bool]) -> int | None:
+    """The smallest of ``lengths`` (ascending) from which ``holds`` is true at it and at every longer one;
+    ``None`` where it fails at the longest."""
+    best: int | None = None
+    for length, ok in reversed(list(zip(lengths, holds))):
+        if not ok:
+            break
+        best = length
+    return best
+
+
 def crossover_rows(lengths: Sequence[int], varlen_ms: Sequence[float], dense_ms: Sequence[float]) -> int | None:
     """The smallest measured length from which the dense per-sequence kernel is at least as fast as varlen at
     that length and at every longer one measured; ``None`` where varlen wins at the longest (dense never pays).
     Lengths are sorted ascending."""
-    best: int | None = None
-    for length, v, d in reversed(list(zip(lengths, varlen_ms, dense_ms))):
-        if d > v:
-            break
-        best = length
-    return best
+    return _holding_from(lengths, [d <= v for v, d in zip(varlen_ms, dense_ms)])
 
 
 def _ints(name: str, value: Any) -> tuple[int, ...]:
@@ -106,6 +112,10 @@ class Crossover:
             (no bucketed calls); :attr:`bucket_from` is derived from it.
         min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
             dense; ``None``: never.
+        bucket_from: derived from ``padded_ms``: the shortest measured length from which the padded kernel costs
+            at most :data:`BUCKET_SLACK` times the exact one at it and at every longer length measured, where dense
+            calls start to run at bucket lengths (:func:`bucket_rows`; one plan per bucket); ``None`` without
+            padded times or where the longest length fails.
     """
 
     device: str = attrs.field(converter=lambda v: check_str("Crossover(device)", v))
@@ -120,6 +130,7 @@ class Crossover:
     padded_ms: tuple[float, ...] = attrs.field(
         default=(), kw_only=True, converter=lambda v: _times("Crossover(padded_ms)", v) if v else ())
     min_rows: int | None = attrs.field(init=False)
+    bucket_from: int | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if not len(self.varlen_ms) == len(self.dense_ms) == len(self.lengths):
@@ -135,6 +146,9 @@ class Crossover:
                     f"{len(times)}."
                 )
         object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.varlen_ms, self.dense_ms))
+        # Derived once: run_rows reads it for every long sequence of every eager attention call.
+        object.__setattr__(self, "bucket_from", _holding_from(
+            self.lengths, [p <= BUCKET_SLACK * d for p, d in zip(self.padded_ms, self.dense_ms)]))
 
     @property
     def key(self) -> str:
@@ -148,18 +162,6 @@ class Crossover:
         if not self.dense_first_ms:
             return 0.0
         return max(statistics.median(f - d for f, d in zip(self.dense_first_ms, self.dense_ms)), 0.0)
-
-    @property
-    def bucket_from(self) -> int | None:
-        """The shortest measured length from which dense calls run at bucket lengths (:func:`bucket_rows`; one plan
-        per bucket): where the padded kernel costs at most :data:`BUCKET_SLACK` times the exact one at it and at
-        every longer length measured; ``None`` without padded times or where the longest length fails."""
-        best: int | None = None
-        for length, padded, dense in reversed(list(zip(self.lengths, self.padded_ms, self.dense_ms))):
-            if padded > BUCKET_SLACK * dense:
-                break
-            best = length
-        return best
 
     @property
     def bucketed(self) -> bool:
@@ -187,16 +189,16 @@ class Crossover:
         return _interpolated(self.lengths, self.varlen_ms, rows), _interpolated(self.lengths, self.dense_ms, rows)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; ``min_rows`` is written for readers and recomputed on load."""
+        """JSON-ready; ``min_rows`` is written for readers and recomputed on load (``bucket_from`` too)."""
         return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
                 "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
                 "dense_first_ms": list(self.dense_first_ms), "padded_ms": list(self.padded_ms),
-                "min_rows": self.min_rows}
+                "min_rows": self.min_rows, "bucket_from": self.bucket_from}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Crossover:
         check_mapping("Crossover.from_dict(data)", data, hint="Pass the dict Crossover.to_dict() returned.")
-        fields = {k: v for k, v in data.items() if k != "min_rows"}
+        fields = {k: v for k, v in data.items() if k not in ("min_rows", "bucket_from")}
         try:
             return cls(**fields)
         except TypeError as exc:

@@ -149,8 +149,8 @@ class PlanLedger:
         bought, rent = self._state()
         # The sequences that could rent (long, at a length not bought); none in the usual steady case. Two of
         # one bucket share its entry (and its rent).
-        pending = [((key, rule.run_rows(n)), int(n)) for n in rows if rule.may_run_dense(n)]
-        pending = [(entry, n) for entry, n in pending if entry not in bought]
+        pending = [(entry, int(n)) for n in rows if rule.may_run_dense(n)
+                   if (entry := (key, rule.run_rows(n))) not in bought]
         paid: dict[Hashable, float] = {}  # this forward's view of the rent of the lengths it meets
         for _ in range(rule.calls if pending else 0):
             for entry, n in pending:
