@@ -11,8 +11,10 @@ per head geometry, this measures:
 - ``exact``: cuDNN dense SDPA at the exact length (``aten._scaled_dot_product_cudnn_attention``);
 - ``dense``: :func:`encgraph.models.dense_sequence.dense_sequence` at the exact length (torch's SDPA, the kernel
   its flags pick: what encgraph's exact dense calls run);
-- ``cols``: :func:`encgraph.models.dense_sequence.padded_dense` at the bucket length (what encgraph runs): one
-  extra head-dim column (rounded to a multiple of 8) masks the padding keys;
+- ``padded``: :func:`encgraph.models.dense_sequence.padded_dense` at the bucket length (what encgraph runs): the
+  padding keys are each head's mean key, and the kernel's log-sum-exp takes their share out of the output;
+- ``cols``: cuDNN dense at the bucket length with one extra head-dim column (rounded to a multiple of 8) masking
+  the padding keys (encgraph's first bucketed kernel: 128 widens to 136, a slower kernel);
 - ``bias``: cuDNN dense at the bucket length with a ``(1, 1, 1, bucket)`` additive key-padding bias broadcast
   over heads and queries.
 
@@ -40,7 +42,7 @@ from benches.lib.results import markdown_table, write_rows
 GEOMETRIES = {"qwen3_vl 16x72": (16, 72), "qwen2_5_vl 16x80": (16, 80), "glm4v 12x128": (12, 128)}
 LENGTHS = (1100, 2300, 4100, 9204, 13700, 27000)  # rows of one image's attention (patches): 450 px ... 3000 px
 MASK_LOGIT = 1.0e4
-VARIANTS = ("flash", "exact", "dense", "cols", "bias")
+VARIANTS = ("flash", "exact", "dense", "padded", "cols", "bias")
 
 
 def _cudnn(q: Any, k: Any, v: Any, bias: Any, scale: float) -> Any:
@@ -72,7 +74,12 @@ def variants(q: Any, k: Any, v: Any, padded: int) -> dict[str, Any]:
         return _cudnn(four(q), four(k), four(v), None, scale)[0].transpose(0, 1)
 
     def cols() -> Any:
-        return padded_dense(q, k, v, scale, padded)
+        width = -(-(dim + 1) // 8) * 8
+        qp, kp, vp = (t.new_zeros(padded, heads, width) for t in (q, k, v))
+        qp[:rows, :, :dim], kp[:rows, :, :dim], vp[:rows, :, :dim] = q, k, v
+        qp[:rows, :, dim] = MASK_LOGIT / scale
+        kp[rows:, :, dim] = -1.0
+        return dense_sequence(qp, kp, vp, scale)[:rows, :, :dim]
 
     def bias() -> Any:
         qp, kp, vp = (t.new_zeros(padded, heads, dim) for t in (q, k, v))
@@ -80,8 +87,8 @@ def variants(q: Any, k: Any, v: Any, padded: int) -> dict[str, Any]:
         mask = (real * -MASK_LOGIT).view(1, 1, 1, padded).expand(1, heads, padded, padded)
         return _cudnn(four(qp), four(kp), four(vp), mask, scale)[0, :, :rows].transpose(0, 1)
 
-    return {"flash": flash, "exact": exact, "dense": lambda: dense_sequence(q, k, v, scale), "cols": cols,
-            "bias": bias}
+    return {"flash": flash, "exact": exact, "dense": lambda: dense_sequence(q, k, v, scale),
+            "padded": lambda: padded_dense(q, k, v, scale, padded), "cols": cols, "bias": bias}
 
 
 def measure(heads: int, dim: int, rows: int, per_octave: int, runs: int) -> dict[str, Any]:

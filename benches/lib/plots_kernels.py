@@ -51,13 +51,13 @@ def attention_chart(data: Mapping[str, Any], path: Path) -> Chart:
 
 
 def dense_buckets_chart(data: Mapping[str, Any], path: Path) -> Chart:
-    """Useful TFLOP/s of one sequence per length and kernel (Flash varlen, exact cuDNN, padded to its bucket with
-    the mask column or a bias), a panel per head geometry."""
+    """Useful TFLOP/s of one sequence per length and kernel (Flash varlen, exact cuDNN, padded to its bucket:
+    encgraph's log-sum-exp correction, a mask column or a bias), a panel per head geometry."""
     panels: dict[str, Cells] = {}
     for row in data.get("rows", []):
         group = f"{row.get('rows')} -> {row.get('bucket')}"
         cells = panels.setdefault(str(row.get("geometry")), {}).setdefault(group, {})
-        for name in ("flash", "exact", "cols", "bias"):
+        for name in ("flash", "exact", "padded", "cols", "bias"):
             ms = num(row.get(f"{name}_ms"))
             cells[name] = row["flops"] / (ms * 1e9) if ms and row.get("flops") else None
     return Chart(titled("dense attention at bucket lengths: useful TFLOP/s of one sequence", data),

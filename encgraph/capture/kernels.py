@@ -20,14 +20,19 @@ __all__ = ["choose_kernels", "keep_kernels"]
 def choose_kernels(runner: Any) -> dict[str, Any]:
     """Let the adapter of ``runner`` (an :class:`~encgraph.EncoderGraphRunner`: its ``adapter``, ``costs`` and
     ``kernels`` are read and set) choose its eager attention kernels; returns the summary for
-    ``capture_info["kernels"]`` (``{key: Crossover.to_dict()}``, empty off CUDA) and keeps the crossovers in
+    ``capture_info["kernels"]`` (``{key: Crossover.to_dict()}``, empty off CUDA, plus ``"warmed_plans"``
+    where the adapter built bucket plans ahead) and keeps the crossovers in
     ``runner.kernels`` for :func:`keep_kernels`."""
     choose = getattr(runner.adapter, "choose_kernels", None)
     if choose is None:
         return {"skipped": f"{type(runner.adapter).__name__} has no choose_kernels(known)"}
     chosen: dict[str, Crossover] = choose(runner.costs.kernels if runner.costs is not None else None)
     runner.kernels = chosen
-    return {key: c.to_dict() for key, c in chosen.items()}
+    summary: dict[str, Any] = {key: c.to_dict() for key, c in chosen.items()}
+    warmed = getattr(runner.adapter, "warmed_plans", None)
+    if warmed and warmed.get("lengths"):
+        summary["warmed_plans"] = warmed  # not a geometry key: {"lengths", "seconds"} of the plans built ahead
+    return summary
 
 
 def keep_kernels(runner: Any) -> None:

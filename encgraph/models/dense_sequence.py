@@ -2,9 +2,10 @@
 
 An eager forward with host bounds (:mod:`encgraph.models.attention`) runs each long sequence as one dense SDPA
 call: on an H200 torch picks cuDNN's kernel (346-428 TF/s at head dim 72-80 against Flash varlen's 207-258), whose
-plan is built per exact shape (about 35 ms, then kept per thread). :func:`padded_dense` runs a sequence at a
-bucket length instead (:func:`~encgraph.packing.kernels.bucket_rows`), the padding masked exactly, so that one plan
-serves every length of the bucket; which geometries do so is measured (:mod:`encgraph.models.kernel_choice`).
+plan is built per exact shape (35-70 ms, then kept per thread). :func:`padded_dense` runs a sequence at a bucket
+length instead (:func:`~encgraph.packing.kernels.bucket_rows`) and corrects its output exactly for the padding
+keys, so that one plan serves every length of the bucket at any head dim; which geometries do so, and from which
+length, is measured (:mod:`encgraph.models.kernel_choice`).
 """
 
 from __future__ import annotations
@@ -13,44 +14,86 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
-__all__ = ["MASK_LOGIT", "dense_sequence", "padded_dense"]
+__all__ = ["dense_sequence", "dense_with_lse", "padded_dense"]
+
+_CUDNN, _FLASH = SDPBackend.CUDNN_ATTENTION.value, SDPBackend.FLASH_ATTENTION.value
+
+
+def _four(t: torch.Tensor) -> torch.Tensor:
+    """``(rows, heads, dim)`` as the ``(1, heads, rows, dim)`` view the towers' own SDPA calls pass."""
+    return t.transpose(0, 1).unsqueeze(0)
 
 
 def dense_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
     """One sequence ``(rows, heads, head_dim)`` through dense SDPA in the ``(1, heads, rows, head_dim)`` layout of
     the towers' own SDPA calls (transposed views: on an H200 torch runs cuDNN's kernel for them, the layout the
     crossover is measured in); returns ``(rows, heads, head_dim)``."""
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    return F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1)
+    return F.scaled_dot_product_attention(_four(query), _four(key), _four(value), scale=scale)[0].transpose(0, 1)
 
 
-MASK_LOGIT = 1.0e4
-"""The logit of a query against a padding key in :func:`padded_dense` (negated): its weight is exp(-1e4), 0."""
+def dense_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`dense_sequence` through the kernel torch's SDPA picks for these inputs (its backend flags as found),
+    also returning each query's log-sum-exp of its scaled logits: ``(out (rows, heads, head_dim) in the inputs'
+    dtype, lse (heads, rows) float32)``. ``None`` where that kernel does not return one (memory-efficient or math
+    SDPA): cuDNN and Flash on CUDA, Flash on the CPU do."""
+    q, k, v = _four(query), _four(key), _four(value)
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=scale)
+    if choice == _CUDNN:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False,
+                                                                      scale=scale)[:2]
+    elif choice == _FLASH and q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+    elif choice == _FLASH and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    else:
+        return None
+    rows, heads = query.shape[:2]
+    return out[0].transpose(0, 1), lse.reshape(heads, rows)  # cuDNN's lse is (1, heads, rows, 1)
 
 
 def padded_dense(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, padded: int
 ) -> torch.Tensor:
     """One sequence ``(rows, heads, head_dim)`` through dense SDPA at ``padded >= rows`` rows, so that one cuDNN
-    plan (built per exact shape, about 35 ms on an H200) serves every length of a bucket
+    plan (built per exact shape, 35-70 ms on an H200) serves every length of a bucket
     (:func:`~encgraph.packing.kernels.bucket_rows`); ``padded == rows`` is :func:`dense_sequence`.
 
-    The padding rows are zeros and one more head-dim column (the width rounded up to a multiple of 8, the
-    kernel's alignment) masks them as keys: real queries carry ``MASK_LOGIT / scale`` there, padding keys -1, real
-    keys and values 0. A real query's logit against a real key is exactly its own (the extra products are 0),
-    against a padding key ``-MASK_LOGIT``: weight 0. Padding queries' rows are dropped. The scale is the
-    sequence's own (``1 / sqrt(head_dim)`` by default, not the widened one's). Returns ``(rows, heads, head_dim)``;
-    the padded copies (about ``padded x heads x width`` elements each, three of them) live for the call."""
+    The ``p = padded - rows`` padding keys are each head's mean key ``k̄`` with zero values, the padding queries
+    zero (their rows are dropped). A real query's softmax then also counts ``p`` keys of logit ``s̄ = scale q·k̄``
+    that add nothing to its weighted sum, so its padded output is the exact one times ``Z / (Z + p e^s̄)``, where
+    ``Z`` sums its real keys' ``e^s`` and the kernel's log-sum-exp gives ``Z + p e^s̄``: dividing by
+    ``1 - p e^(s̄ - lse)`` (in float32) restores it. The mean key makes that exact to float32 rounding (times at
+    most ``padded / rows``): by Jensen ``Z >= rows e^s̄``, so the padding's share is at most ``p / padded`` (1/17
+    at a bucket's widest) and nothing cancels, whatever the logits (zero keys would share ``p / (Z + p)``, near 1
+    for a query whose every logit is very negative). The head dim is the sequence's own, so the kernel runs at
+    the exact rate at 128 too (an extra masking column would widen it to 136, a slower cuDNN kernel). Where
+    torch's SDPA picks a kernel that returns no log-sum-exp (:func:`dense_with_lse`), the sequence runs at its
+    own length.
+
+    Returns ``(rows, heads, head_dim)`` in the inputs' dtype, a view of the padded output (one more rounding than
+    the unpadded kernel's: the correction). Buffers for the call: the three padded copies and the output
+    (``padded x heads x head_dim`` each) and a float32 copy of the query for the padding logits.
+    """
     rows, heads, dim = query.shape
-    if padded <= rows:
+    pad = padded - rows
+    if pad <= 0:
         return dense_sequence(query, key, value, scale)
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    width = -(-(dim + 1) // 8) * 8
-    q, k, v = (query.new_zeros(padded, heads, width) for _ in range(3))
-    q[:rows, :, :dim] = query
-    q[:rows, :, dim] = MASK_LOGIT / scale
-    k[:rows, :, :dim] = key
-    k[rows:, :, dim] = -1.0
-    v[:rows, :, :dim] = value
-    return dense_sequence(q, k, v, scale)[:rows, :, :dim]
+    scale = dim**-0.5 if scale is None else scale
+    mean_key = key.mean(0, dtype=torch.float32).to(key.dtype)  # (heads, dim): the kernel sees this rounding
+    k = torch.cat([key, mean_key.expand(pad, heads, dim)])
+    q, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (query, value))
+    found = dense_with_lse(q, k, v, scale)
+    if found is None:  # memory-efficient or math SDPA: no log-sum-exp to correct with (and no per-shape plan)
+        return dense_sequence(query, key, value, scale)
+    out, lse = found
+    # log(p e^(s̄ - lse)) = scale q·k̄ + log p - lse, (heads, rows, 1), in one batched product. Its inputs are
+    # bf16/fp16 values, exact in float32 and in TF32 alike, so s̄ is the kernel's own logit to summation order
+    # whatever the float32 matmul precision; few ops, as the host issues each (about 25 us apiece).
+    log_share = torch.baddbmm(torch.sub(math.log(pad), lse[:, :rows, None]), query.transpose(0, 1).float(),
+                              mean_key.float().unsqueeze(-1), alpha=scale)
+    factor = torch.rsub(log_share.exp_(), 1.0).transpose(0, 1)  # 1 - share, at least rows / padded
+    return out[:rows].div_(factor)  # computed in float32, rounded once to the inputs' dtype

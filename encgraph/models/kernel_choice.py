@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -25,10 +26,10 @@ import torch
 
 from encgraph.models import attention
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
-from encgraph.packing.kernels import Crossover, DenseRule, kernel_key
+from encgraph.packing.kernels import Crossover, DenseRule, bucket_rows, kernel_key
 
-__all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "attention_calls", "choose", "device_name", "measure_crossover",
-           "rows_table", "tower_geometries"]
+__all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "WARM_ROWS", "attention_calls", "choose", "device_name",
+           "measure_crossover", "rows_table", "tower_geometries", "warm_lengths", "warm_plans"]
 
 log = logging.getLogger("encgraph")
 
@@ -42,6 +43,14 @@ length's either way; the copies into the padded buffers scale with the rows)."""
 REPEATS = 3
 """Timed calls per kernel and length whose median decides, after a first call (timed too and kept apart: at a new
 length it includes the dense kernel's plan for that shape)."""
+
+WARM_ROWS = (8192, 65536)
+"""The bucket lengths whose dense plans capture builds ahead, in the capturing thread (:func:`warm_plans`): 49
+buckets at most (16 per octave, and 65,536), each one call of about 50 ms on an H200 (cuDNN's plan plus the
+kernel), so that the first images of these sizes neither pay a plan (as the tower's own SDPA does at every new
+size) nor rent varlen. 65,536 rows: Qwen's processors' largest image (16,384 tokens at merge 2); from 8,192
+rows, where Flash varlen is well behind. Shorter lengths, and other threads, are bought as they come
+(rent-or-buy)."""
 
 _MEASURED: dict[str, Crossover] = {}
 """Measurements of this process, by key: a second runner of the same geometry reuses them."""
@@ -90,6 +99,20 @@ def _timed_ms(fn: Any, repeats: int) -> tuple[float, float]:
     return times[0], statistics.median(times[1:])
 
 
+def _queued_ms(fn: Any, repeats: int) -> float:
+    """ms per call of ``repeats`` calls issued back to back after an untimed first: the device's time where the
+    host keeps ahead of it, as in an eager forward over a long image (a padded call issues about a dozen small
+    ops, each some 25 us of host time: one call synced alone would time the host)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / repeats
+
+
 def measure_crossover(
     heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
     lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS,
@@ -97,7 +120,8 @@ def measure_crossover(
     """Time one sequence of each length through Flash varlen and dense SDPA (random ``(rows, heads, head_dim)``
     inputs in ``dtype`` on the CUDA ``device``, the exact calls of :mod:`encgraph.models.attention`), and the
     dense kernel at each length over a sequence :data:`PADDED_SHARE` shorter, padded to it
-    (:func:`~encgraph.models.dense_sequence.padded_dense`: the mask column's cost, where buckets can pay), and
+    (:func:`~encgraph.models.dense_sequence.padded_dense`: what the padding costs, where buckets can pay; calls
+    issued back to back, :func:`_queued_ms`), and
     return the :class:`~encgraph.packing.kernels.Crossover` (the medians decide; the dense kernel's first call at
     each length, which builds its plan for that shape, is kept beside them). Syncs the host (capture time
     only)."""
@@ -114,7 +138,7 @@ def measure_crossover(
             first, steady = _timed_ms(lambda: dense_sequence(*qkv, None), repeats)
             dense_ms.append(steady)
             first_ms.append(first)
-            padded_ms.append(_timed_ms(lambda: padded_dense(*short, None, rows), repeats)[1])
+            padded_ms.append(_queued_ms(lambda: padded_dense(*short, None, rows), repeats))
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
                      [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
                      dense_first_ms=[round(t, 5) for t in first_ms], padded_ms=[round(t, 5) for t in padded_ms])
@@ -149,10 +173,62 @@ def choose(
     return out
 
 
+def warm_lengths(rule: DenseRule, rows: tuple[int, int] = WARM_ROWS) -> list[int]:
+    """The bucket lengths within ``rows`` (inclusive) at which ``rule`` runs dense calls: from its crossover's
+    ``bucket_from``, and only those dense runs faster than varlen (:meth:`DenseRule.may_run_dense`); none where
+    the geometry is not bucketed."""
+    c = rule.crossover
+    if c is None or c.bucket_from is None or rule.min_rows is None:
+        return []
+    out, length = [], bucket_rows(max(rows[0], c.bucket_from, rule.min_rows))
+    while length <= rows[1]:
+        if rule.may_run_dense(length):
+            out.append(length)
+        length = bucket_rows(length + 1)
+    return out
+
+
+def warm_plans(table: attention.RowsTable, device: torch.device, rows: tuple[int, int] = WARM_ROWS
+               ) -> dict[str, Any]:
+    """Build, in this thread, the dense plan of every bucket length :func:`warm_lengths` gives for each rule of
+    ``table`` on the CUDA ``device`` (one :func:`~encgraph.models.dense_sequence.padded_dense` call each, on a
+    sequence one row shorter: the call an eager forward makes), and mark them bought in this thread's
+    :data:`~encgraph.packing.kernels.LEDGER` (lengths it holds already are skipped). Returns ``{"lengths": built,
+    "seconds": wall time}``. Random inputs of the longest length live for the call (three ``(rows, heads,
+    head_dim)`` tensors, ~150 MB each at 65,536 x 16 x 72 in bf16). Capture time only: syncs the host at the
+    end."""
+    from encgraph.models.sequence_bounds import LEDGER, ledger_key
+
+    start, built = time.perf_counter(), 0
+    if device.type != "cuda":
+        return {"lengths": 0, "seconds": 0.0}
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.inference_mode(), torch.cuda.device(device):
+        for (heads, dim, dtype), rule in table.items():
+            if not isinstance(rule, DenseRule):
+                continue
+            key = ledger_key(heads, dim, dtype, device)
+            # A length this thread holds already (an earlier capture of the same geometry) is not built again.
+            if not (lengths := [n for n in warm_lengths(rule, rows) if not LEDGER.bought(key, n)]):
+                continue
+            qkv = [torch.randn(lengths[-1], heads, dim, device=device, dtype=dtype, generator=gen) for _ in "qkv"]
+            for length in lengths:
+                padded_dense(*(t[:length - 1] for t in qkv), dim**-0.5, length)
+                LEDGER.own(key, length)
+                built += 1
+            del qkv
+        torch.cuda.synchronize(device)
+    seconds = round(time.perf_counter() - start, 3)
+    if built:
+        log.info("encgraph: built %d dense attention plans at bucket lengths %d..%d rows in %.1f s.", built,
+                 rows[0], rows[1], seconds)
+    return {"lengths": built, "seconds": seconds}
+
+
 def rows_table(crossovers: Iterable[Crossover], calls: Mapping[tuple[int, int], int] | None = None
                ) -> attention.RowsTable:
     """``{(heads, head_dim, dtype): DenseRule}`` for :func:`encgraph.models.attention.host_bounds`: each crossover's
     rows, its times (for rent-or-buy at new lengths) and ``calls[(heads, head_dim)]`` (1 where not given)."""
     calls = calls or {}
-    return {(c.heads, c.head_dim, getattr(torch, c.dtype)): DenseRule(c.min_rows, c, calls.get((c.heads, c.head_dim), 1))
-            for c in crossovers}
+    return {(c.heads, c.head_dim, getattr(torch, c.dtype)):
+            DenseRule(c.min_rows, c, calls.get((c.heads, c.head_dim), 1)) for c in crossovers}

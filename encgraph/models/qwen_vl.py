@@ -134,6 +134,8 @@ class QwenVisionAdapter(QwenInputsMixin):
         self.kernel_rows: RowsTable | None = None
         """Per head geometry, the rows from which an eager forward runs a sequence on dense SDPA (set by
         :meth:`choose_kernels`; ``None``: the default crossover)."""
+        self.warmed_plans: dict[str, Any] | None = None
+        """What :meth:`choose_kernels` built ahead (``{"lengths", "seconds"}``: bucket plans), or ``None``."""
         # Last: nothing above may leave the tower changed if it raises. The rewritten weights live as long as the
         # tower: never inference tensors, whatever mode the caller wraps in.
         with persistent():
@@ -327,10 +329,12 @@ class QwenVisionAdapter(QwenInputsMixin):
         """Measure (on CUDA; or take from ``known``) from how many rows a sequence of :meth:`forward_eager` runs
         faster on dense SDPA than on Flash varlen, per head geometry of the tower, and use it from now on
         (:mod:`encgraph.models.kernel_choice`; the runner calls it at capture). Returns the crossovers by key."""
-        from encgraph.models.kernel_choice import attention_calls, choose, rows_table
+        from encgraph.models.kernel_choice import attention_calls, choose, rows_table, warm_plans
 
         chosen = choose(self._module, self._dtype, self._device, known)
         self.kernel_rows = rows_table(chosen.values(), attention_calls(self._module)) if chosen else None
+        # The long images' bucket plans, built now in the capturing thread rather than by the first such images.
+        self.warmed_plans = warm_plans(self.kernel_rows, self._device) if self.kernel_rows else None
         return chosen
 
     def _eager_kwargs(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:

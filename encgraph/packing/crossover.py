@@ -37,11 +37,10 @@ length where one plan per exact length would be needed otherwise."""
 
 BUCKET_SLACK = 1.2
 """Sequences of a head geometry run their dense calls at bucket lengths from :attr:`Crossover.bucket_from`, the
-shortest measured length from which the padded kernel, copies and extra mask column included, costs at most
-this much of the exact one at every longer length measured. On an H200 at 16 heads x 72 the padded kernel cost
-1.04x the exact one at 16,384 rows and 1.12x at 8,192, but 1.5-3x at 4,096 rows and below, where the copies into
-the padded buffers cost as much as the kernel; at 12 x 128 (the column widens it to 136) 1.5-1.8x everywhere.
-Shorter sequences buy exact lengths, each with its own plan."""
+shortest measured length from which the padded kernel, its copies and its correction included, costs at most
+this much of the exact one at every longer length measured (the padded kernel runs at the sequence's own head
+dim: :func:`encgraph.models.dense_sequence.padded_dense`). Where the copies into the padded buffers cost as much as
+the kernel (short sequences) it fails; shorter sequences buy exact lengths, each with its own plan."""
 
 
 def bucket_rows(rows: int, per_octave: int = PER_OCTAVE) -> int:
@@ -73,6 +72,21 @@ def _holding_from(lengths: Sequence[int], holds: Sequence[bool]) -> int | None:
             break
         best = length
     return best
+
+
+def _bucket_from(lengths: Sequence[int], dense_ms: Sequence[float], padded_ms: Sequence[float]) -> int | None:
+    """:attr:`Crossover.bucket_from` of these times (``None`` without padded ones). Where the longest length's
+    ratio ``r`` is over :data:`BUCKET_SLACK`, past it: the padding's own cost (copies, correction) grows with the
+    rows and the kernel's with their square, so the ratio falls as ``1 + (r - 1) L / rows``, within the slack from
+    ``L (r - 1) / (slack - 1)`` rows (on an H200 measured at 1.09-1.25 at 16,384 rows, and 1.01-1.08 at 27,000;
+    run to run noise must not turn buckets off for the longest images)."""
+    if not padded_ms:
+        return None
+    ratios = [p / d for p, d in zip(padded_ms, dense_ms)]
+    start = _holding_from(lengths, [r <= BUCKET_SLACK for r in ratios])
+    if start is None:
+        start = bucket_rows(math.ceil(round(lengths[-1] * (ratios[-1] - 1.0) / (BUCKET_SLACK - 1.0), 6)))
+    return start
 
 
 def crossover_rows(lengths: Sequence[int], varlen_ms: Sequence[float], dense_ms: Sequence[float]) -> int | None:
@@ -108,14 +122,15 @@ class Crossover:
         dense_first_ms: the dense kernel's first call at each length (a new shape: cuDNN builds a plan for it;
             the tower's own SDPA pays the same), or empty; :attr:`plan_ms` is derived from it.
         padded_ms: per length, the dense kernel on a sequence of fewer rows padded to that length (the padding
-            keys masked by an extra head-dim column: :func:`encgraph.models.attention.padded_dense`), or empty
-            (no bucketed calls); :attr:`bucket_from` is derived from it.
+            keys' share taken out with the kernel's log-sum-exp:
+            :func:`encgraph.models.dense_sequence.padded_dense`), or empty (no bucketed calls); :attr:`bucket_from`
+            is derived from it.
         min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
             dense; ``None``: never.
         bucket_from: derived from ``padded_ms``: the shortest measured length from which the padded kernel costs
             at most :data:`BUCKET_SLACK` times the exact one at it and at every longer length measured, where dense
-            calls start to run at bucket lengths (:func:`bucket_rows`; one plan per bucket); ``None`` without
-            padded times or where the longest length fails.
+            calls start to run at bucket lengths (:func:`bucket_rows`; one plan per bucket); past the longest
+            where that one fails (extrapolated: :func:`_bucket_from`); ``None`` without padded times.
     """
 
     device: str = attrs.field(converter=lambda v: check_str("Crossover(device)", v))
@@ -147,8 +162,7 @@ class Crossover:
                 )
         object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.varlen_ms, self.dense_ms))
         # Derived once: run_rows reads it for every long sequence of every eager attention call.
-        object.__setattr__(self, "bucket_from", _holding_from(
-            self.lengths, [p <= BUCKET_SLACK * d for p, d in zip(self.padded_ms, self.dense_ms)]))
+        object.__setattr__(self, "bucket_from", _bucket_from(self.lengths, self.dense_ms, self.padded_ms))
 
     @property
     def key(self) -> str:

@@ -97,7 +97,8 @@ class PlanLedger:
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._counts = {"bought": 0, "rented_calls": 0}  # every thread's, for stats (int updates under the GIL)
+        # every thread's, for stats (int updates under the GIL)
+        self._counts = {"bought": 0, "rented_calls": 0, "warmed": 0}
 
     def _state(self) -> tuple[set[Hashable], dict[Hashable, float]]:
         state = getattr(self._local, "state", None)
@@ -202,6 +203,16 @@ class PlanLedger:
         self._counts["rented_calls"] += len(calls)
         return len(calls)
 
+    def own(self, key: Hashable, rows: int) -> None:
+        """Record that this thread built the plan of run length ``rows`` (head geometry ``key``) itself, ahead of
+        any call (capture's :func:`~encgraph.models.kernel_choice.warm_plans`): later calls at it run dense at
+        once. Counted in :meth:`stats` as ``warmed``."""
+        bought, rent = self._state()
+        if (key, rows) not in bought:
+            bought.add((key, rows))
+            rent.pop((key, rows), None)
+            self._counts["warmed"] += 1
+
     def bought(self, key: Hashable, rows: int) -> bool:
         """Whether this thread holds the plan of length ``rows`` (a run length: :meth:`DenseRule.run_rows`)."""
         return (key, rows) in self._state()[0]
@@ -213,7 +224,8 @@ class PlanLedger:
 
     def stats(self) -> dict[str, int]:
         """``{"bought": lengths bought, "rented_calls": calls that ran a long sequence on varlen while its
-        length was rented}``, over every thread since the process started (monotonic)."""
+        length was rented, "warmed": lengths built ahead (:meth:`own`)}``, over every thread since the process
+        started (monotonic)."""
         return dict(self._counts)
 
     def clear(self) -> None:

@@ -46,7 +46,8 @@ def test_crossover_is_measured(heads, dim):
     end.record()
     end.synchronize()
     print(f"first dense call at a new length (4999 rows): {start.elapsed_time(end):.2f} ms")
-    # Padded to its bucket (an extra mask column): the same attention within bf16 tolerance, rows unmixed.
+    # Padded to its bucket (the padding's share taken out with cuDNN's log-sum-exp: a wrong one would be off by
+    # up to 19% at 6,144 rows): the same attention within bf16 tolerance, rows unmixed.
     assert len(c.padded_ms) == len(c.lengths) and all(t > 0 for t in c.padded_ms)
     print(f"padded / exact dense at {list(c.lengths)}: "
           + ", ".join(f"{p / d:.2f}" for p, d in zip(c.padded_ms, c.dense_ms)) + f"; bucketed {c.bucketed}")
@@ -55,9 +56,55 @@ def test_crossover_is_measured(heads, dim):
         got = padded_dense(q, k, v, None, padded).float()
         assert got.shape == want.shape and torch.isfinite(got).all()
         assert rel(got, want) < 1e-2, (padded, rel(got, want))
+    # Logits all shifted far below 0 (keys sharing a large component against the queries): still exact.
+    axis = torch.nn.functional.normalize(torch.randn(dim, device="cuda"), dim=0)
+    q2, k2 = (q.float() + 2 * axis).bfloat16(), (k.float() - 40 * axis).bfloat16()
+    want2 = dense_sequence(q2, k2, v, None).float()
+    assert rel(padded_dense(q2, k2, v, None, 5120).float(), want2) < 1e-2
     if torch.cuda.get_device_capability()[0] == 9 and dim <= 80:
         # Hopper: this repository measured cuDNN ahead at 5,120-12,800 rows (attention_kernels_nvidia-h200.md).
         assert c.min_rows is not None and c.min_rows <= 8192, c.to_dict()
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(16, 72), (12, 128)])
+def test_bucket_plans_built_ahead_cost_no_plan(heads, dim):
+    """warm_plans (capture) builds each long bucket's cuDNN plan in this thread: a sequence of a warmed bucket's
+    lengths then runs its first call at about its steady time, where one of an unwarmed bucket pays the plan;
+    both at every head dim, the padding corrected (128 included: no widened kernel)."""
+    from encgraph.packing.kernels import DenseRule, bucket_rows
+
+    device = torch.device("cuda")
+    c = kernel_choice.measure_crossover(heads, dim, torch.bfloat16, device)
+    # Hopper: buckets from at most 16,384 rows measured (or a little past, extrapolated), well under Qwen's largest.
+    assert c.bucket_from is not None and c.bucket_from <= 24576, c.to_dict()
+    rule = DenseRule(c.min_rows, c, 1)
+    rows = (70_000, 80_000)  # past every capture's warm range (WARM_ROWS): no earlier test built these plans
+    expected = kernel_choice.warm_lengths(rule, rows)
+    info = kernel_choice.warm_plans({(heads, dim, torch.bfloat16): rule}, device, rows=rows)
+    assert expected == [73728, 77824] and info["lengths"] == 2, (info, expected)
+    key = sequence_bounds.ledger_key(heads, dim, torch.bfloat16, device)
+    warm_rows, cold_rows = 77_000, 85_000
+    assert LEDGER.bought(key, bucket_rows(warm_rows)) and not LEDGER.bought(key, bucket_rows(cold_rows))
+
+    def plan_ms(rows):
+        """The first call's ms beyond the second's at this length: the plan, where one is built."""
+        q, k, v = _qkv([rows], heads, dim, seed=rows)
+        times = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = padded_dense(q, k, v, None, bucket_rows(rows))
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        assert rel(out.float(), dense_sequence(q, k, v, None).float()) < 1e-2
+        return times[0] - times[1]
+
+    warmed, cold = plan_ms(warm_rows), plan_ms(cold_rows)
+    print(f"\n{heads}x{dim}: first call beyond the second at a warmed bucket {warmed:.2f} ms, at a new one "
+          f"{cold:.2f} ms ({info['seconds']:.2f} s for {info['lengths']} plans); bucket_from {c.bucket_from}")
+    assert warmed < 10.0 < cold, (warmed, cold)  # cuDNN's plan: 35-75 ms on an H200
 
 
 def _qkv(lengths, heads=16, dim=72, seed=0):
@@ -199,9 +246,9 @@ def test_an_eager_batch_that_would_rent_replays_instead():
     runner.capture()
     (key, rule), = adapter.kernel_rows.items()
     assert rule.min_rows is not None and rule.min_rows <= 4560, rule
-    # 4,560 rows: under the bucket lengths' start on an H200 (about 8,192 rows at 16 x 72: below it the padded
-    # copies cost as much as the kernel), so an exact length that dense runs faster than varlen.
-    assert rule.run_rows(4560) == 4560 and rule.gain_ms(4560) > 0, rule.crossover.to_dict()
+    # 4,560 rows: a length dense runs faster than varlen (at its bucket where the geometry is bucketed from there),
+    # under the lengths capture builds ahead (kernel_choice.WARM_ROWS), so new to this thread after clear().
+    assert rule.gain_ms(4560) > 0 and rule.run_rows(4560) < kernel_choice.WARM_ROWS[0], rule.crossover.to_dict()
     # The plan as 5 forwards' savings: the crossover's own plan time depends on whether this process built
     # cuDNN plans at its lengths before (earlier tests did), and this test is about the rent, not the device.
     plan = 5 * rule.calls * rule.gain_ms(4560)

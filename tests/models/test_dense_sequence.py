@@ -1,5 +1,6 @@
-"""Dense attention of one sequence padded to a bucket length (encgraph.models.dense_sequence): the mask column
-keeps the padding out exactly, at any scale; on the CPU (fp32), where torch's SDPA is exact enough to compare."""
+"""Dense attention of one sequence padded to a bucket length (encgraph.models.dense_sequence): the log-sum-exp
+correction takes the padding keys out exactly, at any scale and whatever the logits; on the CPU (fp32, where
+torch's SDPA is exact enough to compare; bf16 within one more rounding than the unpadded call's)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,45 @@ def test_padding_never_changes_a_real_row(rows, extra, heads, dim, scale, seed):
     want = dense_sequence(q, k, v, scale)
     got = padded_dense(q, k, v, scale, rows + extra)
     assert got.shape == (rows, heads, dim) and got.dtype == q.dtype
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The correction divides by at least rows / padded: float32's rounding grows by at most that much.
+    tol = 1e-5 * (rows + extra) / rows
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shift", [-60.0, -20.0, 0.0, 20.0])
+def test_exact_whatever_the_logits(shift):
+    # Keys sharing a large component along (or against) every query move all of a query's logits by about
+    # `shift`: with zero padding keys a query whose logits are all very negative would be mostly padding and
+    # the correction would cancel; the mean key keeps the padding's share under p / padded.
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(200, 2, 16, generator=gen) for _ in range(3))
+    axis = torch.nn.functional.normalize(torch.randn(16, generator=gen), dim=0)
+    q, k = q + 4 * axis, k + shift * axis
+    want = dense_sequence(q.double(), k.double(), v.double(), None)
+    for padded in (201, 212, 256):
+        got = padded_dense(q, k, v, None, padded)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_within_one_more_rounding():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(300, 2, 72, generator=gen) for _ in range(3))
+    want = dense_sequence(q, k, v, None)
+    got = padded_dense(*(t.bfloat16() for t in (q, k, v)), None, 320)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() < 2 * 2**-8  # two roundings to 8 bits
+
+
+def test_a_kernel_without_log_sum_exp_runs_the_exact_length():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(50, 2, 8) for _ in range(3))
+    with sdpa_kernel(SDPBackend.MATH):  # math SDPA returns no log-sum-exp: nothing to correct with
+        got = padded_dense(q, k, v, None, 64)
+    torch.testing.assert_close(got, dense_sequence(q, k, v, None))
 
 
 def test_the_default_scale_is_the_sequences_own_head_dim():
-    # The widened call must not fall back to 1/sqrt(its own width).
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(50, 2, 72, generator=gen) for _ in range(3))
     torch.testing.assert_close(padded_dense(q, k, v, None, 64), padded_dense(q, k, v, 1 / math.sqrt(72), 64))

@@ -275,3 +275,33 @@ def ledger_after_one_forward(c, rule, rows):
         for n in rows:
             ledger.dense("k", n, rule)
     return ledger.surcharge_ms("k", rows, rule)
+
+
+def _bucketed(bucket_from_ok: tuple[bool, ...]) -> DenseRule:
+    lengths, dense = (4096, 8192, 16384), (0.3, 1.1, 4.0)
+    padded = tuple(d * (1.1 if ok else 2.0) for d, ok in zip(dense, bucket_from_ok))
+    c = Crossover(H200, 16, 72, "bfloat16", lengths, tuple(1.6 * d for d in dense), dense, padded_ms=padded)
+    return DenseRule(c.min_rows, c, 27)
+
+
+def test_warm_lengths_are_the_bucket_lengths_from_bucket_from():
+    from encgraph.packing.kernels import bucket_rows
+
+    rule = _bucketed((False, True, True))
+    assert rule.crossover.bucket_from == 8192
+    got = kernel_choice.warm_lengths(rule)
+    assert got[0] == 8192 and got[-1] == 65536 and len(got) == 3 * 16 + 1  # 16 per octave, three octaves, and 65,536
+    assert all(bucket_rows(n) == n for n in got) and got == sorted(set(got))
+    # every length a sequence in the range runs at is among them
+    assert {bucket_rows(n) for n in range(8192, 65537, 97)} <= set(got)
+    assert kernel_choice.warm_lengths(rule, (10_000, 12_000)) == [10240, 10752, 11264, 11776]
+    assert kernel_choice.warm_lengths(_bucketed((True, True, True)), (1, 8192))[0] == 4096  # from bucket_from
+    # over the slack at the longest length: from where the ratio falls within it (2.0 at 16,384: 81,920 rows)
+    assert kernel_choice.warm_lengths(_bucketed((True, True, False))) == []
+    assert kernel_choice.warm_lengths(DenseRule(4096)) == []  # nothing measured
+
+
+def test_warm_plans_builds_nothing_off_cuda():
+    rule = _bucketed((False, True, True))
+    assert kernel_choice.warm_plans({(16, 72, torch.bfloat16): rule}, torch.device("cpu")) == {
+        "lengths": 0, "seconds": 0.0}
