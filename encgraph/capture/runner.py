@@ -399,7 +399,7 @@ class EncoderGraphRunner:
         serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``rerouted`` batches (eager
         would rent a kernel), ``unchosen`` eager runs not timed (forced eager), ``corrections`` per kind, cumulative ``scale`` per path; kept across
         ``reset_stats()``), ``kernel_plans`` (the process's dense attention plans: ``bought`` lengths,
-        ``rented_calls``; :data:`~encgraph.packing.kernels.LEDGER`).
+        ``rented_calls``, ``warmed`` lengths built at capture; :data:`~encgraph.packing.kernels.LEDGER`).
         ``graph_items + eager_items == items``.
         """
         out = self._stats.as_dict()
