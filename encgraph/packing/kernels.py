@@ -124,10 +124,15 @@ class PlanLedger:
                 rent[entry] = rent.get(entry, 0.0) + missed
                 self._counts["rented_calls"] += 1
                 return False
+        self._hold(entry, "bought")
+        return True
+
+    def _hold(self, entry: Hashable, counter: str) -> None:
+        """This thread holds ``entry``'s plan from now on (its rent forgotten), counted under ``counter``."""
+        bought, rent = self._state()
         bought.add(entry)
         rent.pop(entry, None)
-        self._counts["bought"] += 1
-        return True
+        self._counts[counter] += 1
 
     @contextlib.contextmanager
     def buying(self) -> Iterator[None]:
@@ -207,11 +212,8 @@ class PlanLedger:
         """Record that this thread built the plan of run length ``rows`` (head geometry ``key``) itself, ahead of
         any call (capture's :func:`~encgraph.models.kernel_choice.warm_plans`): later calls at it run dense at
         once. Counted in :meth:`stats` as ``warmed``."""
-        bought, rent = self._state()
-        if (key, rows) not in bought:
-            bought.add((key, rows))
-            rent.pop((key, rows), None)
-            self._counts["warmed"] += 1
+        if (key, rows) not in self._state()[0]:
+            self._hold((key, rows), "warmed")
 
     def bought(self, key: Hashable, rows: int) -> bool:
         """Whether this thread holds the plan of length ``rows`` (a run length: :meth:`DenseRule.run_rows`)."""
