@@ -11,6 +11,11 @@ last one the padding sequence), the median time of one attention call replayed f
 - ``efficient``: ``aten._efficient_attention_forward`` with ``cu_seqlens`` (the memory-efficient kernel);
 - ``cudnn_dense``: one dense ``(1, heads, len, head_dim)`` SDPA call per sequence on the cuDNN backend (what
   Hugging Face's sdpa path runs per image), a reference that a single packed graph cannot use as is;
+- ``fa4``: FlashAttention-4's varlen forward (``flash_attn.cute.interface.flash_attn_varlen_func``, the
+  ``flash-attn-4`` wheel, CuTe DSL kernels compiled at the first call of each configuration) as
+  :func:`encgraph.models.fa4.varlen_attn` calls it, directly: torch's
+  own hook (``torch.nn.attention.activate_flash_attention_impl("FA4")``) swaps the kernel for every module of the
+  process, which a wrapped tower must not do;
 - ``cudnn_dense_cols``: ONE dense cuDNN SDPA call over every packed row, the sequences kept apart by extra
   head-dim columns (:func:`segment_columns`) built from ``cu_seqlens`` with tensor ops: a packed graph can call
   it, and it reads the lengths from the buffer. It does ``tokens^2`` work whatever the split, so it can only pay
@@ -49,9 +54,9 @@ from benches.lib.results import Results, gpu_name, markdown_table
 from benches.lib.timing import time_call
 
 SCRIPT = "attention_kernels"
-KERNELS = ("flash", "cudnn_ragged", "efficient", "cudnn_dense", "cudnn_dense_cols")  # kernels()' keys, in order
+KERNELS = ("flash", "cudnn_ragged", "efficient", "cudnn_dense", "cudnn_dense_cols", "fa4")  # kernels()' keys, in order
 # The kernels that read the lengths from a buffer: the rewrite check applies.
-REWRITABLE = ("flash", "cudnn_ragged", "efficient", "cudnn_dense_cols")
+REWRITABLE = ("flash", "cudnn_ragged", "efficient", "cudnn_dense_cols", "fa4")
 MODES = ("graph", "eager")
 GEOMETRIES = {  # tower: (heads, head_dim)
     "qwen3_vl / siglip / qwen3_5 / kimi / minicpm": (16, 72),
@@ -65,6 +70,7 @@ LAYOUTS = {  # name: (sequence lengths, another split of the same rows into as m
     "2 x 4096 + pad 896": ([4096, 4096, 896], [4096, 2048, 2944]),
     "16 x 256 + pad 1024": ([256] * 16 + [1024], [512] * 8 + [0] * 8 + [1024]),
     "1 x 12800": ([12800, 0], [6400, 6400]),
+    "1 x 27000 (a 2.4k x 2.8k photo)": ([27000, 0], [13500, 13500]),
     # The runner's own layout: unused sequence slots are empty (zero-length) sequences after the padding one.
     "4 x 1280 + pad 256 + 12 empty slots": ([1280] * 4 + [256] + [0] * 12, [2560, 2560, 256] + [0] * 14),
 }
@@ -146,8 +152,13 @@ def kernels() -> dict[str, Callable[..., Any]]:
             out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in wide), scale=scale)[0]
         return out.transpose(0, 1)[..., : q.shape[-1]]
 
+    def fa4(q, k, v, cu, max_len, lengths):  # as encgraph calls it (its max_seqlen rounded up: fa4.bound)
+        from encgraph.models import fa4 as fa4_kernel
+
+        return fa4_kernel.varlen_attn(q, k, v, cu, cu, max_len, max_len)
+
     return {"flash": flash, "cudnn_ragged": cudnn_ragged, "efficient": efficient, "cudnn_dense": cudnn_dense,
-            "cudnn_dense_cols": cudnn_dense_cols}
+            "cudnn_dense_cols": cudnn_dense_cols, "fa4": fa4}
 
 
 def _rel(a: Any, b: Any) -> float:

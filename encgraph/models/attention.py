@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
-from encgraph.models import sequence_bounds
+from encgraph.models import fa4, sequence_bounds
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.models.sequence_bounds import RowsTable, host_bounds
@@ -112,6 +112,17 @@ class AttentionBackend(enum.Enum):
 
 _VARLEN: tuple[Callable[..., torch.Tensor] | None, bool] | None = None
 _VARLEN_OP: Callable[..., torch.Tensor] | None = None  # the custom op around it (encgraph.models._varlen_op)
+def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                 cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None = None) -> torch.Tensor:
+    """The varlen kernel of ``query``'s geometry (:func:`encgraph.models.fa4.kernel_of`), in ``varlen_attn``'s
+    signature plus ``scale``; what the compiled path's opaque op calls (its shapes are concrete there)."""
+    if fa4.kernel_of(query) == "fa4":
+        return fa4.varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale)
+    varlen_attn, takes_scale = _varlen()
+    if scale is not None and not takes_scale:  # torch 2.10's varlen_attn has no ``scale``: fold it into the query
+        query = query * (scale * query.shape[-1] ** 0.5)
+        scale = None
+    return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **({"scale": scale} if scale is not None else {}))
 
 
 def _varlen() -> tuple[Callable[..., torch.Tensor] | None, bool]:
@@ -209,7 +220,10 @@ def _varlen_attention(
     max_seqlen: int,
     scale: float | None,
     head_dim: int,
+    kernel: str | None = None,
 ) -> torch.Tensor:
+    """One varlen call; ``kernel`` forces ``"flash"`` or ``"fa4"`` (capture's measurement), default the
+    geometry's (:func:`encgraph.models.fa4.kernel_of`)."""
     varlen_attn, takes_scale = _varlen()
     if varlen_attn is None:
         raise ConfigError(
@@ -224,17 +238,17 @@ def _varlen_attention(
     if key.shape[1] != query.shape[1]:
         key, value = _repeat_heads(key, value, query.shape[1])
     if torch.compiler.is_compiling():
-        # Traced by torch.compile: one opaque op (see encgraph.models._varlen_op), the scale passed as it is (under
-        # a symbolic head dim the default-scale test below would be a graph break: math.isclose of a SymFloat).
+        # Traced by torch.compile: one opaque op (see encgraph.models._varlen_op) around _varlen_call, which picks
+        # the geometry's kernel at run time; the scale passed as it is (under a symbolic head dim the
+        # default-scale test below would be a graph break: math.isclose of a SymFloat).
         op = _VARLEN_OP
         if op is None:
             raise ConfigError("packed_attention: register_attention() must run before torch.compile traces it.")
         if scale is not None:
-            if takes_scale:
-                kwargs["scale"] = float(scale)
-            else:
-                query = query * (scale * head_dim**0.5)
+            kwargs["scale"] = float(scale)
         return op(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    if (kernel or fa4.kernel_of(query)) == "fa4":
+        return fa4.varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale)
     default = head_dim**-0.5
     if scale is not None and not math.isclose(scale, default, rel_tol=1e-6):
         if takes_scale:
@@ -406,11 +420,11 @@ def register_attention() -> str:
 
     AttentionInterface.register(ATTENTION_NAME, hf_attention_forward)
     global _VARLEN_OP
-    varlen, takes_scale = _varlen()  # resolved here, eagerly, so that a compiled forward only reads the memo
+    varlen, _ = _varlen()  # resolved here, eagerly, so that a compiled forward only reads the memo
     if varlen is not None and _VARLEN_OP is None:
         from encgraph.models._varlen_op import make_op
 
-        _VARLEN_OP = make_op(varlen, takes_scale)  # defined outside any trace
+        _VARLEN_OP = make_op(_varlen_call, True)  # defined outside any trace
     return ATTENTION_NAME
 
 

@@ -11,6 +11,11 @@ that costs little, dense calls run at bucket lengths (``Crossover.bucket_from``)
 geometry (about 0.5 s on an H200: 7 lengths, 3 kernels, 4 calls each, two new plans per length); a geometry
 already in a given cost model for this device is not measured again.
 
+Where the optional FlashAttention-4 wheel can run (:mod:`encgraph.models.fa4`: a Hopper or Blackwell GPU), its
+varlen kernel is timed at the same lengths, after its kernels are compiled (seconds, once per process and
+geometry); where it is measured faster than torch's Flash kernel (``Crossover.varlen_kernel``) the geometry's
+varlen calls run it, in graphs and eager forwards, and the dense crossover is taken against it.
+
 Nothing here changes torch's settings: the dense kernel is the one torch's SDPA picks with its flags as found.
 """
 
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from encgraph.models import attention
+from encgraph.models import fa4 as fa4_module
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.packing.kernels import Crossover, DenseRule, bucket_rows, kernel_key
 
@@ -115,33 +121,56 @@ def _queued_ms(fn: Any, repeats: int) -> float:
 
 def measure_crossover(
     heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
-    lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS,
+    lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS, fa4: bool = True,
 ) -> Crossover:
     """Time one sequence of each length through Flash varlen and dense SDPA (random ``(rows, heads, head_dim)``
     inputs in ``dtype`` on the CUDA ``device``, the exact calls of :mod:`encgraph.models.attention`), and the
     dense kernel at each length over a sequence :data:`PADDED_SHARE` shorter, padded to it
     (:func:`~encgraph.models.dense_sequence.padded_dense`: what the padding costs, where buckets can pay; calls
-    issued back to back, :func:`_queued_ms`), and
+    issued back to back, :func:`_queued_ms`), and, where FlashAttention-4 can run (``fa4`` and
+    :func:`_fa4_fits`: its kernels compiled first, :func:`encgraph.models.fa4.warm`), its varlen kernel too, and
     return the :class:`~encgraph.packing.kernels.Crossover` (the medians decide; the dense kernel's first call at
     each length, which builds its plan for that shape, is kept beside them). Syncs the host (capture time
     only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
-    varlen_ms, dense_ms, first_ms, padded_ms = [], [], [], []
+    varlen_ms, dense_ms, first_ms, padded_ms, fa4_ms = [], [], [], [], []
+    with_fa4 = fa4 and _fa4_fits(head_dim, dtype, device)
+    if with_fa4:
+        try:
+            seconds = fa4_module.warm(heads, head_dim, dtype, device)
+        except Exception as exc:  # a wheel that cannot run this geometry: torch's kernel, said once
+            log.warning("encgraph: FlashAttention-4 failed at %d heads x %d (%s: %s); packed attention keeps "
+                        "torch's Flash kernel there.", heads, head_dim, type(exc).__name__, exc)
+            with_fa4 = False
+        else:
+            log.info("encgraph: FlashAttention-4 kernels for %d heads x %d compiled in %.1f s.", heads, head_dim,
+                     seconds)
     with torch.inference_mode(), torch.cuda.device(device):
         for rows in lengths:
             qkv = [torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv"]
             cu = torch.tensor([0, rows], device=device, dtype=torch.int32)
             short = [t[:max(rows - int(rows * PADDED_SHARE), 1)] for t in qkv]
             varlen_ms.append(_timed_ms(
-                lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim), repeats)[1])
+                lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim, "flash"), repeats)[1])
+            if with_fa4:
+                fa4_ms.append(_timed_ms(
+                    lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim, "fa4"), repeats)[1])
             first, steady = _timed_ms(lambda: dense_sequence(*qkv, None), repeats)
             dense_ms.append(steady)
             first_ms.append(first)
             padded_ms.append(_queued_ms(lambda: padded_dense(*short, None, rows), repeats))
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
                      [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
-                     dense_first_ms=[round(t, 5) for t in first_ms], padded_ms=[round(t, 5) for t in padded_ms])
+                     dense_first_ms=[round(t, 5) for t in first_ms], padded_ms=[round(t, 5) for t in padded_ms],
+                     fa4_ms=[round(t, 5) for t in fa4_ms])
+
+
+def _fa4_fits(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether FlashAttention-4 can run this geometry here: installed, a Hopper or Blackwell GPU, fp16/bf16, a head
+    dim that is a multiple of 8 up to 256 (its Hopper kernels' range)."""
+    return (dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and 8 <= head_dim <= 256
+            and fa4_module.available(device))
 
 
 def choose(
@@ -150,7 +179,9 @@ def choose(
     """The crossover of every head geometry of ``module`` on ``device``: from ``known`` (a given cost model's) or
     this process's earlier measurements where they cover it, else measured now. Empty off CUDA, where there is
     no varlen kernel to choose against (every sequence runs on its own there), and where this torch has no
-    varlen kernel; a failed measurement is logged and leaves that geometry on the default crossover."""
+    varlen kernel; a failed measurement is logged and leaves that geometry on the default crossover. Each
+    geometry's varlen calls then run the kernel its crossover chose (:func:`encgraph.models.fa4.use`): a cost model
+    measured without FlashAttention-4 where it can now run (or the reverse) is measured again."""
     if device.type != "cuda" or attention._varlen()[0] is None or dtype not in (torch.float16, torch.bfloat16):
         return {}
     name, kind = device_name(device), str(dtype).replace("torch.", "")
@@ -158,6 +189,8 @@ def choose(
     for heads, dim in tower_geometries(module):
         key = kernel_key(name, heads, dim, kind)
         found = (known or {}).get(key) or _MEASURED.get(key)
+        if found is not None and bool(found.fa4_ms) != _fa4_fits(dim, dtype, device):
+            found = None  # FlashAttention-4 installed (or removed) since: measure again, with (or without) it
         if found is None:
             try:
                 found = _MEASURED[key] = measure_crossover(heads, dim, dtype, device)
@@ -166,9 +199,11 @@ def choose(
                             "eager forwards use the default of %d rows.", heads, dim, type(exc).__name__, exc,
                             attention.SEGMENT_MIN_ROWS)
                 continue
-            log.info("encgraph: %s, %d heads x %d %s: dense SDPA per sequence from %s rows (varlen ms %s, dense ms "
-                     "%s at %s rows).", name, heads, dim, kind, found.min_rows if found.min_rows else "no length",
-                     list(found.varlen_ms), list(found.dense_ms), list(found.lengths))
+            log.info("encgraph: %s, %d heads x %d %s: varlen kernel %s, dense SDPA per sequence from %s rows "
+                     "(varlen ms %s, FlashAttention-4 ms %s, dense ms %s at %s rows).", name, heads, dim, kind,
+                     found.varlen_kernel, found.min_rows if found.min_rows else "no length", list(found.varlen_ms),
+                     list(found.fa4_ms) or "not measured", list(found.dense_ms), list(found.lengths))
+        fa4_module.use(heads, dim, dtype, device, found.varlen_kernel)
         out[key] = found
     return out
 

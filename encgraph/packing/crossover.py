@@ -28,7 +28,8 @@ from encgraph._validate import check_int, check_mapping, check_sequence, check_s
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing.eager_cost import checked_ms
 
-__all__ = ["BUCKET_SLACK", "PER_OCTAVE", "Crossover", "bucket_rows", "crossover_rows", "kernel_key", "kernel_table"]
+__all__ = ["BUCKET_SLACK", "FA4_MARGIN", "PER_OCTAVE", "Crossover", "bucket_rows", "crossover_rows", "faster_varlen",
+           "kernel_key", "kernel_table"]
 
 PER_OCTAVE = 16
 """Bucket lengths per power of two (:func:`bucket_rows`): a sequence padded to its bucket has at most 1/16 more
@@ -89,6 +90,26 @@ def _bucket_from(lengths: Sequence[int], dense_ms: Sequence[float], padded_ms: S
     return start
 
 
+FA4_MARGIN = 0.95
+"""FlashAttention-4 runs a geometry's varlen calls where its median time over the measured lengths is at most this
+share of torch's Flash kernel's (:func:`faster_varlen`): a measured 5% at least, so that run-to-run noise does not
+swap kernels between captures of one build."""
+
+
+def faster_varlen(flash_ms: Sequence[float], fa4_ms: Sequence[float]) -> str:
+    """``"fa4"`` where FlashAttention-4 was measured (``fa4_ms``, one per length) and the median of its ratio to
+    torch's Flash kernel over the lengths is at most :data:`FA4_MARGIN`, else ``"flash"``.
+
+    >>> faster_varlen([1.0, 2.0, 4.0], [0.7, 1.3, 2.6]), faster_varlen([1.0, 2.0], [0.99, 1.9])
+    ('fa4', 'flash')
+    >>> faster_varlen([1.0], [])  # not measured
+    'flash'
+    """
+    if not fa4_ms:
+        return "flash"
+    return "fa4" if statistics.median(f / v for v, f in zip(flash_ms, fa4_ms)) <= FA4_MARGIN else "flash"
+
+
 def crossover_rows(lengths: Sequence[int], varlen_ms: Sequence[float], dense_ms: Sequence[float]) -> int | None:
     """The smallest measured length from which the dense per-sequence kernel is at least as fast as varlen at
     that length and at every longer one measured; ``None`` where varlen wins at the longest (dense never pays).
@@ -121,12 +142,17 @@ class Crossover:
         varlen_ms, dense_ms: one time per length.
         dense_first_ms: the dense kernel's first call at each length (a new shape: cuDNN builds a plan for it;
             the tower's own SDPA pays the same), or empty; :attr:`plan_ms` is derived from it.
+        fa4_ms: per length, FlashAttention-4's varlen kernel (the optional ``flash-attn-4`` wheel:
+            :mod:`encgraph.models.fa4`), or empty (not installed, or not measured); :attr:`varlen_kernel` is
+            derived from it.
         padded_ms: per length, the dense kernel on a sequence of fewer rows padded to that length (the padding
             keys' share taken out with the kernel's log-sum-exp:
             :func:`encgraph.models.dense_sequence.padded_dense`), or empty (no bucketed calls); :attr:`bucket_from`
             is derived from it.
-        min_rows: derived (:func:`crossover_rows`) from the medians: sequences of at least this many rows run
-            dense; ``None``: never.
+        varlen_kernel: derived: ``"fa4"`` where FlashAttention-4 was measured faster than torch's Flash kernel
+            (:func:`faster_varlen`), else ``"flash"``; the geometry's varlen calls, in graphs and eager, run it.
+        min_rows: derived (:func:`crossover_rows`) from the medians of the dense kernel and of the varlen kernel
+            chosen: sequences of at least this many rows run dense; ``None``: never.
         bucket_from: derived from ``padded_ms``: the shortest measured length from which the padded kernel costs
             at most :data:`BUCKET_SLACK` times the exact one at it and at every longer length measured, where dense
             calls start to run at bucket lengths (:func:`bucket_rows`; one plan per bucket); past the longest
@@ -144,6 +170,9 @@ class Crossover:
         default=(), kw_only=True, converter=lambda v: _times("Crossover(dense_first_ms)", v) if v else ())
     padded_ms: tuple[float, ...] = attrs.field(
         default=(), kw_only=True, converter=lambda v: _times("Crossover(padded_ms)", v) if v else ())
+    fa4_ms: tuple[float, ...] = attrs.field(
+        default=(), kw_only=True, converter=lambda v: _times("Crossover(fa4_ms)", v) if v else ())
+    varlen_kernel: str = attrs.field(init=False)
     min_rows: int | None = attrs.field(init=False)
     bucket_from: int | None = attrs.field(init=False)
 
@@ -153,20 +182,26 @@ class Crossover:
                 f"Crossover: expected one varlen and one dense time per length ({len(self.lengths)}), got "
                 f"{len(self.varlen_ms)} and {len(self.dense_ms)}."
             )
-        for name in ("dense_first_ms", "padded_ms"):
+        for name in ("dense_first_ms", "padded_ms", "fa4_ms"):
             times = getattr(self, name)
             if times and len(times) != len(self.lengths):
                 raise ConfigError(
                     f"Crossover({name}): expected one time per length ({len(self.lengths)}) or none, got "
                     f"{len(times)}."
                 )
-        object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.varlen_ms, self.dense_ms))
+        object.__setattr__(self, "varlen_kernel", faster_varlen(self.varlen_ms, self.fa4_ms))
+        object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.chosen_varlen_ms, self.dense_ms))
         # Derived once: run_rows reads it for every long sequence of every eager attention call.
         object.__setattr__(self, "bucket_from", _bucket_from(self.lengths, self.dense_ms, self.padded_ms))
 
     @property
     def key(self) -> str:
         return kernel_key(self.device, self.heads, self.head_dim, self.dtype)
+
+    @property
+    def chosen_varlen_ms(self) -> tuple[float, ...]:
+        """Per length, the ms of the varlen kernel this geometry runs (:attr:`varlen_kernel`)."""
+        return self.fa4_ms if self.varlen_kernel == "fa4" else self.varlen_ms
 
     @property
     def plan_ms(self) -> float:
@@ -197,22 +232,26 @@ class Crossover:
         return _interpolated(self.lengths, self.padded_ms, run)
 
     def ms_at(self, rows: int) -> tuple[float, float]:
-        """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows: linear in log-log between the
+        """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows (the varlen kernel chosen):
+        linear in log-log between the
         measured lengths, extended past the longest (and below the shortest) with the slope of the nearest
         pair (attention is quadratic, so about 2)."""
-        return _interpolated(self.lengths, self.varlen_ms, rows), _interpolated(self.lengths, self.dense_ms, rows)
+        return (_interpolated(self.lengths, self.chosen_varlen_ms, rows),
+                _interpolated(self.lengths, self.dense_ms, rows))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; ``min_rows`` is written for readers and recomputed on load (``bucket_from`` too)."""
+        """JSON-ready; ``min_rows`` is written for readers and recomputed on load (``bucket_from`` and
+        ``varlen_kernel`` too)."""
         return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
                 "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
                 "dense_first_ms": list(self.dense_first_ms), "padded_ms": list(self.padded_ms),
+                "fa4_ms": list(self.fa4_ms), "varlen_kernel": self.varlen_kernel,
                 "min_rows": self.min_rows, "bucket_from": self.bucket_from}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Crossover:
         check_mapping("Crossover.from_dict(data)", data, hint="Pass the dict Crossover.to_dict() returned.")
-        fields = {k: v for k, v in data.items() if k not in ("min_rows", "bucket_from")}
+        fields = {k: v for k, v in data.items() if k not in ("min_rows", "bucket_from", "varlen_kernel")}
         try:
             return cls(**fields)
         except TypeError as exc:

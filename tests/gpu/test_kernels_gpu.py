@@ -27,6 +27,14 @@ little per forward against cuDNN's plan of about 35 ms)."""
 GEOMETRIES = [(16, 72), (16, 80), (12, 128), (16, 64)]  # Qwen3-VL / Qwen2.5-VL / GLM-4.1V / Gemma-4 and SigLIP-B
 
 
+@pytest.fixture(autouse=True)
+def torch_flash_only(monkeypatch):
+    """These tests are about the dense kernel against torch's Flash varlen (rent-or-buy, buckets): where
+    FlashAttention-4 is installed and measured faster, nothing would run dense. Capture here measures without it
+    (tests/gpu/test_fa4_gpu.py tests it, and the tower tests run whatever capture chose)."""
+    monkeypatch.setattr(kernel_choice, "_fa4_fits", lambda *args: False)
+
+
 @pytest.mark.parametrize(("heads", "dim"), GEOMETRIES)
 def test_crossover_is_measured(heads, dim):
     c = kernel_choice.measure_crossover(heads, dim, torch.bfloat16, torch.device("cuda"))

@@ -43,6 +43,43 @@ def test_crossover_round_trips_through_the_cost_model():
     assert CostModel.from_dict(old).kernels == {}
 
 
+def test_fa4_runs_a_geometry_only_where_measured_faster_and_its_times_set_the_crossover():
+    lengths, flash, dense = (1024, 4096, 16384), (0.1, 1.6, 25.0), (0.15, 1.0, 14.0)
+    # Not measured (no wheel): torch's kernel, dense from 4096 rows.
+    plain = Crossover(H200, 16, 72, "bfloat16", lengths, flash, dense)
+    assert plain.varlen_kernel == "flash" and plain.min_rows == 4096 and plain.chosen_varlen_ms == flash
+    # FA4 faster than flash and than dense: every sequence stays varlen (no plans, no buckets), in graphs too.
+    fast = Crossover(H200, 16, 72, "bfloat16", lengths, flash, dense, fa4_ms=(0.08, 0.9, 12.0))
+    assert fast.varlen_kernel == "fa4" and fast.min_rows is None
+    assert fast.ms_at(4096) == pytest.approx((0.9, 1.0))
+    # Faster by less than the margin at most lengths: kept on flash (noise must not swap kernels).
+    close = Crossover(H200, 16, 72, "bfloat16", lengths, flash, dense, fa4_ms=(0.05, 1.55, 24.5))
+    assert close.varlen_kernel == "flash" and close.min_rows == 4096
+    data = fast.to_dict()
+    assert data["varlen_kernel"] == "fa4" and data["fa4_ms"] == [0.08, 0.9, 12.0]
+    assert Crossover.from_dict(data) == fast
+    old = {k: v for k, v in data.items() if k not in ("fa4_ms", "varlen_kernel")}  # a file of before FA4
+    assert Crossover.from_dict(old) == plain
+    with pytest.raises(ConfigError, match="fa4_ms.*one time per length"):
+        Crossover(H200, 16, 72, "bfloat16", lengths, flash, dense, fa4_ms=(1.0,))
+
+
+def test_fa4_registry_and_bounds_off_a_hopper():
+    from encgraph.models import fa4
+
+    assert not fa4.available(torch.device("cpu"))
+    probe = torch.empty(4, 16, 72)
+    assert fa4.kernel_of(probe) == "flash"
+    with pytest.raises(ConfigError, match=r"fa4.use\(kernel\): expected one of"):
+        fa4.use(16, 72, torch.bfloat16, torch.device("cpu"), "fa3")
+    with pytest.raises(ConfigError, match=r"fa4.use\(device\): expected a CUDA device"):
+        fa4.use(16, 72, torch.bfloat16, torch.device("cpu"), "fa4")
+    # Every bound is a power of two, never below the longest sequence: the kernels compiled at capture serve all.
+    for n in (1, 127, 128, 129, 1000, 4352, 16384, 16385, 65536):
+        b = fa4.bound(n)
+        assert b >= max(n, 128) and b & (b - 1) == 0 and b < 2 * max(n, 128)
+
+
 @pytest.mark.parametrize(("entry", "match"), [
     ({"device": H200, "heads": 16, "head_dim": 72, "dtype": "bfloat16", "lengths": [2, 1], "varlen_ms": [1, 1],
       "dense_ms": [1, 1]}, "ascending"),

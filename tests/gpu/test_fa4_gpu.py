@@ -1,0 +1,107 @@
+"""FlashAttention-4 as the packed varlen kernel (:mod:`encgraph.models.fa4`), where the optional wheel is installed
+on a Hopper or Blackwell GPU: per sequence against an fp32 reference, replayed from a CUDA graph after its lengths
+were rewritten, NaN kept within its sequence, and chosen by measurement at capture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from encgraph.models import attention, fa4, kernel_choice
+from encgraph.packing.crossover import faster_varlen
+from tests.gpu.test_kernels_gpu import BF16_RTOL, GEOMETRIES, _per_sequence_fp32, _qkv
+from tests.gpu.test_qwen_gpu import rel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(torch.cuda.is_available() and not fa4.available(torch.device("cuda")),
+                       reason="needs flash-attn-4 (pip install flash-attn-4) on a Hopper or Blackwell GPU"),
+]
+
+LENGTHS = [3000, 300, 64, 1700, 936]  # the last one the padding sequence, as in encgraph's layouts
+OTHER = [1000, 2000, 700, 1364, 936]  # another split of the same rows (a later replay's batch)
+
+
+@pytest.fixture
+def on_fa4():
+    """Register FA4 for every geometry the tests use, and take it back after."""
+    device = torch.device("cuda")
+    for heads, dim in GEOMETRIES:
+        fa4.use(heads, dim, torch.bfloat16, device, "fa4")
+    yield
+    for heads, dim in GEOMETRIES:
+        fa4.use(heads, dim, torch.bfloat16, device, "flash")
+
+
+def _cu(lengths):
+    return torch.tensor(np.concatenate(([0], np.cumsum(lengths))).tolist(), device="cuda", dtype=torch.int32)
+
+
+@pytest.mark.parametrize(("heads", "dim"), GEOMETRIES)
+def test_fa4_replay_equals_each_sequence_after_a_rewrite(heads, dim, on_fa4):
+    q, k, v = _qkv(LENGTHS, heads, dim, seed=heads + dim)
+    assert fa4.kernel_of(q) == "fa4"
+    cu = _cu(LENGTHS)
+    budget = max(max(LENGTHS), max(OTHER))
+    eager = attention.packed_attention(q, k, v, cu, budget)
+    flash = attention._varlen_attention(q, k, v, cu, budget, None, dim, "flash")
+    for i, (got, want, fl) in enumerate(zip(torch.split(eager, LENGTHS), _per_sequence_fp32(q, k, v, LENGTHS),
+                                            torch.split(flash, LENGTHS))):
+        assert rel(got, want) < BF16_RTOL and rel(got, fl) < BF16_RTOL, (i, rel(got, want), rel(got, fl))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention.packed_attention(q, k, v, cu, budget)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.packed_attention(q, k, v, cu, budget)
+    for lengths in (LENGTHS, OTHER):
+        cu.copy_(_cu(lengths))
+        fresh = [torch.randn_like(t) for t in (q, k, v)]
+        for t, f in zip((q, k, v), fresh):
+            t.copy_(f)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (got, want) in enumerate(zip(torch.split(out, lengths), _per_sequence_fp32(q, k, v, lengths))):
+            assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, (lengths, i, rel(got, want))
+
+
+def test_fa4_keeps_nan_within_its_sequence(on_fa4):
+    q, k, v = _qkv(LENGTHS)
+    cu = _cu(LENGTHS)
+    clean = attention.packed_attention(q, k, v, cu, max(LENGTHS))
+    bad = v.clone()
+    bad[LENGTHS[0] + 3] = float("nan")  # a row of the second sequence
+    out = attention.packed_attention(q, k, bad, cu, max(LENGTHS))
+    for i, (got, want) in enumerate(zip(torch.split(out, LENGTHS), torch.split(clean, LENGTHS))):
+        if i == 1:
+            assert torch.isnan(got).all()
+        else:
+            assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
+
+
+def test_capture_measures_fa4_and_runs_the_faster_kernel():
+    device = torch.device("cuda")
+    heads, dim = 16, 72
+    c = kernel_choice.measure_crossover(heads, dim, torch.bfloat16, device)
+    print(f"\n{heads}x{dim} at {list(c.lengths)}: flash {list(c.varlen_ms)}, fa4 {list(c.fa4_ms)}, dense "
+          f"{list(c.dense_ms)}; varlen kernel {c.varlen_kernel}, dense from {c.min_rows}")
+    assert len(c.fa4_ms) == len(c.lengths) and all(t > 0 for t in c.fa4_ms)
+    assert c.varlen_kernel == faster_varlen(c.varlen_ms, c.fa4_ms)
+    module = torch.nn.Module()
+    module.attn = torch.nn.Module()
+    module.attn.num_heads, module.attn.head_dim = heads, dim
+    try:
+        chosen = kernel_choice.choose(module, torch.bfloat16, device, known={c.key: c})
+        assert chosen[c.key] is c  # measured with FA4 already: taken as given
+        probe = torch.empty(1, heads, dim, device=device, dtype=torch.bfloat16)
+        assert fa4.kernel_of(probe) == c.varlen_kernel
+        # A cost model measured without FA4 is measured again here, with it.
+        plain = kernel_choice.Crossover(c.device, heads, dim, c.dtype, c.lengths, c.varlen_ms, c.dense_ms)
+        again = kernel_choice.choose(module, torch.bfloat16, device, known={c.key: plain})[c.key]
+        assert again is not plain and len(again.fa4_ms) == len(again.lengths)
+    finally:
+        fa4.use(heads, dim, torch.bfloat16, device, "flash")
