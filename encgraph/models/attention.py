@@ -112,6 +112,8 @@ class AttentionBackend(enum.Enum):
 
 _VARLEN: tuple[Callable[..., torch.Tensor] | None, bool] | None = None
 _VARLEN_OP: Callable[..., torch.Tensor] | None = None  # the custom op around it (encgraph.models._varlen_op)
+
+
 def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
                  cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None = None) -> torch.Tensor:
     """The varlen kernel of ``query``'s geometry (:func:`encgraph.models.fa4.kernel_of`), in ``varlen_attn``'s
