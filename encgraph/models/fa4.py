@@ -97,7 +97,7 @@ def available(device: torch.device) -> bool:
     (compute capability 9.x) or a Blackwell (10.x) GPU. A failed import is logged once per device."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _AVAILABLE:
         ok = False
         if _importable() and torch.cuda.get_device_capability(index)[0] in (9, 10):
@@ -150,7 +150,7 @@ def warm(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, ma
         q, k, v = (torch.randn(128, heads, head_dim, device=device, dtype=dtype) for _ in "qkv")
         cu = torch.tensor([0, 64, 128], device=device, dtype=torch.int32)
         rows = 128
-        while rows <= max(bound(max_rows), 128):
+        while rows <= bound(max_rows):
             varlen_attn(q, k, v, cu, cu, rows, rows)
             rows *= 2
         torch.cuda.synchronize(device)

@@ -121,21 +121,21 @@ def _queued_ms(fn: Any, repeats: int) -> float:
 
 def measure_crossover(
     heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
-    lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS, fa4: bool = True,
+    lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS,
 ) -> Crossover:
     """Time one sequence of each length through Flash varlen and dense SDPA (random ``(rows, heads, head_dim)``
     inputs in ``dtype`` on the CUDA ``device``, the exact calls of :mod:`encgraph.models.attention`), and the
     dense kernel at each length over a sequence :data:`PADDED_SHARE` shorter, padded to it
     (:func:`~encgraph.models.dense_sequence.padded_dense`: what the padding costs, where buckets can pay; calls
-    issued back to back, :func:`_queued_ms`), and, where FlashAttention-4 can run (``fa4`` and
-    :func:`_fa4_fits`: its kernels compiled first, :func:`encgraph.models.fa4.warm`), its varlen kernel too, and
+    issued back to back, :func:`_queued_ms`), and, where FlashAttention-4 can run (:func:`_fa4_fits`: its
+    kernels compiled first, :func:`encgraph.models.fa4.warm`), its varlen kernel too, and
     return the :class:`~encgraph.packing.kernels.Crossover` (the medians decide; the dense kernel's first call at
     each length, which builds its plan for that shape, is kept beside them). Syncs the host (capture time
     only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
     varlen_ms, dense_ms, first_ms, padded_ms, fa4_ms = [], [], [], [], []
-    with_fa4 = fa4 and _fa4_fits(head_dim, dtype, device)
+    with_fa4 = _fa4_fits(head_dim, dtype, device)
     if with_fa4:
         try:
             seconds = fa4_module.warm(heads, head_dim, dtype, device)
