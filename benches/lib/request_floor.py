@@ -60,7 +60,8 @@ class TowerShape:
 
 
 def measure_rates(env: Env, heads: int, head_dim: int) -> dict[str, Any]:
-    """The three rates: ``matmul_tflops``, ``attention_tflops`` (with the two kernels' times), ``bandwidth_gbs``."""
+    """The three rates: ``matmul_tflops``, ``attention_tflops`` (the fastest kernel's, with each kernel's time:
+    Flash varlen, dense SDPA, and FlashAttention-4 where it is installed), ``bandwidth_gbs``."""
     import torch
 
     rate = matmul_rate(env)
@@ -70,7 +71,8 @@ def measure_rates(env: Env, heads: int, head_dim: int) -> dict[str, Any]:
         from encgraph.models.kernel_choice import measure_crossover
 
         c = measure_crossover(heads, head_dim, env.dtype, env.device, lengths=(rows,), repeats=5)
-        kernels = {"varlen_ms": c.varlen_ms[0], "dense_ms": c.dense_ms[0]}
+        kernels = {"varlen_ms": c.varlen_ms[0], "dense_ms": c.dense_ms[0],
+                   **({"fa4_ms": c.fa4_ms[0]} if c.fa4_ms else {})}  # FlashAttention-4 where installed
         best = min(kernels.values())
     else:
         q = torch.randn(1, heads, rows, head_dim, device=env.device, dtype=env.dtype)

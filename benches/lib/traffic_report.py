@@ -317,7 +317,7 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
         notes.append(f"- floor rates: matmul {fmt(rates['matmul_tflops'])} TF/s, attention "
                      f"{fmt(rates['attention_tflops'])} "
                      f"TF/s (best kernel on one {rates['attention_rows']}-row sequence: "
-                     + ", ".join(f"{k} {fmt(rates[k])}" for k in ("varlen_ms", "dense_ms") if k in rates)
+                     + ", ".join(f"{k} {fmt(rates[k])}" for k in ("varlen_ms", "fa4_ms", "dense_ms") if k in rates)
                      + f"), memory {fmt(rates['bandwidth_gbs'])} GB/s")
     elif doc.get("floor", {}).get("error"):
         notes.append(f"- floor not measured: {doc['floor']['error']}")
@@ -327,8 +327,8 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
                 padded = c.get("padded_ms") or []
                 ratio = (f"; padded / exact dense at {c['lengths'][-1]} rows {padded[-1] / c['dense_ms'][-1]:.2f}"
                          if padded and c.get("dense_ms") else "")
-                notes.append(f"- {System(name).label}, eager kernel crossover {key}: dense SDPA per sequence from "
-                             f"{c['min_rows']} rows{ratio}")
+                notes.append(f"- {System(name).label}, {key}: varlen kernel {c.get('varlen_kernel', 'flash')}, "
+                             f"dense SDPA per sequence in eager forwards from {c['min_rows']} rows{ratio}")
     if doc.get("trace", {}).get("stopped"):
         notes.append(f"- trace stopped early: {doc['trace']['stopped']}")
     if doc.get("error"):

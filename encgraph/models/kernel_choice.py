@@ -2,13 +2,18 @@
 
 On CUDA, :func:`measure_crossover` times one sequence of each of :data:`LENGTHS` rows through the two kernels an
 eager forward with host bounds can run (:func:`encgraph.models.attention.host_bounds`): Flash varlen (one call
-for all sequences) and dense SDPA (one call per sequence, in the towers' own layout: cuDNN on an H200). The
+for all sequences) and dense SDPA (one call per sequence, in the towers' own layout: cuDNN on an H200). Both are
+timed on the device alone, as they run where they matter (in a replay, and in an eager forward over a long
+image, where the host keeps ahead): varlen calls replayed from a CUDA graph (:func:`_graph_ms`), dense calls
+issued back to back (:func:`_queued_ms`; each builds a cuDNN plan per new shape, which a graph cannot hold). One
+call synced alone times the host at short lengths (0.14-0.17 ms for Flash, 0.17-0.37 ms for FlashAttention-4 on
+an H200, whose kernels take 0.02-0.07 ms there), and that made the faster kernel look slower. The
 :class:`~encgraph.packing.kernels.Crossover` it returns says from how many rows the dense kernel wins; the
 runner measures it at capture for the adapter's head geometries (:func:`choose`), keeps it in the cost model's
 JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. The dense kernel is timed a second way
 at each length, on a shorter sequence padded to it (:func:`~encgraph.models.dense_sequence.padded_dense`): where
 that costs little, dense calls run at bucket lengths (``Crossover.bucket_from``). Measured once per process and
-geometry (about 0.5 s on an H200: 7 lengths, 3 kernels, 4 calls each, two new plans per length); a geometry
+geometry (under a second on an H200: 7 lengths, each kernel a few calls, two new plans per length); a geometry
 already in a given cost model for this device is not measured again.
 
 Where the optional FlashAttention-4 wheel can run (:mod:`encgraph.models.fa4`: a Hopper or Blackwell GPU), its
@@ -22,7 +27,6 @@ Nothing here changes torch's settings: the dense kernel is the one torch's SDPA 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -47,8 +51,8 @@ PADDED_SHARE = 1 / 32
 (:data:`~encgraph.packing.kernels.PER_OCTAVE` buckets per doubling), the mean padding (the kernel's work is the
 length's either way; the copies into the padded buffers scale with the rows)."""
 REPEATS = 3
-"""Timed calls per kernel and length whose median decides, after a first call (timed too and kept apart: at a new
-length it includes the dense kernel's plan for that shape)."""
+"""Dense calls per length issued back to back and timed together (:func:`_queued_ms`), after a first call timed
+alone and kept apart (at a new length it includes the dense kernel's plan for that shape)."""
 
 WARM_ROWS = (8192, 65536)
 """The bucket lengths whose dense plans capture builds ahead, in the capturing thread (:func:`warm_plans`): 49
@@ -92,17 +96,45 @@ def attention_calls(module: torch.nn.Module) -> dict[tuple[int, int], int]:
     return counts
 
 
-def _timed_ms(fn: Any, repeats: int) -> tuple[float, float]:
-    """``(the first call's ms, the median of ``repeats`` more)``."""
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(float(start.elapsed_time(end)))
-    return times[0], statistics.median(times[1:])
+def _first_ms(fn: Any) -> float:
+    """ms of one call of ``fn``, synced: at a new shape, what its first call costs, plan included."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
+
+
+GRAPH_REPLAYS = 10
+"""Replays of a one-call CUDA graph timed back to back by :func:`_graph_ms`, after an untimed one."""
+
+
+def _graph_ms(fn: Any, replays: int = GRAPH_REPLAYS) -> float:
+    """ms per replay of a CUDA graph that holds one call of ``fn`` (called once first, outside it: lazy plans
+    and compiles), ``replays`` replays issued back to back: the kernel's time on the device with no host work
+    per call, as in encgraph's own replays. Where the call cannot be captured, its calls issued back to back
+    instead (:func:`_queued_ms`), said in the log. The graph and its outputs are freed on return."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # a kernel that cannot be captured: its queued time, the nearest measure
+        log.warning("encgraph: an attention kernel could not be captured to be timed (%s: %s); it is timed "
+                    "queued instead.", type(exc).__name__, exc)
+        del graph
+        return _queued_ms(fn, replays)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    del graph
+    return float(start.elapsed_time(end)) / replays
 
 
 def _queued_ms(fn: Any, repeats: int) -> float:
@@ -123,15 +155,15 @@ def measure_crossover(
     heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
     lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS,
 ) -> Crossover:
-    """Time one sequence of each length through Flash varlen and dense SDPA (random ``(rows, heads, head_dim)``
-    inputs in ``dtype`` on the CUDA ``device``, the exact calls of :mod:`encgraph.models.attention`), and the
-    dense kernel at each length over a sequence :data:`PADDED_SHARE` shorter, padded to it
-    (:func:`~encgraph.models.dense_sequence.padded_dense`: what the padding costs, where buckets can pay; calls
-    issued back to back, :func:`_queued_ms`), and, where FlashAttention-4 can run (:func:`_fa4_fits`: its
-    kernels compiled first, :func:`encgraph.models.fa4.warm`), its varlen kernel too, and
-    return the :class:`~encgraph.packing.kernels.Crossover` (the medians decide; the dense kernel's first call at
-    each length, which builds its plan for that shape, is kept beside them). Syncs the host (capture time
-    only)."""
+    """Time one sequence of each length through Flash varlen (replayed from a CUDA graph: :func:`_graph_ms`) and
+    dense SDPA (``repeats`` calls back to back: :func:`_queued_ms`), on random ``(rows, heads, head_dim)`` inputs
+    in ``dtype`` on the CUDA ``device`` through the exact calls of :mod:`encgraph.models.attention`; the dense
+    kernel at each length over a sequence :data:`PADDED_SHARE` shorter, padded to it
+    (:func:`~encgraph.models.dense_sequence.padded_dense`: what the padding costs, where buckets can pay; queued
+    too); and, where FlashAttention-4 can run (:func:`_fa4_fits`: its kernels compiled first,
+    :func:`encgraph.models.fa4.warm`), its varlen kernel, replayed like Flash. Returns the
+    :class:`~encgraph.packing.kernels.Crossover`; the dense kernel's first call at each length, synced (it builds
+    its plan for that shape), is kept beside. Syncs the host (capture time only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
     varlen_ms, dense_ms, first_ms, padded_ms, fa4_ms = [], [], [], [], []
@@ -151,14 +183,15 @@ def measure_crossover(
             qkv = [torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv"]
             cu = torch.tensor([0, rows], device=device, dtype=torch.int32)
             short = [t[:max(rows - int(rows * PADDED_SHARE), 1)] for t in qkv]
-            varlen_ms.append(_timed_ms(
-                lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim, "flash"), repeats)[1])
+            varlen_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim,
+                                                                          "flash")))
             if with_fa4:
-                fa4_ms.append(_timed_ms(
-                    lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim, "fa4"), repeats)[1])
-            first, steady = _timed_ms(lambda: dense_sequence(*qkv, None), repeats)
-            dense_ms.append(steady)
-            first_ms.append(first)
+                fa4_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim,
+                                                                           "fa4")))
+            # The first call at a new length builds its plan (synced: what a new image size pays); the steady
+            # time, queued, is the kernel's.
+            first_ms.append(_first_ms(lambda: dense_sequence(*qkv, None)))
+            dense_ms.append(_queued_ms(lambda: dense_sequence(*qkv, None), repeats))
             padded_ms.append(_queued_ms(lambda: padded_dense(*short, None, rows), repeats))
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
                      [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
