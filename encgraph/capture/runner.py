@@ -237,14 +237,18 @@ class EncoderGraphRunner:
             t0 = time.perf_counter()
             if self.mode is not RunMode.EAGER:  # eager runs read no static buffer
                 self._allocate()
+            # First: the graphs capture, and the eager timings below run, the kernels chosen here (a geometry's
+            # varlen kernel is the process's from now on: encgraph.models.fa4.use); graphs captured before the
+            # choice would keep the old kernel while the eager forwards ran the new one.
+            kernels = choose_kernels(self)
             if self.mode is RunMode.GRAPH:
                 self._pool = torch.cuda.graph_pool_handle()
                 info = capture_graphs(self, self._pool)
             else:
                 info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
+            info["kernels"] = kernels
             self.captured = True
             try:
-                info["kernels"] = choose_kernels(self)  # first: the eager timings below run the chosen kernels
                 # Nothing padded runs in EAGER mode: nothing to check.
                 verify = self.verify and self.mode is not RunMode.EAGER
                 info["selfcheck"] = check_and_measure(self, verify=verify, measure=self._measure_costs)
