@@ -48,8 +48,9 @@ DEFAULT_SYSTEMS = (System.GRAPH, System.GRAPH_COMPILE, System.ADAPTER_EAGER)
 TOP_KERNELS = 12
 
 CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # Attention first: cuDNN's SDPA kernels are named like its convolutions ("cudnn_generated_..._sdpa_..._fprop").
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa", re.IGNORECASE)),
     ("convolution", re.compile(r"conv|cudnn|implicit_gemm|fprop|wgrad|dgrad", re.IGNORECASE)),
-    ("attention", re.compile(r"flash|fmha|attention|attn", re.IGNORECASE)),
     ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm80_|ampere_|cublas|splitK|Kernel2", re.IGNORECASE)),
     ("fused (triton)", re.compile(r"^triton_|triton", re.IGNORECASE)),
     ("copy / cast", re.compile(r"copy|memcpy|memset|cat_|CatArray|to_copy", re.IGNORECASE)),

@@ -15,6 +15,8 @@ from benches import kernel_profile  # noqa: E402
     ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN", "matmul"),
     ("void implicit_convolveNd_sgemm<__nv_bfloat16, 3, 128>", "convolution"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<96, 128>>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1", "attention"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object", "attention"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_9", "fused (triton)"),
     ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "copy / cast"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps>>", "reduction / norm"),
