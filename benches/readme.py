@@ -142,9 +142,11 @@ def headline_block(results_dir: Path, slug: str) -> str:
     """The README's table: encgraph with no options against the tower's own forward, one row per workload, each
     linking the result file it comes from; then the conditions shared by every row."""
     rows, envs, best = [], [], {}  # best: {"latency" | "throughput": (speedup, tower label)}
-    traces = ((f"traffic_{slug}", "chat-like trace of {n} requests (1-8 images of any size, or a short video)"),
-              (f"traffic_{slug}_photo", "photo trace of {n} requests (1-3 photos of 400-4000 px at the processor's "
-                                        "default maximum)"))
+    chat = "chat-like trace of {n} requests (1-8 images of any size, or a short video)"
+    photo = "photo trace of {n} requests (1-3 photos of 400-4000 px at the processor's default maximum)"
+    fa4 = ", FlashAttention-4 installed (the `fa4` extra)"
+    traces = ((f"traffic_{slug}", chat), (f"traffic_{slug}_photo", photo),
+              (f"traffic_{slug}_chat-fa4", chat + fa4), (f"traffic_{slug}_photo-fa4", photo + fa4))
     for stem, workload in traces:
         traffic = _load(results_dir, stem)
         if not traffic:
@@ -159,7 +161,7 @@ def headline_block(results_dir: Path, slug: str) -> str:
                 if stem == f"traffic_{slug}":
                     best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
                 worst = d.get("worst_ratio_vs_hf_sdpa")
-                slower = f"; worst request {worst:.2f}x HF's" if worst is not None and stem.endswith("_photo") else ""
+                slower = f"; worst request {worst:.2f}x HF's" if worst is not None and "_photo" in stem else ""
                 sizes = f", {SIZES_SHORT[mode]}" if mode in SIZES_SHORT else ""
                 rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}{sizes}, mean "
                              f"latency{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms",
