@@ -233,9 +233,8 @@ class Crossover:
 
     def ms_at(self, rows: int) -> tuple[float, float]:
         """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows (the varlen kernel chosen):
-        linear in log-log between the
-        measured lengths, extended past the longest (and below the shortest) with the slope of the nearest
-        pair (attention is quadratic, so about 2)."""
+        linear in log-log between the measured lengths, extended past the longest (and below the shortest) with
+        the slope of the nearest pair (attention is quadratic, so about 2)."""
         return (_interpolated(self.lengths, self.chosen_varlen_ms, rows),
                 _interpolated(self.lengths, self.dense_ms, rows))
 
