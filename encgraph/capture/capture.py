@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from encgraph.capture.compiled_eager import CompiledEager
 from encgraph.capture.compiling import (
     CompiledRegions,
     CompileMode,
@@ -110,6 +111,7 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
                 runner.records[path][budget] = record
         bar.close()
         torch.cuda.synchronize(device)
+        runner.compiled_eager = _keep_for_eager(runner, regions, compile_info)
         if "counters_before" in compile_info:
             before = compile_info.pop("counters_before")
             after = compile_stats()
@@ -153,6 +155,19 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
         f"; {sum(len(f) for f in runner.failed.values())} failed" if info["failed"] else "",
     )
     return info
+
+
+def _keep_for_eager(runner: RunnerState, regions: CompiledRegions, compile_info: Mapping[str, Any]) -> CompiledEager:
+    """The compiled blocks, kept for the runner's eager forwards (:mod:`encgraph.capture.compiled_eager`) before
+    the capture's exit clears them from the modules."""
+    status = compile_info.get("status")
+    if runner.compile_mode is CompileMode.OFF:
+        return CompiledEager.off("compile is off")
+    if not regions.modules:
+        return CompiledEager.off("the adapter names no compile regions (its whole static forward was compiled)")
+    if not regions.active or status not in ("compiled", "partly compiled"):
+        return CompiledEager.off(f"compilation {status or 'did not run'}")
+    return CompiledEager(regions)
 
 
 class _CompileFailed(Exception):

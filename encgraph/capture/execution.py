@@ -16,6 +16,7 @@ import torch
 
 from encgraph._validate import describe
 from encgraph.capture.buffers import PathBuffers, PathOutputs
+from encgraph.capture.compiled_eager import CompiledEager
 from encgraph.capture.compiling import CompileMode
 from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
@@ -32,7 +33,8 @@ EAGER_MODE = "runner in eager mode"
 class RunnerState(Protocol):
     """What capture, the self-check and :func:`run_static` read of a runner (an
     :class:`~encgraph.EncoderGraphRunner`), and fill: ``records``, ``failed`` and ``outputs`` at capture,
-    ``costs`` when the self-check measures a cost model."""
+    ``costs`` when the self-check measures a cost model, ``compiled_eager`` at capture (the blocks compiled for capture,
+    kept for eager forwards: :mod:`encgraph.capture.compiled_eager`)."""
 
     adapter: EncoderAdapter
     config: AdapterConfig
@@ -50,6 +52,7 @@ class RunnerState(Protocol):
     compile_mode: CompileMode
     cache_dir: str | os.PathLike[str] | None
     costs: CostModel | None
+    compiled_eager: CompiledEager
 
     @property
     def planning_ladders(self) -> dict[str, tuple[int, ...]]: ...

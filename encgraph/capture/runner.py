@@ -28,6 +28,7 @@ from encgraph._validate import check_int, describe
 from encgraph.capture import relayout
 from encgraph.capture.buffers import PathBuffers, PathOutputs
 from encgraph.capture.capture import capture_graphs
+from encgraph.capture.compiled_eager import CompiledEager
 from encgraph.capture.compiling import CompileMode, resolve_compile
 from encgraph.capture.execution import (
     CAPTURE_FAILED,
@@ -165,6 +166,8 @@ class EncoderGraphRunner:
         self._measure_costs = costs is None and mode is RunMode.GRAPH
         self._costs: CostModel | None = costs if isinstance(costs, CostModel) else None
         self.kernels: dict[str, Any] = {}  # attention-kernel crossovers chosen at capture (capture/kernels.py)
+        # The blocks compiled for capture, reused by eager forwards once checked (capture/compiled_eager.py).
+        self.compiled_eager = CompiledEager.off("not captured yet")
         self.observed: collections.deque[tuple[ItemSpec, ...]] = collections.deque(
             maxlen=check_int("record", record, minimum=0) or None
         )
@@ -246,6 +249,7 @@ class EncoderGraphRunner:
                 info = capture_graphs(self, self._pool)
             else:
                 info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
+                self.compiled_eager = CompiledEager.off(f"runner in {self.mode.value} mode: nothing is compiled")
             info["kernels"] = kernels
             self.captured = True
             try:
@@ -256,6 +260,7 @@ class EncoderGraphRunner:
                 self.captured = False
                 raise
             keep_kernels(self)
+            info["compile"]["eager"] = self.compiled_eager.as_dict()
             info["failed"] = {p: dict(f) for p, f in self.failed.items() if f}
             info["costs"] = "cost-aware (measured at capture)" if self._measure_costs and self.costs is not None else (
                 "cost-aware (given)" if self.costs is not None else "greedy"
@@ -329,7 +334,7 @@ class EncoderGraphRunner:
             chosen = reason is None or reason == EagerReason.COST.value
             with self._feedback.timed(self.costs, path, None if reason else budget, sub_specs, chosen=chosen):
                 if reason is not None:
-                    out = self.adapter.forward_eager(path, sub)
+                    out = self.compiled_eager.forward(self.adapter, path, sub)
                     check_outputs(self.adapter, path, budget, out, used, "eager")
                     eager_paths[path] = reason
                     self._stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
@@ -403,7 +408,9 @@ class EncoderGraphRunner:
         serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``rerouted`` batches (eager
         would rent a kernel), ``unchosen`` eager runs not timed (forced eager), ``corrections`` per kind, cumulative ``scale`` per path; kept across
         ``reset_stats()``), ``kernel_plans`` (the process's dense attention plans: ``bought`` lengths,
-        ``rented_calls``, ``warmed`` lengths built at capture; :data:`~encgraph.packing.kernels.LEDGER`).
+        ``rented_calls``, ``warmed`` lengths built at capture; :data:`~encgraph.packing.kernels.LEDGER`),
+        ``compiled_eager`` (whether eager forwards run through the blocks compiled for capture, and how often:
+        :meth:`~encgraph.capture.compiled_eager.CompiledEager.as_dict`).
         ``graph_items + eager_items == items``.
         """
         out = self._stats.as_dict()
@@ -412,6 +419,7 @@ class EncoderGraphRunner:
         out["mode"] = self.mode.value
         out["cost_feedback"] = self._feedback.as_dict()
         out["kernel_plans"] = LEDGER.stats()
+        out["compiled_eager"] = self.compiled_eager.as_dict()
         out["capture"] = dict(self.capture_info)
         return out
 

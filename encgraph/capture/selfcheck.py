@@ -169,7 +169,7 @@ def _measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: in
         for path in runner.ladders:
             tokens = sum(s.tokens[path] for s in specs)
             if tokens:
-                ms = time_host(lambda: adapter.forward_eager(path, inputs), repeats, runner.device)
+                ms = time_host(lambda: runner.compiled_eager.forward(adapter, path, inputs), repeats, runner.device)
                 eager[path].append((tokens, sum(1 for s in specs if s.tokens[path]), ms))
     return CostModel.from_measurements(graph_ms, eager)
 
@@ -184,11 +184,15 @@ def _check_budget(runner: RunnerState, path: str, budget: int, positive: Sequenc
     used = sum(s.tokens[path] for s in specs)
     if not 0 < used <= budget or len(specs) > runner.limits.max_items:
         return
-    reference = adapter.forward_eager(path, sub)
+    reference = adapter.forward_eager(path, sub)  # the plain eager forward: what every other run is checked by
+    tol = tolerance(runner.config.dtype, runner.device)
+    # The compiled eager forward (what serves eager batches) checked against it on each sample: it engages only
+    # once checked, and stops at the first disagreement.
+    runner.compiled_eager.check(adapter, path, sub, reference, relative_error, tol)
     if timed:
         # The eager sample and the budget's replay (as padding: what the model prices) timed in turn, so that
         # contention during capture weighs on both alike; the replay keeps its fastest time.
-        fns = [lambda: adapter.forward_eager(path, sub)]
+        fns = [lambda: runner.compiled_eager.forward(adapter, path, sub)]
         record = runner.records[path].get(budget)
         if record is not None and record.graph is not None and record.replay_ms is not None:
             fill_for_timing(runner, record)
@@ -201,7 +205,6 @@ def _check_budget(runner: RunnerState, path: str, budget: int, positive: Sequenc
         static = run_static(runner, path, budget, sub, used)
         worst = max((relative_error(static[n], reference[n]), n) for n in reference)
         checked[budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
-        tol = tolerance(runner.config.dtype, runner.device)
         if not worst[0] <= tol:
             _drop(runner, path, budget, (
                 f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
@@ -238,7 +241,7 @@ def _multi_item_sample(runner: RunnerState, path: str, ladder: Sequence[int]) ->
     used = sum(s.tokens[path] for s in specs)
     if not used:
         return []
-    ms = time_host(lambda: adapter.forward_eager(path, sub), 2, runner.device)
+    ms = time_host(lambda: runner.compiled_eager.forward(adapter, path, sub), 2, runner.device)
     return [(used, sum(1 for s in specs if s.tokens[path]), ms)]
 
 

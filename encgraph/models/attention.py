@@ -117,7 +117,17 @@ _VARLEN_OP: Callable[..., torch.Tensor] | None = None  # the custom op around it
 def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
                  cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None = None) -> torch.Tensor:
     """The varlen kernel of ``query``'s geometry (:func:`encgraph.models.fa4.kernel_of`), in ``varlen_attn``'s
-    signature plus ``scale``; what the compiled path's opaque op calls (its shapes are concrete there)."""
+    signature plus ``scale``; what the compiled path's opaque op calls (its shapes are concrete there).
+
+    A compiled block run by an eager forward (the runner's compiled eager forward,
+    :mod:`encgraph.capture.compiled_eager`) reaches here with the eager forward's own ``cu_seqlens`` tensor: its
+    host bounds (:func:`host_bounds`) are found here, at run time, where the trace could not read them, so long
+    sequences still run on the dense kernel. Inside a CUDA graph capture the lookup finds nothing."""
+    # Self-attention only: the key's bounds must be the query's (the same tensor; the op may hand a new wrapper).
+    same = cu_q.data_ptr() == cu_k.data_ptr() and cu_q.numel() == cu_k.numel()
+    plan = _host_plan(cu_q, query) if same else None
+    if plan is not None:
+        return _host_planned_attention(query, key, value, cu_q, scale, *plan)
     if fa4.kernel_of(query) == "fa4":
         return fa4.varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale)
     varlen_attn, takes_scale = _varlen()

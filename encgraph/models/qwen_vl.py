@@ -351,7 +351,11 @@ class QwenVisionAdapter(QwenInputsMixin):
         return {}
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self._device)
+        # A view, as the static forward's buffers are (slices of the largest budget's): Dynamo guards a view's
+        # base, so the blocks compiled for capture then serve this eager forward without tracing it again
+        # (encgraph.capture.compiled_eager). Same storage, no copy.
+        tensor = torch.from_numpy(array).to(self._device)
+        return tensor.view(tensor.shape)
 
     def _run(self, pixels: torch.Tensor, tokens: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
         with torch.no_grad():

@@ -117,3 +117,31 @@ def test_capture_measures_fa4_and_runs_the_faster_kernel():
         assert again is not plain and len(again.fa4_ms) == len(again.lengths)
     finally:
         fa4.use(heads, dim, torch.bfloat16, device, "flash")
+
+
+def test_importing_and_compiling_fa4_leaves_process_state_as_it_was():
+    # In a fresh process (this one imported the wheel when it collected this module): every setting of
+    # tests/models/test_global_state.snapshot before the wheel is imported, and after it is imported and has
+    # compiled a kernel.
+    import json
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = textwrap.dedent("""
+        import json, torch
+        from tests.models.test_global_state import snapshot
+        from encgraph.models import fa4
+        before = snapshot()
+        device = torch.device("cuda")
+        assert fa4.available(device)
+        fa4.warm(16, 72, torch.bfloat16, device, max_rows=256)
+        after = snapshot()
+        print(json.dumps({k: [str(before[k]), str(after[k])] for k in before if before[k] != after[k]}))
+    """)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    changed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert changed == {}, {k: [v[0][:300], v[1][:300]] for k, v in changed.items()}
