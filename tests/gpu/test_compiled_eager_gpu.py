@@ -2,7 +2,7 @@
 checks, at capture, its eager forward run through the blocks compiled for the graphs (inductor), then runs every
 item past its ladder that way. Each item equals the plain eager forward's on fresh random inputs, under
 ``inference_mode`` and ``no_grad``, and nothing is traced again while serving. Qwen3-VL-8B and GLM-4.1V towers at
-real geometry, fewer layers; ``pytest -s`` prints plain against compiled eager time of large images."""
+real geometry, fewer layers (4 and 6: deepstack after layers 2 and 5); ``pytest -s`` prints plain against compiled eager time of large images."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ BUDGETS = [64, 128, 256, 512, 1024]
 def _tower(family):
     torch.manual_seed(0)
     if family == "qwen3_vl":
-        return qwen3_vl(depth=4)[0].cuda().eval().requires_grad_(False)
+        return qwen3_vl(depth=6)[0].cuda().eval().requires_grad_(False)
     from tests.gpu.family_geometry import GEOMETRY
 
     return GEOMETRY["glm4v"].build(depth=4).cuda()
@@ -90,6 +90,6 @@ def test_items_past_the_ladder_run_the_compiled_blocks(family):
         err = max(rel(a, b) for a, b in zip(runner.compiled_eager.forward(adapter, "default", big).values(),
                                                adapter.forward_eager("default", big).values()))
     assert err < HF_RTOL, err
-    print(f"\n{family} depth 4: compiled eager vs plain, worst norm-relative {worst:.2e}; capture "
+    print(f"\n{family} depth {len(adapter.module.blocks)}: compiled eager vs plain, worst norm-relative {worst:.2e}; capture "
           f"{info['seconds']:.1f} s; one image of {big.grid[0, 1]} x {big.grid[0, 2]} patches: plain "
           f"{plain_ms:.2f} ms, compiled {compiled_ms:.2f} ms ({plain_ms / compiled_ms:.2f}x), error {err:.2e}")
