@@ -12,7 +12,8 @@ inputs look as they did at capture.
 Lifetime: :class:`CompiledEager` keeps the compiled callables of the capture's
 :class:`~encgraph.capture.compiling.CompiledRegions` and sets them on the blocks only for the duration of one of
 the runner's eager forwards (:meth:`CompiledEager.forward`), under the runner's lock; outside it the tower runs
-exactly as before (its own forward, the adapter's plain eager forward, autograd). The forward runs under
+exactly as before (its own forward, the adapter's plain eager forward, autograd); a call of the same tower from
+another thread meanwhile runs the compiled blocks too (the same values within bf16 tolerance). The forward runs under
 :func:`~encgraph.capture.grad.persistent`, as the capture did: grad mode and inference mode are part of what
 Dynamo guards, and a call under ``torch.inference_mode()`` would otherwise trace the blocks again.
 
@@ -98,12 +99,12 @@ class CompiledEager:
             for module in self.modules:
                 module._compiled_call_impl = None
 
-    def _run(self, adapter: Any, path: str, inputs: Any) -> Mapping[str, torch.Tensor]:
+    def _run(self, adapter: Any, path: str, inputs: Any, *, serving: bool) -> Mapping[str, torch.Tensor]:
         before = compile_stats()["frames_ok"]
         with self._blocks_compiled():
             out = adapter.forward_eager(path, inputs)
         traced = compile_stats()["frames_ok"] - before
-        if traced and self.status is EagerCompile.ON:
+        if traced and serving:
             # Dynamo traced the blocks again while serving (a guard the capture's check did not meet): seconds
             # of one call, counted and logged rather than hidden.
             self.recompiles += traced
@@ -116,7 +117,7 @@ class CompiledEager:
         if not self.engaged:
             return adapter.forward_eager(path, inputs)
         try:
-            out = self._run(adapter, path, inputs)
+            out = self._run(adapter, path, inputs, serving=True)
         except (EncgraphError, torch.OutOfMemoryError):
             raise  # the plain forward would raise it too (an input error, a too large batch)
         except Exception as exc:
@@ -135,7 +136,7 @@ class CompiledEager:
         if self.status not in (EagerCompile.PENDING, EagerCompile.ON):
             return
         try:
-            out = self._run(adapter, path, inputs)
+            out = self._run(adapter, path, inputs, serving=False)
         except EncgraphError:
             raise
         except Exception as exc:
