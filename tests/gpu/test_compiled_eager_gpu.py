@@ -2,7 +2,8 @@
 checks, at capture, its eager forward run through the blocks compiled for the graphs (inductor), then runs every
 item past its ladder that way. Each item equals the plain eager forward's on fresh random inputs, under
 ``inference_mode`` and ``no_grad``, and nothing is traced again while serving. Qwen3-VL-8B and GLM-4.1V towers at
-real geometry, fewer layers (4 and 6: deepstack after layers 2 and 5); ``pytest -s`` prints plain against compiled eager time of large images."""
+real geometry, fewer layers (6 and 4: Qwen3-VL's deepstack reads layer 5); ``pytest -s`` prints plain against
+compiled eager time of large images."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from encgraph.capture.compiling import compile_stats
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import wrap
-from tests.gpu.test_qwen_gpu import HF_RTOL, qwen3_vl, rel
+from tests.gpu.test_qwen_gpu import HF_RTOL, cuda_ms, qwen3_vl, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -34,18 +35,6 @@ def _items(adapter, gen, shapes):
     grid = np.array([[1, h, w] for h, w in shapes], dtype=np.int64)
     pixels = torch.randn(int(grid.prod(1).sum()), adapter.channels, device="cuda", dtype=torch.bfloat16)
     return adapter.inputs(pixels, grid)
-
-
-def _ms(fn, n=3):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "glm4v"])
@@ -85,11 +74,12 @@ def test_items_past_the_ladder_run_the_compiled_blocks(family):
 
     big = _items(adapter, gen, [(192, 192)] if family == "glm4v" else [(128, 128)])  # 36,864 / 16,384 rows
     with torch.inference_mode():
-        plain_ms = _ms(lambda: adapter.forward_eager("default", big))
-        compiled_ms = _ms(lambda: runner.compiled_eager.forward(adapter, "default", big))
+        plain_ms = cuda_ms(lambda: adapter.forward_eager("default", big))
+        compiled_ms = cuda_ms(lambda: runner.compiled_eager.forward(adapter, "default", big))
         err = max(rel(a, b) for a, b in zip(runner.compiled_eager.forward(adapter, "default", big).values(),
                                                adapter.forward_eager("default", big).values()))
     assert err < HF_RTOL, err
-    print(f"\n{family} depth {len(adapter.module.blocks)}: compiled eager vs plain, worst norm-relative {worst:.2e}; capture "
-          f"{info['seconds']:.1f} s; one image of {big.grid[0, 1]} x {big.grid[0, 2]} patches: plain "
-          f"{plain_ms:.2f} ms, compiled {compiled_ms:.2f} ms ({plain_ms / compiled_ms:.2f}x), error {err:.2e}")
+    print(f"\n{family} depth {len(adapter.module.blocks)}: compiled eager vs plain, worst norm-relative "
+          f"{worst:.2e}; capture {info['seconds']:.1f} s; one image of {big.grid[0, 1]} x {big.grid[0, 2]} "
+          f"patches: plain {plain_ms:.2f} ms, compiled {compiled_ms:.2f} ms ({plain_ms / compiled_ms:.2f}x), "
+          f"error {err:.2e}")

@@ -111,6 +111,19 @@ def hf_per_item(reference, pixels, grid):
         ]
 
 
+def cuda_ms(fn, n=5):
+    """Mean device milliseconds of ``n`` calls of ``fn`` queued back to back, after one untimed call."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def mib(n):
     return f"{n / 2**20:.1f} MiB"
 
@@ -301,19 +314,8 @@ def test_eager_forward_attends_long_images_densely(family, monkeypatch):
     for i, (g, want) in enumerate(zip(torch.split(got["pooler_output"], counts), refs)):
         assert torch.isfinite(g).all() and rel(g, want["pooler_output"]) < HF_RTOL, (i, grid[i].tolist())
 
-    def ms(fn, n=5):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / n
-
     with torch.inference_mode():
-        dense_ms = ms(lambda: adapter.forward_eager("default", inputs))
+        dense_ms = cuda_ms(lambda: adapter.forward_eager("default", inputs))
         monkeypatch.setattr(attention, "SEGMENT_MIN_ROWS", 10**9)
-        varlen_ms = ms(lambda: adapter.forward_eager("default", inputs))
+        varlen_ms = cuda_ms(lambda: adapter.forward_eager("default", inputs))
     print(f"\n{family} eager, {grid.tolist()}: dense per image {dense_ms:.2f} ms, Flash varlen {varlen_ms:.2f} ms")
