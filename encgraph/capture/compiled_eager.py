@@ -99,12 +99,12 @@ class CompiledEager:
             for module in self.modules:
                 module._compiled_call_impl = None
 
-    def _run(self, adapter: Any, path: str, inputs: Any, *, serving: bool) -> Mapping[str, torch.Tensor]:
+    def _run(self, adapter: Any, path: str, inputs: Any) -> Mapping[str, torch.Tensor]:
         before = compile_stats()["frames_ok"]
         with self._blocks_compiled():
             out = adapter.forward_eager(path, inputs)
         traced = compile_stats()["frames_ok"] - before
-        if traced and serving:
+        if traced and self.status is EagerCompile.ON:
             # Dynamo traced the blocks again while serving (a guard the capture's check did not meet): seconds
             # of one call, counted and logged rather than hidden.
             self.recompiles += traced
@@ -117,7 +117,7 @@ class CompiledEager:
         if not self.engaged:
             return adapter.forward_eager(path, inputs)
         try:
-            out = self._run(adapter, path, inputs, serving=True)
+            out = self._run(adapter, path, inputs)
         except (EncgraphError, torch.OutOfMemoryError):
             raise  # the plain forward would raise it too (an input error, a too large batch)
         except Exception as exc:
@@ -136,7 +136,7 @@ class CompiledEager:
         if self.status not in (EagerCompile.PENDING, EagerCompile.ON):
             return
         try:
-            out = self._run(adapter, path, inputs, serving=False)
+            out = self._run(adapter, path, inputs)
         except EncgraphError:
             raise
         except Exception as exc:
@@ -160,7 +160,8 @@ class CompiledEager:
 
     def as_dict(self) -> dict[str, Any]:
         """``status``, ``reason``, ``runs`` (eager forwards run compiled), ``fallbacks`` (runs redone plain after
-        a failure), ``recompiles`` (frames traced again while serving), ``worst_error`` (the check's)."""
+        a failure), ``recompiles`` (frames traced again once engaged: by a serving call, or by a later
+        budget's check at capture), ``worst_error`` (the check's)."""
         return {"status": self.status.value, "reason": self.reason, "runs": self.runs, "fallbacks": self.fallbacks,
                 "recompiles": self.recompiles, "worst_error": self.worst_error}
 
