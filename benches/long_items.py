@@ -1,9 +1,11 @@
 """Long items: where do graphs stop paying? One image of exactly each budget's tokens, per tower, through the
 tower's own forward (``hf_sdpa``), the adapter's eager forward on the kernels measured at capture (dense SDPA per
-long sequence: ``eager``), the same forward with every sequence on Flash varlen (``eager_varlen``), and the graph
-captured for that budget (``graph``: the replay of the item, padding and copies included), with each budget's
-capture seconds and the pool's size (issue 32 point 2: the default ladder tops at 4096 tokens while Qwen's
-processors go to 16,384; it should reach there only where graphs still pay).
+long sequence: ``eager``), the same forward with every sequence on Flash varlen (``eager_varlen``), the runner's
+eager forward through the blocks compiled for capture (``eager_compiled``: what an item past the ladder runs, where
+capture engaged it; :mod:`encgraph.capture.compiled_eager`), and the graph captured for that budget (``graph``: the
+replay of the item, padding and copies included), with each budget's capture seconds and the pool's size
+(issue 32 point 2: the default ladder tops at 4096 tokens while Qwen's processors go to 16,384; it should reach
+there only where graphs still pay).
 
 The runner is captured as ``graphed()`` would capture it (``compile="auto"``) on the ladder ``--budgets``.
 A budget of ``B`` tokens is one image of ``2a x 2b`` patches with ``a * b = B`` (merge 2), as square as powers of
@@ -12,8 +14,11 @@ two allow.
 JSON (``benches/results/long_items_<gpu>.json``)::
 
     {"environment", "options", "towers": {"<tower>": {"label", "capture": {...runner.capture()},
-        "kernels": {key: crossover}, "budgets": {"<B>": {"grid", "rows", "hf_sdpa_ms", "eager_ms", "eager_varlen_ms",
-        "graph_ms", "graph_vs_eager"}}}}}
+        "kernels": {key: crossover}, "compiled_eager": {...}, "budgets": {"<B>": {"grid", "rows", "hf_sdpa_ms",
+        "eager_ms", "eager_varlen_ms", "eager_compiled_ms", "graph_ms", "graph_vs_eager"}}}}}
+
+``graph_vs_eager`` is the replay against the eager forward the runner would run instead: ``eager_compiled_ms``
+where capture engaged it, else ``eager_ms``.
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ def one_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[str,
     log(f"{name}: capturing {args.budgets}")
     doc["capture"] = {k: v for k, v in runner.capture().items() if k != "selfcheck"}
     doc["kernels"] = doc["capture"].get("kernels")
+    doc["compiled_eager"] = runner.compiled_eager.as_dict()
     measured = dict(adapter.kernel_rows or {})
     rows_doc = doc["budgets"] = {}
     gen = torch.Generator(device=env.device).manual_seed(env.seed)
@@ -117,6 +123,8 @@ def one_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[str,
             "eager_ms": lambda: adapter.forward_eager("default", inputs),
             "graph_ms": lambda: run_static(runner, "default", budget, inputs, budget),
         }
+        if runner.compiled_eager.engaged:
+            calls["eager_compiled_ms"] = lambda: runner.compiled_eager.forward(adapter, "default", inputs)
         for key, fn in calls.items():
             try:
                 entry[key] = round(time_call(fn, env).median, 3)
@@ -128,8 +136,9 @@ def one_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[str,
             entry["eager_varlen_ms"] = round(time_call(lambda: adapter.forward_eager("default", inputs), env).median, 3)
         finally:
             adapter.kernel_rows = measured or None
-        if isinstance(entry.get("graph_ms"), float) and isinstance(entry.get("eager_ms"), float):
-            entry["graph_vs_eager"] = round(entry["graph_ms"] / entry["eager_ms"], 3)
+        runner_eager = entry.get("eager_compiled_ms", entry.get("eager_ms"))
+        if isinstance(entry.get("graph_ms"), float) and isinstance(runner_eager, float):
+            entry["graph_vs_eager"] = round(entry["graph_ms"] / runner_eager, 3)
         rows_doc[str(budget)] = entry
         log(f"{name} {budget}: {entry}")
         del pixels, inputs
@@ -144,16 +153,20 @@ def render(data: dict[str, Any]) -> str:
             parts.append(f"not measured: {doc.get('skipped') or doc.get('error')}")
             continue
         rows = [[b, "x".join(map(str, e.get("grid", []))), e.get("hf_sdpa_ms"), e.get("eager_ms"),
-                 e.get("eager_varlen_ms"), e.get("graph_ms"), e.get("graph_vs_eager")]
+                 e.get("eager_varlen_ms"), e.get("eager_compiled_ms"), e.get("graph_ms"), e.get("graph_vs_eager")]
                 for b, e in sorted(doc["budgets"].items(), key=lambda kv: int(kv[0]))]
         parts.append(markdown_table(["budget (tokens)", "grid (t x h x w patches)", "HF sdpa ms",
-                                     "eager ms (measured kernels)", "eager ms (all varlen)", "graph replay ms",
-                                     "graph / eager"], rows))
+                                     "eager ms (measured kernels)", "eager ms (all varlen)",
+                                     "eager ms (compiled blocks)", "graph replay ms", "graph / runner's eager"],
+                                    rows))
         paying = [int(b) for b, e in doc["budgets"].items() if isinstance(e.get("graph_vs_eager"), float)
                   and e["graph_vs_eager"] < 1.0]
         parts.append(f"graphs beat the eager forward up to budget {max(paying)}" if paying
                      else "graphs beat the eager forward at no measured budget")
         cap = doc.get("capture", {})
+        compiled = doc.get("compiled_eager") or {}
+        parts.append(f"the runner's eager forward: compiled blocks {compiled.get('status', 'not recorded')}"
+                     + (f" ({compiled['reason']})" if compiled.get("reason") else ""))
         parts.append(f"capture: {fmt(cap.get('seconds'))} s, pool {fmt(cap.get('pool_bytes'))} bytes, compile "
                      f"{cap.get('compile', {}).get('status', cap.get('compile', {}).get('mode'))}; kernels: "
                      + ", ".join(f"{k} from {v.get('min_rows')} rows" for k, v in (doc.get("kernels") or {}).items()

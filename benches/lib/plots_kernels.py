@@ -153,7 +153,8 @@ def compile_start_chart(data: Mapping[str, Any], path: Path) -> Chart:
 
 def long_items_chart(data: Mapping[str, Any], path: Path) -> Chart:
     systems = {"HF sdpa": "hf_sdpa_ms", "eager (measured kernels)": "eager_ms",
-               "eager (Flash varlen)": "eager_varlen_ms", "graph replay": "graph_ms"}
+               "eager (Flash varlen)": "eager_varlen_ms", "eager (compiled blocks)": "eager_compiled_ms",
+               "graph replay": "graph_ms"}
     panels = []
     reasons: dict[str, str] = {}
     for tower in data.get("towers", {}).values():

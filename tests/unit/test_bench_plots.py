@@ -173,12 +173,14 @@ def test_the_long_items_bars_are_the_json_times_and_its_errors_are_named():
     """No long_items result is committed yet: its chart reads the layout its script documents."""
     doc = {"environment": {"gpu": "G"}, "towers": {"t": {"label": "T", "budgets": {
         "4096": {"hf_sdpa_ms": 9.5, "eager_ms": 7.25, "eager_varlen_ms": 8.0, "graph_ms": "OutOfMemoryError: x"},
-        "1024": {"hf_sdpa_ms": 2.5, "eager_ms": 2.0, "eager_varlen_ms": 2.25, "graph_ms": 1.5},
+        "1024": {"hf_sdpa_ms": 2.5, "eager_ms": 2.0, "eager_varlen_ms": 2.25, "eager_compiled_ms": 1.75,
+                 "graph_ms": 1.5},
         "16384": {"skipped": "skipped: time budget spent"}}}}}
     chart = plots_kernels.long_items_chart(doc, Path("long_items_g.json"))
     (panel,) = chart.panels
     assert list(panel.cells) == ["1024", "4096", "16384"]  # by budget, not as measured (largest first)
     assert panel.cells["1024"] == {"HF sdpa": 2.5, "eager (measured kernels)": 2.0, "eager (Flash varlen)": 2.25,
-                                   "graph replay": 1.5}
+                                   "eager (compiled blocks)": 1.75, "graph replay": 1.5}
     assert panel.cells["4096"]["graph replay"] is None and panel.cells["4096"]["eager (measured kernels)"] == 7.25
+    assert panel.cells["4096"]["eager (compiled blocks)"] is None  # not engaged (or not measured): no bar
     assert "OutOfMemoryError" in chart.note and "time budget spent" in chart.note
