@@ -141,7 +141,7 @@ def one_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[str,
             entry["graph_vs_eager"] = round(entry["graph_ms"] / runner_eager, 3)
         rows_doc[str(budget)] = entry
         log(f"{name} {budget}: {entry}")
-        del pixels, inputs
+        pixels = inputs = None  # this budget's tensors go before the next (smaller) one is made
         results.flush()
 
 
