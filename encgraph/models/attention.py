@@ -128,11 +128,23 @@ def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     plan = _host_plan(cu_q, query) if same else None
     if plan is not None:
         return _host_planned_attention(query, key, value, cu_q, scale, *plan)
-    if fa4.kernel_of(query) == "fa4":
+    return _kernel_call(query, key, value, cu_q, cu_k, max_q, max_k, scale)
+
+
+def _kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                 cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None, kernel: str | None = None,
+                 ) -> torch.Tensor:
+    """One call of the varlen kernel ``kernel`` (``"flash"`` or ``"fa4"``; default the geometry's,
+    :func:`encgraph.models.fa4.kernel_of`), eager or inside a capture: the one place that dispatches FA4 and
+    passes the scale to torch's kernel (folded into the query on torch 2.10, whose ``varlen_attn`` has none)."""
+    if (kernel or fa4.kernel_of(query)) == "fa4":
         return fa4.varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale)
     varlen_attn, takes_scale = _varlen()
-    if scale is not None and not takes_scale:  # torch 2.10's varlen_attn has no ``scale``: fold it into the query
-        query = query * (scale * query.shape[-1] ** 0.5)
+    default = query.shape[-1] ** -0.5
+    if scale is not None and math.isclose(scale, default, rel_tol=1e-6):
+        scale = None  # the kernel's own default: no folded multiply on torch 2.10
+    if scale is not None and not takes_scale:
+        query = query * (scale / default)
         scale = None
     return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **({"scale": scale} if scale is not None else {}))
 
@@ -211,12 +223,11 @@ def packed_attention(
             f"{describe(max_seqlen)}; a tensor here would sync the host inside the graph."
         )
     plan = _host_plan(cu_seqlens, query) if backend is None else None
-    head_dim = query.shape[-1]
     if plan is not None:
         return _host_planned_attention(query, key, value, cu_seqlens, scale, *plan)
     backend = pick_backend(query) if backend is None else backend
     if backend is AttentionBackend.VARLEN:
-        return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale, head_dim)
+        return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale)
     if key.shape[1] != query.shape[1]:
         key, value = _repeat_heads(key, value, query.shape[1])
     if backend is AttentionBackend.SEGMENTS:
@@ -231,13 +242,11 @@ def _varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None,
-    head_dim: int,
     kernel: str | None = None,
 ) -> torch.Tensor:
     """One varlen call; ``kernel`` forces ``"flash"`` or ``"fa4"`` (capture's measurement), default the
     geometry's (:func:`encgraph.models.fa4.kernel_of`)."""
-    varlen_attn, takes_scale = _varlen()
-    if varlen_attn is None:
+    if _varlen()[0] is None:
         raise ConfigError(
             "packed_attention(backend=VARLEN): this torch build has no torch.nn.attention.varlen (torch>=2.10); "
             "use backend=MASKED_SDPA or upgrade torch."
@@ -259,15 +268,7 @@ def _varlen_attention(
         if scale is not None:
             kwargs["scale"] = float(scale)
         return op(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
-    if (kernel or fa4.kernel_of(query)) == "fa4":
-        return fa4.varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale)
-    default = head_dim**-0.5
-    if scale is not None and not math.isclose(scale, default, rel_tol=1e-6):
-        if takes_scale:
-            kwargs["scale"] = scale
-        else:  # torch 2.10's varlen_attn has no ``scale``: fold the ratio into the query.
-            query = query * (scale / default)
-    return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    return _kernel_call(query, key, value, cu, cu, max_seqlen, max_seqlen, scale, kernel)
 
 
 def _repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,7 +313,7 @@ def _host_planned_attention(
         if key.shape[1] != query.shape[1]:
             key, value = _repeat_heads(key, value, query.shape[1])
         return _segment_attention(query, key, value, cu_seqlens, scale, bounds)
-    tokens, head_dim = query.shape[0], query.shape[-1]
+    tokens = query.shape[0]
     out = query.new_empty(query.shape)
     dense_k, dense_v = _repeat_heads(key, value, query.shape[1]) if key.shape[1] != query.shape[1] else (key, value)
     run: int | None = None  # the cu index where the current run of varlen sequences starts
@@ -322,7 +323,7 @@ def _host_planned_attention(
         if b > a:
             longest = max(y - x for x, y in zip(bounds[run:end], bounds[run + 1:end + 1]))
             cu = cu_seqlens[run:end + 1] - cu_seqlens[run]
-            out[a:b] = _varlen_attention(query[a:b], key[a:b], value[a:b], cu, longest, scale, head_dim)
+            out[a:b] = _varlen_attention(query[a:b], key[a:b], value[a:b], cu, longest, scale)
 
     for i in range(len(bounds) - 1):
         a, b = bounds[i], bounds[i + 1]

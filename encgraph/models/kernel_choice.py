@@ -183,11 +183,9 @@ def measure_crossover(
             qkv = [torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv"]
             cu = torch.tensor([0, rows], device=device, dtype=torch.int32)
             short = [t[:max(rows - int(rows * PADDED_SHARE), 1)] for t in qkv]
-            varlen_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim,
-                                                                          "flash")))
+            varlen_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "flash")))
             if with_fa4:
-                fa4_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, head_dim,
-                                                                           "fa4")))
+                fa4_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "fa4")))
             # The first call at a new length builds its plan (synced: what a new image size pays); the steady
             # time, queued, is the kernel's.
             first_ms.append(_first_ms(lambda: dense_sequence(*qkv, None)))

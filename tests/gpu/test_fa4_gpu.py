@@ -55,7 +55,7 @@ def test_fa4_replay_equals_each_sequence_after_a_rewrite(heads, dim, layout, on_
     cu = _cu(LENGTHS)
     budget = max(max(LENGTHS), max(OTHER))
     eager = attention.packed_attention(q, k, v, cu, budget)
-    flash = attention._varlen_attention(q, k, v, cu, budget, None, dim, "flash")
+    flash = attention._varlen_attention(q, k, v, cu, budget, None, "flash")
     for i, (got, want, fl) in enumerate(zip(torch.split(eager, LENGTHS), _per_sequence_fp32(q, k, v, LENGTHS),
                                             torch.split(flash, LENGTHS))):
         assert rel(got, want) < BF16_RTOL and rel(got, fl) < BF16_RTOL, (i, rel(got, want), rel(got, fl))

@@ -124,6 +124,13 @@ def test_varlen_call_contract(monkeypatch, takes_scale):
     assert ("scale" in kw) == takes_scale  # torch 2.10 has no scale: it is folded into the query
     packed_attention(q, k, v, cu, 64, scale=16**-0.5, backend=AttentionBackend.VARLEN)
     assert "scale" not in calls[-1][4]  # the default scale is never passed
+    # The compiled path's op (_varlen_call) hands the kernel the same: one dispatch for both.
+    cu32 = cu.to(torch.int32)
+    got = attention._varlen_call(q, k, v, cu32, cu32, 64, 64, 0.5)
+    torch.testing.assert_close(got, out, rtol=0, atol=0)
+    assert ("scale" in calls[-1][4]) == takes_scale
+    attention._varlen_call(q, k, v, cu32, cu32, 64, 64, 16**-0.5)
+    assert "scale" not in calls[-1][4]
 
 
 def test_masked_attention_has_no_host_sync():

@@ -110,7 +110,7 @@ def fake_varlen(monkeypatch):
     ``(rows, cu values, max_seqlen)`` per call. The backend choice then sees a varlen kernel."""
     calls = []
 
-    def varlen(query, key, value, cu, max_seqlen, scale, head_dim):
+    def varlen(query, key, value, cu, max_seqlen, scale, kernel=None):
         bounds = cu.tolist()
         calls.append((query.shape[0], bounds, max_seqlen))
         assert bounds[-1] == query.shape[0] and max(b - a for a, b in zip(bounds, bounds[1:])) <= max_seqlen
