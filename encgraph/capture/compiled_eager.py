@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from encgraph.capture.compiling import CompiledRegions, compile_stats, no_duck_sizing, recompile_headroom
+from encgraph.capture.compiling import CompiledRegions, frames_traced, no_duck_sizing, recompile_headroom
 from encgraph.capture.grad import persistent
 from encgraph.errors import EncgraphError
 
@@ -100,10 +100,10 @@ class CompiledEager:
                 module._compiled_call_impl = None
 
     def _run(self, adapter: Any, path: str, inputs: Any) -> Mapping[str, torch.Tensor]:
-        before = compile_stats()["frames_ok"]
+        before = frames_traced()
         with self._blocks_compiled():
             out = adapter.forward_eager(path, inputs)
-        traced = compile_stats()["frames_ok"] - before
+        traced = frames_traced() - before
         if traced and self.status is EagerCompile.ON:
             # Dynamo traced the blocks again while serving (a guard the capture's check did not meet): seconds
             # of one call, counted and logged rather than hidden.

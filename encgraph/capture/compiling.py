@@ -43,7 +43,7 @@ from encgraph.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "CompileMode", "CompiledRegions", "resolve_compile", "default_cache_dir", "compile_cache", "compile_dynamic",
-    "compile_stats", "no_duck_sizing", "recompile_headroom", "RECOMPILE_HEADROOM",
+    "compile_stats", "frames_traced", "no_duck_sizing", "recompile_headroom", "RECOMPILE_HEADROOM",
 ]
 
 
@@ -200,6 +200,14 @@ class CompiledRegions:
 
 
 _LIMIT_PHRASES = ("recompile limit", "recompile_limit", "cache_size_limit", "cache size limit")
+
+
+def frames_traced() -> int:
+    """Frames Dynamo has compiled in this process so far (``compile_stats()["frames_ok"]``), read alone: what a
+    caller on a serving path compares before and after one call."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"].get("ok", 0))
 
 
 def compile_stats() -> dict[str, int]:
