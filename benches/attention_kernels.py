@@ -19,7 +19,11 @@ last one the padding sequence), the median time of one attention call replayed f
 - ``cudnn_dense_cols``: ONE dense cuDNN SDPA call over every packed row, the sequences kept apart by extra
   head-dim columns (:func:`segment_columns`) built from ``cu_seqlens`` with tensor ops: a packed graph can call
   it, and it reads the lengths from the buffer. It does ``tokens^2`` work whatever the split, so it can only pay
-  where one or two long sequences fill the budget (dense cuDNN ran 1.6-1.8x Flash's TF/s at head dim 72).
+  where one or two long sequences fill the budget (dense cuDNN ran 1.6-1.8x Flash's TF/s at head dim 72);
+- ``flashinfer``: FlashInfer's ragged prefill (``flashinfer-python``, kernels compiled by nvcc on the machine at
+  the first call of each head geometry), :class:`benches.lib.flashinfer_kernel.FlashInferRagged`: its lengths
+  are planned on the host, so its rewrite check re-plans the new split on the host before the replay (what the
+  runner's host plan could do before each replay); the backend FlashInfer chose (FA2 or FA3) is in each row.
 
 Each kernel's output is compared with ``flash`` (max relative difference over valid rows), and each graph is
 replayed a second time after the cumulative lengths are rewritten in place (a different split of the same
@@ -54,9 +58,10 @@ from benches.lib.results import Results, gpu_name, markdown_table
 from benches.lib.timing import time_call
 
 SCRIPT = "attention_kernels"
-KERNELS = ("flash", "cudnn_ragged", "efficient", "cudnn_dense", "cudnn_dense_cols", "fa4")  # kernels()' keys, in order
+# kernels()' keys, in order
+KERNELS = ("flash", "cudnn_ragged", "efficient", "cudnn_dense", "cudnn_dense_cols", "fa4", "flashinfer")
 # The kernels that read the lengths from a buffer: the rewrite check applies.
-REWRITABLE = ("flash", "cudnn_ragged", "efficient", "cudnn_dense_cols", "fa4")
+REWRITABLE = ("flash", "cudnn_ragged", "efficient", "cudnn_dense_cols", "fa4", "flashinfer")
 MODES = ("graph", "eager")
 GEOMETRIES = {  # tower: (heads, head_dim)
     "qwen3_vl / siglip / qwen3_5 / kimi / minicpm": (16, 72),
@@ -157,8 +162,15 @@ def kernels() -> dict[str, Callable[..., Any]]:
 
         return fa4_kernel.varlen_attn(q, k, v, cu, cu, max_len, max_len)
 
+    from benches.lib.flashinfer_kernel import FlashInferRagged
+
     return {"flash": flash, "cudnn_ragged": cudnn_ragged, "efficient": efficient, "cudnn_dense": cudnn_dense,
-            "cudnn_dense_cols": cudnn_dense_cols, "fa4": fa4}
+            "cudnn_dense_cols": cudnn_dense_cols, "fa4": fa4, "flashinfer": FlashInferRagged()}
+
+
+def _text(stream: str | bytes | None) -> str:
+    """A stream a timed-out ``subprocess.run`` kept (bytes on some Pythons despite ``text=True``)."""
+    return stream.decode(errors="replace") if isinstance(stream, bytes) else stream or ""
 
 
 def _rel(a: Any, b: Any) -> float:
@@ -213,6 +225,8 @@ def measure(fn: Callable[..., Any], q: Any, k: Any, v: Any, lengths: list[int], 
     got = {"median_ms": round(median_ms, 5), "replay_vs_eager": replay_vs_eager, "out": reference}
     try:  # timed already: a rewrite the kernel cannot run still leaves the row its timing
         cu.copy_(_cu(other, q.device))  # a different split of the same rows, written into the captured buffer
+        if hasattr(fn, "replan"):  # a kernel planned on the host (FlashInfer): the plan of the new split first
+            fn.replan(q, k, cu, other)
         graph.replay()
         fresh = fn(q, k, v, cu, max_len, other)
         torch.cuda.synchronize()
@@ -256,12 +270,16 @@ def child(name: str, calls: int, env: Env, eager: bool = False, skip: int = 0) -
             print("ROW " + json.dumps({"geometry": geometry, "layout": layout, "result": got}), flush=True)
             return
         got["vs_flash"] = _rel(out, reference)
+        if hasattr(fn, "describe"):
+            got["kernel"] = fn.describe()
         print("ROW " + json.dumps({"geometry": geometry, "layout": layout, "result": got}), flush=True)
 
 
 def main() -> int:
     p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=120.0)
     p.add_argument("--calls", type=int, default=10, help="attention calls per captured graph (default 10)")
+    p.add_argument("--child-timeout", type=float, default=300.0,
+                   help="seconds one kernel's process may run (default 300; FlashInfer compiles its kernels there)")
     p.add_argument("--kernel", choices=tuple(kernels()), default=None, help=argparse.SUPPRESS)
     p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
@@ -291,12 +309,18 @@ def main() -> int:
         # An error that kills the CUDA context ends the child after its row (recorded); a fresh child goes on
         # from the next row, so one layout a kernel cannot run does not hide the others.
         while done < len(ROWS):
-            proc = subprocess.run([sys.executable, __file__, "--kernel", name, "--runs", str(env.runs), "--calls",
-                                   str(args.calls), "--skip", str(done), *(["--eager"] if eager else [])],
-                                  capture_output=True, text=True, timeout=300, check=False)
-            sys.stderr.write(proc.stderr[-4000:])
-            returncode, before = proc.returncode, done
-            for line in proc.stdout.splitlines():
+            command = [sys.executable, __file__, "--kernel", name, "--runs", str(env.runs), "--calls",
+                       str(args.calls), "--skip", str(done), *(["--eager"] if eager else [])]
+            try:
+                proc = subprocess.run(command, capture_output=True, text=True, timeout=args.child_timeout,
+                                      check=False)
+                out, err, returncode = proc.stdout, proc.stderr, proc.returncode
+            except subprocess.TimeoutExpired as exc:  # a kernel build or a hang: the rows it printed still count
+                out, err = (_text(exc.stdout), _text(exc.stderr))
+                returncode = f"killed after {args.child_timeout:.0f} s"
+            sys.stderr.write(err[-4000:])
+            before = done
+            for line in out.splitlines():
                 if line.startswith("ROW "):
                     row = json.loads(line[4:])
                     entry = rows[(row["geometry"], row["layout"])]

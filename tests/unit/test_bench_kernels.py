@@ -91,3 +91,56 @@ def test_segment_columns_make_one_dense_attention_equal_attention_per_sequence(l
     other = sorted(lengths, reverse=True)  # another split of the same rows, as many slots
     cu.copy_(ak._cu(other, "cpu"))
     torch.testing.assert_close(dense(q, k, v, cu), per_sequence(q, k, v, other), atol=1e-5, rtol=1e-5)
+
+
+def test_flashinfer_kernel_plans_on_the_host_once_per_split_and_never_inside_a_capture(monkeypatch):
+    """``benches.lib.flashinfer_kernel.FlashInferRagged`` against a fake ``flashinfer`` (the wheel needs CUDA and
+    nvcc): one wrapper per geometry, its offsets planned from the host lengths once per new split, no plan while a
+    capture runs (a replay reads the last plan), ``replan`` before a replay at a new split, and the backend the
+    wrapper reports in ``describe``. The attention itself is checked on the GPU (``vs_flash`` in each row)."""
+    import sys
+    import types
+
+    import torch
+
+    from benches import attention_kernels as ak
+    from benches.lib import flashinfer_kernel
+
+    events = []
+
+    class Wrapper:
+        def __init__(self, workspace, layout, use_cuda_graph, qo_indptr_buf, kv_indptr_buf, backend):
+            assert layout == "NHD" and use_cuda_graph and backend == "auto"
+            self.buf, self._backend = qo_indptr_buf, "fa3"
+            events.append(("new", workspace.numel()))
+
+        def plan(self, qo, kv, heads, kv_heads, dim, causal, q_data_type, kv_data_type):
+            assert qo.device.type == "cpu" and not causal and (heads, kv_heads, dim) == (2, 2, 8)
+            self.buf.copy_(qo)
+            events.append(("plan", qo.tolist()))
+
+        def run(self, q, k, v):
+            events.append(("run", self.buf.tolist()))
+            return q.clone()
+
+    fake = types.ModuleType("flashinfer")
+    fake.__version__ = "0.0-fake"
+    fake.prefill = types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=Wrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setitem(sys.modules, "flashinfer.prefill", fake.prefill)
+    monkeypatch.setattr(flashinfer_kernel, "WORKSPACE_BYTES", 64)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    kernel = ak.kernels()["flashinfer"]
+    q = torch.randn(10, 2, 8)
+    cu = ak._cu([6, 4], "cpu")
+    kernel(q, q, q, cu, 6, [6, 4])
+    kernel(q, q, q, cu, 6, [6, 4])  # the same split: no new plan
+    capturing[0] = True
+    kernel(q, q, q, cu, 6, [3, 7])  # inside a capture: no host work, the last plan is read
+    capturing[0] = False
+    kernel.replan(q, q, cu, [3, 7])
+    assert events == [("new", 64), ("plan", [0, 6, 10]), ("run", [0, 6, 10]), ("run", [0, 6, 10]),
+                      ("run", [0, 6, 10]), ("plan", [0, 3, 10])]
+    assert kernel.describe() == {"flashinfer": "0.0-fake", "backend": "fa3"}
