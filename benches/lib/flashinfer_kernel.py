@@ -21,6 +21,11 @@ from typing import Any
 WORKSPACE_BYTES = 256 << 20
 """FlashInfer's float workspace (split-KV partial outputs); its examples use 128 MiB, doubled for 27,000 rows."""
 
+MERGE_HEAD_DIMS = (64, 128, 256)
+"""Head dims FlashInfer's split-KV merge (``VariableLengthMergeStates``, ``cascade.cuh``) is built for: at any
+other (72, 80) a split plan fails at run time ("Unsupported head_dim: 72", flashinfer 0.7.4 on the H200), so those
+are planned with ``disable_split_kv``."""
+
 
 class FlashInferRagged:
     """A kernel of the bench's signature ``(q, k, v, cu, max_len, lengths) -> out``: ``q, k, v`` are
@@ -34,7 +39,8 @@ class FlashInferRagged:
         self._backend = "not built"
 
     def _key(self, q: Any, k: Any, cu: Any) -> tuple[Any, ...]:
-        return (q.shape[1], k.shape[1], q.shape[2], cu.numel(), q.dtype, str(q.device))
+        # The rows too: a wrapper in CUDA-graph mode keeps the row count of its first plan as its maximum.
+        return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], cu.numel(), q.dtype, str(q.device))
 
     def _wrapper(self, q: Any, k: Any, cu: Any) -> Any:
         import torch
@@ -62,7 +68,7 @@ class FlashInferRagged:
         host = torch.tensor(offsets, dtype=torch.int32)
         wrapper = self._wrapper(q, k, cu)
         wrapper.plan(host, host, q.shape[1], k.shape[1], q.shape[2], causal=False, q_data_type=q.dtype,
-                     kv_data_type=k.dtype)
+                     kv_data_type=k.dtype, disable_split_kv=q.shape[2] not in MERGE_HEAD_DIMS)
         self._planned[key] = offsets
         self._backend = str(getattr(wrapper, "_backend", "unknown"))
 

@@ -114,8 +114,9 @@ def test_flashinfer_kernel_plans_on_the_host_once_per_split_and_never_inside_a_c
             self.buf, self._backend = qo_indptr_buf, "fa3"
             events.append(("new", workspace.numel()))
 
-        def plan(self, qo, kv, heads, kv_heads, dim, causal, q_data_type, kv_data_type):
+        def plan(self, qo, kv, heads, kv_heads, dim, causal, q_data_type, kv_data_type, disable_split_kv):
             assert qo.device.type == "cpu" and not causal and (heads, kv_heads, dim) == (2, 2, 8)
+            assert disable_split_kv  # head dim 8: FlashInfer's split-KV merge has no such instantiation
             self.buf.copy_(qo)
             events.append(("plan", qo.tolist()))
 
@@ -137,10 +138,12 @@ def test_flashinfer_kernel_plans_on_the_host_once_per_split_and_never_inside_a_c
     cu = ak._cu([6, 4], "cpu")
     kernel(q, q, q, cu, 6, [6, 4])
     kernel(q, q, q, cu, 6, [6, 4])  # the same split: no new plan
+    kernel(q[:8], q[:8], q[:8], ak._cu([4, 4], "cpu"), 4, [4, 4])  # other rows: a wrapper of its own
     capturing[0] = True
     kernel(q, q, q, cu, 6, [3, 7])  # inside a capture: no host work, the last plan is read
     capturing[0] = False
     kernel.replan(q, q, cu, [3, 7])
     assert events == [("new", 64), ("plan", [0, 6, 10]), ("run", [0, 6, 10]), ("run", [0, 6, 10]),
+                      ("new", 64), ("plan", [0, 4, 8]), ("run", [0, 4, 8]),
                       ("run", [0, 6, 10]), ("plan", [0, 3, 10])]
     assert kernel.describe() == {"flashinfer": "0.0-fake", "backend": "fa3"}
