@@ -36,9 +36,10 @@ tower's deadline, they are dropped (recorded), so that the trace itself complete
 Reported per system: mean, P50, P99 latency, speedups against ``hf_sdpa`` and ``adapter_eager``, the worst
 per-request ratio and how many requests were slower; with ``--floor`` (default on for the photo trace) each
 request's floor (``benches.lib.request_floor``: matrix products, attention and element-wise work at rates measured
-in the same process) and each system's mean and worst ratio to it; for graph systems the padded share of replayed
-tokens and the items that ran eagerly; for ``defaults`` its cold and warm capture, beside issue 13's targets (issue
-32's on the photo trace).
+in the same process) and each system's mean and worst ratio to it, and to a second floor with the tower's block
+products and attention timed at each request's sizes (``benches.lib.shape_floor``); for graph systems the padded
+share of replayed tokens and the items that ran eagerly; for ``defaults`` its cold and warm capture, beside issue
+13's targets (issue 32's on the photo trace).
 
 JSON (``benches/results/traffic_<gpu>.json``)::
 
@@ -53,14 +54,15 @@ JSON (``benches/results/traffic_<gpu>.json``)::
                             "stopped", "calls_that_compiled", "seconds_in_calls_that_compiled"},
         "systems": {"<system>": {"requests", "errors", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms",
                     "speedup_{mean,p50,p99}_vs_<ref>", "worst_ratio_vs_<ref>", "worst_request_vs_<ref>",
-                    "slower_than_<ref>", "compared_with_<ref>"}},
+                    "slower_than_<ref>", "compared_with_<ref>", "{mean,worst}_ratio_vs_{floor,shape_floor}"?}},
         "graph_stats": {"<graph system>": {"padded_share", "runner_padded_share", "eager_items", "items",
                         "eager_reasons", "replays", "cost_feedback"}},
         "output_check": {"<system>": max relative difference vs hf_sdpa},
         "targets": [{"target", "value", "op", "bound", "met"}],
-        "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]}, "floor"?: [{"floor_ms", ...}],
+        "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]},
+                        "floor"?: [{"floor_ms", "shape_floor_ms"?, ...}],
                         "routes": {"<graph system>": [{"replays", "eager", "rerouted"?, "explored"?}]}},
-        "floor"?: {"shape", "rates"},
+        "floor"?: {"shape", "rates", "shape_rates"? | "shape_error"?},
         "unavailable", "dropped"?, "warmup_mean_ms", "seconds"}}}
 """
 
@@ -86,6 +88,7 @@ from benches.lib.env import SKIPPED_TIME, Deadline, Env, free_memory, log, short
 from benches.lib.outputs import max_rel_diff
 from benches.lib.request_floor import TowerShape, measure_rates, request_floor
 from benches.lib.results import Results
+from benches.lib.shape_floor import block_linears, measure_shape_rates, shape_floor
 from benches.lib.systems import GRAPH_SYSTEMS, System, TowerBench, parse_systems
 from benches.lib.towers import QWEN_TOWERS, TOWERS
 from benches.lib.trace import (
@@ -316,7 +319,19 @@ def tower_floor(bench: TowerBench, env: Env, doc: dict[str, Any]) -> Any:
         return None
     doc["floor"] = {"shape": attrs.asdict(shape), "rates": rates}
     itemsize = env.dtype.itemsize
-    return lambda grids: request_floor(shape, grids, rates, itemsize)
+    try:  # the second floor, at each request's sizes: its failure leaves the first
+        linears = block_linears(bench.hf)
+        if not linears:
+            raise ValueError("the tower has no blocks[0] with nn.Linear layers to time")
+        shape_rates = measure_shape_rates(env, linears, heads, dim)
+    except Exception as exc:
+        traceback.print_exc()
+        doc["floor"]["shape_error"] = short_error(exc)
+        return lambda grids: request_floor(shape, grids, rates, itemsize)
+    doc["floor"]["shape_rates"] = shape_rates
+    block_params = shape.depth * sum(n_in * n_out for n_in, n_out in linears)
+    return lambda grids: {**request_floor(shape, grids, rates, itemsize),
+                          **shape_floor(shape, grids, rates, shape_rates, block_params, itemsize)}
 
 
 def capture(bench: TowerBench, system: System, args: Any, caps: Caps, doc: dict[str, Any], cache: Path) -> bool:

@@ -152,8 +152,10 @@ class Replay:
             doc["per_request"]["floor"] = self.floors
         if self.routes:
             doc["per_request"]["routes"] = {s.value: v for s, v in self.routes.items()}
+        shape = [f.get("shape_floor_ms", math.nan) for f in self.floors]
         doc["systems"] = report.summarize(self.latencies, self.errors,
-                                          [f["floor_ms"] for f in self.floors] if self.floors else None)
+                                          [f["floor_ms"] for f in self.floors] if self.floors else None,
+                                          shape if any(math.isfinite(x) for x in shape) else None)
         for s in (s for s in self.systems if s in GRAPH_SYSTEMS):
             doc.setdefault("graph_stats", {})[s.value] = report.graph_stats(self.bench.stats(s))
         if self.box is not None:

@@ -26,12 +26,28 @@ FLOOR_BOUND = 1.2
 """Issue 32's bound on every request's time over its floor."""
 
 
+def _floor_stats(lat: np.ndarray, floors: Sequence[float], name: str) -> dict[str, Any]:
+    """Mean and worst ratio of each request's time ``lat`` to its floor (``floors``, ms; NaN or 0: none), and how
+    many stay within :data:`FLOOR_BOUND`, under keys ending in ``name``."""
+    fl = np.asarray(floors, dtype=np.float64)[: lat.size]
+    both = np.isfinite(lat[: fl.size]) & np.isfinite(fl) & (fl > 0)
+    if not both.any():
+        return {}
+    ratio = lat[: fl.size][both] / fl[both]
+    return {f"mean_ratio_vs_{name}": round(float(ratio.mean()), 3),
+            f"worst_ratio_vs_{name}": round(float(ratio.max()), 3),
+            f"within_{name}_bound": int((ratio <= FLOOR_BOUND).sum()),
+            f"compared_with_{name}": int(both.sum())}
+
+
 def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[System, int],
-              floors: Sequence[float] | None = None) -> dict[str, Any]:
+              floors: Sequence[float] | None = None,
+              shape_floors: Sequence[float] | None = None) -> dict[str, Any]:
     """Per system: requests, errors, mean / P50 / P90 / P99 / max ms, and against each reference that ran (on the
     requests both completed): speedups of the mean, P50 and P99, the worst per-request ratio (system / reference)
     and its request, and how many requests were slower; with ``floors`` (ms per request), the mean and worst
-    ratio of each request's time to its floor and how many requests stay within :data:`FLOOR_BOUND` of it."""
+    ratio of each request's time to its floor and how many requests stay within :data:`FLOOR_BOUND` of it; with
+    ``shape_floors`` the same against the floor at the request's sizes (``benches.lib.shape_floor``)."""
     out = {}
     for s, values in latencies.items():
         lat = np.asarray(values, dtype=np.float64)
@@ -65,14 +81,9 @@ def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[Syste
                 f"compared_with_{k}": int(both.sum()),
             })
         if floors is not None and ok.size:
-            fl = np.asarray(floors, dtype=np.float64)[: lat.size]
-            both = np.isfinite(lat[: fl.size]) & (fl > 0)
-            if both.any():
-                ratio = lat[: fl.size][both] / fl[both]
-                entry.update({"mean_ratio_vs_floor": round(float(ratio.mean()), 3),
-                              "worst_ratio_vs_floor": round(float(ratio.max()), 3),
-                              "within_floor_bound": int((ratio <= FLOOR_BOUND).sum()),
-                              "compared_with_floor": int(both.sum())})
+            entry.update(_floor_stats(lat, floors, "floor"))
+        if shape_floors is not None and ok.size:
+            entry.update(_floor_stats(lat, shape_floors, "shape_floor"))
         out[s.value] = entry
     return out
 
@@ -321,6 +332,14 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
                      + f"), memory {fmt(rates['bandwidth_gbs'])} GB/s")
     elif doc.get("floor", {}).get("error"):
         notes.append(f"- floor not measured: {doc['floor']['error']}")
+    for name, e in doc.get("systems", {}).items():
+        if "worst_ratio_vs_shape_floor" in e:
+            notes.append(f"- {System(name).label} against the floor at each request's sizes (products and "
+                         f"attention timed at them: benches.lib.shape_floor): mean {e['mean_ratio_vs_shape_floor']}x,"
+                         f" worst {e['worst_ratio_vs_shape_floor']}x, {e['within_shape_floor_bound']} of "
+                         f"{e['compared_with_shape_floor']} within {FLOOR_BOUND}x")
+    if doc.get("floor", {}).get("shape_error"):
+        notes.append(f"- floor at the requests' sizes not measured: {doc['floor']['shape_error']}")
     for name, cap in doc.get("capture", {}).items():
         for key, c in (cap.get("kernels") or {}).items():
             if isinstance(c, dict) and "min_rows" in c:

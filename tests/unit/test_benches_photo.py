@@ -111,10 +111,16 @@ def test_traffic_photo_smoke(tmp_path, monkeypatch):
     for s, e in doc["systems"].items():
         assert e["compared_with_floor"] == 2 and e["worst_ratio_vs_floor"] >= e["mean_ratio_vs_floor"] > 0, s
     assert math.isfinite(doc["floor"]["rates"]["attention_tflops"])
+    # the second floor, at each request's sizes: the tiny tower's block products and attention timed on its ladder
+    shape_rates = doc["floor"]["shape_rates"]
+    assert len(shape_rates["block_matmul_ms"]) == len(shape_rates["rows"]) == len(shape_rates["attention_ms"])
+    assert shape_rates["linears"] and all(f["shape_floor_ms"] > 0 for f in doc["per_request"]["floor"])
+    assert all(e["compared_with_shape_floor"] == 2 for e in doc["systems"].values())
     assert {t["target"] for t in doc["targets"]} == {"mean speedup vs HF sdpa", "requests slower than HF sdpa",
                                                      "worst request / its floor"}
     table = (tmp_path / f"traffic_{SMOKE_SLUG}_photo.md").read_text()
     assert "### targets (issue 32)" in table and "worst x floor" in table and "floor rates: matmul" in table
+    assert "against the floor at each request's sizes" in table
     assert "worst request / floor" in table and "(target >= 2.5x)" not in table
     # two passes: sizes new to every system (the top level), then the same requests at sizes seen before
     assert doc["sizes"] == "new" and set(doc["per_request"]["extra_tokens"]) == set(doc["systems"])
@@ -153,3 +159,44 @@ def test_neighbour_smoke(tmp_path, monkeypatch):
     assert set(data["phases"]) == set(neighbour.PHASES)
     for phase in data["phases"].values():
         assert phase["lm_first"]["runs"] == 2 and phase["tower"]["median_ms"] > 0
+
+
+def test_shape_floor_reads_its_measured_times_between_ladder_points():
+    """``benches.lib.shape_floor``: block products at the request's rows on the log-log line between ladder
+    points (depth times), products outside the blocks at the peak rate, full-attention layers at the measured
+    time of each sequence's length (scaled by L^2 past the ladder), windowed layers and element-wise work as the
+    peak floor has them; and never below what the peak floor's rates allow where the times were measured at peak."""
+    from benches.lib.shape_floor import interpolate, shape_floor
+
+    assert interpolate([100, 400], [1.0, 4.0], 200, 1.0) == pytest.approx(2.0)  # a straight line in log-log
+    assert interpolate([100, 400], [1.0, 16.0], 200, 2.0) == pytest.approx(4.0)
+    assert interpolate([100, 400], [1.0, 4.0], 50, 1.0) == pytest.approx(0.5)  # below: in proportion
+    assert interpolate([100, 400], [1.0, 16.0], 800, 2.0) == pytest.approx(64.0)  # above: as L^2
+    assert interpolate([100, 400], [1.0, 4.0], 0, 1.0) == 0.0
+
+    shape = TowerShape(params=10**9, depth=4, hidden=1024, heads=16, full_layers=1, window_rows=64)
+    rates = {"matmul_tflops": 500.0, "attention_tflops": 400.0, "bandwidth_gbs": 4000.0}
+    grids = [(1, 32, 32), (2, 8, 16)]  # 1024 + 2 x 128 rows
+    ladder = {"rows": [128, 1024, 2048], "block_matmul_ms": [0.1, 0.4, 0.8], "attention_ms": [0.01, 0.2, 0.8]}
+    block_params = 6 * 10**8  # 60% of the weights in the blocks: 40% stay at the peak rate
+    got = shape_floor(shape, grids, rates, ladder, block_params)
+    peak = request_floor(shape, grids, rates)
+    rows = 1024 + 256
+    blocks = math.exp(math.log(0.4) + math.log(rows / 1024) / math.log(2) * math.log(2.0)) * 4
+    assert got["shape_matmul_ms"] == pytest.approx(blocks + 0.4 * peak["matmul_ms"], abs=1e-4)
+    windowed = 3 * 4.0 * 1024 * (1024 * 64 + 2 * 128 * 64) / 400e12 * 1e3
+    assert got["shape_attention_ms"] == pytest.approx(0.2 + 2 * 0.01 + windowed, abs=1e-4)
+    assert got["shape_floor_ms"] == pytest.approx(
+        got["shape_matmul_ms"] + got["shape_attention_ms"] + peak["elementwise_ms"], abs=1e-3)
+
+
+def test_shape_floor_is_reported_beside_the_floor():
+    """``traffic_report.summarize`` with a second floor: its own keys, requests without one left out."""
+    from benches.lib import traffic_report as report
+    from benches.lib.systems import System
+
+    lat = {System.DEFAULTS: [2.0, 3.0, 6.0]}
+    got = report.summarize(lat, {}, [1.0, 2.0, 5.0], [1.8, float("nan"), 5.5])[System.DEFAULTS.value]
+    assert got["worst_ratio_vs_floor"] == 2.0 and got["within_floor_bound"] == 1  # 2.0, 1.5, 1.2
+    assert got["compared_with_shape_floor"] == 2 and got["worst_ratio_vs_shape_floor"] == pytest.approx(1.111, abs=1e-3)
+    assert got["within_shape_floor_bound"] == 2

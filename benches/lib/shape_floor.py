@@ -1,0 +1,116 @@
+"""A second floor per request: the tower's own products and attention calls timed at the sizes a request gives them.
+
+:mod:`benches.lib.request_floor` prices every matrix product at the rate of one ``8192^3`` product and attention at
+the rate of one 8,192-row sequence: peak rates, which a 760-row image (a 190-token photo thumbnail) cannot reach,
+whatever runs it. This floor keeps element-wise work as there and replaces the two compute parts by measured
+times at the request's sizes:
+
+- **block products**: one block's linear layers (their ``(in, out)`` shapes read off the tower's first block), each
+  timed alone as ``x @ W.T`` on ``M`` rows for ``M`` on :data:`ROWS` (doubling), summed, times the depth; a request
+  of ``M`` rows reads the time between ladder points on a log-log line (below the first point, scaled down in
+  proportion to the rows: still a lower bound). The products outside the blocks (patch embedding, mergers) stay at
+  the peak rate, as in the first floor.
+- **attention**: per full-attention layer and sequence of ``L`` rows, the fastest kernel's time on one sequence of
+  ``L`` rows (:func:`encgraph.models.kernel_choice.measure_crossover`: Flash varlen, dense SDPA, FlashAttention-4
+  where installed), interpolated the same way (scaled by ``L^2`` below the first point and above the last);
+  windowed layers (Qwen2.5-VL) stay at the peak rate.
+
+So the gap between a system and this floor is what the system adds on top of cuBLAS and the attention kernels at
+those sizes (launches, copies, padding, host work), and the gap between the two floors is what small sizes cost the
+kernels themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from benches.lib.env import Env
+from benches.lib.request_floor import TowerShape, request_floor
+from benches.lib.timing import time_call
+
+ROWS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+SMOKE_ROWS = (16, 32, 64)
+
+
+def block_linears(tower: Any) -> list[tuple[int, int]]:
+    """``(in_features, out_features)`` of every ``nn.Linear`` in the first block of ``tower``'s ``blocks``
+    (the packed Qwen-VL layout); ``[]`` where the tower has none."""
+    import torch
+
+    blocks = getattr(tower, "blocks", None)
+    if not blocks:
+        return []
+    return [(m.in_features, m.out_features) for m in blocks[0].modules() if isinstance(m, torch.nn.Linear)]
+
+
+def measure_shape_rates(env: Env, linears: Sequence[tuple[int, int]], heads: int, head_dim: int) -> dict[str, Any]:
+    """Per row count of the ladder: ``block_matmul_ms`` (one block's products, summed) and ``attention_ms`` (the
+    fastest kernel on one sequence of that many rows), with the ladder and the kernels' times."""
+    import torch
+
+    rows = SMOKE_ROWS if env.tiny else ROWS
+    gen = torch.Generator(device=env.device).manual_seed(env.seed)
+    weights = [torch.randn(n_out, n_in, device=env.device, dtype=env.dtype, generator=gen) for n_in, n_out in linears]
+    block_ms = []
+    for m in rows:
+        total = 0.0
+        for w in weights:
+            x = torch.randn(m, w.shape[1], device=env.device, dtype=env.dtype, generator=gen)
+            total += time_call(lambda x=x, w=w: torch.nn.functional.linear(x, w), env, runs=10, warmup=2).median
+        block_ms.append(round(total, 5))
+    if env.cuda:
+        from encgraph.models.kernel_choice import measure_crossover
+
+        c = measure_crossover(heads, head_dim, env.dtype, env.device, lengths=rows, repeats=5)
+        kernels = {"varlen_ms": list(c.varlen_ms), "dense_ms": list(c.dense_ms),
+                   **({"fa4_ms": list(c.fa4_ms)} if c.fa4_ms else {})}
+    else:
+        dense = []
+        for n in rows:
+            q = torch.randn(1, heads, n, head_dim, device=env.device, dtype=env.dtype, generator=gen)
+            dense.append(time_call(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q), env,
+                                   runs=3, warmup=1).median)
+        kernels = {"dense_ms": dense}
+    attention = [round(min(times), 5) for times in zip(*kernels.values())]
+    return {"rows": list(rows), "linears": [list(x) for x in linears], "block_matmul_ms": block_ms,
+            "attention_ms": attention, "attention_kernels": kernels}
+
+
+def interpolate(points: Sequence[int], values: Sequence[float], x: float, power: float) -> float:
+    """``values`` at ``x`` on the log-log line between the two ladder ``points`` around it; outside the ladder
+    the nearest point's value scaled by ``(x / point) ** power`` (1 for products, 2 for attention)."""
+    if x <= 0:
+        return 0.0
+    if x <= points[0]:
+        return values[0] * (x / points[0]) ** power
+    if x >= points[-1]:
+        return values[-1] * (x / points[-1]) ** power
+    i = next(i for i in range(1, len(points)) if x <= points[i])
+    a, b, va, vb = points[i - 1], points[i], values[i - 1], values[i]
+    if va <= 0 or vb <= 0:
+        return va + (vb - va) * (x - a) / (b - a)
+    t = math.log(x / a) / math.log(b / a)
+    return math.exp(math.log(va) + t * math.log(vb / va))
+
+
+def shape_floor(shape: TowerShape, grids: Sequence[tuple[int, int, int]], rates: dict[str, Any],
+                shape_rates: dict[str, Any], block_params: int, value_bytes: int = 2) -> dict[str, float]:
+    """The floor (ms) of one request of ``grids`` with the block products and full-attention calls at their
+    measured times: ``shape_matmul_ms``, ``shape_attention_ms``, ``shape_floor_ms``. ``block_params`` is the
+    blocks' linear weights in all (their products are timed; the rest of ``shape.params`` stays at peak)."""
+    peak = request_floor(shape, grids, rates, value_bytes)
+    rows = sum(t * h * w for t, h, w in grids)
+    sequences = [h * w for t, h, w in grids for _ in range(t)]
+    ladder = shape_rates["rows"]
+    blocks = interpolate(ladder, shape_rates["block_matmul_ms"], rows, 1.0) * shape.depth
+    outside = peak["matmul_ms"] * max(shape.params - block_params, 0) / shape.params
+    full = sum(interpolate(ladder, shape_rates["attention_ms"], n, 2.0) for n in sequences) * shape.full_layers
+    windowed = 0.0
+    if shape.window_rows is not None:  # the peak floor's windowed part (all of its attention minus the full layers)
+        at_peak_full = sum(4.0 * n * n * shape.hidden for n in sequences) * shape.full_layers
+        windowed = max(peak["attention_ms"] - at_peak_full / (rates["attention_tflops"] * 1e12) * 1e3, 0.0)
+    parts = {"shape_matmul_ms": blocks + outside, "shape_attention_ms": full + windowed}
+    total = parts["shape_matmul_ms"] + parts["shape_attention_ms"] + peak["elementwise_ms"]
+    return {**{k: round(v, 4) for k, v in parts.items()}, "shape_floor_ms": round(total, 4)}
