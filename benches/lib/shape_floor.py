@@ -7,12 +7,12 @@ times at the request's sizes:
 
 - **block products**: one block's linear layers (their ``(in, out)`` shapes read off the tower's first block), each
   timed alone as ``x @ W.T`` on ``M`` rows for ``M`` on :data:`ROWS` (doubling), summed, times the depth; a request
-  of ``M`` rows reads the time between ladder points on a log-log line (below the first point, scaled down in
-  proportion to the rows: still a lower bound). The products outside the blocks (patch embedding, mergers) stay at
-  the peak rate, as in the first floor.
+  of ``M`` rows reads the time between ladder points on a log-log line (``encgraph.packing.crossover.loglog_at``,
+  as the cost model reads its kernel times; past the ladder's ends with the slope of the nearest pair). The
+  products outside the blocks (patch embedding, mergers) stay at the peak rate, as in the first floor.
 - **attention**: per full-attention layer and sequence of ``L`` rows, the fastest kernel's time on one sequence of
   ``L`` rows (:func:`encgraph.models.kernel_choice.measure_crossover`: Flash varlen, dense SDPA, FlashAttention-4
-  where installed), interpolated the same way (scaled by ``L^2`` below the first point and above the last);
+  where installed), read off the same kind of line;
   windowed layers (Qwen2.5-VL) stay at the peak rate.
 
 So the gap between a system and this floor is what the system adds on top of cuBLAS and the attention kernels at
@@ -22,13 +22,13 @@ kernels themselves.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from benches.lib.env import Env
 from benches.lib.request_floor import TowerShape, request_floor
 from benches.lib.timing import time_call
+from encgraph.packing.crossover import loglog_at
 
 ROWS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 SMOKE_ROWS = (16, 32, 64)
@@ -78,23 +78,6 @@ def measure_shape_rates(env: Env, linears: Sequence[tuple[int, int]], heads: int
             "attention_ms": attention, "attention_kernels": kernels}
 
 
-def interpolate(points: Sequence[int], values: Sequence[float], x: float, power: float) -> float:
-    """``values`` at ``x`` on the log-log line between the two ladder ``points`` around it; outside the ladder
-    the nearest point's value scaled by ``(x / point) ** power`` (1 for products, 2 for attention)."""
-    if x <= 0:
-        return 0.0
-    if x <= points[0]:
-        return values[0] * (x / points[0]) ** power
-    if x >= points[-1]:
-        return values[-1] * (x / points[-1]) ** power
-    i = next(i for i in range(1, len(points)) if x <= points[i])
-    a, b, va, vb = points[i - 1], points[i], values[i - 1], values[i]
-    if va <= 0 or vb <= 0:
-        return va + (vb - va) * (x - a) / (b - a)
-    t = math.log(x / a) / math.log(b / a)
-    return math.exp(math.log(va) + t * math.log(vb / va))
-
-
 def shape_floor(shape: TowerShape, grids: Sequence[tuple[int, int, int]], rates: dict[str, Any],
                 shape_rates: dict[str, Any], block_params: int, value_bytes: int = 2) -> dict[str, float]:
     """The floor (ms) of one request of ``grids`` with the block products and full-attention calls at their
@@ -104,9 +87,9 @@ def shape_floor(shape: TowerShape, grids: Sequence[tuple[int, int, int]], rates:
     rows = sum(t * h * w for t, h, w in grids)
     sequences = [h * w for t, h, w in grids for _ in range(t)]
     ladder = shape_rates["rows"]
-    blocks = interpolate(ladder, shape_rates["block_matmul_ms"], rows, 1.0) * shape.depth
+    blocks = loglog_at(ladder, shape_rates["block_matmul_ms"], rows) * shape.depth
     outside = peak["matmul_ms"] * max(shape.params - block_params, 0) / shape.params
-    full = sum(interpolate(ladder, shape_rates["attention_ms"], n, 2.0) for n in sequences) * shape.full_layers
+    full = sum(loglog_at(ladder, shape_rates["attention_ms"], n) for n in sequences) * shape.full_layers
     windowed = 0.0
     if shape.window_rows is not None:  # the peak floor's windowed part (all of its attention minus the full layers)
         at_peak_full = sum(4.0 * n * n * shape.hidden for n in sequences) * shape.full_layers

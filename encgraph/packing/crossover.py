@@ -29,7 +29,7 @@ from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing.eager_cost import checked_ms
 
 __all__ = ["BUCKET_SLACK", "FA4_MARGIN", "PER_OCTAVE", "Crossover", "bucket_rows", "crossover_rows", "faster_varlen",
-           "kernel_key", "kernel_table"]
+           "kernel_key", "kernel_table", "loglog_at"]
 
 PER_OCTAVE = 16
 """Bucket lengths per power of two (:func:`bucket_rows`): a sequence padded to its bucket has at most 1/16 more
@@ -229,14 +229,14 @@ class Crossover:
         run = self.run_rows(rows)
         if run == rows:
             return self.ms_at(rows)[1]
-        return _interpolated(self.lengths, self.padded_ms, run)
+        return loglog_at(self.lengths, self.padded_ms, run)
 
     def ms_at(self, rows: int) -> tuple[float, float]:
         """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows (the varlen kernel chosen):
         linear in log-log between the measured lengths, extended past the longest (and below the shortest) with
         the slope of the nearest pair (attention is quadratic, so about 2)."""
-        return (_interpolated(self.lengths, self.chosen_varlen_ms, rows),
-                _interpolated(self.lengths, self.dense_ms, rows))
+        return (loglog_at(self.lengths, self.chosen_varlen_ms, rows),
+                loglog_at(self.lengths, self.dense_ms, rows))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; ``min_rows`` is written for readers and recomputed on load (``bucket_from`` and
@@ -259,7 +259,7 @@ class Crossover:
             ) from None
 
 
-def _interpolated(lengths: Sequence[int], times: Sequence[float], rows: int) -> float:
+def loglog_at(lengths: Sequence[int], times: Sequence[float], rows: int) -> float:
     """``times`` (one per ascending length) at ``rows``: linear in log-log between the measured lengths,
     extended past the longest (and below the shortest) with the slope of the nearest pair (2 with one length:
     attention is quadratic)."""

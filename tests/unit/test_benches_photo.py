@@ -166,13 +166,13 @@ def test_shape_floor_reads_its_measured_times_between_ladder_points():
     points (depth times), products outside the blocks at the peak rate, full-attention layers at the measured
     time of each sequence's length (scaled by L^2 past the ladder), windowed layers and element-wise work as the
     peak floor has them; and never below what the peak floor's rates allow where the times were measured at peak."""
-    from benches.lib.shape_floor import interpolate, shape_floor
+    from benches.lib.shape_floor import shape_floor
+    from encgraph.packing.crossover import loglog_at  # the cost model's own reading of measured times
 
-    assert interpolate([100, 400], [1.0, 4.0], 200, 1.0) == pytest.approx(2.0)  # a straight line in log-log
-    assert interpolate([100, 400], [1.0, 16.0], 200, 2.0) == pytest.approx(4.0)
-    assert interpolate([100, 400], [1.0, 4.0], 50, 1.0) == pytest.approx(0.5)  # below: in proportion
-    assert interpolate([100, 400], [1.0, 16.0], 800, 2.0) == pytest.approx(64.0)  # above: as L^2
-    assert interpolate([100, 400], [1.0, 4.0], 0, 1.0) == 0.0
+    assert loglog_at([100, 400], [1.0, 4.0], 200) == pytest.approx(2.0)  # a straight line in log-log
+    assert loglog_at([100, 400], [1.0, 16.0], 200) == pytest.approx(4.0)
+    assert loglog_at([100, 400], [1.0, 4.0], 50) == pytest.approx(0.5)  # below: the nearest pair's slope (1)
+    assert loglog_at([100, 400], [1.0, 16.0], 800) == pytest.approx(64.0)  # above: its slope (2, as L^2)
 
     shape = TowerShape(params=10**9, depth=4, hidden=1024, heads=16, full_layers=1, window_rows=64)
     rates = {"matmul_tflops": 500.0, "attention_tflops": 400.0, "bandwidth_gbs": 4000.0}
