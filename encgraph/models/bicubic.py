@@ -33,9 +33,6 @@ __all__ = ["CUBIC_A", "bicubic_border", "cubic_weights", "position_embedding_gat
 CUBIC_A = -0.75
 """The cubic convolution coefficient of torch's bicubic modes (``grid_sample``, ``interpolate``)."""
 
-_OFFSETS = (-1, 0, 1, 2)
-
-
 def cubic_weights(t: torch.Tensor) -> torch.Tensor:
     """Cubic-convolution weights of the four neighbours at offsets -1, 0, 1, 2 of a point at fraction ``t`` (in
     ``[0, 1)``) past the second one: ``(*t.shape, 4)``, in ``t``'s dtype; they sum to 1."""
@@ -71,7 +68,8 @@ def bicubic_border(table: torch.Tensor, height: int, width: int, x: torch.Tensor
     iy = ((y + 1) * height - 1) / 2
     x0, y0 = ix.floor(), iy.floor()
     wx, wy = cubic_weights(ix - x0), cubic_weights(iy - y0)
-    offsets = torch.tensor(_OFFSETS, device=x.device, dtype=torch.long)
+    # Made on the device (a host list would be copied in: a CUDA graph cannot capture that copy).
+    offsets = torch.arange(-1, 3, device=x.device)
     cols = (x0.long().unsqueeze(1) + offsets).clamp_(0, width - 1)  # border padding: the edge pixel repeats
     rows = (y0.long().unsqueeze(1) + offsets).clamp_(0, height - 1)
     index = (rows.unsqueeze(2) * width + cols.unsqueeze(1)).reshape(points, 16)

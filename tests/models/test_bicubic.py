@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from encgraph.models import wrap
 from encgraph.models.bicubic import bicubic_border, cubic_weights, position_embedding_gather
@@ -98,3 +99,51 @@ def test_glm_adapter_applies_it_and_unwrap_restores():
     assert f"{type(tower.embeddings).__name__}: bicubic position embedding as one weighted gather" in adapter.layout
     adapter.unwrap()
     assert all("forward" not in m.__dict__ for m in tower.modules())
+
+
+class _HostData(TorchDispatchMode):
+    """Records every op that copies a CPU tensor of more than one element onto another device, and (through
+    ``monkeypatch``) every ``torch.tensor`` / ``torch.as_tensor`` of host data made on another device (those copy
+    inside the factory, where no dispatch mode sees them). On CUDA both copy from the host, which a CUDA graph
+    cannot capture; ``meta`` stands in for the GPU here."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+        for name in ("tensor", "as_tensor"):
+            factory = getattr(torch, name)
+
+            def watched(*args, _factory=factory, _name=name, **kwargs):
+                out = _factory(*args, **kwargs)
+                if out.device.type != "cpu":
+                    self.seen.append(f"torch.{_name}")
+                return out
+
+            monkeypatch.setattr(torch, name, watched)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cpu" and t.numel() > 1 for t in inputs) and any(
+                t.device.type == "meta" for t in outputs):
+            self.seen.append(str(func))
+        return out
+
+
+def test_the_rewrite_copies_nothing_from_the_host(monkeypatch):
+    """Everything the rewritten forward reads is made on the tensors' device (what failed capture on the H200 in
+    a first version: a host tuple of offsets made into a device tensor)."""
+    with torch.device("meta"):
+        embeddings = glm4v_tower().embeddings
+        lengths, shapes, h, w = (t.to("meta") for t in _packed([(4, 6), (2, 2)]))
+        hidden = torch.empty(28, embeddings.embed_dim)
+    position_embedding_gather(embeddings)
+    with monkeypatch.context() as patched, _HostData(patched) as mode:
+        out = embeddings(hidden, lengths, shapes, h, w)
+    assert out.shape == (28, embeddings.embed_dim) and mode.seen == []
+    # the check itself: host data made into a device tensor, or copied there, is seen
+    for make in (lambda: torch.tensor([1, 2, 3], device="meta"), lambda: torch.arange(3).to("meta")):
+        with monkeypatch.context() as patched, _HostData(patched) as mode:
+            make()
+        assert mode.seen
