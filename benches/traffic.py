@@ -90,6 +90,7 @@ from benches.lib.request_floor import TowerShape, measure_rates, request_floor
 from benches.lib.results import Results
 from benches.lib.shape_floor import block_linears, measure_shape_rates, shape_floor
 from benches.lib.systems import GRAPH_SYSTEMS, System, TowerBench, parse_systems
+from benches.lib.timing import in_fresh_thread
 from benches.lib.towers import QWEN_TOWERS, TOWERS
 from benches.lib.trace import (
     IMAGE_MAX_TOKENS,
@@ -312,7 +313,8 @@ def tower_floor(bench: TowerBench, env: Env, doc: dict[str, Any]) -> Any:
     try:
         shape = TowerShape.of(bench.hf.config, bench.params)
         heads, dim = tower_geometries(bench.hf)[0]
-        rates = measure_rates(env, heads, dim)
+        # Timed on threads of their own: the capture after them must find no dense attention plan of theirs.
+        rates = in_fresh_thread(lambda: measure_rates(env, heads, dim))
     except Exception as exc:
         traceback.print_exc()
         doc["floor"] = {"error": short_error(exc)}
@@ -323,7 +325,7 @@ def tower_floor(bench: TowerBench, env: Env, doc: dict[str, Any]) -> Any:
         linears = block_linears(bench.hf)
         if not linears:
             raise ValueError("the tower has no blocks[0] with nn.Linear layers to time")
-        shape_rates = measure_shape_rates(env, linears, heads, dim)
+        shape_rates = in_fresh_thread(lambda: measure_shape_rates(env, linears, heads, dim))
     except Exception as exc:
         traceback.print_exc()
         doc["floor"]["shape_error"] = short_error(exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -107,3 +108,28 @@ def measure(fn: Callable[[], Any], env: Env, **kw: Any) -> dict[str, Any]:
         traceback.print_exc()
         free_memory()
         return {"error": short_error(exc)}
+
+
+def in_fresh_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on a new thread, joined; its result, or its exception raised here.
+
+    For measurements that must leave the calling thread's caches as they were: torch keeps cuDNN's attention plans
+    per thread (``getMHAGraphCache_`` in ``aten/src/ATen/native/cudnn/MHA.cpp``), so a floor timed on the thread
+    that captures afterwards would leave plans behind for the lengths it timed, and the capture's crossover would
+    find their "first" calls free (measured on the H200: a median plan cost of 0.15 ms instead of about 65, and the
+    runner then bought a plan for every new photo size at once)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="encgraph-bench-measure")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+

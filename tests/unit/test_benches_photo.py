@@ -200,3 +200,37 @@ def test_shape_floor_is_reported_beside_the_floor():
     assert got["worst_ratio_vs_floor"] == 2.0 and got["within_floor_bound"] == 1  # 2.0, 1.5, 1.2
     assert got["compared_with_shape_floor"] == 2 and got["worst_ratio_vs_shape_floor"] == pytest.approx(1.111, abs=1e-3)
     assert got["within_shape_floor_bound"] == 2
+
+
+def test_block_linears_are_timed_at_aligned_widths():
+    """The second floor times a block's products at the widths encgraph runs them (a misaligned MLP is padded to a
+    multiple of 8: Qwen2.5-VL's 3420 runs as 3424), not at a width that keeps cuBLAS off its fast kernels."""
+    import torch
+
+    from benches.lib.shape_floor import block_linears
+
+    block = torch.nn.Sequential(torch.nn.Linear(1280, 3420), torch.nn.Linear(3420, 1280), torch.nn.Linear(16, 48))
+    tower = torch.nn.Module()
+    tower.blocks = torch.nn.ModuleList([block])
+    assert block_linears(tower) == [(1280, 3424), (3424, 1280), (16, 48)]
+    assert block_linears(torch.nn.Module()) == []
+
+
+def test_measurements_run_on_a_thread_of_their_own():
+    """``in_fresh_thread``: the floor's kernels are timed off the capturing thread (torch keeps cuDNN's attention
+    plans per thread), with the result or the exception handed back."""
+    import threading
+
+    import pytest
+
+    from benches.lib.timing import in_fresh_thread
+
+    caller = threading.get_ident()
+    assert in_fresh_thread(threading.get_ident) != caller
+    assert in_fresh_thread(lambda: 41 + 1) == 42
+
+    def boom():
+        raise KeyError("measured nothing")
+
+    with pytest.raises(KeyError, match="measured nothing"):
+        in_fresh_thread(boom)
