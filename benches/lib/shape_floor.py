@@ -48,8 +48,11 @@ def block_linears(tower: Any) -> list[tuple[int, int]]:
     blocks = getattr(tower, "blocks", None)
     if not blocks:
         return []
-    up = lambda n: -(-n // ALIGN) * ALIGN  # noqa: E731
-    return [(up(m.in_features), up(m.out_features)) for m in blocks[0].modules() if isinstance(m, torch.nn.Linear)]
+    def aligned(n: int) -> int:
+        return -(-n // ALIGN) * ALIGN
+
+    return [(aligned(m.in_features), aligned(m.out_features)) for m in blocks[0].modules()
+            if isinstance(m, torch.nn.Linear)]
 
 
 def measure_shape_rates(env: Env, linears: Sequence[tuple[int, int]], heads: int, head_dim: int) -> dict[str, Any]:
