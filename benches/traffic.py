@@ -332,8 +332,12 @@ def tower_floor(bench: TowerBench, env: Env, doc: dict[str, Any]) -> Any:
         return lambda grids: request_floor(shape, grids, rates, itemsize)
     doc["floor"]["shape_rates"] = shape_rates
     block_params = shape.depth * sum(n_in * n_out for n_in, n_out in linears)
-    return lambda grids: {**request_floor(shape, grids, rates, itemsize),
-                          **shape_floor(shape, grids, rates, shape_rates, block_params, itemsize)}
+
+    def both(grids: Any) -> dict[str, float]:
+        peak = request_floor(shape, grids, rates, itemsize)
+        return {**peak, **shape_floor(shape, grids, peak, rates, shape_rates, block_params)}
+
+    return both
 
 
 def capture(bench: TowerBench, system: System, args: Any, caps: Caps, doc: dict[str, Any], cache: Path) -> bool:

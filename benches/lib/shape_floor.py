@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benches.lib.env import Env
-from benches.lib.request_floor import TowerShape, request_floor
+from benches.lib.request_floor import TowerShape
 from benches.lib.timing import time_call
 from encgraph.packing.crossover import loglog_at
 
@@ -101,12 +101,13 @@ def measure_shape_rates(env: Env, linears: Sequence[tuple[int, int]], heads: int
             "attention_ms": attention, "attention_kernels": kernels}
 
 
-def shape_floor(shape: TowerShape, grids: Sequence[tuple[int, int, int]], rates: dict[str, Any],
-                shape_rates: dict[str, Any], block_params: int, value_bytes: int = 2) -> dict[str, float]:
+def shape_floor(shape: TowerShape, grids: Sequence[tuple[int, int, int]], peak: dict[str, float],
+                rates: dict[str, Any], shape_rates: dict[str, Any], block_params: int) -> dict[str, float]:
     """The floor (ms) of one request of ``grids`` with the block products and full-attention calls at their
-    measured times: ``shape_matmul_ms``, ``shape_attention_ms``, ``shape_floor_ms``. ``block_params`` is the
-    blocks' linear weights in all (their products are timed; the rest of ``shape.params`` stays at peak)."""
-    peak = request_floor(shape, grids, rates, value_bytes)
+    measured times: ``shape_matmul_ms``, ``shape_attention_ms``, ``shape_floor_ms``. ``peak`` is the same request's
+    peak-rate floor (:func:`~benches.lib.request_floor.request_floor` at ``rates``), whose products outside the
+    blocks, windowed attention and element-wise work it keeps; ``block_params`` is the blocks' linear weights in
+    all (their products are timed; the rest of ``shape.params`` stays at peak)."""
     rows = sum(t * h * w for t, h, w in grids)
     sequences = [h * w for t, h, w in grids for _ in range(t)]
     ladder = shape_rates["rows"]

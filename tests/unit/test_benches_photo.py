@@ -179,7 +179,7 @@ def test_shape_floor_reads_its_measured_times_between_ladder_points():
     grids = [(1, 32, 32), (2, 8, 16)]  # 1024 + 2 x 128 rows
     ladder = {"rows": [128, 1024, 2048], "block_matmul_ms": [0.1, 0.4, 0.8], "attention_ms": [0.01, 0.2, 0.8]}
     block_params = 6 * 10**8  # 60% of the weights in the blocks: 40% stay at the peak rate
-    got = shape_floor(shape, grids, rates, ladder, block_params)
+    got = shape_floor(shape, grids, request_floor(shape, grids, rates), rates, ladder, block_params)
     peak = request_floor(shape, grids, rates)
     rows = 1024 + 256
     blocks = math.exp(math.log(0.4) + math.log(rows / 1024) / math.log(2) * math.log(2.0)) * 4
