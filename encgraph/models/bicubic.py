@@ -36,6 +36,7 @@ __all__ = ["CUBIC_A", "bicubic_border", "cubic_weights", "position_embedding_gat
 CUBIC_A = -0.75
 """The cubic convolution coefficient of torch's bicubic modes (``grid_sample``, ``interpolate``)."""
 
+
 def cubic_weights(t: torch.Tensor) -> torch.Tensor:
     """Cubic-convolution weights of the four neighbours at offsets -1, 0, 1, 2 of a point at fraction ``t`` (in
     ``[0, 1)``) past the second one: ``(*t.shape, 4)``, in ``t``'s dtype; they sum to 1."""
