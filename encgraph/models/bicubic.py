@@ -16,10 +16,7 @@ from ``grid_sample`` by the order of the 16 products' summation (float32 roundin
 value on random tables, on the CPU), before the tower rounds the embedding to its dtype.
 
 :func:`position_embedding_gather` installs it on a GLM-4V embeddings module as a reversible rewrite
-(:class:`~encgraph.models.layout.LayoutPatch`). The GLM-4V adapter does not apply it yet: its first version failed
-every GLM-4V capture on the H200 (a host tuple copied in inside the captured region; fixed, and caught on the CPU
-by ``tests/models/test_bicubic.py``), and the fix has not yet run ``tests/gpu``. The branch ``glm-bicubic-gather``
-holds the adapter's one-line hookup and its test.
+(:class:`~encgraph.models.layout.LayoutPatch`), applied by the GLM-4V adapter with the other layout rewrites.
 """
 
 from __future__ import annotations

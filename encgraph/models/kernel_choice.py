@@ -26,6 +26,7 @@ Nothing here changes torch's settings: the dense kernel is the one torch's SDPA 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -39,7 +40,7 @@ from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.packing.kernels import Crossover, DenseRule, bucket_rows, kernel_key
 
 __all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "WARM_ROWS", "attention_calls", "choose", "device_name",
-           "measure_crossover", "rows_table", "tower_geometries", "warm_lengths", "warm_plans"]
+           "measure_crossover", "probe_rows", "rows_table", "tower_geometries", "warm_lengths", "warm_plans"]
 
 log = logging.getLogger("encgraph")
 
@@ -94,6 +95,28 @@ def attention_calls(module: torch.nn.Module) -> dict[tuple[int, int], int]:
     if isinstance(full, (list, tuple)) and full:
         counts = {geometry: min(n, len(full)) for geometry, n in counts.items()}
     return counts
+
+
+_PROBES = itertools.count()
+
+
+def probe_rows(rows: int) -> int:
+    """An odd length a few rows under ``rows``, another at each call of the process: where the dense kernel's
+    first call is timed (:func:`measure_crossover`). Torch keeps cuDNN's attention plans per thread and shape, and
+    a thread that already ran dense SDPA at ``rows`` (the tower's own forward, a benchmark's floor: on an H200 the
+    measured plan cost fell from about 65 ms to 0.15) would make a new length look free. No image has an odd length
+    in a tower that merges 2 x 2 patches, no bucket is odd (:func:`~encgraph.packing.kernels.bucket_rows`: multiples
+    of 8), and successive probes of one length cycle through 32 offsets (1-64 rows), so a later measurement in the
+    process meets an earlier one's plan only after 32 of them.
+
+    >>> a, b = probe_rows(4096), probe_rows(4096)
+    >>> a % 2 == b % 2 == 1 and a != b and 4096 - 64 <= min(a, b) < max(a, b) < 4096
+    True
+    """
+    rows = int(rows)
+    if rows <= 64:  # shorter than any measured length (LENGTHS): just under it
+        return max(rows - 1, 1)
+    return rows - (2 * (next(_PROBES) % 32) + 1 + rows % 2)  # odd: an odd offset from an even length
 
 
 def _first_ms(fn: Any) -> float:
@@ -162,8 +185,9 @@ def measure_crossover(
     (:func:`~encgraph.models.dense_sequence.padded_dense`: what the padding costs, where buckets can pay; queued
     too); and, where FlashAttention-4 can run (:func:`_fa4_fits`: its kernels compiled first,
     :func:`encgraph.models.fa4.warm`), its varlen kernel, replayed like Flash. Returns the
-    :class:`~encgraph.packing.kernels.Crossover`; the dense kernel's first call at each length, synced (it builds
-    its plan for that shape), is kept beside. Syncs the host (capture time only)."""
+    :class:`~encgraph.packing.kernels.Crossover`; the dense kernel's first call just under each length, at one
+    no earlier call of this thread ran (:func:`probe_rows`), synced (it builds its plan for that shape), is kept
+    beside. Syncs the host (capture time only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
     varlen_ms, dense_ms, first_ms, padded_ms, fa4_ms = [], [], [], [], []
@@ -186,9 +210,10 @@ def measure_crossover(
             varlen_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "flash")))
             if with_fa4:
                 fa4_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "fa4")))
-            # The first call at a new length builds its plan (synced: what a new image size pays); the steady
-            # time, queued, is the kernel's.
-            first_ms.append(_first_ms(lambda: dense_sequence(*qkv, None)))
+            # The first call at a new length builds its plan (synced: what a new image size pays), timed at a
+            # length no earlier call of this thread ran (probe_rows); the steady time, queued, is the kernel's.
+            probe = [t[:probe_rows(rows)] for t in qkv]
+            first_ms.append(_first_ms(lambda: dense_sequence(*probe, None)))
             dense_ms.append(_queued_ms(lambda: dense_sequence(*qkv, None), repeats))
             padded_ms.append(_queued_ms(lambda: padded_dense(*short, None, rows), repeats))
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,

@@ -1,7 +1,6 @@
 """``encgraph.models.bicubic`` on the CPU: the weighted gather equals ``F.grid_sample``'s bicubic border sampling
 on any table and any coordinates (outside the image too), and the GLM-4V rewrite equals the tower's own embedding
-module on packed sequences of different shapes, in float32 and bfloat16, is undone by ``restore()``, and brings no
-host data into the region a CUDA graph would capture."""
+module on packed sequences of different shapes, in float32 and bfloat16, and is undone by ``unwrap()``."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from encgraph.models import wrap
 from encgraph.models.bicubic import bicubic_border, cubic_weights, position_embedding_gather
 from tests.models.fixtures_families import glm4v_moe_tower, glm4v_tower
 
@@ -91,6 +91,14 @@ def test_other_modules_are_left_alone():
     embeddings = glm4v_tower().embeddings
     embeddings.interpolated_method = "bilinear"
     assert position_embedding_gather(embeddings) is None and "forward" not in embeddings.__dict__
+
+
+def test_glm_adapter_applies_it_and_unwrap_restores():
+    tower = glm4v_tower()
+    adapter = wrap(tower)
+    assert f"{type(tower.embeddings).__name__}: bicubic position embedding as one weighted gather" in adapter.layout
+    adapter.unwrap()
+    assert all("forward" not in m.__dict__ for m in tower.modules())
 
 
 class _HostData(TorchDispatchMode):

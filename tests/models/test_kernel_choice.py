@@ -9,6 +9,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from encgraph.errors import ConfigError
 from encgraph.models import attention, kernel_choice, sequence_bounds
@@ -342,3 +344,16 @@ def test_warm_plans_builds_nothing_off_cuda():
     rule = _bucketed((False, True, True))
     assert kernel_choice.warm_plans({(16, 72, torch.bfloat16): rule}, torch.device("cpu")) == {
         "lengths": 0, "seconds": 0.0}
+
+
+@given(rows=st.integers(kernel_choice.LENGTHS[0], 1 << 17))
+def test_the_plan_is_timed_at_a_length_no_image_or_bucket_has(rows):
+    """``probe_rows``: the dense kernel's first call is timed just under each length, at an odd length (never the
+    rows of a 2 x 2-merged image nor a bucket), another at each call, so that a plan this thread already holds (the
+    tower's own SDPA, a benchmark) cannot make a new length look free."""
+    from encgraph.models.kernel_choice import probe_rows
+    from encgraph.packing.kernels import bucket_rows
+
+    a, b = probe_rows(rows), probe_rows(rows)
+    assert a != b and a % 2 == b % 2 == 1 and rows - 64 <= min(a, b) and max(a, b) < rows
+    assert bucket_rows(a) != a
