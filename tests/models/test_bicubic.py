@@ -1,6 +1,7 @@
 """``encgraph.models.bicubic`` on the CPU: the weighted gather equals ``F.grid_sample``'s bicubic border sampling
 on any table and any coordinates (outside the image too), and the GLM-4V rewrite equals the tower's own embedding
-module on packed sequences of different shapes, in float32 and bfloat16, and is undone by ``unwrap()``."""
+module on packed sequences of different shapes, in float32 and bfloat16, is applied by the GLM-4V adapter and undone
+by ``unwrap()``, and brings no host data into the region a CUDA graph would capture."""
 
 from __future__ import annotations
 
