@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,8 @@ from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.packing.kernels import Crossover, DenseRule, bucket_rows, kernel_key
 
 __all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "WARM_ROWS", "attention_calls", "choose", "device_name",
-           "measure_crossover", "probe_rows", "rows_table", "tower_geometries", "warm_lengths", "warm_plans"]
+           "measure_crossover", "probe_rows", "probe_slices", "rows_table", "tower_geometries", "warm_lengths",
+           "warm_plans"]
 
 log = logging.getLogger("encgraph")
 
@@ -117,6 +118,14 @@ def probe_rows(rows: int) -> int:
     if rows <= 64:  # shorter than any measured length (LENGTHS): just under it
         return max(rows - 1, 1)
     return rows - (2 * (next(_PROBES) % 32) + 1 + rows % 2)  # odd: an odd offset from an even length
+
+
+def probe_slices(qkv: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """The first :func:`probe_rows` rows of each of ``q, k, v`` (``(rows, heads, head_dim)`` each): one probe
+    length drawn once for the three (a length drawn per tensor gave keys and values of different lengths, which
+    cuDNN's SDPA does not check: on an H200 it failed or crashed the process)."""
+    n = probe_rows(rows)
+    return [t[:n] for t in qkv]
 
 
 def _first_ms(fn: Any) -> float:
@@ -212,7 +221,7 @@ def measure_crossover(
                 fa4_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "fa4")))
             # The first call at a new length builds its plan (synced: what a new image size pays), timed at a
             # length no earlier call of this thread ran (probe_rows); the steady time, queued, is the kernel's.
-            probe = [t[:probe_rows(rows)] for t in qkv]
+            probe = probe_slices(qkv, rows)
             first_ms.append(_first_ms(lambda: dense_sequence(*probe, None)))
             dense_ms.append(_queued_ms(lambda: dense_sequence(*qkv, None), repeats))
             padded_ms.append(_queued_ms(lambda: padded_dense(*short, None, rows), repeats))

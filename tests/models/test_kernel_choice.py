@@ -357,3 +357,13 @@ def test_the_plan_is_timed_at_a_length_no_image_or_bucket_has(rows):
     a, b = probe_rows(rows), probe_rows(rows)
     assert a != b and a % 2 == b % 2 == 1 and rows - 64 <= min(a, b) and max(a, b) < rows
     assert bucket_rows(a) != a
+
+
+def test_the_probe_slices_queries_keys_and_values_alike():
+    """``probe_slices``: one probe length for the three tensors (cuDNN's SDPA does not check that keys and values
+    agree: a length drawn per tensor failed the capture and then crashed the process on an H200)."""
+    q, k, v = (torch.randn(300, 2, 8) for _ in "qkv")
+    for _ in range(40):  # across the probe offsets' whole cycle
+        got = kernel_choice.probe_slices([q, k, v], 300)
+        assert len({t.shape for t in got}) == 1 and got[0].shape[0] % 2 == 1 and got[0].shape[0] < 300
+        assert all(g.data_ptr() == t.data_ptr() for g, t in zip(got, (q, k, v)))
