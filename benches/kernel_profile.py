@@ -2,12 +2,14 @@
 
 For each case (``benches.lib.cases``) and system (``graph``, ``graph_compile``, ``adapter_eager`` by default) of one
 tower: the median latency of ``--runs`` calls (CUDA events, as ``towers.py``), then ``--profile-calls`` calls under
-``torch.profiler`` (CUDA activity only). The Chrome trace's kernel, memcpy and memset records are summed per call
-and sorted into categories by kernel name (:data:`CATEGORIES`, first match wins): what the matmuls, attention,
-fused (Triton) kernels, unfused element-wise and normalisation kernels, copies and the patch convolution cost. The
-gap between wall latency and summed kernel time is the time the GPU waited (launch gaps in eager; in a graph
-replay, host work before the replay: planning, copy-in). Kernels of graph replays are seen by the profiler like
-any other (CUPTI records them).
+``torch.profiler`` (CPU and CUDA activity). The Chrome trace's kernel, memcpy and memset records are summed per
+call and sorted into categories by kernel name (:data:`CATEGORIES`, first match wins): what the matmuls,
+attention, fused (Triton) kernels, unfused element-wise and normalisation kernels, copies and the patch
+convolution cost. The gap between wall latency and summed kernel time is the time the GPU waited (launch gaps in
+eager; around a graph replay, host work: planning, copy-in; inside it, the waits between the graph's own kernels).
+Kernels of graph replays are seen by the profiler like any other (CUPTI records them), and the CUDA runtime's
+``cudaGraphLaunch`` calls in the same trace tell them apart (:func:`replay_split`): the waits inside replays are
+reported on their own.
 
 JSON (``benches/results/kernel_profile_<gpu>.json``)::
 
@@ -15,7 +17,10 @@ JSON (``benches/results/kernel_profile_<gpu>.json``)::
      "cases": {"<case>": {"patches", "tokens", "floor_ms",
                "systems": {"<system>": {"median_ms", "kernel_ms", "idle_ms", "kernels",
                                         "categories": {"<category>": {"ms", "kernels"}},
-                                        "top": [{"name", "ms", "calls"}]} | {"skipped"|"error": why}},
+                                        "top": [{"name", "ms", "calls"}],
+                                        "replay" (graph systems): {"replays", "replay_span_ms", "replay_kernel_ms",
+                                                                   "replay_gap_ms", "outside_kernel_ms"}}
+                                       | {"skipped"|"error": why}},
                "patch_embed": {"rows", "conv_ms", "linear_ms", "max_abs_diff"} (packed towers)}}}
 """
 
@@ -78,6 +83,38 @@ def device_records(trace: Mapping[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
+def replay_split(trace: Mapping[str, Any], calls: int) -> dict[str, Any] | None:
+    """Where a graph system's device time goes between and around its replays, per call, from a Chrome trace that
+    holds the CUDA runtime's calls: the device records a ``cudaGraphLaunch`` started (same ``correlation``) are the
+    replay's; per launch, their span from the first start to the last end (``replay_span_ms``), the sum of their
+    durations (``replay_kernel_ms``) and the difference, the GPU's waits between the graph's own kernels
+    (``replay_gap_ms``); the other records' durations (``outside_kernel_ms``: copies in and out, eager work).
+    ``None`` where the trace has no graph launch (an eager system, or a trace without runtime calls)."""
+    events = [e for e in trace.get("traceEvents", ()) if e.get("ph") == "X"]
+    launches = {e.get("args", {}).get("correlation") for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "GraphLaunch" in str(e.get("name", ""))}
+    launches.discard(None)
+    if not launches:
+        return None
+    spans: dict[Any, list[float]] = {}
+    outside = 0.0
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        start, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
+        key = e.get("args", {}).get("correlation")
+        if key not in launches:
+            outside += dur
+            continue
+        span = spans.setdefault(key, [start, start + dur, 0.0])
+        span[0], span[1], span[2] = min(span[0], start), max(span[1], start + dur), span[2] + dur
+    width = sum(b - a for a, b, _ in spans.values())
+    busy = sum(k for _, _, k in spans.values())
+    return {"replays": round(len(spans) / calls, 2), "replay_span_ms": round(width / 1e3 / calls, 4),
+            "replay_kernel_ms": round(busy / 1e3 / calls, 4), "replay_gap_ms": round((width - busy) / 1e3 / calls, 4),
+            "outside_kernel_ms": round(outside / 1e3 / calls, 4)}
+
+
 def summarize(records: Sequence[tuple[str, float]], calls: int, median_ms: float) -> dict[str, Any]:
     """Per-call sums of ``records`` (from ``calls`` profiled calls) by category, and the top kernels."""
     per_cat: dict[str, list[float]] = {}
@@ -105,14 +142,15 @@ def summarize(records: Sequence[tuple[str, float]], calls: int, median_ms: float
     }
 
 
-def profile_call(fn: Any, env: Env, calls: int) -> list[tuple[str, float]]:
-    """Device records of ``calls`` calls of ``fn`` (after one untimed call), from ``torch.profiler``."""
+def profile_call(fn: Any, env: Env, calls: int) -> dict[str, Any]:
+    """The Chrome trace of ``calls`` calls of ``fn`` (after one untimed call), from ``torch.profiler``: device
+    records (:func:`device_records`) and the CUDA runtime's calls (:func:`replay_split` links replays to them)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize(env.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize(env.device)
@@ -120,10 +158,9 @@ def profile_call(fn: Any, env: Env, calls: int) -> list[tuple[str, float]]:
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        trace = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     finally:
         os.unlink(path)
-    return device_records(trace)
 
 
 def patch_embed_ab(patch_embed: Any, pixels: Any, env: Env) -> dict[str, Any]:
@@ -199,8 +236,12 @@ def run(args: Any, env: Env, deadline: Deadline, results: Results) -> None:
             try:
                 fn = bench.call(system, x)
                 timing = time_call(fn, env)
-                records = profile_call(fn, env, args.profile_calls)
-                entry["systems"][system.value] = summarize(records, args.profile_calls, timing.median)
+                trace = profile_call(fn, env, args.profile_calls)
+                summary = summarize(device_records(trace), args.profile_calls, timing.median)
+                split = replay_split(trace, args.profile_calls)
+                if split is not None:
+                    summary["replay"] = split
+                entry["systems"][system.value] = summary
             except Exception as exc:
                 traceback.print_exc()
                 entry["systems"][system.value] = {"error": short_error(exc)}
@@ -213,11 +254,12 @@ def _rows(data: Mapping[str, Any]) -> Iterable[list[Any]]:
     for case, entry in data.get("cases", {}).items():
         for system, s in entry["systems"].items():
             if "median_ms" not in s:
-                yield [case, system, status_of(s)] + ["-"] * 5
+                yield [case, system, status_of(s)] + ["-"] * 6
                 continue
             cats = s["categories"]
             largest = ", ".join(f"{k} {v['ms']:.2f}" for k, v in list(cats.items())[:4])
-            yield [case, system, s["median_ms"], s["kernel_ms"], s["idle_ms"], s["kernels"], largest,
+            gaps = s["replay"]["replay_gap_ms"] if "replay" in s else "-"
+            yield [case, system, s["median_ms"], s["kernel_ms"], s["idle_ms"], gaps, s["kernels"], largest,
                    round(s["median_ms"] / entry["floor_ms"], 2) if entry["floor_ms"] else None]
 
 
@@ -226,8 +268,8 @@ def render(data: Mapping[str, Any]) -> str:
     gpu = data.get("environment", {}).get("gpu", "?")
     lines = [f"## profile: {tower}, device time per call by kernel category ({gpu})", ""]
     lines.append(markdown_table(
-        ["case", "system", "median ms", "kernel ms", "GPU idle ms", "kernels", "largest categories (ms)",
-         "x floor"], _rows(data)))
+        ["case", "system", "median ms", "kernel ms", "GPU idle ms", "of which between a replay's kernels ms", "kernels",
+         "largest categories (ms)", "x floor"], _rows(data)))
     embeds = [[case, e["patch_embed"]["rows"], e["patch_embed"]["conv_ms"], e["patch_embed"]["linear_ms"],
                e["patch_embed"]["max_abs_diff"]] for case, e in data.get("cases", {}).items() if "patch_embed" in e]
     if embeds:

@@ -49,9 +49,42 @@ def test_kernel_profile_summary_and_table():
             "cases": {"1x224": {"floor_ms": 0.25, "systems": {"graph": s, "graph_compile": {"skipped": "skipped: x"}},
                                 "patch_embed": {"rows": 256, "conv_ms": 0.2, "linear_ms": 0.03, "max_abs_diff": 0.0}}}}
     table = kernel_profile.render(data)
-    assert "| 1x224 | graph | 0.50 | 0.23 | 0.27 | 2.00 | matmul 0.20, attention 0.03, copy / cast 0.01 | 2.00 |" in table
+    assert ("| 1x224 | graph | 0.50 | 0.23 | 0.27 | - | 2.00 | matmul 0.20, attention 0.03, copy / cast 0.01 | 2.00 |"
+            in table)
     assert "| 1x224 | graph_compile | skipped |" in table
     assert "| 1x224 | 256 | 0.20 | 0.03 | 0 |" in table
+
+
+def _x(cat, name, ts, dur, corr):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def test_replay_split_tells_a_replays_own_waits_from_work_around_it():
+    """Two calls, each a copy in, one replay of two kernels with a wait between them, and a copy out: the kernels
+    a cudaGraphLaunch started (same correlation) are the replay's, whatever their order in the trace."""
+    events = []
+    for call, t0 in ((0, 0.0), (1, 1000.0)):
+        launch = 100 + call
+        events += [
+            _x("gpu_memcpy", "Memcpy HtoD", t0, 10.0, 10 + call),  # copy in (its own cudaMemcpyAsync)
+            _x("cuda_runtime", "cudaGraphLaunch", t0 + 5.0, 4.0, launch),
+            _x("kernel", "nvjet_sm90_gemm", t0 + 300.0, 200.0, launch),  # listed out of order
+            _x("kernel", "flash_fwd_kernel", t0 + 20.0, 250.0, launch),  # 30 us wait before the gemm
+            _x("kernel", "copy_kernel", t0 + 520.0, 6.0, 20 + call),  # copy out, eager
+            _x("cuda_runtime", "cudaLaunchKernel", t0 + 515.0, 3.0, 20 + call),
+        ]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 0.0, "dur": 900.0})
+    split = kernel_profile.replay_split({"traceEvents": events}, calls=2)
+    assert split == {"replays": 1.0, "replay_span_ms": 0.48, "replay_kernel_ms": 0.45, "replay_gap_ms": 0.03,
+                     "outside_kernel_ms": 0.016}
+    # No graph launch (an eager system, or a trace without the runtime's calls): nothing to split, said as None.
+    eager = [e for e in events if e["name"] != "cudaGraphLaunch"]
+    assert kernel_profile.replay_split({"traceEvents": eager}, calls=2) is None
+    s = kernel_profile.summarize(kernel_profile.device_records({"traceEvents": events}), calls=2, median_ms=0.9)
+    s["replay"] = split
+    data = {"tower": {"label": "T"}, "environment": {"gpu": "G"}, "cases": {"1x224": {"floor_ms": 0.3,
+                                                                                       "systems": {"graph": s}}}}
+    assert "| 1x224 | graph | 0.90 | 0.47 | 0.43 | 0.03 | 4.00 |" in kernel_profile.render(data)
 
 
 def test_kernel_profile_refuses_the_cpu_smoke():
