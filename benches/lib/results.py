@@ -7,6 +7,8 @@ import argparse
 import contextlib
 import datetime
 import enum
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -64,6 +66,21 @@ def git_commit() -> str | None:
     return None
 
 
+def flash_attn_4_version() -> str | None:
+    """The installed flash-attn-4 wheel's version (FlashAttention-4 changes which attention kernel capture picks),
+    ``"importable, no package metadata"`` for a tree on the path without its ``dist-info``, else ``None``.
+    Imports nothing."""
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    with contextlib.suppress(ImportError, ValueError):
+        if importlib.util.find_spec("flash_attn") is not None and any(
+                (Path(p) / "flash_attn" / "cute").is_dir() for p in sys.path if p):
+            return "importable, no package metadata"
+    return None
+
+
 def environment(env: Env) -> dict[str, Any]:
     """Versions, device and commit, stored with every result."""
     import torch
@@ -83,6 +100,7 @@ def environment(env: Env) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": tf_version,
+        "flash_attn_4": flash_attn_4_version(),
         "python": platform.python_version(),
         "commit": commit,
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import pytest
@@ -116,3 +117,28 @@ def test_write_rows_writes_the_json_and_a_table_beside_it(tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text()) == report
     assert md.read_text().splitlines()[:5] == [
         "## a bench", "", "| case | ms | extra |", "|---|---|---|", "| a | 1.23 | - |"]
+
+
+def test_results_record_whether_flash_attn_4_was_installed(tmp_path, monkeypatch):
+    """Every result's environment says whether FlashAttention-4 was there (it changes the attention kernel capture
+    picks): the wheel's version, a tree on the path without its metadata, or None."""
+    import importlib.metadata
+
+    from benches.lib import results
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    assert results.flash_attn_4_version() is None
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path_importer_cache", {})
+    assert results.flash_attn_4_version() == "importable, no package metadata"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.0b40" if name == "flash-attn-4" else None)
+    assert results.flash_attn_4_version() == "4.0.0b40"
+    import torch
+
+    env = Env(torch.device("cpu"), torch.float32, True, runs=1, warmup=0, seed=0)
+    assert results.environment(env)["flash_attn_4"] == "4.0.0b40"
