@@ -75,8 +75,8 @@ def flash_attn_4_version() -> str | None:
     except importlib.metadata.PackageNotFoundError:
         pass
     with contextlib.suppress(ImportError, ValueError):
-        if importlib.util.find_spec("flash_attn") is not None and any(
-                (Path(p) / "flash_attn" / "cute").is_dir() for p in sys.path if p):
+        spec = importlib.util.find_spec("flash_attn")  # a top-level package: found, not imported
+        if spec is not None and any((Path(p) / "cute").is_dir() for p in spec.submodule_search_locations or ()):
             return "importable, no package metadata"
     return None
 

@@ -132,4 +132,3 @@ def in_fresh_thread(fn: Callable[[], Any]) -> Any:
     if "error" in box:
         raise box["error"]
     return box.get("value")
-
