@@ -74,10 +74,9 @@ def padded_dense(
     torch's SDPA picks a kernel that returns no log-sum-exp (:func:`dense_with_lse`), the sequence runs at its
     own length.
 
-    Returns ``(rows, heads, head_dim)`` in the inputs' dtype, a view of the padded output (one more rounding
-    than the unpadded kernel's: the correction). Buffers for the call: the three padded copies and the
-    output (``padded x heads x head_dim`` each), a float32 copy of the query for the padding logits and the
-    float32 ``(rows, heads)`` factor.
+    Returns ``(rows, heads, head_dim)`` in the inputs' dtype, a view of the padded output (one more rounding than
+    the unpadded kernel's: the correction). Buffers for the call: the three padded copies and the output
+    (``padded x heads x head_dim`` each) and a float32 copy of the query for the padding logits.
     """
     rows, heads, dim = query.shape
     pad = padded - rows
@@ -85,11 +84,7 @@ def padded_dense(
         return dense_sequence(query, key, value, scale)
     scale = dim**-0.5 if scale is None else scale
     mean_key = key.mean(0, dtype=torch.float32).to(key.dtype)  # (heads, dim): the kernel sees this rounding
-    # Two copies into one buffer, not torch.cat: in an H200 profile of a 28,224-row sequence at 16 x 72
-    # (kernel_profile_nvidia-h200_large-qwen3) cat's kernel took 170 us a call, a padding copy of that size 51.
-    k = key.new_empty((padded, heads, dim))
-    k[:rows].copy_(key)
-    k[rows:].copy_(mean_key.expand(pad, heads, dim))
+    k = torch.cat([key, mean_key.expand(pad, heads, dim)])
     q, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (query, value))
     found = dense_with_lse(q, k, v, scale)
     if found is None:  # memory-efficient or math SDPA: no log-sum-exp to correct with (and no per-shape plan)
@@ -100,8 +95,5 @@ def padded_dense(
     # whatever the float32 matmul precision; few ops, as the host issues each (about 25 us apiece).
     log_share = torch.baddbmm(torch.sub(math.log(pad), lse[:, :rows, None]), query.transpose(0, 1).float(),
                               mean_key.float().unsqueeze(-1), alpha=scale)
-    # 1 - share (at least rows / padded), made (rows, heads, 1) contiguous so that the division reads it in the
-    # output's order (with the transposed view it took 176 us a call in that profile, 5 times the bandwidth's
-    # time for the output it rewrites).
-    factor = torch.rsub(log_share.exp_(), 1.0).transpose(0, 1).contiguous()
+    factor = torch.rsub(log_share.exp_(), 1.0).transpose(0, 1)  # 1 - share, at least rows / padded
     return out[:rows].div_(factor)  # computed in float32, rounded once to the inputs' dtype
