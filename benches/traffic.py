@@ -60,7 +60,9 @@ JSON (``benches/results/traffic_<gpu>.json``)::
         "output_check": {"<system>": max relative difference vs hf_sdpa},
         "targets": [{"target", "value", "op", "bound", "met"}],
         "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]},
-                        "floor"?: [{"floor_ms", "shape_floor_ms"?, ...}],
+                        "floor"?: [{"floor_ms", "shape_floor_ms"?, ...}] (at the first system's sizes),
+                        "system_floors"? (sizes "new": each system's own copy): {"<system>": {"floor_ms": [...],
+                                          "shape_floor_ms"?: [...]}},
                         "routes": {"<graph system>": [{"replays", "eager", "rerouted"?, "explored"?}]}},
         "floor"?: {"shape", "rates", "shape_rates"? | "shape_error"?},
         "unavailable", "dropped"?, "warmup_mean_ms", "seconds"}}}

@@ -55,7 +55,8 @@ class Replay:
         self.extra_tokens: dict[System, list[float]] = {s: [] for s in systems}
         self.settle_calls: dict[System, list[int]] = {s: [] for s in systems}
         self.reused = 0  # images of "new" for which no unseen size was found (kept as drawn)
-        self.floors: list[dict[str, float]] = []
+        self.floors: list[dict[str, float]] = []  # at the first system's sizes (the request's, under "new")
+        self.system_floors: dict[System, list[dict[str, float]]] = {s: [] for s in systems}  # "new": each its own
         self.counters = {"start": start, "warmed": warmed}
         self.latencies: dict[System, list[float]] = {s: [] for s in systems}
         self.errors: dict[System, int] = {s: 0 for s in systems}
@@ -79,7 +80,9 @@ class Replay:
                 break
             variants = self.variants(request, caps)
             inputs = {s: caps.inputs(self.bench, r, 100_000 + index) for s, r in variants.items()}
-            first = inputs[self.systems[0]].sizes  # the smallest: later systems' copies are only ever wider
+            # The first system's copy is the request as drawn where its sizes were new; under "new" the others
+            # run the nearest sizes not seen yet, a few patch rows wider or narrower.
+            first = inputs[self.systems[0]].sizes
             for s in _order(self.systems, index):
                 if self.sizes == "seen":
                     self.settle(s, inputs[s], env, index, doc)  # untimed: the timed run meets sizes it has seen
@@ -92,6 +95,10 @@ class Replay:
             self.tokens.append(first.tokens)
             if self.floor is not None:
                 self.floors.append(self.floor(first.grids))
+                if self.sizes == "new":  # a few percent apart for the smallest images: each at its own sizes
+                    for s in self.systems:
+                        grids = inputs[s].sizes.grids
+                        self.system_floors[s].append(self.floors[-1] if grids == first.grids else self.floor(grids))
             del inputs
             if len(self.items) % FLUSH_EVERY == 0:
                 log(f"{self.bench.spec.name}: {len(self.items)}/{len(trace)} requests")
@@ -137,12 +144,26 @@ class Replay:
         free_memory()
         return math.nan
 
+    def floor_lists(self) -> tuple[Any, Any]:
+        """``(floor ms, shape floor ms)`` per request as :func:`report.summarize` takes them: one list each, or
+        under ``new`` one per system at the sizes it ran; ``None`` for a floor not computed."""
+        def lists(key: str) -> Any:
+            if self.sizes == "new":
+                per = {s: [round(f.get(key, math.nan), 4) for f in v] for s, v in self.system_floors.items()}
+                return per if any(math.isfinite(x) for v in per.values() for x in v) else None
+            flat = [f.get(key, math.nan) for f in self.floors]
+            return flat if any(math.isfinite(x) for x in flat) else None
+
+        if not self.floors:
+            return None, None
+        return lists("floor_ms"), lists("shape_floor_ms")
+
     def record(self, doc: dict[str, Any]) -> None:
         doc.setdefault("trace", {})["completed"] = len(self.items)
         doc["sizes"] = self.sizes
         doc["per_request"] = {"items": self.items, "tokens": self.tokens, "latency_ms": {
             s.value: [round(x, 4) if math.isfinite(x) else None for x in v] for s, v in self.latencies.items()}}
-        if self.sizes == "new":  # each system's copy against the first's (the tokens above): only ever wider
+        if self.sizes == "new":  # each system's copy against the first's (the tokens above)
             doc["per_request"]["extra_tokens"] = {s.value: [round(x, 5) for x in v]
                                                   for s, v in self.extra_tokens.items()}
             doc["per_request"]["sizes_reused"] = self.reused
@@ -152,10 +173,12 @@ class Replay:
             doc["per_request"]["floor"] = self.floors
         if self.routes:
             doc["per_request"]["routes"] = {s.value: v for s, v in self.routes.items()}
-        shape = [f.get("shape_floor_ms", math.nan) for f in self.floors]
-        doc["systems"] = report.summarize(self.latencies, self.errors,
-                                          [f["floor_ms"] for f in self.floors] if self.floors else None,
-                                          shape if any(math.isfinite(x) for x in shape) else None)
+        floors, shape = self.floor_lists()
+        if floors is not None and self.sizes == "new":
+            doc["per_request"]["system_floors"] = {
+                s.value: {"floor_ms": floors[s], **({"shape_floor_ms": shape[s]} if shape is not None else {})}
+                for s in self.systems}
+        doc["systems"] = report.summarize(self.latencies, self.errors, floors, shape)
         for s in (s for s in self.systems if s in GRAPH_SYSTEMS):
             doc.setdefault("graph_stats", {})[s.value] = report.graph_stats(self.bench.stats(s))
         if self.box is not None:

@@ -40,14 +40,18 @@ def _floor_stats(lat: np.ndarray, floors: Sequence[float], name: str) -> dict[st
             f"compared_with_{name}": int(both.sum())}
 
 
+Floors = Sequence[float] | Mapping[System, Sequence[float]]
+"""Floor ms per request: one list for every system, or one per system (each at the sizes that system ran)."""
+
+
 def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[System, int],
-              floors: Sequence[float] | None = None,
-              shape_floors: Sequence[float] | None = None) -> dict[str, Any]:
+              floors: Floors | None = None, shape_floors: Floors | None = None) -> dict[str, Any]:
     """Per system: requests, errors, mean / P50 / P90 / P99 / max ms, and against each reference that ran (on the
     requests both completed): speedups of the mean, P50 and P99, the worst per-request ratio (system / reference)
-    and its request, and how many requests were slower; with ``floors`` (ms per request), the mean and worst
-    ratio of each request's time to its floor and how many requests stay within :data:`FLOOR_BOUND` of it; with
-    ``shape_floors`` the same against the floor at the request's sizes (``benches.lib.shape_floor``)."""
+    and its request, and how many requests were slower; with ``floors`` (ms per request, shared or per system),
+    the mean and worst ratio of each request's time to its floor and how many requests stay within
+    :data:`FLOOR_BOUND` of it; with ``shape_floors`` the same against the floor at the request's sizes
+    (``benches.lib.shape_floor``)."""
     out = {}
     for s, values in latencies.items():
         lat = np.asarray(values, dtype=np.float64)
@@ -80,10 +84,10 @@ def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[Syste
                 f"slower_than_{k}": int((ratios > 1.0).sum()),
                 f"compared_with_{k}": int(both.sum()),
             })
-        if floors is not None and ok.size:
-            entry.update(_floor_stats(lat, floors, "floor"))
-        if shape_floors is not None and ok.size:
-            entry.update(_floor_stats(lat, shape_floors, "shape_floor"))
+        for name, given in (("floor", floors), ("shape_floor", shape_floors)):
+            own = given.get(s) if isinstance(given, Mapping) else given
+            if own is not None and ok.size:
+                entry.update(_floor_stats(lat, own, name))
         out[s.value] = entry
     return out
 

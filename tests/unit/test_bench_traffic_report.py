@@ -37,6 +37,18 @@ def test_summarize_compares_with_every_reference_on_shared_requests():
     assert s["adapter_eager"]["speedup_mean_vs_hf_sdpa"] == pytest.approx(1.25)
 
 
+def test_summarize_takes_a_floor_per_system():
+    """Under sizes "new" each system ran a copy of its own: each is compared with the floor at its sizes."""
+    lat = _latencies(hf_sdpa=[10.0, 20.0], defaults=[4.0, 6.0])
+    shared = report.summarize(lat, {}, [2.0, 4.0])
+    own = report.summarize(lat, {}, {System.HF_SDPA: [2.0, 4.0], System.DEFAULTS: [4.0, 5.0]})
+    assert shared["defaults"]["mean_ratio_vs_floor"] == pytest.approx(1.75)
+    assert own["defaults"]["mean_ratio_vs_floor"] == pytest.approx(1.1)
+    assert own["defaults"]["worst_ratio_vs_floor"] == pytest.approx(1.2)
+    assert own["hf_sdpa"]["mean_ratio_vs_floor"] == shared["hf_sdpa"]["mean_ratio_vs_floor"] == pytest.approx(5.0)
+    assert "mean_ratio_vs_shape_floor" not in own["defaults"]
+
+
 def test_targets_read_the_defaults_row():
     doc = {"systems": {"defaults": {"speedup_mean_vs_hf_sdpa": 2.7, "speedup_p99_vs_hf_sdpa": 2.4,
                                     "slower_than_hf_sdpa": 0}},

@@ -124,7 +124,14 @@ def test_traffic_photo_smoke(tmp_path, monkeypatch):
     assert "worst request / floor" in table and "(target >= 2.5x)" not in table
     # two passes: sizes new to every system (the top level), then the same requests at sizes seen before
     assert doc["sizes"] == "new" and set(doc["per_request"]["extra_tokens"]) == set(doc["systems"])
-    assert all(x >= 0 for v in doc["per_request"]["extra_tokens"].values() for x in v)
+    # ... each system against the floor at the sizes it ran (its copy a few rows wider or narrower than the first's)
+    own = doc["per_request"]["system_floors"]
+    assert set(own) == set(doc["systems"]) and all(len(v["floor_ms"]) == len(v["shape_floor_ms"]) == 2
+                                                    for v in own.values())
+    for s, extra in doc["per_request"]["extra_tokens"].items():
+        for i, x in enumerate(extra):
+            if x == 0:  # the same sizes as the first system's: the request's own floor
+                assert own[s]["floor_ms"][i] == pytest.approx(doc["per_request"]["floor"][i]["floor_ms"], abs=1e-4)
     seen = doc["sizes_passes"]["seen"]
     assert seen["sizes"] == "seen" and seen["trace"]["completed"] == 2 and set(seen["systems"]) == set(doc["systems"])
     settle = seen["per_request"]["settle_calls"]
