@@ -187,3 +187,17 @@ def neighbour_chart(data: Mapping[str, Any], path: Path) -> Chart:
     ), cols=2, width=12.0, note="whisker: quartiles. before: the tower's own forward; after: graphed(tower); "
                                 "before_again: the own forward of a copy never wrapped (before against before_again: "
                                 "the machine's drift)")
+
+
+def varlen_slots_chart(data: Mapping[str, Any], path: Path) -> Chart:
+    rows = [r for r in data.get("rows", []) if "ms" in r]
+    reasons = {f"{r['geometry']} {r['rows']} rows, {r['slots']} slots": r["skipped"]
+               for r in data.get("rows", []) if "skipped" in r}
+    panels = []
+    for geometry in dict.fromkeys(r["geometry"] for r in rows):
+        mine = [dict(r, budget=f"{r['rows']:,} rows") for r in rows if r["geometry"] == geometry]
+        panels.append(Panel(geometry, "x the fewest slots' ms", xlabel="budget rows (max_seqlen)", ref=1.0, base=1.0,
+                            cells=long(mine, "budget", "slots", "ratio")))
+    return Chart(titled("varlen attention: the cost of empty cu_seqlens slots, replayed", data), tuple(panels),
+                 note=missing(reasons), cols=3, width=14.0)
+

@@ -56,6 +56,7 @@ REGISTRY: tuple[Plot, ...] = (
     Plot("towers", plots_models.families_chart, tags=("families*",)),  # first match wins: before the towers row
     Plot("towers", plots_models.towers_chart, png="{stem}_speedup.png"),
     Plot("traffic", plots_models.traffic_chart, png="{stem}_cdf.png"),
+    Plot("varlen_slots", plots_kernels.varlen_slots_chart),
 )
 
 

@@ -1,0 +1,163 @@
+"""Empty sequence slots in a captured varlen attention call: what the runner's ``cu_seqlens`` layout costs.
+
+A captured Qwen-layout graph calls the varlen kernel with ``max_seqlen`` = the budget's rows ``R`` (any one
+sequence may fill the budget) and a ``cu_seqlens`` buffer of ``min(max_frames, budget) + 2`` slots (130 with the
+default 64 items x 2 frames): the real sequences, one padding sequence, then zero-length ones. torch's Flash
+kernel launches ``ceil(R / 128)`` row blocks per sequence slot and head, and an empty one only returns, so one
+896 px Qwen3-VL image at budget 896 (``R`` = 3,584) starts about 58,000 blocks a layer of which some 460 have
+rows (``docs/benchmarks.md``). This measures that cost directly: per head geometry and budget rows ``R``, one
+real sequence of ``--fill`` x ``R`` rows and the padding sequence, in ``cu_seqlens`` buffers of each of
+``--slots`` entries, the attention call replayed from a CUDA graph (``--calls`` calls per graph, median of
+``--runs`` replays, CUDA events) through :func:`encgraph.models.attention.packed_attention`, the call the
+adapters make (its varlen kernel: torch's Flash unless capture chose FlashAttention-4 for the geometry, which
+this script does not measure). Each row reports the ms, the ratio to the fewest slots and the blocks launched,
+and the real rows' outputs against the fewest slots' (the empty slots must change nothing).
+
+``--cpu-smoke`` runs the same layouts eagerly on the CPU (the masked SDPA backend, tiny sizes): the outputs'
+check, no timing that means anything.
+
+    python benches/varlen_slots.py          # writes benches/results/varlen_slots_<gpu>.json and .md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benches.lib.cli import base_parser, run_script
+from benches.lib.env import SKIPPED_TIME, Deadline, Env
+from benches.lib.results import Results, markdown_table
+
+SCRIPT = "varlen_slots"
+GEOMETRIES = {"qwen3_vl 16x72": (16, 72), "qwen2_5_vl 16x80": (16, 80), "glm4v 12x128": (12, 128)}
+ROWS = (1024, 3584, 16384)
+"""Budget rows: Qwen's budgets 256, 896 and 4096 tokens at 2 x 2 merged patches."""
+SLOTS = (3, 18, 34, 66, 130)
+"""``cu_seqlens`` entries: one real sequence and the padding (3), up to the default 64 items x 2 frames + 2."""
+SMOKE = {"geometries": {"tiny 2x8": (2, 8)}, "rows": (64,), "slots": (3, 10)}
+BLOCK_ROWS = 128
+"""Rows of query per block of torch's Flash forward kernel (``kBlockM``) at these head dims."""
+
+
+def lengths_of(rows: int, slots: int, fill: float) -> list[int]:
+    """Sequence lengths of one slot layout: ``round(fill * rows)`` real rows, the padding sequence up to ``rows``,
+    then ``slots - 3`` empty sequences (``slots`` entries of ``cu_seqlens``, as the runner's buffers hold).
+
+    >>> lengths_of(3584, 6, 0.875)
+    [3136, 448, 0, 0, 0]
+    """
+    if slots < 3 or not 0.0 < fill <= 1.0:
+        raise ValueError(f"slots: expected >= 3 and fill in (0, 1], got {slots} and {fill}")
+    real = max(1, min(rows, round(fill * rows)))
+    return [real, rows - real] + [0] * (slots - 3)
+
+
+def blocks(rows: int, slots: int, heads: int) -> int:
+    """Row blocks the Flash kernel launches for one call: ``ceil(rows / 128)`` per sequence slot and head."""
+    return math.ceil(rows / BLOCK_ROWS) * (slots - 1) * heads
+
+
+def _call(q: Any, k: Any, v: Any, cu: Any, rows: int, backend: Any) -> Any:
+    from encgraph.models.attention import packed_attention
+
+    return packed_attention(q, k, v, cu, max_seqlen=rows, backend=backend)
+
+
+def measure(heads: int, dim: int, rows: int, slots: Sequence[int], fill: float, calls: int, env: Env,
+            deadline: Deadline) -> list[dict[str, Any]]:
+    """One row per slot count (see the module docs); ``{"skipped": ...}`` past the deadline."""
+    import torch
+
+    from benches.lib.timing import time_call
+    from encgraph.models.attention import AttentionBackend
+
+    backend = AttentionBackend.VARLEN if env.cuda else AttentionBackend.MASKED_SDPA
+    gen = torch.Generator(device=env.device).manual_seed(env.seed * 7919 + rows)
+    q, k, v = (torch.randn(rows, heads, dim, device=env.device, dtype=env.dtype, generator=gen) for _ in range(3))
+    out: list[dict[str, Any]] = []
+    reference = None
+    for n in slots:
+        lengths = lengths_of(rows, n, fill)
+        row: dict[str, Any] = {"rows": rows, "real": lengths[0], "slots": n, "blocks": blocks(rows, n, heads)}
+        if deadline.expired():
+            out.append({**row, "skipped": SKIPPED_TIME})
+            continue
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=env.device)
+        first = _call(q, k, v, cu, rows, backend)
+        if env.cuda:
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                _call(q, k, v, cu, rows, backend)
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                captured = [_call(q, k, v, cu, rows, backend) for _ in range(calls)]
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = captured[0]
+            row["ms"] = round(time_call(graph.replay, env, warmup=1).summary()["median_ms"] / calls, 5)
+            del graph, captured
+        else:  # the smoke: eager, one call a run
+            replayed = first
+            row["ms"] = round(time_call(lambda: _call(q, k, v, cu, rows, backend), env).summary()["median_ms"], 5)
+        real = replayed[: lengths[0]].float()
+        if reference is None:
+            reference, row["ratio"] = real, 1.0
+        else:
+            row["ratio"] = round(row["ms"] / out[0]["ms"], 3) if "ms" in out[0] else None
+        row["vs_fewest_slots"] = float(((real - reference).abs().max() / reference.abs().max()).item())
+        out.append(row)
+    return out
+
+
+def run(args: argparse.Namespace, env: Env, deadline: Deadline, results: Results) -> None:
+    plan = SMOKE if env.tiny else {"geometries": GEOMETRIES, "rows": ROWS, "slots": SLOTS}
+    rows_out: list[dict[str, Any]] = results.data.setdefault("rows", [])
+    results.data["fill"] = args.fill
+    for label, (heads, dim) in plan["geometries"].items():
+        for rows in plan["rows"]:
+            for row in measure(heads, dim, rows, plan["slots"], args.fill, args.calls, env, deadline):
+                rows_out.append({"geometry": label, **row})
+                print(rows_out[-1], flush=True)
+            results.flush()
+
+
+def render(data: Mapping[str, Any]) -> str:
+    head = ["geometry", "budget rows", "real rows", "cu_seqlens slots", "blocks launched", "ms per call",
+            "x fewest slots", "real rows vs fewest slots"]
+    body = []
+    for r in data.get("rows", []):
+        if "ms" not in r:
+            body.append([r["geometry"], r["rows"], r["real"], r["slots"], r["blocks"], r.get("skipped", "-"), "-",
+                         "-"])
+            continue
+        body.append([r["geometry"], r["rows"], r["real"], r["slots"], f"{r['blocks']:,}", f"{r['ms']:.4f}",
+                     "-" if r.get("ratio") is None else f"{r['ratio']:.2f}", f"{r['vs_fewest_slots']:.1e}"])
+    return (f"## varlen attention with empty sequence slots ({data.get('environment', {}).get('gpu', '?')})\n\n"
+            f"One real sequence of {data.get('fill', '?')} x the budget's rows and the padding sequence, the "
+            "rest of the slots empty, `max_seqlen` = the budget's rows (the runner's captured layout); replayed "
+            "from a CUDA graph.\n\n" + markdown_table(head, body) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = base_parser(SCRIPT, __doc__.split("\n\n")[0], time_budget=120.0)
+    p.add_argument("--calls", type=int, default=10, help="attention calls per captured graph (default 10)")
+    p.add_argument("--fill", type=float, default=0.875,
+                   help="the real sequence's share of the budget's rows (default 0.875: 3,136 of 3,584)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run_script(SCRIPT, build_parser().parse_args(argv), run, render)
+
+
+if __name__ == "__main__":
+    main()
