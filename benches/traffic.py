@@ -71,6 +71,7 @@ JSON (``benches/results/traffic_<gpu>.json``)::
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import sys
 import traceback
@@ -172,6 +173,11 @@ def build_parser() -> Any:
     p.add_argument("--budgets", type=cli.parse_budgets, default=None,
                    help="the ladder of graph and graph_compile, e.g. 64,448,704,960,1280,1536,2048 (default: the "
                         "runner's); never applied to defaults")
+    p.add_argument("--defaults-option", dest="defaults_options", type=_option, action="append", default=None,
+                   metavar="NAME=VALUE",
+                   help="a runner option for defaults, e.g. max_items=16 (repeatable): an A/B run of one option "
+                        "against the committed defaults, recorded under defaults_options and in the table; "
+                        "needs --no-warm-capture (the second process builds graphed() bare)")
     p.add_argument("--image-max-tokens", type=int, default=None,
                    help=f"merged tokens per image at most (default {IMAGE_MAX_TOKENS}; {SMOKE_MAX_TOKENS} with "
                         "--cpu-smoke)")
@@ -179,6 +185,18 @@ def build_parser() -> Any:
                    help=f"merged tokens per video frame pair at most (default {VIDEO_FRAME_MAX_TOKENS}; "
                         f"{SMOKE_MAX_TOKENS} with --cpu-smoke)")
     return p
+
+
+def _option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` with VALUE a Python literal (``16``, ``False``, ``'auto'``) or else a plain string."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a runner option, e.g. max_items=16), got {text!r}")
+    try:
+        parsed = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        parsed = value.strip()
+    return name.strip(), parsed
 
 
 def _sizes_modes(text: str) -> tuple[str, ...]:
@@ -212,6 +230,10 @@ def resolve_defaults(args: Any) -> Any:
         args.min_requests = 1 if smoke else MIN_REQUESTS
     if smoke:
         args.warmup_requests = min(args.warmup_requests, 2)
+    args.defaults_options = dict(args.defaults_options or ())
+    if args.defaults_options and args.warm_capture:
+        raise SystemExit("--defaults-option: pass --no-warm-capture too (the warm capture's second process builds "
+                         "graphed(tower) with no options, so it would not measure the same runner)")
     if args.compile_dynamic_cap is None:
         args.compile_dynamic_cap = SMOKE_COMPILE_DYNAMIC_CAP if smoke else COMPILE_DYNAMIC_CAP
     if args.image_max_tokens is None and not (photo and not smoke):  # photo: each tower's processor cap
@@ -261,7 +283,9 @@ def replay_tower(name: str, args: Any, env: Env, deadline: Deadline, doc: dict[s
                  cache: Path) -> None:
     spec = TOWERS[name]
     log(f"{name}: building")
-    bench = TowerBench(spec, env, args.systems)
+    bench = TowerBench(spec, env, args.systems, defaults_options=args.defaults_options or None)
+    if args.defaults_options:
+        doc["defaults_options"] = dict(args.defaults_options)
     if args.budgets is not None:
         bench.graph_budgets = bench.compile_budgets = {"default": args.budgets}
     trace = generate_trace(args.requests, args.seed, args.trace)

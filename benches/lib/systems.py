@@ -127,12 +127,17 @@ class TowerBench:
     """
 
     defaults_options: ClassVar[Mapping[str, Any]] = {}
-    """Runner options of ``defaults``: none, the library's defaults. Only the CPU tests set one (``verify=False``:
-    skipping the capture's self-check spares them seconds per tower)."""
+    """Runner options of ``defaults`` when the constructor is given none: none, the library's defaults. Only the
+    CPU tests set one (``verify=False``: skipping the capture's self-check spares them seconds per tower)."""
 
-    def __init__(self, spec: TowerSpec, env: Env, systems: Iterable[System]) -> None:
+    def __init__(self, spec: TowerSpec, env: Env, systems: Iterable[System],
+                 defaults_options: Mapping[str, Any] | None = None) -> None:
         self.spec = spec
         self.env = env
+        self.graphed_options: dict[str, Any] = dict(
+            type(self).defaults_options if defaults_options is None else defaults_options)
+        """Runner options ``defaults`` is built with: :attr:`defaults_options` unless given (an A/B run of one
+        option, labelled so in its results)."""
         self.systems = tuple(systems)
         t0 = time.perf_counter()
         tower = build_tower(spec, env)
@@ -188,9 +193,9 @@ class TowerBench:
                 import encgraph
 
                 if self.spec.features:
-                    self.graphed = FeatureShim(self._defaults_tower, **self.defaults_options)
+                    self.graphed = FeatureShim(self._defaults_tower, **self.graphed_options)
                 else:  # no options: the library's defaults
-                    self.graphed = encgraph.graphed(self._defaults_tower, **self.defaults_options)
+                    self.graphed = encgraph.graphed(self._defaults_tower, **self.graphed_options)
             except Exception as exc:
                 what = "the adapter's shim" if self.spec.features else "graphed()"
                 self.unavailable[System.DEFAULTS] = f"unavailable: {what} raised ({short_error(exc)})"

@@ -300,6 +300,9 @@ def system_table(doc: Mapping[str, Any]) -> str:
 
 def tower_notes(doc: Mapping[str, Any]) -> list[str]:
     notes = [f"- {k}: {v}" for k, v in {**doc.get("unavailable", {}), **doc.get("dropped", {})}.items()]
+    if doc.get("defaults_options"):
+        given = ", ".join(f"{k}={v!r}" for k, v in doc["defaults_options"].items())
+        notes.append(f"- defaults built with graphed(tower, {given}): not the library's defaults")
     for phase in ("cold", "warm"):
         entry = doc.get("startup", {}).get(phase)
         if entry:

@@ -4,6 +4,7 @@ photo trace writes the floor ratios and the issue's targets."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -241,3 +242,22 @@ def test_measurements_run_on_a_thread_of_their_own():
 
     with pytest.raises(KeyError, match="measured nothing"):
         in_fresh_thread(boom)
+
+
+def test_traffic_defaults_option_is_an_ab_run(tmp_path):
+    """``--defaults-option NAME=VALUE``: defaults built with that runner option, recorded and named in the table;
+    refused beside the warm capture, whose second process builds graphed() bare."""
+    assert traffic._option("max_items=16") == ("max_items", 16)
+    assert traffic._option("compile='auto'") == ("compile", "auto")
+    assert traffic._option("mode=graph") == ("mode", "graph")  # not a literal: the plain string
+    with pytest.raises(argparse.ArgumentTypeError):
+        traffic._option("16")
+    with pytest.raises(SystemExit, match="--no-warm-capture"):
+        traffic.main(FAST + ["--defaults-option", "max_items=4", "--results-dir", str(tmp_path)])
+    traffic.main(FAST + ["--trace", "photo", "--results-dir", str(tmp_path), "--towers", "qwen3_vl_8b", "--requests",
+                         "1", "--warmup-requests", "0", "--no-warm-capture", "--min-requests", "1", "--sizes", "new",
+                         "--defaults-option", "verify=False", "--defaults-option", "max_items=2", "--tag", "ab"])
+    doc = json.loads((tmp_path / f"traffic_{SMOKE_SLUG}_ab.json").read_text())["towers"]["qwen3_vl_8b"]
+    assert doc["defaults_options"] == {"verify": False, "max_items": 2} and doc["systems"]["defaults"]["requests"] == 1
+    table = (tmp_path / f"traffic_{SMOKE_SLUG}_ab.md").read_text()
+    assert "defaults built with graphed(tower, verify=False, max_items=2): not the library's defaults" in table
