@@ -64,21 +64,27 @@ def blocks(rows: int, slots: int, heads: int) -> int:
     return math.ceil(rows / BLOCK_ROWS) * (slots - 1) * heads
 
 
-def _call(q: Any, k: Any, v: Any, cu: Any, rows: int, backend: Any) -> Any:
+def _attention(q: Any, k: Any, v: Any, cu: Any, max_len: int, lengths: Any, backend: Any = None) -> Any:
+    """The adapters' call, in :func:`benches.attention_kernels.measure`'s kernel signature."""
     from encgraph.models.attention import packed_attention
 
-    return packed_attention(q, k, v, cu, max_seqlen=rows, backend=backend)
+    return packed_attention(q, k, v, cu, max_seqlen=max_len, backend=backend)
 
 
 def measure(heads: int, dim: int, rows: int, slots: Sequence[int], fill: float, calls: int, env: Env,
             deadline: Deadline) -> list[dict[str, Any]]:
-    """One row per slot count (see the module docs); ``{"skipped": ...}`` past the deadline."""
+    """One row per slot count (see the module docs); ``{"skipped": ...}`` past the deadline. On CUDA each layout
+    is captured and replayed by :func:`benches.attention_kernels.measure` (its rewrite check replays the graph
+    once more with the budget as one sequence, which also makes its ``max_seqlen`` the budget's rows)."""
+    import functools
+
     import torch
 
+    from benches import attention_kernels
     from benches.lib.timing import time_call
     from encgraph.models.attention import AttentionBackend
 
-    backend = AttentionBackend.VARLEN if env.cuda else AttentionBackend.MASKED_SDPA
+    fn = functools.partial(_attention, backend=AttentionBackend.VARLEN if env.cuda else AttentionBackend.MASKED_SDPA)
     gen = torch.Generator(device=env.device).manual_seed(env.seed * 7919 + rows)
     q, k, v = (torch.randn(rows, heads, dim, device=env.device, dtype=env.dtype, generator=gen) for _ in range(3))
     out: list[dict[str, Any]] = []
@@ -89,26 +95,15 @@ def measure(heads: int, dim: int, rows: int, slots: Sequence[int], fill: float, 
         if deadline.expired():
             out.append({**row, "skipped": SKIPPED_TIME})
             continue
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=env.device)
-        first = _call(q, k, v, cu, rows, backend)
         if env.cuda:
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                _call(q, k, v, cu, rows, backend)
-            torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(graph):
-                captured = [_call(q, k, v, cu, rows, backend) for _ in range(calls)]
-            graph.replay()
-            torch.cuda.synchronize()
-            replayed = captured[0]
-            row["ms"] = round(time_call(graph.replay, env, warmup=1).summary()["median_ms"] / calls, 5)
-            del graph, captured
+            got = attention_kernels.measure(fn, q, k, v, lengths, [rows] + [0] * (n - 2), calls, env)
+            row["ms"], eager = got["median_ms"], got["out"]
+            row["replay_vs_eager"] = got["replay_vs_eager"]
         else:  # the smoke: eager, one call a run
-            replayed = first
-            row["ms"] = round(time_call(lambda: _call(q, k, v, cu, rows, backend), env).summary()["median_ms"], 5)
-        real = replayed[: lengths[0]].float()
+            cu = attention_kernels._cu(lengths, q.device)
+            eager = fn(q, k, v, cu, rows, lengths)
+            row["ms"] = round(time_call(lambda: fn(q, k, v, cu, rows, lengths), env).summary()["median_ms"], 5)
+        real = eager[: lengths[0]].float()
         if reference is None:
             reference, row["ratio"] = real, 1.0
         else:
