@@ -1,11 +1,11 @@
 """Empty sequence slots in a captured varlen attention call: what the runner's ``cu_seqlens`` layout costs.
 
 A captured Qwen-layout graph calls the varlen kernel with ``max_seqlen`` = the budget's rows ``R`` (any one
-sequence may fill the budget) and a ``cu_seqlens`` buffer of ``min(max_frames, budget) + 2`` slots (130 with the
-default 64 items x 2 frames): the real sequences, one padding sequence, then zero-length ones. torch's Flash
-kernel launches ``ceil(R / 128)`` row blocks per sequence slot and head, and an empty one only returns, so one
-896 px Qwen3-VL image at budget 896 (``R`` = 3,584) starts about 58,000 blocks a layer of which some 460 have
-rows (``docs/benchmarks.md``). This measures that cost directly: per head geometry and budget rows ``R``, one
+sequence may fill the budget) and a ``cu_seqlens`` buffer of ``min(max_frames, budget) + 2`` slots (34 with the
+default 16 items x 2 frames, 130 with the 64 items of the default before): the real sequences, one padding
+sequence, then zero-length ones. torch's Flash kernel launches ``ceil(R / 128)`` row blocks per sequence slot and
+head, and an empty one only returns, so one 896 px Qwen3-VL image at budget 896 (``R`` = 3,584) started about
+58,000 blocks a layer at 130 slots, of which some 460 have rows (``docs/benchmarks.md``). This measures that cost directly: per head geometry and budget rows ``R``, one
 real sequence of ``--fill`` x ``R`` rows and the padding sequence, in ``cu_seqlens`` buffers of each of
 ``--slots`` entries, the attention call replayed from a CUDA graph (``--calls`` calls per graph, median of
 ``--runs`` replays, CUDA events) through :func:`encgraph.models.attention.packed_attention`, the call the
@@ -40,7 +40,8 @@ GEOMETRIES = {"qwen3_vl 16x72": (16, 72), "qwen2_5_vl 16x80": (16, 80), "glm4v 1
 ROWS = (1024, 3584, 16384)
 """Budget rows: Qwen's budgets 256, 896 and 4096 tokens at 2 x 2 merged patches."""
 SLOTS = (3, 18, 34, 66, 130)
-"""``cu_seqlens`` entries: one real sequence and the padding (3), up to the default 64 items x 2 frames + 2."""
+"""``cu_seqlens`` entries: one real sequence and the padding (3), up to 64 items x 2 frames + 2 (the default before
+:data:`encgraph.packing.limits.DEFAULT_MAX_ITEMS`; 34 with its 16 items)."""
 SMOKE = {"geometries": {"tiny 2x8": (2, 8)}, "rows": (64,), "slots": (3, 10)}
 BLOCK_ROWS = 128
 """Rows of query per block of torch's Flash forward kernel (``kBlockM``) at these head dims."""

@@ -11,14 +11,23 @@ from encgraph._validate import check_int, check_optional_int
 from encgraph.errors import ConfigError
 from encgraph.packing.ladder import normalize_ladders
 
-__all__ = ["MIN_DEFAULT_ITEMS", "Limits", "default_limits", "check_limits"]
+__all__ = ["DEFAULT_MAX_ITEMS", "Limits", "default_limits", "check_limits"]
 
-MIN_DEFAULT_ITEMS = 16
-"""The least default ``max_items`` (where the smallest budget allows it).  ``b_max // b_min`` alone gives a
-one-budget ladder ``max_items=1`` and a ``(1024, 2048)`` ladder 2: every small image then replays alone in a
-large graph (measured on the H200: eight 400-patch Qwen3-VL images in eight replays of a 3136-patch graph took
-116 ms, where one replay of all eight takes about 15).  A sequence slot costs a few bytes of metadata per buffer,
-and a trailing zero-length sequence's attention blocks return at once."""
+DEFAULT_MAX_ITEMS = 16
+"""The default ``max_items`` (fewer where the smallest budget has fewer tokens).
+
+Why not fewer: a ladder's ``b_max // b_min``, the rule before, gave a one-budget ladder ``max_items=1`` and a
+``(1024, 2048)`` ladder 2, so every small image replayed alone in a large graph (measured on the H200: eight
+400-patch Qwen3-VL images in eight replays of a 3136-patch graph took 116 ms, where one replay of all eight takes
+about 15).
+
+Why not more: the captured varlen attention call has ``max_frames + 2`` ``cu_seqlens`` slots and ``max_seqlen``
+equal to the budget's rows, and torch's Flash kernel launches row blocks x slots x heads thread blocks whether a
+slot holds a sequence or not.  The same rule gave a 64..4096 ladder 64 items (130 slots with 2 frames per item):
+replayed on the H200 (``benches/results/varlen_slots_nvidia-h200.md``), one 3,136-row sequence in a 3,584-row
+budget took 0.349 ms a layer at 130 slots, 0.288 at 34 and 0.267 at 3 (Qwen3-VL's 16 heads x 72); 1.56x the
+3-slot time at 1,024 rows and 1.06x at 16,384.  Two chat-trace runs of Qwen3-VL on the H200, minutes apart,
+64 items then 16: defaults mean 32.3 then 30.9 ms, P99 103 ms both."""
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -111,12 +120,11 @@ def default_limits(
 ) -> Limits:
     """The per-batch limits for ``ladders``, from defaults and the user's values.
 
-    Rules (``b_min`` is a path's smallest non-zero budget, ``b_max`` its largest):
+    Rules:
 
-    - default ``max_items`` = the minimum over paths of ``min(max(b_max // b_min, MIN_DEFAULT_ITEMS), b_min)``:
-      as many smallest-size items as the largest budget holds but at least :data:`MIN_DEFAULT_ITEMS` (a ladder
-      of one or two budgets still batches small items), and never more items than the smallest budget has
-      tokens (vLLM PR 38040: more items than the smallest budget crashes capture);
+    - default ``max_items`` = :data:`DEFAULT_MAX_ITEMS`, or a path's smallest non-zero budget ``b_min`` where
+      that is less: never more items than the smallest budget has tokens (vLLM PR 38040: more items than the
+      smallest budget crashes capture);
     - default ``max_frames`` = ``max_items * max_frames_per_item``;
     - only ``max_items`` given: ``max_frames = max_items * max_frames_per_item``;
     - only ``max_frames`` given: ``max_items = min(default max_items, max_frames)``;
@@ -128,7 +136,7 @@ def default_limits(
     >>> default_limits((64, 128, 256, 512, 800))
     Limits(max_items=16, max_frames=16)
     >>> default_limits((64, 8192), max_frames_per_item=4)
-    Limits(max_items=64, max_frames=256)
+    Limits(max_items=16, max_frames=64)
     >>> default_limits((8, 1024))
     Limits(max_items=8, max_frames=8)
     >>> default_limits((64, 800), max_items=2, max_frames_per_item=4)
@@ -143,11 +151,7 @@ def default_limits(
         minimum=1,
         hint="An image has 1 frame; a video has its temporal grid size.",
     )
-    default_items = min(
-        min(max(ladder[-1] // b_min, MIN_DEFAULT_ITEMS), b_min)
-        for ladder in norm.values()
-        for b_min in (next(b for b in ladder if b > 0),)
-    )
+    default_items = min(DEFAULT_MAX_ITEMS, *(next(b for b in ladder if b > 0) for ladder in norm.values()))
     if max_items is None and max_frames is None:
         return Limits(max_items=default_items, max_frames=default_items * per_item)
     if max_items is None:

@@ -85,7 +85,7 @@ def test_plan_default_ladder_limits_and_qwen3_geometry(capsys, monkeypatch):
     # The runner's default ladder for the tower: the dense one (test_plan_defaults_match_the_qwen_adapter)
     assert data["plan"]["ladders"]["default"] == [64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1088, 1280,
                                                   1536, 1856, 2240, 2688, 3200, 3840, 4096]
-    assert data["plan"]["limits"] == {"max_items": 64, "max_frames": 128}
+    assert data["plan"]["limits"] == {"max_items": 16, "max_frames": 32}
     # Qwen3-VL: multiples of 32 px, at least 65536 pixels -> 10x10 becomes 256x256 (8x8 tokens)
     assert data["items"][0]["resized"] == [640, 480] and data["items"][0]["tokens"] == 300
     assert data["items"][1]["resized"] == [256, 256] and data["items"][1]["tokens"] == 64

@@ -70,7 +70,7 @@ def test_known_traffic_never_worse_than_the_default(capsys, monkeypatch, log, ma
     assert report["traffic"]["requests"] == 120
     assert report["runner_options"]["budgets"] == tuned["budgets"]
     assert report["runner_line"] == (
-        f"EncoderGraphRunner(adapter, budgets={tuple(tuned['budgets'])!r}, max_items=64, max_frames=128)"
+        f"EncoderGraphRunner(adapter, budgets={tuple(tuned['budgets'])!r}, max_items=16, max_frames=32)"
     )
 
 
@@ -79,14 +79,14 @@ def test_text_output(capsys, monkeypatch, log):
     assert code == 0, err
     assert out.startswith("tower qwen2_5_vl: patch 14 px")
     assert "traffic: 120 requests" in out
-    assert "limits: at most 64 items and 128 frames per batch; cost model: default linear model (no --costs)" in out
+    assert "limits: at most 16 items and 32 frames per batch; cost model: default linear model (no --costs)" in out
     assert re.search(r"default\s+64, 128, 192, 256, [\d, ]+, 3840, 4096 \(20 graphs, 26432 tokens\)", out)
     tuned = re.search(r"tuned\s+([\d, ]+) \((\d) graphs?", out)
     assert tuned and int(tuned.group(2)) <= 6
     costs = [float(m) for m in re.findall(r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+%", out, flags=re.MULTILINE)]
     assert len(costs) == 2 and (costs[1] <= costs[0] or "more than --max-budgets 6" in out)
     assert re.search(r"expected cost change: [-+]\d+\.\d%", out)
-    runner = f"  EncoderGraphRunner(adapter, budgets=({tuned.group(1)}), max_items=64, max_frames=128)"
+    runner = f"  EncoderGraphRunner(adapter, budgets=({tuned.group(1)}), max_items=16, max_frames=32)"
     assert out.rstrip().splitlines()[-1] == runner
 
 

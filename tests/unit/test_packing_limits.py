@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import Limits, budget_ladder, default_limits
-from encgraph.packing.limits import MIN_DEFAULT_ITEMS
+from encgraph.packing.limits import DEFAULT_MAX_ITEMS
 from tests.strategies import path_ladders
 from tests.unit._helpers import check_bad_argument
 
@@ -17,28 +17,30 @@ TWO = {"global": budget_ladder(272, 13824), "local": budget_ladder(100, 4000, al
 
 
 def test_defaults_one_path() -> None:
-    # 8192 // 64 = 128 items of the smallest size fit the largest budget; capped at the smallest budget, 64.
-    assert default_limits(budget_ladder(64, 8192)) == Limits(max_items=64, max_frames=64)
-    assert default_limits((64, 2048), max_frames_per_item=4) == Limits(32, 128)
+    # A wide ladder no longer batches b_max // b_min items: each item's frames are cu_seqlens slots of every
+    # captured attention call, and an empty slot still launches its thread blocks (benches/varlen_slots.py).
+    assert default_limits(budget_ladder(64, 8192)) == Limits(max_items=DEFAULT_MAX_ITEMS, max_frames=16)
+    assert default_limits((64, 2048), max_frames_per_item=4) == Limits(16, 64)
+    assert default_limits((64, 2048), max_frames_per_item=2) == Limits(16, 32)
 
 
 def test_default_items_never_exceed_the_smallest_budget() -> None:
-    # 100000 // 16 = 6250 but the smallest budget holds only 16 items (vLLM PR 38040).
-    assert default_limits((16, 100_000)).max_items == 16
+    # The smallest budget holds only 4 or 8 items (vLLM PR 38040).
+    assert default_limits((8, 100_000)).max_items == 8
     assert default_limits((4, 1024)).max_items == 4
+    assert default_limits({"global": (272,), "local": (0, 12, 576)}).max_items == 12
 
 
 def test_a_narrow_ladder_still_batches_small_items() -> None:
-    # b_max // b_min is 1 for one budget and 2 for (1024, 2048): without the floor every small image of a
-    # request would replay alone in a large graph.
-    assert default_limits((896,)) == Limits(MIN_DEFAULT_ITEMS, MIN_DEFAULT_ITEMS)
-    assert default_limits((1024, 2048)).max_items == MIN_DEFAULT_ITEMS
-    assert default_limits({"global": (272,), "local": (0, 144, 576)}).max_items == MIN_DEFAULT_ITEMS
+    # One budget, or (1024, 2048): every small image of a request would otherwise replay alone in a large graph.
+    assert default_limits((896,)) == Limits(DEFAULT_MAX_ITEMS, DEFAULT_MAX_ITEMS)
+    assert default_limits((1024, 2048)).max_items == DEFAULT_MAX_ITEMS
+    assert default_limits({"global": (272,), "local": (0, 144, 576)}).max_items == DEFAULT_MAX_ITEMS
 
 
-def test_defaults_two_paths_take_the_tightest_path() -> None:
-    # global: min(13824 // 272, 272) = 50; local: min(4000 // 100, 100) = 40 (budget 0 ignored).
-    assert default_limits(TWO) == Limits(max_items=40, max_frames=40)
+def test_defaults_two_paths() -> None:
+    # Both paths' smallest budgets (272 and 100, budget 0 ignored) hold more than the default.
+    assert default_limits(TWO) == Limits(max_items=DEFAULT_MAX_ITEMS, max_frames=DEFAULT_MAX_ITEMS)
 
 
 def test_user_items_only_scales_frames() -> None:

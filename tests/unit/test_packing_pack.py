@@ -102,7 +102,7 @@ def two_path_items() -> list[ItemSpec]:
 def test_two_path_ladder_with_0_to_40_tiles() -> None:
     items = two_path_items()
     limits = default_limits(TWO)
-    assert limits == Limits(max_items=40, max_frames=40)
+    assert limits == Limits(max_items=16, max_frames=16)  # DEFAULT_MAX_ITEMS; no batch here needs more than 7
     plan = pack(items, TWO, max_items=limits.max_items, max_frames=limits.max_frames)
     assert plan.paths == ("global", "local")
     got = [(b.items, b.budgets["global"], b.budgets["local"]) for b in plan.batches]
