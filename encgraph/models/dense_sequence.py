@@ -5,7 +5,8 @@ call: on an H200 torch picks cuDNN's kernel (346-428 TF/s at head dim 72-80 agai
 plan is built per exact shape (35-70 ms, then kept per thread). :func:`padded_dense` runs a sequence at a bucket
 length instead (:func:`~encgraph.packing.kernels.bucket_rows`) and corrects its output exactly for the padding
 keys, so that one plan serves every length of the bucket at any head dim; which geometries do so, and from which
-length, is measured (:mod:`encgraph.models.kernel_choice`).
+length, is measured (:mod:`encgraph.models.kernel_choice`). :func:`counted_dense` makes the same correction with
+the real length on the device, for a captured call whose one sequence's length changes from replay to replay.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-__all__ = ["dense_sequence", "dense_with_lse", "padded_dense"]
+__all__ = ["counted_dense", "dense_sequence", "dense_with_lse", "padded_dense"]
 
 _CUDNN, _FLASH = SDPBackend.CUDNN_ATTENTION.value, SDPBackend.FLASH_ATTENTION.value
 
@@ -97,3 +98,45 @@ def padded_dense(
                               mean_key.float().unsqueeze(-1), alpha=scale)
     factor = torch.rsub(log_share.exp_(), 1.0).transpose(0, 1)  # 1 - share, at least rows / padded
     return out[:rows].div_(factor)  # computed in float32, rounded once to the inputs' dtype
+
+
+def counted_dense(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, real_rows: torch.Tensor, scale: float | None
+) -> torch.Tensor | None:
+    """One sequence of the first ``real_rows`` of ``rows`` rows ``(rows, heads, head_dim)`` through one dense SDPA
+    call at all ``rows``, the length a device tensor: the call a CUDA graph of one image can hold, where the image's
+    rows change from replay to replay and the buffers' do not. Never syncs the host.
+
+    The rows from ``real_rows`` on are padding: their keys become each head's mean real key ``k̄`` and their values
+    zero (through ``torch.where``, so whatever they hold, NaN included, reaches no real row), and the kernel's
+    log-sum-exp takes their share out of every real output exactly, as in :func:`padded_dense` (whose docs give the
+    algebra), with ``p = rows - real_rows`` counted on the device (``p = 0``: the share's log is ``-inf``, the
+    factor 1).
+
+    Args:
+        query, key, value: ``(rows, heads, head_dim)``, one dtype and head count (repeat grouped keys first).
+        real_rows: an int tensor of one element on the same device, ``1 <= real_rows <= rows`` (a runner's
+            ``cu_seqlens[1]`` for a batch of one single-frame item); not checked, as that would sync the host.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+
+    Returns:
+        ``(rows, heads, head_dim)`` in the inputs' dtype, a fresh tensor: the first ``real_rows`` rows the
+        sequence's attention (one more rounding than the unpadded kernel's: the correction), the rest unspecified.
+        ``None`` where the kernel torch's SDPA picks returns no log-sum-exp (:func:`dense_with_lse`): the caller
+        keeps its varlen call. Buffers for the call: masked copies of key and value, the output, and a float32
+        copy of the query for the padding logits (``rows x heads x head_dim`` each).
+    """
+    rows, heads, dim = query.shape
+    scale = dim**-0.5 if scale is None else scale
+    count = real_rows.reshape(()).to(torch.float32)
+    real = (torch.arange(rows, device=query.device) < real_rows.reshape(())).view(rows, 1, 1)
+    mean_key = (torch.where(real, key, 0).sum(0, dtype=torch.float32) / count).to(key.dtype)  # the kernel's rounding
+    found = dense_with_lse(query, torch.where(real, key, mean_key), torch.where(real, value, 0), scale)
+    if found is None:
+        return None
+    out, lse = found
+    # log(p e^(s̄ - lse)) for every row, (heads, rows, 1): as in padded_dense, with log p from the device count.
+    log_share = torch.baddbmm(torch.sub(torch.log(rows - count), lse[:, :, None]), query.transpose(0, 1).float(),
+                              mean_key.float().unsqueeze(-1), alpha=scale)
+    factor = torch.rsub(log_share.exp_(), 1.0).transpose(0, 1)
+    return out.div_(factor)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from encgraph.models.dense_sequence import dense_sequence, padded_dense
+from encgraph.models.dense_sequence import counted_dense, dense_sequence, padded_dense
 from encgraph.packing.kernels import bucket_rows
 
 
@@ -82,3 +82,55 @@ def test_a_nan_stays_in_its_sequence_and_padding_adds_none():
 def test_no_padding_is_the_plain_call(padded):
     q, k, v = (torch.randn(10, 1, 8) for _ in range(3))
     torch.testing.assert_close(padded_dense(q, k, v, None, padded), dense_sequence(q, k, v, None))
+
+
+@settings(deadline=None, max_examples=25)
+@given(rows=st.integers(1, 300), data=st.data(), heads=st.integers(1, 3), dim=st.sampled_from([8, 16, 72]),
+       scale=st.sampled_from([None, 0.05, 1.0]), seed=st.integers(0, 2**16))
+def test_counted_padding_never_changes_a_real_row(rows, data, heads, dim, scale, seed):
+    # The length on the device, as a captured one-image call reads it from cu_seqlens[1]; the padding rows hold
+    # NaN and inf (a graph's buffers hold whatever the last replay left): none of it reaches a real row.
+    real = data.draw(st.integers(1, rows), label="real")
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (3 * torch.randn(rows, heads, dim, generator=gen) for _ in range(3))
+    want = dense_sequence(q[:real], k[:real], v[:real], scale)
+    q[real:], k[real:], v[real:] = float("nan"), float("inf"), float("nan")
+    got = counted_dense(q, k, v, torch.tensor([real], dtype=torch.int32), scale)
+    assert got.shape == (rows, heads, dim) and got.dtype == q.dtype
+    # As for padded_dense, the correction's rounding grows by at most rows / real, on the values' scale.
+    tol = 2e-5 * rows / real * float(v[:real].abs().max())
+    torch.testing.assert_close(got[:real], want, rtol=0, atol=tol)
+
+
+def test_counted_dense_reads_no_host_value(monkeypatch):
+    # Inside a CUDA graph a host read of the length would sync (and fail capture): every path from a tensor to
+    # a host number raises here, and the call still runs.
+    q, k, v = (torch.randn(50, 2, 8) for _ in range(3))
+    want = dense_sequence(q[:30], k[:30], v[:30], None)
+    real = torch.tensor(30)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("counted_dense read a tensor on the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    got = counted_dense(q, k, v, real, None)
+    monkeypatch.undo()
+    torch.testing.assert_close(got[:30], want, rtol=1e-5, atol=1e-5)
+
+
+def test_counted_dense_bf16_within_one_more_rounding():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(320, 2, 72, generator=gen) for _ in range(3))
+    want = dense_sequence(q[:300], k[:300], v[:300], None)
+    got = counted_dense(*(t.bfloat16() for t in (q, k, v)), torch.tensor(300), None)
+    assert got.dtype == torch.bfloat16
+    assert ((got[:300].float() - want).abs().max() / want.abs().max()).item() < 2 * 2**-8
+
+
+def test_counted_dense_without_log_sum_exp_is_none():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(50, 2, 8) for _ in range(3))
+    with sdpa_kernel(SDPBackend.MATH):  # the caller keeps its varlen call
+        assert counted_dense(q, k, v, torch.tensor(40), None) is None
