@@ -1,17 +1,24 @@
 """Empty sequence slots in a captured varlen attention call: what the runner's ``cu_seqlens`` layout costs.
 
-A captured Qwen-layout graph calls the varlen kernel with ``max_seqlen`` = the budget's rows ``R`` (any one
-sequence may fill the budget) and a ``cu_seqlens`` buffer of ``min(max_frames, budget) + 2`` slots (34 with the
-default 16 items x 2 frames, 130 with the 64 items of the default before): the real sequences, one padding
-sequence, then zero-length ones. torch's Flash kernel launches ``ceil(R / 128)`` row blocks per sequence slot and
-head, and an empty one only returns, so one 896 px Qwen3-VL image at budget 896 (``R`` = 3,584) started about
-58,000 blocks a layer at 130 slots, of which some 460 have rows (``docs/benchmarks.md``). This measures that cost directly: per head geometry and budget rows ``R``, one
-real sequence of ``--fill`` x ``R`` rows and the padding sequence, in ``cu_seqlens`` buffers of each of
-``--slots`` entries, the attention call replayed from a CUDA graph (``--calls`` calls per graph, median of
-``--runs`` replays, CUDA events) through :func:`encgraph.models.attention.packed_attention`, the call the
-adapters make (its varlen kernel: torch's Flash unless capture chose FlashAttention-4 for the geometry, which
-this script does not measure). Each row reports the ms, the ratio to the fewest slots and the blocks launched,
-and the real rows' outputs against the fewest slots' (the empty slots must change nothing).
+A captured Qwen-layout graph calls the varlen kernel with ``max_seqlen`` = the budget's rows ``R`` (any one sequence
+may fill the budget) and a ``cu_seqlens`` buffer of ``min(max_frames, budget) + 2`` slots (34 with the default 16
+items x 2 frames, 130 with the 64 items of the default before): the real sequences, one padding sequence, then
+zero-length ones. torch's Flash kernel launches ``ceil(R / 128)`` row blocks per sequence slot and head, and an
+empty one only returns, so one 896 px Qwen3-VL image at budget 896 (``R`` = 3,584) started about 58,000 blocks a
+layer at 130 slots, of which some 460 have rows (``docs/benchmarks.md``). This measures that cost directly: per head
+geometry and budget rows ``R``, one real sequence of ``--fill`` x ``R`` rows and the padding sequence, in
+``cu_seqlens`` buffers of each of ``--slots`` entries, the attention call replayed from a CUDA graph (``--calls``
+calls per graph, median of ``--runs`` replays, CUDA events) through
+:func:`encgraph.models.attention.packed_attention`, the call the adapters make (its varlen kernel: torch's Flash
+unless capture chose FlashAttention-4 for the geometry, which this script does not measure). Each row reports the
+ms, the ratio to the fewest slots and the blocks launched, and the real rows' outputs against the fewest slots' (the
+empty slots must change nothing).
+
+One more row per geometry and budget: the same sequence through
+:func:`encgraph.models.dense_sequence.counted_dense`, one dense SDPA call over the budget's rows (cuDNN's kernel
+on an H200) with the real length read on the device from ``cu_seqlens[1]`` and the padding corrected out: the call
+a graph of one single-frame image could make instead of the varlen one (the runner has no such graph yet). Its
+rewrite check replays it with the budget as the sequence (no padding), against the eager call at that length.
 
 ``--cpu-smoke`` runs the same layouts eagerly on the CPU (the masked SDPA backend, tiny sizes): the outputs'
 check, no timing that means anything.
@@ -37,8 +44,8 @@ from benches.lib.results import Results, markdown_table
 
 SCRIPT = "varlen_slots"
 GEOMETRIES = {"qwen3_vl 16x72": (16, 72), "qwen2_5_vl 16x80": (16, 80), "glm4v 12x128": (12, 128)}
-ROWS = (1024, 3584, 16384)
-"""Budget rows: Qwen's budgets 256, 896 and 4096 tokens at 2 x 2 merged patches."""
+ROWS = (1024, 3584, 5120, 16384)
+"""Budget rows: Qwen's budgets 256, 896, 1280 and 4096 tokens at 2 x 2 merged patches."""
 SLOTS = (3, 18, 34, 66, 130)
 """``cu_seqlens`` entries: one real sequence and the padding (3), up to 64 items x 2 frames + 2 (the default before
 :data:`encgraph.packing.limits.DEFAULT_MAX_ITEMS`; 34 with its 16 items)."""
@@ -70,6 +77,18 @@ def _attention(q: Any, k: Any, v: Any, cu: Any, max_len: int, lengths: Any, back
     from encgraph.models.attention import packed_attention
 
     return packed_attention(q, k, v, cu, max_seqlen=max_len, backend=backend)
+
+
+def _counted(q: Any, k: Any, v: Any, cu: Any, max_len: int, lengths: Any) -> Any:
+    """:func:`~encgraph.models.dense_sequence.counted_dense` of the first sequence (``cu[1]`` real rows), in the
+    same signature; ``None`` where torch's SDPA picks a kernel without a log-sum-exp."""
+    from encgraph.models.dense_sequence import counted_dense
+
+    return counted_dense(q, k, v, cu[1:2], None)
+
+
+DENSE = "dense (counted)"
+"""The ``kernel`` of the :func:`_counted` rows (the slot rows': ``"varlen"``, torch's Flash on CUDA)."""
 
 
 def measure(heads: int, dim: int, rows: int, slots: Sequence[int], fill: float, calls: int, env: Env,
@@ -110,8 +129,39 @@ def measure(heads: int, dim: int, rows: int, slots: Sequence[int], fill: float, 
         else:
             row["ratio"] = round(row["ms"] / out[0]["ms"], 3) if "ms" in out[0] else None
         row["vs_fewest_slots"] = float(((real - reference).abs().max() / reference.abs().max()).item())
-        out.append(row)
+        out.append({"kernel": "varlen", **row})
+    out.append(_dense_row(q, k, v, rows, fill, calls, env, deadline, reference, out[0].get("ms")))
     return out
+
+
+def _dense_row(q: Any, k: Any, v: Any, rows: int, fill: float, calls: int, env: Env, deadline: Deadline,
+               reference: Any, fewest_ms: float | None) -> dict[str, Any]:
+    """The :func:`_counted` row of one budget: as a slot row (3 slots), its real rows against the fewest slots'
+    Flash output (bf16 apart on the GPU: two kernels' roundings), and on CUDA its replay rewritten to the budget as
+    the sequence (``rewritten_lengths_vs_eager``: the length read on the device, not baked in)."""
+    from benches import attention_kernels
+    from benches.lib.timing import time_call
+
+    lengths = lengths_of(rows, 3, fill)
+    row: dict[str, Any] = {"kernel": DENSE, "rows": rows, "real": lengths[0], "slots": 3, "blocks": None}
+    if deadline.expired():
+        return {**row, "skipped": SKIPPED_TIME}
+    cu = attention_kernels._cu(lengths, q.device)
+    if _counted(q, k, v, cu, rows, lengths) is None:
+        return {**row, "skipped": "torch's SDPA picks a kernel without a log-sum-exp here"}
+    if env.cuda:
+        got = attention_kernels.measure(_counted, q, k, v, lengths, [rows, 0], calls, env)
+        row["ms"], eager = got["median_ms"], got["out"]
+        row.update({key: got[key] for key in ("replay_vs_eager", "rewritten_lengths_vs_eager", "rewrite_error")
+                    if key in got})
+    else:
+        eager = _counted(q, k, v, cu, rows, lengths)
+        row["ms"] = round(time_call(lambda: _counted(q, k, v, cu, rows, lengths), env).summary()["median_ms"], 5)
+    row["ratio"] = round(row["ms"] / fewest_ms, 3) if fewest_ms else None
+    if reference is not None:
+        real = eager[: lengths[0]].float()
+        row["vs_fewest_slots"] = float(((real - reference).abs().max() / reference.abs().max()).item())
+    return row
 
 
 def run(args: argparse.Namespace, env: Env, deadline: Deadline, results: Results) -> None:
@@ -127,20 +177,26 @@ def run(args: argparse.Namespace, env: Env, deadline: Deadline, results: Results
 
 
 def render(data: Mapping[str, Any]) -> str:
-    head = ["geometry", "budget rows", "real rows", "cu_seqlens slots", "blocks launched", "ms per call",
-            "x fewest slots", "real rows vs fewest slots"]
+    head = ["geometry", "budget rows", "real rows", "kernel", "cu_seqlens slots", "blocks launched", "ms per call",
+            "x fewest slots", "real rows vs fewest slots", "rewritten replay vs eager"]
     body = []
     for r in data.get("rows", []):
+        first = [r["geometry"], r["rows"], r["real"], r.get("kernel", "varlen"), r["slots"],
+                 "-" if r.get("blocks") is None else f"{r['blocks']:,}"]
         if "ms" not in r:
-            body.append([r["geometry"], r["rows"], r["real"], r["slots"], r["blocks"], r.get("skipped", "-"), "-",
-                         "-"])
+            body.append(first + [r.get("skipped", "-"), "-", "-", "-"])
             continue
-        body.append([r["geometry"], r["rows"], r["real"], r["slots"], f"{r['blocks']:,}", f"{r['ms']:.4f}",
-                     "-" if r.get("ratio") is None else f"{r['ratio']:.2f}", f"{r['vs_fewest_slots']:.1e}"])
+        rewritten = r.get("rewritten_lengths_vs_eager")
+        body.append(first + [f"{r['ms']:.4f}", "-" if r.get("ratio") is None else f"{r['ratio']:.2f}",
+                             "-" if r.get("vs_fewest_slots") is None else f"{r['vs_fewest_slots']:.1e}",
+                             r.get("rewrite_error", "-") if rewritten is None else f"{rewritten:.1e}"])
     return (f"## varlen attention with empty sequence slots ({data.get('environment', {}).get('gpu', '?')})\n\n"
             f"One real sequence of {data.get('fill', '?')} x the budget's rows and the padding sequence, the "
             "rest of the slots empty, `max_seqlen` = the budget's rows (the runner's captured layout); replayed "
-            "from a CUDA graph.\n\n" + markdown_table(head, body) + "\n")
+            f"from a CUDA graph. `{DENSE}`: the same sequence as one dense SDPA call over the budget's rows, its "
+            "length read on the device and the padding corrected out (`counted_dense`); `x fewest slots` against "
+            "Flash at 3 slots; the rewritten replay: the graph replayed with the budget as the sequence.\n\n"
+            + markdown_table(head, body) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -197,7 +197,11 @@ def test_varlen_slots_layouts_and_smoke(tmp_path):
     with pytest.raises(ValueError):
         varlen_slots.lengths_of(64, 2, 0.5)
     data = varlen_slots.main(["--cpu-smoke", "--runs", "1", "--warmup", "0", "--results-dir", str(tmp_path)])
-    rows = data["rows"]
+    *rows, dense = data["rows"]
     assert [r["slots"] for r in rows] == list(varlen_slots.SMOKE["slots"])
     assert all(r["vs_fewest_slots"] < 1e-6 and r["ms"] > 0 for r in rows) and rows[0]["ratio"] == 1.0
-    assert "| cu_seqlens slots |" in (tmp_path / "varlen_slots_cpu-smoke.md").read_text()
+    # One dense call over the budget, the length read from cu_seqlens[1]: the real rows as the varlen call's.
+    assert dense["kernel"] == varlen_slots.DENSE and dense["real"] == rows[0]["real"] and dense["ms"] > 0
+    assert dense["vs_fewest_slots"] < 1e-5
+    table = (tmp_path / "varlen_slots_cpu-smoke.md").read_text()
+    assert "| cu_seqlens slots |" in table and f"| {varlen_slots.DENSE} |" in table
