@@ -91,13 +91,21 @@ def padded_dense(
     if found is None:  # memory-efficient or math SDPA: no log-sum-exp to correct with (and no per-shape plan)
         return dense_sequence(query, key, value, scale)
     out, lse = found
+    return _without_padding(out[:rows], lse[:, :rows], query, mean_key, math.log(pad), scale)
+
+
+def _without_padding(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, mean_key: torch.Tensor,
+                     log_pad: float | torch.Tensor, scale: float) -> torch.Tensor:
+    """``out`` ``(rows, heads, head_dim)`` of a dense call whose keys included ``p`` padding keys ``k̄``
+    (``mean_key``, ``(heads, head_dim)``) with zero values, divided in place by ``1 - p e^(s̄ - lse)`` (``lse``
+    ``(heads, rows)`` float32, ``log_pad`` = log p, a host float or a 0-d device tensor; ``-inf`` for p = 0)."""
     # log(p e^(s̄ - lse)) = scale q·k̄ + log p - lse, (heads, rows, 1), in one batched product. Its inputs are
     # bf16/fp16 values, exact in float32 and in TF32 alike, so s̄ is the kernel's own logit to summation order
     # whatever the float32 matmul precision; few ops, as the host issues each (about 25 us apiece).
-    log_share = torch.baddbmm(torch.sub(math.log(pad), lse[:, :rows, None]), query.transpose(0, 1).float(),
+    log_share = torch.baddbmm(torch.sub(log_pad, lse[:, :, None]), query.transpose(0, 1).float(),
                               mean_key.float().unsqueeze(-1), alpha=scale)
     factor = torch.rsub(log_share.exp_(), 1.0).transpose(0, 1)  # 1 - share, at least rows / padded
-    return out[:rows].div_(factor)  # computed in float32, rounded once to the inputs' dtype
+    return out.div_(factor)  # computed in float32, rounded once to the inputs' dtype
 
 
 def counted_dense(
@@ -135,8 +143,4 @@ def counted_dense(
     if found is None:
         return None
     out, lse = found
-    # log(p e^(s̄ - lse)) for every row, (heads, rows, 1): as in padded_dense, with log p from the device count.
-    log_share = torch.baddbmm(torch.sub(torch.log(rows - count), lse[:, :, None]), query.transpose(0, 1).float(),
-                              mean_key.float().unsqueeze(-1), alpha=scale)
-    factor = torch.rsub(log_share.exp_(), 1.0).transpose(0, 1)
-    return out.div_(factor)
+    return _without_padding(out, lse, query, mean_key, torch.log(rows - count), scale)

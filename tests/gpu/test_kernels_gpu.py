@@ -13,7 +13,7 @@ import torch
 from encgraph.capture.execution import run_static
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import attention, kernel_choice, sequence_bounds, wrap
-from encgraph.models.dense_sequence import dense_sequence, padded_dense
+from encgraph.models.dense_sequence import counted_dense, dense_sequence, padded_dense
 from encgraph.packing.kernels import LEDGER
 from tests.gpu.test_qwen_gpu import HF_RTOL, build, hf_per_item, rel
 from tests.models.test_kernel_choice import dense_spy
@@ -160,6 +160,37 @@ def test_host_plan_equals_varlen_and_isolates_nan(monkeypatch):
                 assert torch.isnan(got).all(), i
             else:
                 assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
+
+
+@pytest.mark.parametrize(("heads", "dim"), GEOMETRIES)
+def test_counted_dense_replayed_at_each_length(heads, dim):
+    """counted_dense captured once at a budget's rows and replayed with the real length rewritten on the device,
+    fresh random inputs each replay and NaN in the padding rows: every replay's real rows against the eager call
+    at that length (bf16) and an fp32 reference; the padding reaches no real row."""
+    rows = 5120
+    q, k, v = (torch.zeros(rows, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+    real = torch.tensor([rows], device="cuda", dtype=torch.int32)
+    assert counted_dense(q.normal_(), k.normal_(), v.normal_(), real, None) is not None  # cuDNN returns its lse
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        counted_dense(q, k, v, real, None)  # warm-up off the capture: cuDNN's plan for the shape
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = counted_dense(q, k, v, real, None)
+    for seed, n in enumerate((4480, 5120, 4097, 2600)):  # from half the budget to all of it
+        fresh = _qkv([rows], heads, dim, seed=seed + 1)
+        for buf, t in zip((q, k, v), fresh):
+            buf.copy_(t)
+            buf[n:] = float("nan")
+        real.fill_(n)
+        graph.replay()
+        eager = dense_sequence(*(t[:n] for t in fresh), None)
+        (ref,) = _per_sequence_fp32(*(t[:n] for t in fresh), [n])
+        got = out[:n]
+        assert torch.isfinite(got).all(), n
+        assert rel(got, eager) < BF16_RTOL and rel(got, ref) < BF16_RTOL, n
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
