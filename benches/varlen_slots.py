@@ -87,81 +87,88 @@ def _counted(q: Any, k: Any, v: Any, cu: Any, max_len: int, lengths: Any) -> Any
     return counted_dense(q, k, v, cu[1:2], None)
 
 
+def _exact(q: Any, k: Any, v: Any, cu: Any, max_len: int, lengths: Any) -> Any:
+    """The first sequence alone through dense SDPA at its own rows: the tower's own call per image (HF's sdpa),
+    which a graph cannot make for images of other sizes."""
+    from encgraph.models.dense_sequence import dense_sequence
+
+    n = lengths[0]
+    return dense_sequence(q[:n], k[:n], v[:n], None)
+
+
+VARLEN = "varlen"
 DENSE = "dense (counted)"
-"""The ``kernel`` of the :func:`_counted` rows (the slot rows': ``"varlen"``, torch's Flash on CUDA)."""
+HF_CALL = "dense, exact rows (HF's call)"
+"""The ``kernel`` of each row: the slot rows' varlen call (torch's Flash on CUDA; the defaults' layout at
+:data:`DEFAULT_SLOTS`), :func:`_counted` and :func:`_exact`."""
+DEFAULT_SLOTS = 34
+"""The defaults' ``cu_seqlens`` entries: 16 items x 2 frames + 2 (:data:`encgraph.packing.limits.DEFAULT_MAX_ITEMS`)."""
+REWRITE_KEYS = ("rewritten_lengths_vs_eager", "rewrite_error")
+
+
+def _timed(fn: Any, q: Any, k: Any, v: Any, lengths: list[int], other: list[int], calls: int,
+           env: Env) -> tuple[dict[str, Any], Any]:
+    """``(fields, eager output)`` of one layout: on CUDA captured and replayed by
+    :func:`benches.attention_kernels.measure` (``ms``, ``replay_vs_eager`` and its rewrite check's fields: the
+    graph replayed with ``other`` written into ``cu_seqlens``); on the CPU smoke eager, one call a run."""
+    from benches import attention_kernels
+    from benches.lib.timing import time_call
+
+    rows = q.shape[0]
+    if env.cuda:
+        got = attention_kernels.measure(fn, q, k, v, lengths, other, calls, env)
+        keys = ("replay_vs_eager",) + REWRITE_KEYS
+        return {"ms": got["median_ms"], **{key: got[key] for key in keys if key in got}}, got["out"]
+    cu = attention_kernels._cu(lengths, q.device)
+    eager = fn(q, k, v, cu, rows, lengths)
+    return {"ms": round(time_call(lambda: fn(q, k, v, cu, rows, lengths), env).summary()["median_ms"], 5)}, eager
 
 
 def measure(heads: int, dim: int, rows: int, slots: Sequence[int], fill: float, calls: int, env: Env,
             deadline: Deadline) -> list[dict[str, Any]]:
-    """One row per slot count (see the module docs); ``{"skipped": ...}`` past the deadline. On CUDA each layout
-    is captured and replayed by :func:`benches.attention_kernels.measure` (its rewrite check replays the graph
-    once more with the budget as one sequence, which also makes its ``max_seqlen`` the budget's rows)."""
+    """One row per slot count (see the module docs), then a :func:`_counted` and an :func:`_exact` row of the
+    same sequence; ``{"skipped": ...}`` past the deadline. Each row's ratio is to the fewest slots' ms and its
+    real rows are compared with theirs (bf16 apart on the GPU between two kernels). The slot rows' and the
+    counted row's rewrite check replays the graph with the budget as one sequence (for the varlen call that also
+    makes its ``max_seqlen`` the budget's rows; for the counted one, the length read on the device, not baked
+    in)."""
     import functools
 
     import torch
 
-    from benches import attention_kernels
-    from benches.lib.timing import time_call
     from encgraph.models.attention import AttentionBackend
 
-    fn = functools.partial(_attention, backend=AttentionBackend.VARLEN if env.cuda else AttentionBackend.MASKED_SDPA)
+    backend = AttentionBackend.VARLEN if env.cuda else AttentionBackend.MASKED_SDPA
+    varlen = functools.partial(_attention, backend=backend)
     gen = torch.Generator(device=env.device).manual_seed(env.seed * 7919 + rows)
     q, k, v = (torch.randn(rows, heads, dim, device=env.device, dtype=env.dtype, generator=gen) for _ in range(3))
+    one = lengths_of(rows, 3, fill)
+    layouts = [(VARLEN, varlen, lengths_of(rows, n, fill), [rows] + [0] * (n - 2)) for n in slots]
+    layouts += [(DENSE, _counted, one, [rows, 0]), (HF_CALL, _exact, one, one)]
+    cu = torch.tensor([0, one[0], rows], dtype=torch.int32, device=env.device)
     out: list[dict[str, Any]] = []
-    reference = None
-    for n in slots:
-        lengths = lengths_of(rows, n, fill)
-        row: dict[str, Any] = {"rows": rows, "real": lengths[0], "slots": n, "blocks": blocks(rows, n, heads)}
+    reference = fewest_ms = None
+    for kernel, fn, lengths, other in layouts:
+        row: dict[str, Any] = {"kernel": kernel, "rows": rows, "real": lengths[0],
+                               "slots": None if kernel == HF_CALL else len(lengths) + 1,
+                               "blocks": blocks(rows, len(lengths) + 1, heads) if kernel == VARLEN else None}
         if deadline.expired():
             out.append({**row, "skipped": SKIPPED_TIME})
             continue
-        if env.cuda:
-            got = attention_kernels.measure(fn, q, k, v, lengths, [rows] + [0] * (n - 2), calls, env)
-            row["ms"], eager = got["median_ms"], got["out"]
-            row["replay_vs_eager"] = got["replay_vs_eager"]
-        else:  # the smoke: eager, one call a run
-            cu = attention_kernels._cu(lengths, q.device)
-            eager = fn(q, k, v, cu, rows, lengths)
-            row["ms"] = round(time_call(lambda: fn(q, k, v, cu, rows, lengths), env).summary()["median_ms"], 5)
+        if kernel == DENSE and _counted(q, k, v, cu, rows, one) is None:
+            out.append({**row, "skipped": "torch's SDPA picks a kernel without a log-sum-exp here"})
+            continue
+        fields, eager = _timed(fn, q, k, v, lengths, other, calls, env)
+        if kernel == HF_CALL:  # its call reads no cu_seqlens: a rewritten replay would check nothing
+            fields = {key: value for key, value in fields.items() if key not in REWRITE_KEYS}
+        row.update(fields)
         real = eager[: lengths[0]].float()
         if reference is None:
-            reference, row["ratio"] = real, 1.0
-        else:
-            row["ratio"] = round(row["ms"] / out[0]["ms"], 3) if "ms" in out[0] else None
+            reference, fewest_ms = real, row["ms"]
+        row["ratio"] = round(row["ms"] / fewest_ms, 3)
         row["vs_fewest_slots"] = float(((real - reference).abs().max() / reference.abs().max()).item())
-        out.append({"kernel": "varlen", **row})
-    out.append(_dense_row(q, k, v, rows, fill, calls, env, deadline, reference, out[0].get("ms")))
+        out.append(row)
     return out
-
-
-def _dense_row(q: Any, k: Any, v: Any, rows: int, fill: float, calls: int, env: Env, deadline: Deadline,
-               reference: Any, fewest_ms: float | None) -> dict[str, Any]:
-    """The :func:`_counted` row of one budget: as a slot row (3 slots), its real rows against the fewest slots'
-    Flash output (bf16 apart on the GPU: two kernels' roundings), and on CUDA its replay rewritten to the budget as
-    the sequence (``rewritten_lengths_vs_eager``: the length read on the device, not baked in)."""
-    from benches import attention_kernels
-    from benches.lib.timing import time_call
-
-    lengths = lengths_of(rows, 3, fill)
-    row: dict[str, Any] = {"kernel": DENSE, "rows": rows, "real": lengths[0], "slots": 3, "blocks": None}
-    if deadline.expired():
-        return {**row, "skipped": SKIPPED_TIME}
-    cu = attention_kernels._cu(lengths, q.device)
-    if _counted(q, k, v, cu, rows, lengths) is None:
-        return {**row, "skipped": "torch's SDPA picks a kernel without a log-sum-exp here"}
-    if env.cuda:
-        got = attention_kernels.measure(_counted, q, k, v, lengths, [rows, 0], calls, env)
-        row["ms"], eager = got["median_ms"], got["out"]
-        row.update({key: got[key] for key in ("replay_vs_eager", "rewritten_lengths_vs_eager", "rewrite_error")
-                    if key in got})
-    else:
-        eager = _counted(q, k, v, cu, rows, lengths)
-        row["ms"] = round(time_call(lambda: _counted(q, k, v, cu, rows, lengths), env).summary()["median_ms"], 5)
-    row["ratio"] = round(row["ms"] / fewest_ms, 3) if fewest_ms else None
-    if reference is not None:
-        real = eager[: lengths[0]].float()
-        row["vs_fewest_slots"] = float(((real - reference).abs().max() / reference.abs().max()).item())
-    return row
 
 
 def run(args: argparse.Namespace, env: Env, deadline: Deadline, results: Results) -> None:
@@ -181,8 +188,8 @@ def render(data: Mapping[str, Any]) -> str:
             "x fewest slots", "real rows vs fewest slots", "rewritten replay vs eager"]
     body = []
     for r in data.get("rows", []):
-        first = [r["geometry"], r["rows"], r["real"], r.get("kernel", "varlen"), r["slots"],
-                 "-" if r.get("blocks") is None else f"{r['blocks']:,}"]
+        first = [r["geometry"], r["rows"], r["real"], r.get("kernel", VARLEN),
+                 "-" if r["slots"] is None else r["slots"], "-" if r.get("blocks") is None else f"{r['blocks']:,}"]
         if "ms" not in r:
             body.append(first + [r.get("skipped", "-"), "-", "-", "-"])
             continue
@@ -193,9 +200,12 @@ def render(data: Mapping[str, Any]) -> str:
     return (f"## varlen attention with empty sequence slots ({data.get('environment', {}).get('gpu', '?')})\n\n"
             f"One real sequence of {data.get('fill', '?')} x the budget's rows and the padding sequence, the "
             "rest of the slots empty, `max_seqlen` = the budget's rows (the runner's captured layout); replayed "
-            f"from a CUDA graph. `{DENSE}`: the same sequence as one dense SDPA call over the budget's rows, its "
-            "length read on the device and the padding corrected out (`counted_dense`); `x fewest slots` against "
-            "Flash at 3 slots; the rewritten replay: the graph replayed with the budget as the sequence.\n\n"
+            f"from a CUDA graph; the defaults' layout has {DEFAULT_SLOTS} slots. `{DENSE}`: the same sequence as "
+            "one dense SDPA call over the budget's rows, its length read on the device and the padding corrected "
+            f"out (`counted_dense`). `{HF_CALL}`: the sequence alone at its own rows, the call the tower's own "
+            "forward (HF, sdpa) makes per image, also replayed (a graph of it serves one image size only). "
+            "`x fewest slots` against the varlen call at 3 slots; the rewritten replay: the graph replayed with "
+            "the budget as the sequence.\n\n"
             + markdown_table(head, body) + "\n")
 
 

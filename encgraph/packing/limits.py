@@ -25,7 +25,7 @@ Why not more: the captured varlen attention call has ``max_frames + 2`` ``cu_seq
 equal to the budget's rows, and torch's Flash kernel launches row blocks x slots x heads thread blocks whether a
 slot holds a sequence or not.  The same rule gave a 64..4096 ladder 64 items (130 slots with 2 frames per item):
 replayed on the H200 (``benches/results/varlen_slots_nvidia-h200.md``), one 3,136-row sequence in a 3,584-row
-budget took 0.352 ms a layer at 130 slots, 0.290 at 34 and 0.266 at 3 (Qwen3-VL's 16 heads x 72); 1.56x the
+budget took 0.350 ms a layer at 130 slots, 0.288 at 34 and 0.266 at 3 (Qwen3-VL's 16 heads x 72); 1.56x the
 3-slot time at 1,024 rows and 1.06x at 16,384.  Two chat-trace runs of Qwen3-VL on the H200, minutes apart,
 64 items then 16: defaults mean 32.3 then 30.9 ms, P99 103 ms both."""
 

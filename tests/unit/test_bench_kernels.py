@@ -197,11 +197,14 @@ def test_varlen_slots_layouts_and_smoke(tmp_path):
     with pytest.raises(ValueError):
         varlen_slots.lengths_of(64, 2, 0.5)
     data = varlen_slots.main(["--cpu-smoke", "--runs", "1", "--warmup", "0", "--results-dir", str(tmp_path)])
-    *rows, dense = data["rows"]
+    *rows, dense, exact = data["rows"]
     assert [r["slots"] for r in rows] == list(varlen_slots.SMOKE["slots"])
     assert all(r["vs_fewest_slots"] < 1e-6 and r["ms"] > 0 for r in rows) and rows[0]["ratio"] == 1.0
-    # One dense call over the budget, the length read from cu_seqlens[1]: the real rows as the varlen call's.
-    assert dense["kernel"] == varlen_slots.DENSE and dense["real"] == rows[0]["real"] and dense["ms"] > 0
-    assert dense["vs_fewest_slots"] < 1e-5
+    # One dense call over the budget, the length read from cu_seqlens[1], and the sequence alone at its own rows
+    # (the tower's own call): the real rows as the varlen call's.
+    assert [dense["kernel"], exact["kernel"]] == [varlen_slots.DENSE, varlen_slots.HF_CALL]
+    for row in (dense, exact):
+        assert row["real"] == rows[0]["real"] and row["ms"] > 0 and row["vs_fewest_slots"] < 1e-5
     table = (tmp_path / "varlen_slots_cpu-smoke.md").read_text()
     assert "| cu_seqlens slots |" in table and f"| {varlen_slots.DENSE} |" in table
+    assert f"| {varlen_slots.HF_CALL} |" in table
