@@ -109,13 +109,15 @@ def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
         "eager_items": stats["eager_items"],
         "eager_reasons": stats["eager_reasons"],
         "replays": {k: p["replays"] for k, p in paths.items()},
+        "piecewise_replays": {k: p.get("piecewise_replays", {}) for k, p in paths.items()},
         "cost_feedback": {k: v for k, v in stats.get("cost_feedback", {}).items() if k in FEEDBACK_KEYS},
     }
 
 
 def route(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
     """How a graph runner ran one request, from its ``stats`` before and after the call: ``replays`` per budget
-    (over every path), ``eager`` items per reason, and the cost feedback's ``rerouted`` and ``explored`` batches
+    (over every path), ``eager`` items per reason, ``piecewise`` replays (of those) where there were any, and the
+    cost feedback's ``rerouted`` and ``explored`` batches
     where there were any. Read outside the timed call.
 
     >>> b = {"paths": {"p": {"replays": {"64": 1}}}, "eager_reasons": {}, "cost_feedback": {"rerouted": 2}}
@@ -133,6 +135,10 @@ def route(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]
     eager = {k: n - before["eager_reasons"].get(k, 0) for k, n in after["eager_reasons"].items()
              if n - before["eager_reasons"].get(k, 0)}
     out: dict[str, Any] = {"replays": replays, "eager": eager}
+    pieces = sum(n for p in after["paths"].values() for n in p.get("piecewise_replays", {}).values()) - sum(
+        n for p in before["paths"].values() for n in p.get("piecewise_replays", {}).values())
+    if pieces:
+        out["piecewise"] = pieces
     for key in ("rerouted", "explored"):
         moved = after.get("cost_feedback", {}).get(key, 0) - before.get("cost_feedback", {}).get(key, 0)
         if moved:

@@ -167,6 +167,9 @@ class CostFeedback:
         """Cost-eager batches replayed because their eager run would rent a kernel (:meth:`reroute`)."""
         self.unchosen = 0
         """Eager runs not timed because the model did not choose them (``chosen=False`` in :meth:`timed`)."""
+        self.piecewise = 0
+        """Sampled replays dropped because they ran piecewise (:meth:`drop`): the model prices whole graphs."""
+        self._drop = False
         self.corrections: collections.Counter[str] = collections.Counter()
         self.scale: dict[str, dict[str, float]] = {}
 
@@ -229,13 +232,23 @@ class CostFeedback:
             return
         sample = self.start(path, kind, predicted_ms(costs, path, budget, specs))
         rented = LEDGER.rented_calls
+        self._drop = False
         yield
+        if self._drop:
+            self._drop = False
+            self.piecewise += 1
+            return
         if LEDGER.rented_calls != rented:
             # A long sequence at a length new to this thread ran on the rented kernel: a first sight, not what
             # the model prices (eager at its steady kernels). Dropped, so that new sizes never price eager up.
             self.first_sights += 1
             return
         self.stop(sample)
+
+    def drop(self) -> None:
+        """The run being timed replayed piecewise (:mod:`encgraph.capture.piecewise`): its sample, if any, is
+        dropped (counted in :attr:`piecewise`), since the model prices whole graphs."""
+        self._drop = True
 
     def start(self, path: str, kind: RunKind, predicted_ms: float) -> _Sample:
         """Record the start event of a timed run (before its work is queued)."""
@@ -296,13 +309,14 @@ class CostFeedback:
 
     def as_dict(self) -> dict[str, Any]:
         """``samples`` read, ``explored`` replays, ``first_sights`` (samples dropped: the run rented a kernel),
-        ``rerouted`` batches (:meth:`reroute`), ``unchosen`` eager runs not timed, ``corrections`` per kind, cumulative ``scale`` per path."""
+        ``rerouted`` batches (:meth:`reroute`), ``unchosen`` eager runs not timed, ``piecewise`` samples dropped (the replay ran piecewise), ``corrections`` per kind, cumulative ``scale`` per path."""
         return {
             "samples": self.samples,
             "explored": self.explored,
             "first_sights": self.first_sights,
             "rerouted": self.rerouted,
             "unchosen": self.unchosen,
+            "piecewise": self.piecewise,
             "corrections": dict(self.corrections),
             "scale": {p: {k: round(v, 4) for k, v in e.items()} for p, e in self.scale.items()},
         }

@@ -339,12 +339,18 @@ class EncoderGraphRunner:
                     eager_paths[path] = reason
                     self._stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
                 else:
-                    out = run_static(self, path, budget, sub, used, last_on_path=path in last_on)
+                    out = run_static(self, path, budget, sub, used, last_on_path=path in last_on,
+                                     on_piecewise=lambda p=path, b=budget: self._piecewise_ran(p, b))
                     self._stats.add_replay(path, budget, used)
             outputs[path] = out
         self._stats.add_items(eager=sum(1 for s in sub_specs if any(s.tokens[p] for p in eager_paths)),
                               total=len(sub_specs))
         return split_outputs(self.adapter, outputs, sub_specs)
+
+    def _piecewise_ran(self, path: str, budget: int) -> None:
+        # Counted, and kept out of the cost model's check of whole replays (it prices whole graphs).
+        self._stats.add_piecewise(path, budget)
+        self._feedback.drop()
 
     # ------------------------------------------------------------------ costs and tuning
     @property
@@ -404,7 +410,8 @@ class EncoderGraphRunner:
         ``calls``, ``items``, ``graph_items`` (items whose every path ran the static forward: a replay in GRAPH
         mode), ``eager_items`` (items with at least one path run eagerly), ``eager_reasons`` (item-paths per
         reason), ``paths`` (per path: ``replays`` per budget, ``eager_runs``, ``eager_items``, ``real_tokens``,
-        ``padded_tokens``), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
+        ``padded_tokens``, ``piecewise_replays`` per budget: those of ``replays`` that ran piecewise,
+        :mod:`encgraph.capture.piecewise`), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
         serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``rerouted`` batches (eager
         would rent a kernel), ``unchosen`` eager runs not timed (forced eager), ``corrections`` per kind, cumulative ``scale`` per path; kept across
         ``reset_stats()``), ``kernel_plans`` (the process's dense attention plans: ``bought`` lengths,

@@ -202,13 +202,34 @@ def _check_budget(runner: RunnerState, path: str, budget: int, positive: Sequenc
         if len(times) > 1:
             record.replay_ms = min(record.replay_ms, times[1])
     if verify and budget not in runner.failed[path]:
-        static = run_static(runner, path, budget, sub, used)
+        static = run_static(runner, path, budget, sub, used, piecewise=False)
         worst = max((relative_error(static[n], reference[n]), n) for n in reference)
         checked[budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
         if not worst[0] <= tol:
             _drop(runner, path, budget, (
                 f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
                 f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"))
+        elif getattr(runner.records[path].get(budget), "piecewise", None) is not None:
+            _check_piecewise(runner, path, budget, sub, used, reference, tol)
+
+
+def _check_piecewise(runner: RunnerState, path: str, budget: int, sub: Any, used: int,
+                     reference: Mapping[str, torch.Tensor], tol: float) -> None:
+    """The budget's piecewise replay (:mod:`encgraph.capture.piecewise`) on the same sample, against the eager
+    forward; where it disagrees or raises, the budget replays whole graphs only (logged, the reason kept)."""
+    record = runner.records[path][budget]
+    try:
+        pieces = run_static(runner, path, budget, sub, used, piecewise=True)
+        worst = max((relative_error(pieces[n], reference[n]), n) for n in reference)
+        reason = None if worst[0] <= tol else (
+            f"self-check: output {worst[1]!r} differs from the eager forward by {worst[0]:.3g} (norm-relative; "
+            f"tolerance {tol:g})")
+    except Exception as exc:  # capture-time work never fails a call: the split goes, the whole graph stays
+        reason = f"self-check: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+    if reason is not None:
+        record.piecewise, record.piecewise_note = None, reason
+        log.warning("encgraph: path %r budget %d: the piecewise replay is dropped (%s); its batches replay the whole "
+                    "graph.", path, budget, reason)
 
 
 def timed_budgets(ladder: Sequence[int]) -> set[int]:

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
-from encgraph.models import fa4, sequence_bounds
+from encgraph.capture import piecewise
+from encgraph.models import fa4, piece_attention, sequence_bounds
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.models.sequence_bounds import RowsTable, host_bounds
@@ -125,10 +126,22 @@ def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     sequences still run on the dense kernel. Inside a CUDA graph capture the lookup finds nothing."""
     # Self-attention only: the key's bounds must be the query's (the same tensor; the op may hand a new wrapper).
     same = cu_q.data_ptr() == cu_k.data_ptr() and cu_q.numel() == cu_k.numel()
+    split = _split(query, key, value, cu_q, max_q, scale) if same else None
+    if split is not None:
+        return split
     plan = _host_plan(cu_q, query) if same else None
     if plan is not None:
         return _host_planned_attention(query, key, value, cu_q, scale, *plan)
     return _kernel_call(query, key, value, cu_q, cu_k, max_q, max_k, scale)
+
+
+def _split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_q: int,
+           scale: float | None) -> torch.Tensor | None:
+    """The call's output where a piecewise capture split it here (:mod:`encgraph.models.piece_attention`), else
+    ``None``; a no-op outside one (one context-variable read)."""
+    if piecewise.splitter() is None or not query.is_cuda:
+        return None
+    return piece_attention.offer(query, key, value, cu, max_q, scale, _host_planned_attention)
 
 
 def _kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
@@ -268,6 +281,9 @@ def _varlen_attention(
         if scale is not None:
             kwargs["scale"] = float(scale)
         return op(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    split = _split(query, key, value, cu, max_seqlen, scale) if kernel is None else None
+    if split is not None:
+        return split
     return _kernel_call(query, key, value, cu, cu, max_seqlen, max_seqlen, scale, kernel)
 
 
@@ -303,18 +319,19 @@ def _segment_attention(
 
 def _host_planned_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
-    bounds: Sequence[int], dense: Sequence[int] | None,
+    bounds: Sequence[int], dense: Sequence[int] | None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sequence with rows in ``dense`` as one dense SDPA call at that many rows (:func:`padded_dense` where
     they exceed its own); each run of the others (0) between them as one varlen call over its rows (its
     ``cu_seqlens`` a slice of the device tensor minus its first value: no host-to-device copy, no sync).
-    ``dense is None``: every sequence on its own (the CPU's ``SEGMENTS``)."""
+    ``dense is None``: every sequence on its own (the CPU's ``SEGMENTS``). ``out``: where to write (``query``'s
+    shape; a piecewise replay's static output), default a fresh tensor."""
     if dense is None:
         if key.shape[1] != query.shape[1]:
             key, value = _repeat_heads(key, value, query.shape[1])
         return _segment_attention(query, key, value, cu_seqlens, scale, bounds)
     tokens = query.shape[0]
-    out = query.new_empty(query.shape)
+    out = query.new_empty(query.shape) if out is None else out
     dense_k, dense_v = _repeat_heads(key, value, query.shape[1]) if key.shape[1] != query.shape[1] else (key, value)
     run: int | None = None  # the cu index where the current run of varlen sequences starts
 

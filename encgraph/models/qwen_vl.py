@@ -320,6 +320,11 @@ class QwenVisionAdapter(QwenInputsMixin):
         its rent pays the plan (:func:`~encgraph.models.sequence_bounds.rent_replayed`)."""
         sequence_bounds.rent_replayed(self.kernel_rows, self._device, self._frame_rows(specs))
 
+    def attention_rows(self, path: str, specs: Sequence[ItemSpec]) -> list[int]:
+        """The rows of each full-attention sequence of items ``specs``, in order (the runner prices a piecewise
+        replay by them: :mod:`encgraph.capture.piecewise`)."""
+        return self._frame_rows(specs)
+
     def _frame_rows(self, specs: Sequence[ItemSpec]) -> list[int]:
         """The rows of each full-attention sequence of items ``specs``: one per frame (per item where the family
         attends over whole clips), ``input_size / frames`` each."""

@@ -266,12 +266,13 @@ def test_runner_calls_above_the_ladder_equal_the_tower(monkeypatch):
     assert runner.stats["eager_items"] >= 1  # the small item may join the eager batch if the cost model says so
 
 
-def test_an_eager_batch_that_would_rent_replays_instead():
+def test_an_eager_batch_that_would_rent_replays_instead(monkeypatch):
     """The cost model prices eager at its steady kernels. An image at a length this thread has not bought would
     rent varlen (the adapter's surcharge): with eager priced a hair under the replay, the runner replays it
-    (``rerouted``) and the replay pays the rent; within the calls the rent takes to reach the plan, the length is
-    bought and the same image runs eagerly on the dense plan. Every output equals the tower's own forward; called
-    outside ``inference_mode`` (``no_grad``, as ``generate()`` does)."""
+    (``rerouted``), piecewise (its long sequence outside the graph, renting varlen through the ledger); within the
+    calls the rent takes to reach the plan, the length is bought, and the same image then replays piecewise on the
+    dense plan (priced under the eager run: the whole replay less the dense kernel's saving). Every output equals
+    the tower's own forward; called outside ``inference_mode`` (``no_grad``, as ``generate()`` does)."""
     import math
 
     import attrs
@@ -307,15 +308,23 @@ def test_an_eager_batch_that_would_rent_replays_instead():
     ref = hf_per_item(reference, pixels, grid)[0]["pooler_output"]
     specs = adapter.item_specs(inputs)
     bound = math.ceil(rule.plan_ms / (rule.calls * rule.gain_ms(4560))) + 1
+    ledger_key = sequence_bounds.ledger_key(16, 72, torch.bfloat16, torch.device("cuda"))
     with torch.no_grad():
         assert adapter.eager_surcharge_ms("default", specs) > 0
         for call in range(bound + 1):
             out = runner(inputs)
             assert rel(out[0]["pooler_output"], ref) < HF_RTOL, call
-            if runner.stats["eager_items"]:
+            if LEDGER.bought(ledger_key, rule.run_rows(4560)):
                 break
+        stats = runner.stats
+        # Rerouted while the length rents; the call that buys it is priced at the plan (no surcharge) and replays
+        # piecewise as the cheaper route.
+        assert stats["eager_items"] == 0 and stats["cost_feedback"]["rerouted"] == call >= 1, stats
+        assert stats["paths"]["default"]["piecewise_replays"] == {1280: call + 1}, stats["paths"]
+        assert adapter.eager_surcharge_ms("default", specs) == 0.0
+        dense = dense_spy(monkeypatch)
+        out = runner(inputs)  # bought: no reroute, a piecewise replay on the dense kernel
+    assert rel(out[0]["pooler_output"], ref) < HF_RTOL
     stats = runner.stats
-    assert stats["eager_items"] == 1 and stats["eager_reasons"] == {"eager is cheaper": 1}, stats
-    assert stats["cost_feedback"]["rerouted"] == call >= 1 and LEDGER.bought(
-        sequence_bounds.ledger_key(16, 72, torch.bfloat16, torch.device("cuda")), rule.run_rows(4560))
-    assert adapter.eager_surcharge_ms("default", specs) == 0.0
+    assert stats["cost_feedback"]["rerouted"] == call and stats["eager_items"] == 0, stats
+    assert stats["paths"]["default"]["piecewise_replays"] == {1280: call + 2} and dense == [4560] * rule.calls, dense

@@ -1,0 +1,85 @@
+"""The packed attention's side of a piecewise capture (:mod:`encgraph.capture.piecewise`): which calls split, and
+how a split call attends between two segments' replays.
+
+A call splits where its head geometry has a measured crossover (the adapter's ``kernel_rows``, handed to the
+splitter) and its ``max_seqlen`` reaches the rows from which a sequence may run dense: only there can a replay
+gain from attending outside the graph. Between segments the call attends its real sequences by the host bounds the
+fill wrote, each long one on the dense kernel where this thread's plan ledger says so (rent-or-buy, as an eager
+forward does), the others in runs on the varlen kernel; the padding rows' attention output is zero (their rows
+are never returned, and attend nothing: no NaN or stale value can reach a real row).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from encgraph.capture import piecewise
+from encgraph.models import sequence_bounds
+from encgraph.models.sequence_bounds import RowsTable
+from encgraph.packing.kernels import DenseRule
+
+__all__ = ["SplitCall", "offer"]
+
+
+Attend = Callable[..., torch.Tensor]
+"""``encgraph.models.attention._host_planned_attention``: (query, key, value, cu_seqlens, scale, bounds, dense
+rows per sequence, out=) -> out (passed in: that module imports this one)."""
+
+
+def offer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+          scale: float | None, attend: Attend) -> torch.Tensor | None:
+    """Inside a piecewise capture (or its discovery), offer this call to the splitter when it may split; its
+    output where it split, else ``None`` (the call runs in the graph as usual). A geometry missing from the table
+    (no crossover measured) never splits: its gain is unknown."""
+    split = piecewise.splitter()
+    if split is None or not torch.cuda.is_current_stream_capturing():
+        return None
+    call = SplitCall(split.table, (int(query.shape[1]), int(query.shape[2]), query.dtype), scale, attend)
+    rule = call.rule
+    if rule.crossover is None or rule.min_rows is None or int(max_seqlen) < rule.min_rows:
+        return None
+    return split.offer(query, key, value, cu_seqlens, call)
+
+
+@attrs.frozen
+class SplitCall:
+    """One split attention call (:class:`~encgraph.capture.piecewise.PieceAttention`): the adapter's rows table and
+    the call's head geometry (its dense rule is read from the table at each use, so that a table the adapter
+    updates in place holds for later replays), its softmax scale and the host-planned attention it runs
+    (:data:`Attend`)."""
+
+    table: RowsTable
+    geometry: tuple[int, int, torch.dtype]
+    scale: float | None
+    attend: Attend
+
+    @property
+    def rule(self) -> DenseRule:
+        rule = self.table.get(self.geometry) if self.table is not None else None
+        if rule is None:
+            return DenseRule(None)
+        return rule if isinstance(rule, DenseRule) else DenseRule(rule)
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+            bounds: Sequence[int], out: torch.Tensor, dense: bool) -> None:
+        """Attention of the real sequences ``bounds`` into ``out``; zeros in the padding rows after them."""
+        n = int(bounds[-1])
+        if n < out.shape[0]:
+            out[n:].zero_()
+        if n == 0:
+            return
+        if dense:
+            flags = sequence_bounds.dense_flags(query, bounds, self.rule)
+        else:
+            flags = (0,) * (len(bounds) - 1)
+        self.attend(query[:n], key[:n], value[:n], cu_seqlens, self.scale, bounds, flags, out=out[:n])
+
+    def gain_ms(self, bounds: Sequence[int]) -> float:
+        """ms the sequences of ``bounds`` that may run dense save there over the varlen kernel (at their steady
+        kernels: a length not bought yet rents varlen until its rent pays the plan)."""
+        rule = self.rule
+        return sum(rule.gain_ms(b - a) for a, b in itertools.pairwise(bounds) if rule.may_run_dense(b - a))
