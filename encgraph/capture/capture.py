@@ -284,6 +284,9 @@ def _capture_pieces(runner: RunnerState, pool: Any, record: GraphRecord, stream:
     split left ``pool`` recording (the caller moves on to a fresh pool); the whole graph stays either way."""
     if discovery.refused or not discovery.shapes:
         record.piecewise_note = discovery.refused  # None: no call long enough to split
+        if discovery.refused:
+            log.info("encgraph: path %r at budget %d replays whole graphs only: %s.", record.path, record.budget,
+                     discovery.refused)
         return False
     path, budget, device = record.path, record.budget, runner.device
     held = statics.setdefault(path, piecewise.Statics(discovery.rows, device))
