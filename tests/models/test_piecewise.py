@@ -139,3 +139,46 @@ def test_a_cost_eager_batch_replays_piecewise_where_that_is_predicted_cheaper():
     assert _piecewise_budget(state, "default", [16], short) is None
     state.adapter = types.SimpleNamespace()  # no attention_rows: no pricing, no piecewise route
     assert _piecewise_budget(state, "default", [16], one) is None
+
+
+class _FakePieces:
+    """A piecewise record's surface as run_static uses it; counts replays."""
+
+    def __init__(self, pays: bool) -> None:
+        self.answer, self.replays, self.seen = pays, 0, None
+
+    def site_bounds(self, host_bounds):
+        return [piecewise.trim_bounds(*host_bounds["cu_seqlens"])]
+
+    def pays(self, bounds):
+        self.seen = bounds
+        return self.answer
+
+    def replay(self, bounds, *, dense=True):
+        self.replays += 1
+
+
+@pytest.mark.parametrize(("pays", "forced", "split"), [
+    (True, None, True), (False, None, False), (False, True, True), (True, False, False),
+])
+def test_run_static_replays_split_where_it_pays_or_is_forced(monkeypatch, pays, forced, split):
+    """GRAPH mode's choice in run_static between the whole graph and its piecewise record, on the bounds the fill
+    wrote: by the record's price (``piecewise=None``), always (``True``: the self-check) or never (``False``)."""
+    from encgraph.capture.execution import run_static
+
+    specs = {64: {"cu_seqlens": BufferSpec((6,), torch.int32, FillRule.SEQUENCE_BOUNDS, total=64, chunk=64)}}
+    buffers = PathBuffers("default", specs, torch.device("cpu"))
+    whole = types.SimpleNamespace(replays=0)
+    whole.replay = lambda: setattr(whole, "replays", whole.replays + 1)
+    out = {"y": torch.arange(64.0)}
+    pieces = _FakePieces(pays)
+    record = types.SimpleNamespace(graph=whole, outputs=out, piecewise=pieces)
+    adapter = types.SimpleNamespace(replay_values=lambda path, sub, budget: {"cu_seqlens": np.array([0, 10, 30])})
+    state = types.SimpleNamespace(mode=RunMode.GRAPH, adapter=adapter, buffers={"default": buffers},
+                                  records={"default": {64: record}}, copy_outputs=True)
+    ran = []
+    got = run_static(state, "default", 64, None, 30, piecewise=forced, on_piecewise=lambda: ran.append(1))
+    assert (pieces.replays, whole.replays, len(ran)) == ((1, 0, 1) if split else (0, 1, 0))
+    assert torch.equal(got["y"], torch.arange(30.0))
+    if forced is None:
+        assert pieces.seen == [(0, 10, 30)]  # priced on the real sequences the fill wrote, padding dropped

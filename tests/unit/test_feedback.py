@@ -227,3 +227,23 @@ def test_a_cost_eager_batch_replays_when_its_eager_run_would_rent() -> None:
     assert feedback.reroute(costs, PATH, (128,), specs, Limits(max_items=1, max_frames=1), 100.0) is None
     assert feedback.reroute(None, PATH, (128,), specs, limits, 100.0) is None
     assert feedback.rerouted == 1 and feedback.as_dict()["rerouted"] == 1 and feedback.explored == 0
+
+
+def test_piecewise_replays_are_not_samples_of_the_whole_graphs_price() -> None:
+    """A replay that ran piecewise (encgraph.capture.piecewise) is faster than the whole graph the model prices, and
+    no sign the model is wrong: its sample is dropped and counted; the next sampled replay counts again."""
+    from encgraph.packing import ItemSpec
+
+    specs = [ItemSpec(64)]
+    clock = Clock()
+    feedback = CostFeedback(lambda: FakeEvent(clock), sample_every=1, min_samples=1)
+    costs = model(graph_ms=1.0)
+    for _ in range(3):
+        with feedback.timed(costs, PATH, 64, specs):
+            feedback.drop()  # what the runner does when run_static replayed piecewise
+            clock.now += 0.25 / 1e3  # a quarter of the price: a correction if it counted
+    assert feedback.poll(costs) is None and feedback.samples == 0 and feedback.as_dict()["piecewise"] == 3
+    with feedback.timed(costs, PATH, 64, specs):
+        clock.now += 2.0 / 1e3
+    corrected = feedback.poll(costs)
+    assert feedback.samples == 1 and corrected is not None and corrected.graph_cost(PATH, 64) == pytest.approx(2.0)
