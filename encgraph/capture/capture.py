@@ -242,10 +242,7 @@ def _capture_one(
             with torch.cuda.graph(graph, pool=pool, stream=stream), (
                 piecewise.active(discovery) if discovery is not None else contextlib.nullcontext()
             ):
-                produced = forward(views, budget)
-                for name, target in targets.items():
-                    target.copy_(produced[name])
-                del produced  # its memory goes back to the pool for the next (smaller) graph
+                _forward_into(forward, views, budget, targets)
         except BaseException as exc:
             if _end_failed_capture(device, pool) and isinstance(exc, Exception) and not isinstance(exc, EncgraphError):
                 raise _PoolLeftRecording() from exc
@@ -261,6 +258,16 @@ def _capture_one(
         memory_bytes=pool_bytes(device, pool) - before,
         compile_seconds=compile_seconds,
     )
+
+
+def _forward_into(forward: Forward, views: Mapping[str, torch.Tensor], budget: int,
+                  targets: Mapping[str, torch.Tensor]) -> None:
+    """The captured body of a budget (whole or split): the forward, its outputs copied into the path's shared
+    output buffers (the pool keeps no per-graph outputs)."""
+    produced = forward(views, budget)
+    for name, target in targets.items():
+        target.copy_(produced[name])
+    del produced  # its memory goes back to the pool for the next (smaller) graph
 
 
 def _bounds_views(runner: RunnerState, path: str, budget: int) -> dict[str, torch.Tensor]:
@@ -293,8 +300,8 @@ def _capture_pieces(runner: RunnerState, pool: Any, record: GraphRecord, stream:
     held.reserve(discovery.shapes)
     try:
         made = piecewise.capture_piecewise(
-            forward, record.inputs, record.outputs, _bounds_views(runner, path, budget), discovery.table, held,
-            pool, path, budget, stream,
+            lambda: _forward_into(forward, record.inputs, budget, record.outputs), _bounds_views(runner, path, budget),
+            discovery.table, held, pool, path, budget, stream,
         )
     except EncgraphError:
         raise

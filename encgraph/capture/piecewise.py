@@ -35,7 +35,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -184,6 +184,9 @@ class Splitter:
         k.copy_(key)
         v.copy_(value)
         self.graphs[-1].capture_end()
+        # One object per kind of call (equal calls: the same geometry, rule and scale), so that a replay prices
+        # each kind once (PiecewiseRecord.gain_ms), not once per layer.
+        attention = next((s.attention for s in self.sites if s.attention == attention), attention)
         self.sites.append(Site(name, q, k, v, o, cu_seqlens, attention))
         self.begin()
         return o.clone()
@@ -221,12 +224,22 @@ class PiecewiseRecord:
         return max(self.varlen_ms - self.whole_ms, 0.0)
 
     def site_bounds(self, host_bounds: Mapping[str, tuple[np.ndarray, int]]) -> list[tuple[int, ...]]:
-        """Per site, its real sequences in the fill ``host_bounds`` (``PathBuffers.host_bounds``)."""
-        return [trim_bounds(*host_bounds[site.bounds_name]) for site in self.sites]
+        """Per site, its real sequences in the fill ``host_bounds`` (``PathBuffers.host_bounds``); each buffer's
+        trimmed once, the sites that attend by it share the tuple."""
+        trimmed = {name: trim_bounds(*host_bounds[name]) for name in {site.bounds_name for site in self.sites}}
+        return [trimmed[site.bounds_name] for site in self.sites]
 
     def gain_ms(self, bounds: Sequence[Sequence[int]]) -> float:
-        """ms the sites' attention would save over the whole graph's on ``bounds`` (per site)."""
-        return sum(site.attention.gain_ms(b) for site, b in zip(self.sites, bounds))
+        """ms the sites' attention would save over the whole graph's on ``bounds`` (per site): each kind of call
+        (one attention object) on each bounds tuple priced once, however many layers share them."""
+        priced: dict[tuple[int, int], float] = {}
+        total = 0.0
+        for site, b in zip(self.sites, bounds):
+            key = (id(site.attention), id(b))
+            if key not in priced:
+                priced[key] = site.attention.gain_ms(b)
+            total += priced[key]
+        return total
 
     def pays(self, bounds: Sequence[Sequence[int]]) -> bool:
         """Whether this fill replays faster piecewise: the saving beats the measured overhead."""
@@ -248,12 +261,12 @@ class PiecewiseRecord:
                 "whole_ms": ms(self.whole_ms), "dense_ms": ms(self.dense_ms), "varlen_ms": ms(self.varlen_ms)}
 
 
-def capture_piecewise(forward: Any, views: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor],
-                      bounds_views: Mapping[str, torch.Tensor], table: Any, statics: Statics, pool: Any, path: str,
-                      budget: int, stream: torch.cuda.Stream) -> PiecewiseRecord | str:
-    """Capture ``forward(views, budget)`` split at its long attention calls (their static tensors reserved in
-    ``statics`` by a discovery beforehand), writing ``targets`` as the whole graph does. Returns the record, or
-    why it could not split. Raises what the capture raised (the caller ends what it left recording)."""
+def capture_piecewise(body: Callable[[], None], bounds_views: Mapping[str, torch.Tensor], table: Any,
+                      statics: Statics, pool: Any, path: str, budget: int,
+                      stream: torch.cuda.Stream) -> PiecewiseRecord | str:
+    """Capture ``body`` (the budget's forward into its output buffers, as the whole graph captured it) split at its
+    long attention calls (their static tensors reserved in ``statics`` by a discovery beforehand). Returns the
+    record, or why it could not split. Raises what the capture raised (the caller ends what it left recording)."""
     t0 = time.perf_counter()
     split = Splitter(bounds_views, table, discover=False, statics=statics, pool=pool)
     device = stream.device
@@ -262,10 +275,7 @@ def capture_piecewise(forward: Any, views: Mapping[str, torch.Tensor], targets: 
         split.begin()
         try:
             with active(split):
-                produced = forward(views, budget)
-                for name, target in targets.items():
-                    target.copy_(produced[name])
-                del produced
+                body()
         except BaseException:
             with contextlib.suppress(Exception):  # the caller ends what is left (capture's _end_failed_capture)
                 split.graphs[-1].capture_end()
