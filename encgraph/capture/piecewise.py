@@ -46,7 +46,8 @@ from encgraph.capture.grad import persistent
 from encgraph.capture.timing import time_interleaved
 from encgraph.packing.kernels import LEDGER
 
-__all__ = ["PieceAttention", "PiecewiseRecord", "Site", "Splitter", "Statics", "active", "splitter", "trim_bounds"]
+__all__ = ["PieceAttention", "PiecewiseRecord", "Site", "Splitter", "Statics", "active", "splitter", "trim_bounds",
+           "warm_plans"]
 
 log = logging.getLogger("encgraph")
 
@@ -79,6 +80,10 @@ class PieceAttention(Protocol):
 
     def gain_ms(self, bounds: Sequence[int]) -> float:
         """ms this call saves over the whole graph's varlen call with ``bounds`` (long sequences on dense)."""
+
+    def warm(self, rows: int, device: torch.device) -> dict[str, Any]:
+        """Build, in this thread, the kernel plans calls of up to ``rows`` rows will need (capture time); returns
+        ``{"lengths": plans built, "seconds": wall time}``."""
 
 
 def trim_bounds(full: np.ndarray, real_end: int) -> tuple[int, ...]:
@@ -287,6 +292,21 @@ def capture_piecewise(body: Callable[[], None], bounds_views: Mapping[str, torch
     if not split.sites:
         return "no attention call split"
     return PiecewiseRecord(path, budget, split.graphs, split.sites, time.perf_counter() - t0)
+
+
+def warm_plans(records: Sequence[PiecewiseRecord], device: torch.device) -> dict[str, Any]:
+    """Let each distinct kind of split call of ``records`` build its plans up to the most rows its sites hold
+    (:meth:`PieceAttention.warm`), in this thread; returns the total ``{"lengths", "seconds"}``."""
+    most: dict[int, tuple[PieceAttention, int]] = {}
+    for record in records:
+        for site in record.sites:
+            _, rows = most.get(id(site.attention), (site.attention, 0))
+            most[id(site.attention)] = (site.attention, max(rows, int(site.query.shape[0])))
+    built, seconds = 0, 0.0
+    for attention, rows in most.values():
+        done = attention.warm(rows, device)
+        built, seconds = built + int(done["lengths"]), seconds + float(done["seconds"])
+    return {"lengths": built, "seconds": round(seconds, 3)}
 
 
 def time_piecewise(record: PiecewiseRecord, whole: torch.cuda.CUDAGraph, device: torch.device,

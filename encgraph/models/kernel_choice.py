@@ -12,9 +12,12 @@ an H200, whose kernels take 0.02-0.07 ms there), and that made the faster kernel
 runner measures it at capture for the adapter's head geometries (:func:`choose`), keeps it in the cost model's
 JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. The dense kernel is timed a second way
 at each length, on a shorter sequence padded to it (:func:`~encgraph.models.dense_sequence.padded_dense`): where
-that costs little, dense calls run at bucket lengths (``Crossover.bucket_from``). Measured once per process and
-geometry (under a second on an H200: 7 lengths, each kernel a few calls, two new plans per length); a geometry
-already in a given cost model for this device is not measured again.
+that costs little, dense calls run at bucket lengths (``Crossover.bucket_from``); and the same padded call replayed
+from a CUDA graph, its device time alone, as it runs between a piecewise replay's segments (where the host issues
+its copies while the segment before runs): from where that costs little, those calls run at bucket lengths
+(``Crossover.replay_bucket_from``), whose plans capture builds. Measured once per process and geometry (under a
+second on an H200: 7 lengths, each kernel a few calls, two new plans per length); a geometry already in a given
+cost model for this device is not measured again.
 
 Where the optional FlashAttention-4 wheel can run (:mod:`encgraph.models.fa4`: a Hopper or Blackwell GPU), its
 varlen kernel is timed at the same lengths, after its kernels are compiled (seconds, once per process and
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,8 +38,9 @@ import torch
 
 from encgraph.models import attention
 from encgraph.models import fa4 as fa4_module
+from encgraph.models.dense_plans import WARM_ROWS, warm_lengths, warm_plans
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
-from encgraph.packing.kernels import Crossover, DenseRule, bucket_rows, kernel_key
+from encgraph.packing.kernels import Crossover, DenseRule, kernel_key
 
 __all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "WARM_ROWS", "attention_calls", "choose", "device_name",
            "measure_crossover", "probe_rows", "probe_slices", "rows_table", "tower_geometries", "warm_lengths",
@@ -55,14 +58,6 @@ length's either way; the copies into the padded buffers scale with the rows)."""
 REPEATS = 3
 """Dense calls per length issued back to back and timed together (:func:`_queued_ms`), after a first call timed
 alone and kept apart (at a new length it includes the dense kernel's plan for that shape)."""
-
-WARM_ROWS = (8192, 65536)
-"""The bucket lengths whose dense plans capture builds ahead, in the capturing thread (:func:`warm_plans`): 49
-buckets at most (16 per octave, and 65,536), each one call of about 50 ms on an H200 (cuDNN's plan plus the
-kernel), so that the first images of these sizes neither pay a plan (as the tower's own SDPA does at every new
-size) nor rent varlen. 65,536 rows: Qwen's processors' largest image (16,384 tokens at merge 2); from 8,192
-rows, where Flash varlen is well behind. Shorter lengths, and other threads, are bought as they come
-(rent-or-buy)."""
 
 _MEASURED: dict[str, Crossover] = {}
 """Measurements of this process, by key: a second runner of the same geometry reuses them."""
@@ -192,14 +187,14 @@ def measure_crossover(
     in ``dtype`` on the CUDA ``device`` through the exact calls of :mod:`encgraph.models.attention`; the dense
     kernel at each length over a sequence :data:`PADDED_SHARE` shorter, padded to it
     (:func:`~encgraph.models.dense_sequence.padded_dense`: what the padding costs, where buckets can pay; queued
-    too); and, where FlashAttention-4 can run (:func:`_fa4_fits`: its kernels compiled first,
+    too, and replayed from a CUDA graph: its device time, as between a piecewise replay's segments); and, where FlashAttention-4 can run (:func:`_fa4_fits`: its kernels compiled first,
     :func:`encgraph.models.fa4.warm`), its varlen kernel, replayed like Flash. Returns the
     :class:`~encgraph.packing.kernels.Crossover`; the dense kernel's first call just under each length, at one
     no earlier call of this thread ran (:func:`probe_rows`), synced (it builds its plan for that shape), is kept
     beside. Syncs the host (capture time only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
-    varlen_ms, dense_ms, first_ms, padded_ms, fa4_ms = [], [], [], [], []
+    varlen_ms, dense_ms, first_ms, padded_ms, fa4_ms, replay_ms = [], [], [], [], [], []
     with_fa4 = _fa4_fits(head_dim, dtype, device)
     if with_fa4:
         try:
@@ -225,10 +220,13 @@ def measure_crossover(
             first_ms.append(_first_ms(lambda: dense_sequence(*probe, None)))
             dense_ms.append(_queued_ms(lambda: dense_sequence(*qkv, None), repeats))
             padded_ms.append(_queued_ms(lambda: padded_dense(*short, None, rows), repeats))
+            # The same call as a piecewise replay runs it between segments: the device's time alone (the host
+            # issues its dozen small ops while the segment before runs).
+            replay_ms.append(_graph_ms(lambda: padded_dense(*short, None, rows)))
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
                      [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
                      dense_first_ms=[round(t, 5) for t in first_ms], padded_ms=[round(t, 5) for t in padded_ms],
-                     fa4_ms=[round(t, 5) for t in fa4_ms])
+                     fa4_ms=[round(t, 5) for t in fa4_ms], padded_replay_ms=[round(t, 5) for t in replay_ms])
 
 
 def _fa4_fits(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -246,7 +244,8 @@ def choose(
     no varlen kernel to choose against (every sequence runs on its own there), and where this torch has no
     varlen kernel; a failed measurement is logged and leaves that geometry on the default crossover. Each
     geometry's varlen calls then run the kernel its crossover chose (:func:`encgraph.models.fa4.use`): a cost model
-    measured without FlashAttention-4 where it can now run (or the reverse) is measured again."""
+    measured without FlashAttention-4 where it can now run (or the reverse), or without the padded call's replay
+    times (``Crossover.padded_replay_ms``: a cost model saved before they were measured), is measured again."""
     if device.type != "cuda" or attention._varlen()[0] is None or dtype not in (torch.float16, torch.bfloat16):
         return {}
     name, kind = device_name(device), str(dtype).replace("torch.", "")
@@ -256,6 +255,8 @@ def choose(
         found = (known or {}).get(key) or _MEASURED.get(key)
         if found is not None and bool(found.fa4_ms) != _fa4_fits(dim, dtype, device):
             found = None  # FlashAttention-4 installed (or removed) since: measure again, with (or without) it
+        if found is not None and not found.padded_replay_ms:
+            found = None  # a cost model of before the padded call's replay times: its split calls would not bucket
         if found is None:
             try:
                 found = _MEASURED[key] = measure_crossover(heads, dim, dtype, device)
@@ -271,58 +272,6 @@ def choose(
         fa4_module.use(heads, dim, dtype, device, found.varlen_kernel)
         out[key] = found
     return out
-
-
-def warm_lengths(rule: DenseRule, rows: tuple[int, int] = WARM_ROWS) -> list[int]:
-    """The bucket lengths within ``rows`` (inclusive) at which ``rule`` runs dense calls: from its crossover's
-    ``bucket_from``, and only those dense runs faster than varlen (:meth:`DenseRule.may_run_dense`); none where
-    the geometry is not bucketed."""
-    c = rule.crossover
-    if c is None or c.bucket_from is None or rule.min_rows is None:
-        return []
-    out, length = [], bucket_rows(max(rows[0], c.bucket_from, rule.min_rows))
-    while length <= rows[1]:
-        if rule.may_run_dense(length):
-            out.append(length)
-        length = bucket_rows(length + 1)
-    return out
-
-
-def warm_plans(table: attention.RowsTable, device: torch.device, rows: tuple[int, int] = WARM_ROWS
-               ) -> dict[str, Any]:
-    """Build, in this thread, the dense plan of every bucket length :func:`warm_lengths` gives for each rule of
-    ``table`` on the CUDA ``device`` (one :func:`~encgraph.models.dense_sequence.padded_dense` call each, on a
-    sequence one row shorter: the call an eager forward makes), and mark them bought in this thread's
-    :data:`~encgraph.packing.kernels.LEDGER` (lengths it holds already are skipped). Returns ``{"lengths": built,
-    "seconds": wall time}``. Random inputs of the longest length live for the call (three ``(rows, heads,
-    head_dim)`` tensors, ~150 MB each at 65,536 x 16 x 72 in bf16). Capture time only: syncs the host at the
-    end."""
-    from encgraph.models.sequence_bounds import LEDGER, ledger_key
-
-    start, built = time.perf_counter(), 0
-    if device.type != "cuda":
-        return {"lengths": 0, "seconds": 0.0}
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.inference_mode(), torch.cuda.device(device):
-        for (heads, dim, dtype), rule in table.items():
-            if not isinstance(rule, DenseRule):
-                continue
-            key = ledger_key(heads, dim, dtype, device)
-            # A length this thread holds already (an earlier capture of the same geometry) is not built again.
-            if not (lengths := [n for n in warm_lengths(rule, rows) if not LEDGER.bought(key, n)]):
-                continue
-            qkv = [torch.randn(lengths[-1], heads, dim, device=device, dtype=dtype, generator=gen) for _ in "qkv"]
-            for length in lengths:
-                padded_dense(*(t[:length - 1] for t in qkv), dim**-0.5, length)
-                LEDGER.own(key, length)
-                built += 1
-            del qkv
-        torch.cuda.synchronize(device)
-    seconds = round(time.perf_counter() - start, 3)
-    if built:
-        log.info("encgraph: built %d dense attention plans at bucket lengths %d..%d rows in %.1f s.", built,
-                 rows[0], rows[1], seconds)
-    return {"lengths": built, "seconds": seconds}
 
 
 def rows_table(crossovers: Iterable[Crossover], calls: Mapping[tuple[int, int], int] | None = None

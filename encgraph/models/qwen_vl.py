@@ -334,7 +334,8 @@ class QwenVisionAdapter(QwenInputsMixin):
         """Measure (on CUDA; or take from ``known``) from how many rows a sequence of :meth:`forward_eager` runs
         faster on dense SDPA than on Flash varlen, per head geometry of the tower, and use it from now on
         (:mod:`encgraph.models.kernel_choice`; the runner calls it at capture). Returns the crossovers by key."""
-        from encgraph.models.kernel_choice import attention_calls, choose, rows_table, warm_plans
+        from encgraph.models.dense_plans import warm_plans
+        from encgraph.models.kernel_choice import attention_calls, choose, rows_table
 
         chosen = choose(self._module, self._dtype, self._device, known)
         self.kernel_rows = rows_table(chosen.values(), attention_calls(self._module)) if chosen else None

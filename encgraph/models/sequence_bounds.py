@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -87,18 +88,23 @@ def segment_rule(query: torch.Tensor, table: RowsTable | None, default: int) -> 
     return DenseRule(default)
 
 
-def ledger_key(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, str, str]:
-    """:data:`LEDGER`'s key of a head geometry on a device (``cuda:<index>``: plans are per device)."""
+def ledger_key(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *, replayed: bool = False
+               ) -> tuple[Any, ...]:
+    """:data:`LEDGER`'s key of a head geometry on a device (``cuda:<index>``: plans are per device); ``replayed``:
+    of the calls between piecewise segments (:attr:`DenseRule.replayed`), kept apart from an eager forward's: they
+    read contiguous static tensors where an eager forward's read the tower's own views, whose strides cuDNN keys
+    another plan by."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return int(heads), int(head_dim), str(dtype), str(device)
+    key = (int(heads), int(head_dim), str(dtype), str(device))
+    return (*key, "replayed") if replayed else key
 
 
 def dense_flags(query: torch.Tensor, bounds: Sequence[int], rule: DenseRule) -> tuple[int, ...]:
     """Per sequence of ``bounds``, the rows it runs dense at in this call (its run length,
     :meth:`~encgraph.packing.kernels.DenseRule.run_rows`: its own rows or its bucket's), 0 where it runs varlen
     (:data:`LEDGER`'s rent-or-buy, keyed by ``query``'s geometry, dtype and device)."""
-    key = ledger_key(query.shape[1], query.shape[2], query.dtype, query.device)
+    key = ledger_key(query.shape[1], query.shape[2], query.dtype, query.device, replayed=rule.replayed)
     return tuple(rule.run_rows(b - a) if LEDGER.dense(key, b - a, rule) else 0 for a, b in zip(bounds[:-1], bounds[1:]))
 
 
@@ -107,7 +113,7 @@ def _rents(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _rules(table: RowsTable | None, device: torch.device) -> list[tuple[tuple[int, int, str, str], DenseRule]]:
+def _rules(table: RowsTable | None, device: torch.device) -> list[tuple[tuple[Any, ...], DenseRule]]:
     """``(ledger key, rule)`` of each head geometry of ``table`` with a rent-or-buy rule; none off CUDA (every
     sequence runs on its own there: nothing rents) or without a table."""
     if table is None or not _rents(device):

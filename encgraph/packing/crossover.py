@@ -147,8 +147,13 @@ class Crossover:
             derived from it.
         padded_ms: per length, the dense kernel on a sequence of fewer rows padded to that length (the padding
             keys' share taken out with the kernel's log-sum-exp:
-            :func:`encgraph.models.dense_sequence.padded_dense`), or empty (no bucketed calls); :attr:`bucket_from`
+            :func:`encgraph.models.dense_sequence.padded_dense`), its calls issued back to back as an eager forward
+            issues them (the host's dozen small ops included), or empty (no bucketed calls); :attr:`bucket_from`
             is derived from it.
+        padded_replay_ms: per length, the same padded call replayed from a CUDA graph: its device time alone, what
+            it costs between a piecewise replay's segments, where the host issues it while the segment before runs
+            (:mod:`encgraph.capture.piecewise`); or empty (not measured: those calls run at their own lengths).
+            :attr:`replay_bucket_from` is derived from it.
         varlen_kernel: derived: ``"fa4"`` where FlashAttention-4 was measured faster than torch's Flash kernel
             (:func:`faster_varlen`), else ``"flash"``; the geometry's varlen calls, in graphs and eager, run it.
         min_rows: derived (:func:`crossover_rows`) from the medians of the dense kernel and of the varlen kernel
@@ -157,6 +162,13 @@ class Crossover:
             at most :data:`BUCKET_SLACK` times the exact one at it and at every longer length measured, where dense
             calls start to run at bucket lengths (:func:`bucket_rows`; one plan per bucket); past the longest
             where that one fails (extrapolated: :func:`_bucket_from`); ``None`` without padded times.
+        replay_bucket_from: derived from ``padded_replay_ms``: the shortest measured length from which the padded
+            call beats the varlen kernel at it and at every longer one (:func:`crossover_rows`), where calls between
+            piecewise segments run at bucket lengths, whose plans capture builds; ``None`` without those times, or
+            where varlen wins at the longest. Not against the exact kernel, as :attr:`bucket_from` is: a split
+            call at a new length would otherwise rent varlen until a plan of its own paid (on an H200 the padded
+            call's copies cost 26-28% of the exact kernel from 4,096 to 8,192 rows, and it still beats varlen
+            there).
     """
 
     device: str = attrs.field(converter=lambda v: check_str("Crossover(device)", v))
@@ -172,9 +184,12 @@ class Crossover:
         default=(), kw_only=True, converter=lambda v: _times("Crossover(padded_ms)", v) if v else ())
     fa4_ms: tuple[float, ...] = attrs.field(
         default=(), kw_only=True, converter=lambda v: _times("Crossover(fa4_ms)", v) if v else ())
+    padded_replay_ms: tuple[float, ...] = attrs.field(
+        default=(), kw_only=True, converter=lambda v: _times("Crossover(padded_replay_ms)", v) if v else ())
     varlen_kernel: str = attrs.field(init=False)
     min_rows: int | None = attrs.field(init=False)
     bucket_from: int | None = attrs.field(init=False)
+    replay_bucket_from: int | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if not len(self.varlen_ms) == len(self.dense_ms) == len(self.lengths):
@@ -182,7 +197,7 @@ class Crossover:
                 f"Crossover: expected one varlen and one dense time per length ({len(self.lengths)}), got "
                 f"{len(self.varlen_ms)} and {len(self.dense_ms)}."
             )
-        for name in ("dense_first_ms", "padded_ms", "fa4_ms"):
+        for name in ("dense_first_ms", "padded_ms", "fa4_ms", "padded_replay_ms"):
             times = getattr(self, name)
             if times and len(times) != len(self.lengths):
                 raise ConfigError(
@@ -193,6 +208,8 @@ class Crossover:
         object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.chosen_varlen_ms, self.dense_ms))
         # Derived once: run_rows reads it for every long sequence of every eager attention call.
         object.__setattr__(self, "bucket_from", _bucket_from(self.lengths, self.dense_ms, self.padded_ms))
+        object.__setattr__(self, "replay_bucket_from", crossover_rows(self.lengths, self.chosen_varlen_ms,
+                                                                      self.padded_replay_ms) if self.padded_replay_ms else None)
 
     @property
     def key(self) -> str:
@@ -217,19 +234,21 @@ class Crossover:
         """Whether any dense call runs at a bucket length (:attr:`bucket_from`)."""
         return self.bucket_from is not None
 
-    def run_rows(self, rows: int) -> int:
+    def run_rows(self, rows: int, *, replayed: bool = False) -> int:
         """The rows a dense call over a sequence of ``rows`` rows runs at: its bucket from :attr:`bucket_from`
-        rows, else ``rows``; the plan it needs is that length's."""
-        start = self.bucket_from
+        rows (:attr:`replay_bucket_from` for a call between piecewise segments, ``replayed``), else ``rows``; the
+        plan it needs is that length's."""
+        start = self.replay_bucket_from if replayed else self.bucket_from
         return bucket_rows(rows) if start is not None and rows >= start else int(rows)
 
-    def dense_at(self, rows: int) -> float:
+    def dense_at(self, rows: int, *, replayed: bool = False) -> float:
         """ms of the dense call over one sequence of ``rows`` rows as it runs (:meth:`run_rows`): at its bucket
-        with the padded kernel (the exact one where no padding is needed), or at ``rows``."""
-        run = self.run_rows(rows)
+        with the padded kernel (the exact one where no padding is needed), or at ``rows``; ``replayed``: between
+        piecewise segments (the padded call's device time, :attr:`padded_replay_ms`)."""
+        run = self.run_rows(rows, replayed=replayed)
         if run == rows:
             return self.ms_at(rows)[1]
-        return loglog_at(self.lengths, self.padded_ms, run)
+        return loglog_at(self.lengths, self.padded_replay_ms if replayed else self.padded_ms, run)
 
     def ms_at(self, rows: int) -> tuple[float, float]:
         """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows (the varlen kernel chosen):
@@ -239,18 +258,20 @@ class Crossover:
                 loglog_at(self.lengths, self.dense_ms, rows))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; ``min_rows`` is written for readers and recomputed on load (``bucket_from`` and
-        ``varlen_kernel`` too)."""
+        """JSON-ready; ``min_rows`` is written for readers and recomputed on load (``bucket_from``,
+        ``replay_bucket_from`` and ``varlen_kernel`` too)."""
         return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
                 "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
                 "dense_first_ms": list(self.dense_first_ms), "padded_ms": list(self.padded_ms),
-                "fa4_ms": list(self.fa4_ms), "varlen_kernel": self.varlen_kernel,
-                "min_rows": self.min_rows, "bucket_from": self.bucket_from}
+                "fa4_ms": list(self.fa4_ms), "padded_replay_ms": list(self.padded_replay_ms),
+                "varlen_kernel": self.varlen_kernel, "min_rows": self.min_rows, "bucket_from": self.bucket_from,
+                "replay_bucket_from": self.replay_bucket_from}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Crossover:
         check_mapping("Crossover.from_dict(data)", data, hint="Pass the dict Crossover.to_dict() returned.")
-        fields = {k: v for k, v in data.items() if k not in ("min_rows", "bucket_from", "varlen_kernel")}
+        derived = ("min_rows", "bucket_from", "replay_bucket_from", "varlen_kernel")
+        fields = {k: v for k, v in data.items() if k not in derived}
         try:
             return cls(**fields)
         except TypeError as exc:

@@ -44,11 +44,17 @@ class DenseRule:
         crossover: the measurement the times come from, or ``None``.
         calls: attention calls per forward that run with host bounds at this geometry (the tower's
             full-attention layers), at least 1.
+        replayed: the rule of calls between a piecewise replay's segments (:mod:`encgraph.capture.piecewise`):
+            their bucket lengths start at the crossover's :attr:`~Crossover.replay_bucket_from` and are priced at
+            the padded call's device time (the host issues its copies while the segment before runs), where an
+            eager forward's start at :attr:`~Crossover.bucket_from`, priced as issued back to back. Its lengths
+            are kept apart in the ledger (:func:`encgraph.models.sequence_bounds.ledger_key`).
     """
 
     min_rows: int | None
     crossover: Crossover | None = None
     calls: int = attrs.field(default=1, converter=lambda v: check_int("DenseRule(calls)", v, minimum=1))
+    replayed: bool = attrs.field(default=False, kw_only=True)
 
     @property
     def plan_ms(self) -> float:
@@ -65,7 +71,7 @@ class DenseRule:
         at least 0."""
         if self.crossover is None:
             return 0.0
-        return max(self.crossover.ms_at(rows)[0] - self.crossover.dense_at(rows), 0.0)
+        return max(self.crossover.ms_at(rows)[0] - self.crossover.dense_at(rows, replayed=self.replayed), 0.0)
 
     def may_run_dense(self, rows: int) -> bool:
         """Whether a sequence of ``rows`` rows ever runs dense: from ``min_rows``, except where it would run
@@ -77,7 +83,15 @@ class DenseRule:
     def run_rows(self, rows: int) -> int:
         """The length a dense call over ``rows`` rows runs at, whose plan it needs (:meth:`Crossover.run_rows`;
         ``rows`` without a crossover)."""
-        return self.crossover.run_rows(rows) if self.crossover is not None else int(rows)
+        return self.crossover.run_rows(rows, replayed=self.replayed) if self.crossover is not None else int(rows)
+
+    @property
+    def bucket_from(self) -> int | None:
+        """Rows from which dense calls run at bucket lengths (the crossover's, for eager or replayed calls), or
+        ``None``: never."""
+        if self.crossover is None:
+            return None
+        return self.crossover.replay_bucket_from if self.replayed else self.crossover.bucket_from
 
 
 class PlanLedger:
@@ -210,7 +224,7 @@ class PlanLedger:
 
     def own(self, key: Hashable, rows: int) -> None:
         """Record that this thread built the plan of run length ``rows`` (head geometry ``key``) itself, ahead of
-        any call (capture's :func:`~encgraph.models.kernel_choice.warm_plans`): later calls at it run dense at
+        any call (capture's :func:`~encgraph.models.dense_plans.warm_plans`): later calls at it run dense at
         once. Counted in :meth:`stats` as ``warmed``."""
         if (key, rows) not in self._state()[0]:
             self._hold((key, rows), "warmed")

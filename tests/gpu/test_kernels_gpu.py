@@ -269,10 +269,12 @@ def test_runner_calls_above_the_ladder_equal_the_tower(monkeypatch):
 def test_an_eager_batch_that_would_rent_replays_instead(monkeypatch):
     """The cost model prices eager at its steady kernels. An image at a length this thread has not bought would
     rent varlen (the adapter's surcharge): with eager priced a hair under the replay, the runner replays it
-    (``rerouted``), piecewise (its long sequence outside the graph, renting varlen through the ledger); within the
-    calls the rent takes to reach the plan, the length is bought, and the same image then replays piecewise on the
-    dense plan (priced under the eager run: the whole replay less the dense kernel's saving). Every output equals
-    the tower's own forward; called outside ``inference_mode`` (``no_grad``, as ``generate()`` does)."""
+    (``rerouted``), piecewise: its long sequence outside the graph, at its bucket length (the split calls' rule,
+    ``DenseRule.replayed``), renting varlen through the ledger while that bucket is new to the thread (capture
+    built it; ``LEDGER.clear()`` forgot it). Within the calls the rent takes to reach the plan the bucket is
+    bought, and the same image then replays piecewise on the dense kernel at its bucket. The eager length is
+    never bought (no eager run buys it): every call is rerouted. Every output equals the tower's own forward;
+    called outside ``inference_mode`` (``no_grad``, as ``generate()`` does)."""
     import math
 
     import attrs
@@ -286,45 +288,48 @@ def test_an_eager_batch_that_would_rent_replays_instead(monkeypatch):
     runner.capture()
     (key, rule), = adapter.kernel_rows.items()
     assert rule.min_rows is not None and rule.min_rows <= 4560, rule
-    # 4,560 rows: a length dense runs faster than varlen (at its bucket where the geometry is bucketed from there),
-    # under the lengths capture builds ahead (kernel_choice.WARM_ROWS), so new to this thread after clear().
+    # 4,560 rows: a length dense runs faster than varlen, under the lengths capture builds ahead for eager forwards
+    # (kernel_choice.WARM_ROWS), so new to this thread after clear(); between segments at its bucket, 4,608.
     assert rule.gain_ms(4560) > 0 and rule.run_rows(4560) < kernel_choice.WARM_ROWS[0], rule.crossover.to_dict()
     # The plan as 5 forwards' savings: the crossover's own plan time depends on whether this process built
     # cuDNN plans at its lengths before (earlier tests did), and this test is about the rent, not the device.
     plan = 5 * rule.calls * rule.gain_ms(4560)
     c = attrs.evolve(rule.crossover, dense_first_ms=tuple(d + plan for d in rule.crossover.dense_ms))
     rule = adapter.kernel_rows[key] = DenseRule(rule.min_rows, c, rule.calls)
-    assert rule.plan_ms == pytest.approx(plan)
+    split = attrs.evolve(rule, replayed=True)
+    assert rule.plan_ms == pytest.approx(plan) and split.gain_ms(4560) > 0, c.to_dict()
     linear = CostModel.linear(["default"], graph_fixed_ms=1.0001, graph_per_budget_ms=0, eager_fixed_ms=1.0,
                               eager_per_token_ms=0)
     runner.costs = CostModel(linear.graph_ms, linear.eager, kernels=runner.costs.kernels)
     # These prices are made up (a replay takes ms, not 1.0001): the feedback would correct them after a few
-    # replays and end the reroutes before the rent is paid; this test is about the reroute alone.
+    # replays and end the reroutes; this test is about the reroute alone.
     runner._feedback.min_samples = 10**9
-    LEDGER.clear()  # every length new to this thread
+    LEDGER.clear()  # every length new to this thread, the buckets capture built too
     grid = np.array([[1, 76, 60]])  # 1140 tokens, 4560 rows
     pixels = torch.randn(int(grid.prod(1).sum()), adapter.channels, device="cuda", dtype=torch.bfloat16)
     inputs = adapter.inputs(pixels, grid)
     ref = hf_per_item(reference, pixels, grid)[0]["pooler_output"]
     specs = adapter.item_specs(inputs)
-    bound = math.ceil(rule.plan_ms / (rule.calls * rule.gain_ms(4560))) + 1
-    ledger_key = sequence_bounds.ledger_key(16, 72, torch.bfloat16, torch.device("cuda"))
+    bound = math.ceil(split.plan_ms / (split.calls * split.gain_ms(4560))) + 1
+    cuda = torch.device("cuda")
+    eager_key = sequence_bounds.ledger_key(16, 72, torch.bfloat16, cuda)
+    split_key = sequence_bounds.ledger_key(16, 72, torch.bfloat16, cuda, replayed=True)
     with torch.no_grad():
         assert adapter.eager_surcharge_ms("default", specs) > 0
         for call in range(bound + 1):
             out = runner(inputs)
             assert rel(out[0]["pooler_output"], ref) < HF_RTOL, call
-            if LEDGER.bought(ledger_key, rule.run_rows(4560)):
+            if LEDGER.bought(split_key, split.run_rows(4560)):
                 break
+        assert LEDGER.bought(split_key, split.run_rows(4560)) and call >= 1, (call, bound)
+        assert not LEDGER.bought(eager_key, rule.run_rows(4560))
         stats = runner.stats
-        # Rerouted while the length rents; the call that buys it is priced at the plan (no surcharge) and replays
-        # piecewise as the cheaper route.
-        assert stats["eager_items"] == 0 and stats["cost_feedback"]["rerouted"] == call >= 1, stats
+        assert stats["eager_items"] == 0 and stats["cost_feedback"]["rerouted"] == call + 1, stats
         assert stats["paths"]["default"]["piecewise_replays"] == {1280: call + 1}, stats["paths"]
-        assert adapter.eager_surcharge_ms("default", specs) == 0.0
+        assert adapter.eager_surcharge_ms("default", specs) > 0  # the eager length still rents: rerouted again
         dense = dense_spy(monkeypatch)
-        out = runner(inputs)  # bought: no reroute, a piecewise replay on the dense kernel
+        out = runner(inputs)  # the bucket bought: a piecewise replay on the dense kernel
     assert rel(out[0]["pooler_output"], ref) < HF_RTOL
     stats = runner.stats
-    assert stats["cost_feedback"]["rerouted"] == call and stats["eager_items"] == 0, stats
+    assert stats["cost_feedback"]["rerouted"] == call + 2 and stats["eager_items"] == 0, stats
     assert stats["paths"]["default"]["piecewise_replays"] == {1280: call + 2} and dense == [4560] * rule.calls, dense

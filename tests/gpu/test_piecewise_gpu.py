@@ -111,3 +111,60 @@ def test_defaults_replay_one_long_image_piecewise(family):
     # Where the split measured faster at capture, the defaults chose it (replayed piecewise, or rerouted from eager).
     if record.dense_ms < record.whole_ms and record.pays(bounds):
         assert sum(stats["paths"]["default"]["piecewise_replays"].values()) >= 1, stats
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "glm4v"])
+def test_a_new_image_size_runs_dense_at_once_on_a_plan_built_at_capture(family, monkeypatch):
+    """Capture builds the split calls' plans at bucket lengths up to the largest split budget's rows: an image size
+    the thread never met replays piecewise with its long sequence on the dense kernel at its bucket, without
+    renting varlen or buying a plan inside the call, and equals the eager forward per item."""
+    from encgraph.models import attention, kernel_choice, sequence_bounds
+    from encgraph.packing.kernels import bucket_rows
+
+    adapter, runner, split, min_rows = _captured(family)
+    geometry, table_rule = next((g, r) for g, r in adapter.kernel_rows.items()
+                                if getattr(r, "min_rows", None) is not None)
+    rule = next(iter(split.values())).sites[0].attention.rule
+    assert rule.replayed and rule.crossover is table_rule.crossover
+    if rule.crossover.replay_bucket_from is None:
+        pytest.skip(f"the padded call's device time never beat varlen: {rule.crossover.to_dict()}")
+    top = max(split)
+    key = sequence_bounds.ledger_key(*geometry, runner.device, replayed=True)
+    lengths = kernel_choice.warm_lengths(rule, (min_rows, top * 4))
+    assert lengths and all(LEDGER.bought(key, n) for n in lengths), (lengths, runner.capture_info["piecewise"])
+    padded: list[tuple[int, int]] = []
+    original = attention.padded_dense
+
+    def spy(q, k, v, scale, rows):
+        padded.append((int(q.shape[0]), int(rows)))
+        return original(q, k, v, scale, rows)
+
+    monkeypatch.setattr(attention, "padded_dense", spy)
+    gen = np.random.default_rng(31)
+    h = int(np.sqrt(top * 4)) // 2 * 2
+    # Row counts no bucket has, above the crossover: three whose padded call is priced under varlen, and one (where
+    # there is one) just past a bucket's start, where padding costs more than varlen and the call stays varlen.
+    sizes = [(h, w) for w in range(h - 2, 0, -2) if h * w >= max(min_rows, rule.crossover.replay_bucket_from)
+             and bucket_rows(h * w) != h * w]
+    dense = [s for s in sizes if rule.may_run_dense(s[0] * s[1])][:3]
+    stays = [s for s in sizes if not rule.may_run_dense(s[0] * s[1])][:1]
+    assert len(dense) == 3, (sizes, rule.crossover.to_dict())
+    for case, (h, w) in enumerate(dense + stays):
+        rows = h * w
+        sub = _sub(adapter, gen, [(h, w), (8, 6)])
+        used = int(sub.grid.prod(1).sum()) // 4
+        before = LEDGER.stats()
+        with (torch.inference_mode if case % 2 else torch.no_grad)():
+            got = {n: t.clone() for n, t in run_static(runner, "default", top, sub, used, piecewise=True).items()}
+            after = LEDGER.stats()
+            want = adapter.forward_eager("default", sub)
+        assert (after["bought"], after["rented_calls"]) == (before["bought"], before["rented_calls"]), (before, after)
+        assert ((rows, bucket_rows(rows)) in padded) == (case < 3), (case, rows, padded[-3:])
+        offset = 0
+        for n in (rows // 4, 12):
+            p, e = got["pooler_output"][offset:offset + n], want["pooler_output"][offset:offset + n]
+            assert torch.isfinite(p).all() and rel(p, e) < HF_RTOL, (case, n, rel(p, e))
+            offset += n
+    print(f"\n{family}: padded at {dense}, varlen at {stays}; capture built {runner.capture_info['piecewise']['warmed_plans']}; replay buckets from "
+          f"{rule.crossover.replay_bucket_from} rows (eager from {rule.crossover.bucket_from}); padded replay ms "
+          f"{list(rule.crossover.padded_replay_ms)}, dense {list(rule.crossover.dense_ms)}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -338,6 +339,48 @@ def test_warm_lengths_are_the_bucket_lengths_from_bucket_from():
     # over the slack at the longest length: from where the ratio falls within it (2.0 at 16,384: 81,920 rows)
     assert kernel_choice.warm_lengths(_bucketed((True, True, False))) == []
     assert kernel_choice.warm_lengths(DenseRule(4096)) == []  # nothing measured
+
+
+def test_calls_between_segments_bucket_from_the_padded_calls_device_time():
+    """A replayed rule (a piecewise replay's split calls) buckets from where the padded call's device time beats
+    the varlen kernel, and prices it there; an eager forward's rule keeps the queued times' start; the cost model's JSON
+    keeps the replay times, and a file without them loads with no replay buckets."""
+    lengths, dense = (4096, 8192, 16384), (0.25, 0.8, 3.1)
+    queued = (0.5, 1.1, 3.5)  # host-bound: buckets from 16,384 only
+    replay = (0.33, 0.99, 3.5)  # the device alone: 1.1-1.3x the exact kernel, under varlen from 4,096
+    c = Crossover(H200, 16, 72, "bfloat16", lengths, (0.36, 1.36, 5.3), dense, padded_ms=queued,
+                  padded_replay_ms=replay, dense_first_ms=(40.0, 40.0, 40.0))
+    assert (c.min_rows, c.bucket_from, c.replay_bucket_from) == (4096, 16384, 4096)
+    eager, split = DenseRule(c.min_rows, c, 27), DenseRule(c.min_rows, c, 27, replayed=True)
+    assert eager.run_rows(4999) == 4999 and split.run_rows(4999) == 5120 and split.run_rows(4096) == 4096
+    assert split.bucket_from == 4096 and eager.bucket_from == 16384
+    # priced at the padded call's device time at its bucket, against varlen at the sequence's own rows
+    from encgraph.packing.crossover import loglog_at
+
+    want = c.ms_at(4999)[0] - loglog_at(lengths, replay, 5120)
+    assert split.gain_ms(4999) == pytest.approx(want) and 0 < want
+    assert eager.gain_ms(4999) == pytest.approx(c.ms_at(4999)[0] - c.ms_at(4999)[1])
+    got = kernel_choice.warm_lengths(split, (4096, 16384))
+    assert got[0] == 4096 and got[-1] == 16384 and len(got) == 2 * 16 + 1
+    assert kernel_choice.warm_lengths(eager, (4096, 16384)) == [16384]
+    again = Crossover.from_dict(c.to_dict())
+    assert again == c and again.to_dict()["replay_bucket_from"] == 4096
+    old = {k: v for k, v in c.to_dict().items() if k != "padded_replay_ms"}  # a cost model of before
+    assert Crossover.from_dict(old).replay_bucket_from is None
+    assert DenseRule(c.min_rows, Crossover.from_dict(old), replayed=True).run_rows(4999) == 4999
+    slow = attrs.evolve(c, padded_replay_ms=(0.4, 0.99, 3.5))  # over varlen at 4,096: from 8,192
+    assert slow.replay_bucket_from == 8192 and DenseRule(4096, slow, replayed=True).run_rows(4999) == 4999
+    with pytest.raises(ConfigError, match="padded_replay_ms"):
+        Crossover(H200, 16, 72, "bfloat16", lengths, (1, 2, 3), dense, padded_replay_ms=(1.0,))
+
+
+def test_replayed_lengths_are_kept_apart_in_the_ledger():
+    """The split calls read contiguous static tensors, an eager forward the tower's own views: cuDNN builds each
+    its own plan, so a length bought by one is not bought for the other."""
+    cpu = torch.device("cpu")
+    eager = sequence_bounds.ledger_key(16, 72, torch.bfloat16, cpu)
+    split = sequence_bounds.ledger_key(16, 72, torch.bfloat16, cpu, replayed=True)
+    assert eager != split and split[:4] == eager
 
 
 def test_warm_plans_builds_nothing_off_cuda():

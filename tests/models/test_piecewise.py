@@ -19,7 +19,7 @@ from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.execution import _piecewise_budget
 from encgraph.capture.protocol import BufferSpec, FillRule
 from encgraph.capture.records import RunMode
-from encgraph.models import attention, piece_attention
+from encgraph.models import attention, piece_attention, sequence_bounds
 from encgraph.packing import CostModel, ItemSpec, Limits
 from encgraph.packing.kernels import LEDGER, Crossover, DenseRule
 from tests.models.test_attention import qkv, reference
@@ -105,6 +105,64 @@ def test_a_split_call_attends_the_real_sequences_and_zeroes_the_padding(monkeypa
         assert sorted(spied) == [12, 20] and [c[1] for c in calls] == [[0, 5, 8]]
     else:
         assert spied == [] and [c[1] for c in calls] == [list(bounds)]
+
+
+def test_a_split_call_runs_long_sequences_at_warmed_bucket_lengths(monkeypatch, fake_varlen):  # noqa: F811
+    """Between segments a long sequence runs dense at its bucket (from the crossover's replay times), at once where
+    capture built that bucket's plan, and renting varlen where only an eager forward's plan of that length is held
+    (another layout: another cuDNN plan); the output is the attention of the real rows either way."""
+    calls = fake_varlen
+    padded: list[tuple[int, int]] = []
+    original = attention.padded_dense
+
+    def spy(q, k, v, scale, rows):
+        padded.append((int(q.shape[0]), int(rows)))
+        return original(q, k, v, scale, rows)
+
+    monkeypatch.setattr(attention, "padded_dense", spy)
+    cross = Crossover(H200, 2, 8, "float32", (16, 64), (1.0, 8.0), (0.5, 2.0), dense_first_ms=(90.0, 90.0),
+                      padded_replay_ms=(0.55, 2.1))
+    assert cross.replay_bucket_from == 16 and cross.bucket_from is None
+    call = piece_attention.SplitCall({GEO: DenseRule(cross.min_rows, cross, calls=1)}, GEO, None,
+                                     attention._host_planned_attention)
+    assert call.rule.replayed and call.rule.run_rows(20) == 24
+    lengths = [20, 6]
+    q, k, v = qkv(32, 2, 8)
+    bounds = (0, 20, 26)
+    cu = torch.tensor([0, 20, 26, 32], dtype=torch.int32)
+    want = reference(q[:26], k[:26], v[:26], lengths, None)
+    cpu = torch.device("cpu")
+    LEDGER.clear()
+    LEDGER.own(sequence_bounds.ledger_key(2, 8, torch.float32, cpu), 24)  # an eager forward's plan: not this one
+    out = torch.empty_like(q)
+    call.run(q, k, v, cu, bounds, out, True)
+    assert padded == [] and [c[1] for c in calls] == [[0, 20, 26]]  # rented: all varlen
+    torch.testing.assert_close(out[:26], want, rtol=1e-5, atol=1e-5)
+    LEDGER.own(sequence_bounds.ledger_key(2, 8, torch.float32, cpu, replayed=True), 24)  # what warm() marks
+    calls.clear()
+    call.run(q, k, v, cu, bounds, out, True)
+    assert padded == [(20, 24)] and [c[1] for c in calls] == [[0, 6]]
+    torch.testing.assert_close(out[:26], want, rtol=1e-5, atol=1e-5)
+    assert call.warm(64, cpu) == {"lengths": 0, "seconds": 0.0}  # plans are CUDA's: none off it
+    LEDGER.clear()
+
+
+def test_each_kind_of_split_call_warms_once_up_to_its_longest_site():
+    seen: list[int] = []
+
+    class Kind:
+        def warm(self, rows, device):
+            seen.append(rows)
+            return {"lengths": rows // 8, "seconds": 0.5}
+
+    a, b = Kind(), Kind()
+
+    def site(kind, rows):
+        return types.SimpleNamespace(attention=kind, query=torch.empty(rows, 1, 1))
+
+    records = [types.SimpleNamespace(sites=[site(a, 64), site(b, 16)]), types.SimpleNamespace(sites=[site(a, 128)])]
+    assert piecewise.warm_plans(records, torch.device("cpu")) == {"lengths": 18, "seconds": 1.0}
+    assert sorted(seen) == [16, 128]
 
 
 def test_the_gain_counts_the_long_sequences_and_a_replay_pays_past_the_overhead():
