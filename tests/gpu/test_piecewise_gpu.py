@@ -118,7 +118,7 @@ def test_a_new_image_size_runs_dense_at_once_on_a_plan_built_at_capture(family, 
     """Capture builds the split calls' plans at bucket lengths up to the largest split budget's rows: an image size
     the thread never met replays piecewise with its long sequence on the dense kernel at its bucket, without
     renting varlen or buying a plan inside the call, and equals the eager forward per item."""
-    from encgraph.models import attention, kernel_choice, sequence_bounds
+    from encgraph.models import kernel_choice, sequence_bounds
     from encgraph.packing.kernels import bucket_rows
 
     adapter, runner, split, min_rows = _captured(family)
@@ -133,13 +133,7 @@ def test_a_new_image_size_runs_dense_at_once_on_a_plan_built_at_capture(family, 
     lengths = kernel_choice.warm_lengths(rule, (min_rows, top * 4))
     assert lengths and all(LEDGER.bought(key, n) for n in lengths), (lengths, runner.capture_info["piecewise"])
     padded: list[tuple[int, int]] = []
-    original = attention.padded_dense
-
-    def spy(q, k, v, scale, rows):
-        padded.append((int(q.shape[0]), int(rows)))
-        return original(q, k, v, scale, rows)
-
-    monkeypatch.setattr(attention, "padded_dense", spy)
+    dense_spy(monkeypatch, padded)
     gen = np.random.default_rng(31)
     h = int(np.sqrt(top * 4)) // 2 * 2
     # Row counts no bucket has, above the crossover: three whose padded call is priced under varlen, and one (where

@@ -229,13 +229,16 @@ def test_capture_hook_hands_given_crossovers_to_the_adapter_and_keeps_them(monke
     assert runner.costs.kernels == {c.key: c}
 
 
-def dense_spy(monkeypatch) -> list[int]:
-    """Records the rows of every dense per-sequence SDPA call of the host plan (CUDA's per-sequence kernel)."""
+def dense_spy(monkeypatch, runs: list[tuple[int, int]] | None = None) -> list[int]:
+    """Records the rows of every dense per-sequence SDPA call of the host plan (CUDA's per-sequence kernel), and in
+    ``runs`` (where given) each call's ``(rows, rows it ran at)``: its bucket where padded."""
     rows: list[int] = []
     original = attention.padded_dense
 
     def spy(q, k, v, scale, padded):
         rows.append(int(q.shape[0]))
+        if runs is not None:
+            runs.append((int(q.shape[0]), int(padded)))
         return original(q, k, v, scale, padded)
 
     monkeypatch.setattr(attention, "padded_dense", spy)

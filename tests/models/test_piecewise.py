@@ -113,13 +113,7 @@ def test_a_split_call_runs_long_sequences_at_warmed_bucket_lengths(monkeypatch, 
     (another layout: another cuDNN plan); the output is the attention of the real rows either way."""
     calls = fake_varlen
     padded: list[tuple[int, int]] = []
-    original = attention.padded_dense
-
-    def spy(q, k, v, scale, rows):
-        padded.append((int(q.shape[0]), int(rows)))
-        return original(q, k, v, scale, rows)
-
-    monkeypatch.setattr(attention, "padded_dense", spy)
+    dense_spy(monkeypatch, padded)
     cross = Crossover(H200, 2, 8, "float32", (16, 64), (1.0, 8.0), (0.5, 2.0), dense_first_ms=(90.0, 90.0),
                       padded_replay_ms=(0.55, 2.1))
     assert cross.replay_bucket_from == 16 and cross.bucket_from is None
