@@ -88,7 +88,8 @@ def route(state: RunnerState, feedback: Any, batch: Batch, path: str, specs: Seq
             if surcharge is not None and rent is not None:
                 rerouted = feedback.reroute(state.costs, path, usable, specs, state.limits, surcharge(path, specs))
                 if rerouted is not None:
-                    if not _splits(state, path, rerouted, specs):  # a piecewise replay rents (or buys) itself
+                    # A split replay rents (or buys) lengths of its own (DenseRule.replayed): no eager rent is paid.
+                    if not _splits(state, path, rerouted, specs):
                         rent(path, specs)  # the lengths pay their rent: each is bought once it pays the plan
                     return rerouted, None
             split = _piecewise_budget(state, path, usable, specs)
