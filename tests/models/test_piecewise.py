@@ -193,6 +193,40 @@ def test_a_cost_eager_batch_replays_piecewise_where_that_is_predicted_cheaper():
     assert _piecewise_budget(state, "default", [16], one) is None
 
 
+@pytest.mark.parametrize("long", [True, False])
+def test_a_rerouted_batch_pays_eager_rent_only_where_its_replay_is_whole(long):
+    """A batch the cost model sends eagerly, whose eager run would rent, is rerouted to a replay. A whole replay
+    runs the same varlen kernel the eager forward would have rented, so it pays that rent into the ledger (the
+    eager length is bought once it pays its plan); a split replay runs its long sequences dense at buckets of its
+    own, so it pays none (docs/runner.md)."""
+    from encgraph.capture.execution import route
+    from encgraph.capture.feedback import CostFeedback
+    from encgraph.packing.plan import Batch, EagerReason
+
+    rule = DenseRule(CROSS.min_rows, CROSS, calls=1)
+    call = piece_attention.SplitCall({GEO: rule}, GEO, None, attention._host_planned_attention)
+    site = types.SimpleNamespace(attention=call, bounds_name="cu_seqlens")
+    pieces = piecewise.PiecewiseRecord("default", 16, [None] * 5, [site] * 4, 0.0, 30.0, 20.0, 31.0)
+    costs = CostModel.linear(["default"], graph_fixed_ms=21, graph_per_budget_ms=0, eager_fixed_ms=20,
+                             eager_per_token_ms=0)
+    rented: list[int] = []
+    adapter = types.SimpleNamespace(
+        attention_rows=lambda path, specs: [s.input_size for s in specs],
+        eager_surcharge_ms=lambda path, specs: 5.0,  # the eager run would rent: 25 ms against the replay's 21
+        rent_replayed=lambda path, specs: rented.append(len(specs)),
+    )
+    state = types.SimpleNamespace(mode=RunMode.GRAPH, costs=costs, limits=Limits(8, 16),
+                                  planning_ladders={"default": (16,)}, adapter=adapter,
+                                  records={"default": {16: types.SimpleNamespace(piecewise=pieces)}})
+    specs = [ItemSpec({"default": 16}, frames=1, input_size=64 if long else 12)]
+    batch = Batch(items=(0,), budgets={"default": None}, tokens={"default": 16}, padded={"default": 0}, frames=1,
+                  eager={"default": EagerReason.COST})
+    feedback = CostFeedback(lambda: None)  # no timed runs here: events are never made
+    assert route(state, feedback, batch, "default", specs) == (16, None)
+    assert feedback.rerouted == 1
+    assert rented == ([] if long else [1])  # 64 rows split (no eager rent); 12 rows replay whole (rent paid)
+
+
 class _FakePieces:
     """A piecewise record's surface as run_static uses it; counts replays."""
 
