@@ -238,8 +238,13 @@ class Crossover:
         """The rows a dense call over a sequence of ``rows`` rows runs at: its bucket from :attr:`bucket_from`
         rows (:attr:`replay_bucket_from` for a call between piecewise segments, ``replayed``), else ``rows``; the
         plan it needs is that length's."""
-        start = self.replay_bucket_from if replayed else self.bucket_from
+        start = self.bucket_start(replayed=replayed)
         return bucket_rows(rows) if start is not None and rows >= start else int(rows)
+
+    def bucket_start(self, *, replayed: bool = False) -> int | None:
+        """Rows from which dense calls run at bucket lengths: :attr:`replay_bucket_from` for calls between
+        piecewise segments (``replayed``), else :attr:`bucket_from`."""
+        return self.replay_bucket_from if replayed else self.bucket_from
 
     def dense_at(self, rows: int, *, replayed: bool = False) -> float:
         """ms of the dense call over one sequence of ``rows`` rows as it runs (:meth:`run_rows`): at its bucket

@@ -89,9 +89,7 @@ class DenseRule:
     def bucket_from(self) -> int | None:
         """Rows from which dense calls run at bucket lengths (the crossover's, for eager or replayed calls), or
         ``None``: never."""
-        if self.crossover is None:
-            return None
-        return self.crossover.replay_bucket_from if self.replayed else self.crossover.bucket_from
+        return self.crossover.bucket_start(replayed=self.replayed) if self.crossover is not None else None
 
 
 class PlanLedger:
