@@ -34,10 +34,10 @@ rows, where Flash varlen is well behind. Shorter lengths, and other threads, are
 
 def warm_lengths(rule: DenseRule, rows: tuple[int, int] = WARM_ROWS) -> list[int]:
     """The bucket lengths within ``rows`` (inclusive) at which ``rule`` runs dense calls: from its
-    :attr:`~encgraph.packing.kernels.DenseRule.bucket_from` (the crossover's, for eager or replayed calls), and only
-    those dense runs faster than varlen (:meth:`DenseRule.may_run_dense`); none where the geometry is not
-    bucketed."""
-    start = rule.bucket_from
+    :attr:`~encgraph.packing.kernels.DenseRule.warm_from` (the crossover's bucket start, for eager or replayed
+    calls, or an eager call's earlier stand-in start: :meth:`DenseRule.stand_in_rows`), and only those dense runs
+    faster than varlen (:meth:`DenseRule.may_run_dense`); none where the geometry is not bucketed."""
+    start = rule.warm_from
     if start is None or rule.min_rows is None:
         return []
     out, length = [], bucket_rows(max(rows[0], start, rule.min_rows))

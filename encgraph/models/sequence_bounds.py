@@ -102,10 +102,11 @@ def ledger_key(heads: int, head_dim: int, dtype: torch.dtype, device: torch.devi
 
 def dense_flags(query: torch.Tensor, bounds: Sequence[int], rule: DenseRule) -> tuple[int, ...]:
     """Per sequence of ``bounds``, the rows it runs dense at in this call (its run length,
-    :meth:`~encgraph.packing.kernels.DenseRule.run_rows`: its own rows or its bucket's), 0 where it runs varlen
-    (:data:`LEDGER`'s rent-or-buy, keyed by ``query``'s geometry, dtype and device)."""
+    :meth:`~encgraph.packing.kernels.DenseRule.run_rows`: its own rows or its bucket's; while its own length rents,
+    the bucket it stands in at), 0 where it runs varlen (:data:`LEDGER`'s rent-or-buy,
+    :meth:`~encgraph.packing.kernels.PlanLedger.run_length`, keyed by ``query``'s geometry, dtype and device)."""
     key = ledger_key(query.shape[1], query.shape[2], query.dtype, query.device, replayed=rule.replayed)
-    return tuple(rule.run_rows(b - a) if LEDGER.dense(key, b - a, rule) else 0 for a, b in zip(bounds[:-1], bounds[1:]))
+    return tuple(LEDGER.run_length(key, b - a, rule) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def _rents(device: torch.device) -> bool:

@@ -35,8 +35,9 @@ class DenseRule:
     from the crossover's :attr:`~Crossover.bucket_from` rows, so one plan serves many lengths); a run length
     whose dense plan this thread has built does so at once, and a new one once the time varlen has cost it
     (rent) plus what dense would save over the ``calls`` attention calls of one forward reaches
-    :attr:`Crossover.plan_ms` (buy); until then it runs varlen and the saving it missed is added to its rent
-    (:class:`PlanLedger`). Without a measured ``crossover`` (or with no plan cost measured) every sequence from
+    :attr:`Crossover.plan_ms` (buy); until then it runs varlen, or padded to its bucket where that is faster and
+    the bucket's plan is held (:meth:`stand_in_rows`: capture builds them), and the saving it missed is added to
+    its rent (:class:`PlanLedger`). Without a measured ``crossover`` (or with no plan cost measured) every sequence from
     ``min_rows`` runs dense.
 
     Attributes:
@@ -60,18 +61,30 @@ class DenseRule:
     def plan_ms(self) -> float:
         return self.crossover.plan_ms if self.crossover is not None else 0.0
 
-    def rent_ms(self, rows: int, paid_ms: float) -> float | None:
+    def rent_ms(self, rows: int, paid_ms: float, *, stand_in: bool = False) -> float | None:
         """The call at hand at a length not bought, whose rent so far is ``paid_ms``: the saving it misses by
-        renting (varlen), or ``None`` where it buys (the rent plus one forward's saving reaches the plan)."""
-        gain = self.gain_ms(rows)
+        renting (on varlen, or padded to its bucket where ``stand_in``: :meth:`stand_in_rows`, a plan held), or
+        ``None`` where it buys (the rent plus one forward's saving reaches the plan)."""
+        gain = self.gain_ms(rows, stand_in=stand_in)
         return gain if paid_ms + self.calls * gain < self.plan_ms else None
 
-    def gain_ms(self, rows: int) -> float:
+    def gain_ms(self, rows: int, *, stand_in: bool = False) -> float:
         """ms one call at ``rows`` rows saves on dense (as it runs: :meth:`Crossover.dense_at`) against varlen,
-        at least 0."""
+        or with ``stand_in`` against the padded call at its bucket (:meth:`stand_in_rows`), at least 0."""
         if self.crossover is None:
             return 0.0
-        return max(self.crossover.ms_at(rows)[0] - self.crossover.dense_at(rows, replayed=self.replayed), 0.0)
+        dense = self.crossover.dense_at(rows, replayed=self.replayed)
+        renting = self.crossover.stand_in_ms(rows) if stand_in and not self.replayed else None
+        return max((self.crossover.ms_at(rows)[0] if renting is None else renting) - dense, 0.0)
+
+    def stand_in_rows(self, rows: int) -> int | None:
+        """The bucket length a sequence of ``rows`` rows may run at while its own run length rents (where this
+        thread holds that bucket's plan: :class:`PlanLedger`), padded, faster than varlen
+        (:meth:`Crossover.stand_in_ms`); ``None``: it rents varlen. Eager forwards only: between piecewise
+        segments buckets start where the padded call beats varlen already."""
+        if self.crossover is None or self.replayed or self.crossover.stand_in_ms(rows) is None:
+            return None
+        return self.crossover.stand_in_rows(rows)
 
     def may_run_dense(self, rows: int) -> bool:
         """Whether a sequence of ``rows`` rows ever runs dense: from ``min_rows``, except where it would run
@@ -90,6 +103,16 @@ class DenseRule:
         """Rows from which dense calls run at bucket lengths (the crossover's, for eager or replayed calls), or
         ``None``: never."""
         return self.crossover.bucket_start(replayed=self.replayed) if self.crossover is not None else None
+
+    @property
+    def warm_from(self) -> int | None:
+        """Rows from which a dense call may run at a bucket length (:attr:`bucket_from`, or the crossover's
+        :attr:`~Crossover.stand_in_from` where eager calls stand in earlier), whose plans capture builds; or
+        ``None``."""
+        starts = [self.bucket_from]
+        if self.crossover is not None and not self.replayed:
+            starts.append(self.crossover.stand_in_from)
+        return min((s for s in starts if s is not None), default=None)
 
 
 class PlanLedger:
@@ -110,7 +133,7 @@ class PlanLedger:
     def __init__(self) -> None:
         self._local = threading.local()
         # every thread's, for stats (int updates under the GIL)
-        self._counts = {"bought": 0, "rented_calls": 0, "warmed": 0}
+        self._counts = {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 0}
 
     def _state(self) -> tuple[set[Hashable], dict[Hashable, float]]:
         state = getattr(self._local, "state", None)
@@ -118,26 +141,42 @@ class PlanLedger:
             state = self._local.state = (set(), {})
         return state
 
-    def dense(self, key: Hashable, rows: int, rule: DenseRule) -> bool:
-        """Whether the call at hand runs its sequence of ``rows`` rows (head geometry ``key``) dense; a rented
-        call adds its missed saving to the length's rent, a bought length is remembered."""
+    def run_length(self, key: Hashable, rows: int, rule: DenseRule) -> int:
+        """The rows the call at hand runs its sequence of ``rows`` rows (head geometry ``key``) dense at (its run
+        length, or while that rents the bucket it stands in at: :meth:`DenseRule.stand_in_rows`), or 0: varlen.
+        A rented call adds its missed saving to the length's rent, a bought length is remembered."""
         if not rule.may_run_dense(rows):
-            return False
-        plan = rule.plan_ms
-        if plan <= 0.0:
-            return True
+            return 0
+        run = rule.run_rows(rows)
+        if rule.plan_ms <= 0.0:
+            return run
         bought, rent = self._state()
-        entry = (key, rule.run_rows(rows))
+        entry = (key, run)
         if entry in bought:
-            return True
+            return run
         if not getattr(self._local, "buying", False):  # inside buying(): bought at once
-            missed = rule.rent_ms(rows, rent.get(entry, 0.0))
+            stand_in = self._stand_in(key, rows, rule)
+            missed = rule.rent_ms(rows, rent.get(entry, 0.0), stand_in=stand_in is not None)
             if missed is not None:
                 rent[entry] = rent.get(entry, 0.0) + missed
                 self._counts["rented_calls"] += 1
-                return False
+                if stand_in is None:
+                    return 0
+                self._counts["stand_in_calls"] += 1
+                return stand_in
         self._hold(entry, "bought")
-        return True
+        return run
+
+    def dense(self, key: Hashable, rows: int, rule: DenseRule) -> bool:
+        """Whether the call at hand runs its sequence of ``rows`` rows dense (:meth:`run_length`, at its run
+        length or standing in at its bucket)."""
+        return self.run_length(key, rows, rule) > 0
+
+    def _stand_in(self, key: Hashable, rows: int, rule: DenseRule) -> int | None:
+        """The bucket a rented sequence of ``rows`` rows runs at (:meth:`DenseRule.stand_in_rows`) where this
+        thread holds its plan, else ``None``."""
+        bucket = rule.stand_in_rows(rows)
+        return bucket if bucket is not None and (key, bucket) in self._state()[0] else None
 
     def _hold(self, entry: Hashable, counter: str) -> None:
         """This thread holds ``entry``'s plan from now on (its rent forgotten), counted under ``counter``."""
@@ -175,7 +214,7 @@ class PlanLedger:
                 if paid.get(entry) == math.inf:
                     continue
                 so_far = paid.get(entry, rent.get(entry, 0.0))
-                missed = rule.rent_ms(n, so_far)
+                missed = rule.rent_ms(n, so_far, stand_in=self._stand_in(key, n, rule) is not None)
                 if missed is None:
                     paid[entry] = math.inf  # bought at this call: dense from here on
                 else:
@@ -237,9 +276,10 @@ class PlanLedger:
         return self._counts["rented_calls"]
 
     def stats(self) -> dict[str, int]:
-        """``{"bought": lengths bought, "rented_calls": calls that ran a long sequence on varlen while its
-        length was rented, "warmed": lengths built ahead (:meth:`own`)}``, over every thread since the process
-        started (monotonic)."""
+        """``{"bought": lengths bought, "rented_calls": calls that ran a long sequence on varlen or padded while
+        its length was rented, "stand_in_calls": those of them padded to a bucket (:meth:`DenseRule.stand_in_rows`),
+        "warmed": lengths built ahead (:meth:`own`)}``, over every thread since the process started
+        (monotonic)."""
         return dict(self._counts)
 
     def clear(self) -> None:

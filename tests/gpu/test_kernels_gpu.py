@@ -162,6 +162,57 @@ def test_host_plan_equals_varlen_and_isolates_nan(monkeypatch):
                 assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
 
 
+def test_a_rented_length_stands_in_padded_at_its_held_bucket(monkeypatch):
+    """A long sequence at a length this thread has no plan for rents: on varlen, or, where the thread holds its
+    bucket's plan (capture's warm_plans), padded to that bucket on the dense kernel. Either way every sequence
+    equals Flash varlen alone and an fp32 reference (bf16), and NaN in one sequence stays in its rows."""
+    from encgraph.packing.kernels import Crossover, DenseRule, bucket_rows
+
+    # H200-like times (16 x 72): the eager padded call beats varlen from 8,192 rows, buckets only from 16,384, and
+    # a plan (60 ms) costs more than a forward of 4 calls saves: every length here rents at first.
+    c = Crossover("test", 16, 72, "bfloat16", (4096, 8192, 16384), (0.353, 1.357, 5.241), (0.249, 0.770, 3.062),
+                  dense_first_ms=(60.0, 60.0, 60.0), padded_ms=(0.761, 1.088, 3.476))
+    rule = DenseRule(c.min_rows, c, calls=4)
+    lengths = [9000, 300, 8300, 5000, 64]  # 9000 stands in at 9216; 8300 at 8704 is not held; 5000 under 8192
+    assert [rule.stand_in_rows(n) for n in lengths] == [9216, None, 8704, None, None]
+    bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+    q, k, v = _qkv(lengths)
+    table = {(16, 72, torch.bfloat16): rule}
+    LEDGER.clear()
+    key = sequence_bounds.ledger_key(16, 72, torch.bfloat16, q.device)
+    LEDGER.own(key, bucket_rows(9000))
+    runs: list[tuple[int, int]] = []
+    dense_spy(monkeypatch, runs)
+    before = LEDGER.stats()
+
+    def both(q, k, v):
+        plain = attention.packed_attention(q, k, v, cu, max(lengths))
+        with attention.host_bounds([(cu, bounds)], min_rows=table):
+            planned = attention.packed_attention(q, k, v, cu, max(lengths))
+        return plain, planned
+
+    plain, planned = both(q, k, v)
+    assert runs == [(9000, 9216)], runs  # the others rent varlen
+    after = LEDGER.stats()
+    assert after["stand_in_calls"] - before["stand_in_calls"] == 1
+    assert after["rented_calls"] - before["rented_calls"] == 3  # 9000 (padded), 8300, 5000 (varlen)
+    assert not LEDGER.bought(key, 9000)
+    ref = _per_sequence_fp32(q, k, v, lengths)
+    for i, (a, b, r) in enumerate(zip(torch.split(plain, lengths), torch.split(planned, lengths), ref)):
+        assert rel(a, r) < BF16_RTOL and rel(b, r) < BF16_RTOL and rel(b, a) < BF16_RTOL, i
+    bad_v = v.clone()
+    bad_v[bounds[0] + 11] = float("nan")  # in the padded sequence
+    bad_v[bounds[1] + 5] = float("nan")  # in a varlen one
+    for out in both(q, k, bad_v):
+        for i, (got, want) in enumerate(zip(torch.split(out, lengths), torch.split(plain, lengths))):
+            if i in (0, 1):
+                assert torch.isnan(got).all(), i
+            else:
+                assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
+    LEDGER.clear()
+
+
 @pytest.mark.parametrize(("heads", "dim"), GEOMETRIES)
 def test_counted_dense_replayed_at_each_length(heads, dim):
     """counted_dense captured once at a budget's rows and replayed with the real length rewritten on the device,

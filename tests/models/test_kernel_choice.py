@@ -199,6 +199,30 @@ def test_a_new_length_rents_varlen_until_the_plan_pays_then_runs_dense(fake_varl
     assert dense == [80]  # saves 32 ms a call: over the 30 ms plan at first sight
 
 
+def test_a_rented_length_stands_in_padded_at_its_held_bucket(fake_varlen, monkeypatch):
+    """While a long sequence's own length rents, it runs padded to its bucket where this thread holds that
+    bucket's plan and the eager padded call beats varlen there (times as an H200's, rows scaled down); else on
+    varlen. The host plan passes the bucket as the dense call's length; the attention is the same."""
+    ledger = type(sequence_bounds.LEDGER)()
+    monkeypatch.setattr(sequence_bounds, "LEDGER", ledger)
+    c = Crossover("cpu", 3, 8, "float32", (16, 32, 64), (0.353, 1.357, 5.241), (0.249, 0.770, 3.062),
+                  dense_first_ms=(60.0, 60.0, 60.0), padded_ms=(0.761, 1.088, 3.476))
+    assert (c.min_rows, c.stand_in_from, c.bucket_from) == (16, 32, 64)
+    table = {(3, 8, torch.float32): DenseRule(c.min_rows, c, calls=2)}
+    bounds = [0, 3, 39, 57]  # 36 rows (bucket 40), 18 (under stand_in_from: varlen while it rents)
+    q, k, v = qkv(57)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    runs: list[tuple[int, int]] = []
+    dense_spy(monkeypatch, runs)
+    with attention.host_bounds([(cu, bounds)], min_rows=table):
+        assert attention._host_plan(cu, q) is None  # nothing held: both rent varlen
+        ledger.own(sequence_bounds.ledger_key(3, 8, torch.float32, q.device), 40)
+        assert attention._host_plan(cu, q) == (tuple(bounds), (0, 40, 0))
+        got = packed_attention_default(q, k, v, cu)
+    assert runs == [(36, 40)] and ledger.stats()["stand_in_calls"] == 2
+    torch.testing.assert_close(got, reference(q, k, v, [3, 36, 18]), rtol=1e-5, atol=1e-5)
+
+
 def test_measurement_is_skipped_off_cuda():
     tower = torch.nn.Module()
     tower.attn = torch.nn.Module()
@@ -280,15 +304,15 @@ def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen,
     monkeypatch.setattr(sequence_bounds, "_rents", lambda device: True)  # the stand-in varlen kernel rents
 
     paid: list[float] = []
-    dense = ledger.dense
+    run_length = ledger.run_length
 
     def spy(key, rows, r):
-        out = dense(key, rows, r)
-        if rows >= r.min_rows and not out:
-            paid.append(r.gain_ms(rows))
+        out = run_length(key, rows, r)
+        if rows >= r.min_rows and out != r.run_rows(rows):  # rented: on varlen (0), or standing in padded
+            paid.append(r.gain_ms(rows, stand_in=out > 0))
         return out
 
-    monkeypatch.setattr(ledger, "dense", spy)
+    monkeypatch.setattr(ledger, "run_length", spy)
     want = adapter.forward_eager("default", inputs)["pooler_output"]
     ledger.clear()
     for call in range(6):
@@ -365,9 +389,13 @@ def test_calls_between_segments_bucket_from_the_padded_calls_device_time():
     assert eager.gain_ms(4999) == pytest.approx(c.ms_at(4999)[0] - c.ms_at(4999)[1])
     got = kernel_choice.warm_lengths(split, (4096, 16384))
     assert got[0] == 4096 and got[-1] == 16384 and len(got) == 2 * 16 + 1
-    assert kernel_choice.warm_lengths(eager, (4096, 16384)) == [16384]
+    # an eager forward's padded call beats varlen from 8,192 rows (1.1 against 1.36 ms): there a length not
+    # bought stands in at its bucket, so those buckets are built too
+    assert c.stand_in_from == 8192 and eager.warm_from == 8192 and split.warm_from == 4096
+    got = kernel_choice.warm_lengths(eager, (4096, 16384))
+    assert got[0] == 8192 and got[-1] == 16384 and len(got) == 16 + 1
     again = Crossover.from_dict(c.to_dict())
-    assert again == c and again.to_dict()["replay_bucket_from"] == 4096
+    assert again == c and again.to_dict()["replay_bucket_from"] == 4096 and again.to_dict()["stand_in_from"] == 8192
     old = {k: v for k, v in c.to_dict().items() if k != "padded_replay_ms"}  # a cost model of before
     assert Crossover.from_dict(old).replay_bucket_from is None
     assert DenseRule(c.min_rows, Crossover.from_dict(old), replayed=True).run_rows(4999) == 4999

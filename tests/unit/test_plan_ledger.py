@@ -57,7 +57,7 @@ def test_a_length_rents_until_its_missed_savings_pay_the_plan_then_buys():
     missed = bought_at * rule.gain_ms(rows)
     assert missed < rule.plan_ms <= missed + 27 * rule.gain_ms(rows)  # bought once rent + a forward reaches it
     assert ledger.bought("g", rows) and not ledger.bought("other geometry", rows)
-    assert ledger.stats() == {"bought": 1, "rented_calls": bought_at, "warmed": 0}
+    assert ledger.stats() == {"bought": 1, "rented_calls": bought_at, "stand_in_calls": 0, "warmed": 0}
 
 
 def test_a_long_length_buys_at_first_sight_and_short_ones_never_run_dense():
@@ -107,7 +107,7 @@ def test_buying_buys_every_length_past_min_rows_at_once_and_restores():
             pass
         assert ledger.dense("g", 5000, rule)  # a nested block leaves the outer one buying
     assert not ledger.dense("g", 6000, rule)  # after the block: rent again
-    assert ledger.stats() == {"bought": 2, "rented_calls": 1, "warmed": 0}
+    assert ledger.stats() == {"bought": 2, "rented_calls": 1, "stand_in_calls": 0, "warmed": 0}
 
 
 def _paid(ledger: PlanLedger, key: str, rows: list[int], rule: DenseRule) -> float:
@@ -116,8 +116,9 @@ def _paid(ledger: PlanLedger, key: str, rows: list[int], rule: DenseRule) -> flo
     total = 0.0
     for _ in range(rule.calls):
         for n in rows:
-            if rule.min_rows is not None and n >= rule.min_rows and not ledger.dense(key, n, rule):
-                total += rule.gain_ms(n)
+            run = ledger.run_length(key, n, rule)
+            if rule.min_rows is not None and n >= rule.min_rows and run != rule.run_rows(n):  # rented
+                total += rule.gain_ms(n, stand_in=run > 0)
     return total
 
 
@@ -168,7 +169,7 @@ def test_replays_in_place_of_renting_pay_rent_until_the_length_is_bought(rows, c
         assert replays <= rule.plan_ms / (calls * gain) + 1
     assert paid <= rule.plan_ms + calls * copies * gain
     assert ledger.dense("g", rows, rule) and ledger.bought("g", rows)  # the next eager forward buys it
-    assert ledger.stats() == {"bought": 1, "rented_calls": rented, "warmed": 0}
+    assert ledger.stats() == {"bought": 1, "rented_calls": rented, "stand_in_calls": 0, "warmed": 0}
 
 
 def bucketed(slack: float | tuple[float, ...] = 1.05) -> Crossover:
@@ -243,9 +244,72 @@ def test_a_length_built_ahead_runs_dense_at_once_and_is_counted_apart():
     ledger.own("g", 4096)  # once per length
     assert ledger.bought("g", 4096) and ledger.dense("g", 4096, rule)
     assert ledger.surcharge_ms("g", [4096], rule) == 0.0
-    assert ledger.stats() == {"bought": 0, "rented_calls": 0, "warmed": 1}
+    assert ledger.stats() == {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 1}
     seen = []
     t = threading.Thread(target=lambda: seen.append(ledger.bought("g", 4096)))  # per thread, as torch's plans
     t.start()
     t.join()
     assert seen == [False]
+
+
+def h200() -> Crossover:
+    """16 heads x 72 as the photo run measured it on an H200 (ms): the eager padded call (issued back to back)
+    costs 3x the exact kernel at 4,096 rows, beats varlen from 8,192, and buckets only from 16,384."""
+    return Crossover("gpu", 16, 72, "bfloat16", (4096, 8192, 16384), (0.353, 1.357, 5.241), (0.249, 0.770, 3.062),
+                     dense_first_ms=(80.0, 55.0, 70.0), padded_ms=(0.761, 1.088, 3.476))
+
+
+def test_a_rented_length_stands_in_at_its_bucket_where_that_plan_is_held():
+    """Below ``bucket_from`` a sequence runs dense at its own length once bought; until then it rents, on
+    varlen, or padded to its bucket where this thread holds that bucket's plan (capture builds them), which is
+    faster. Its rent then grows by the padded call's smaller miss, so the exact plan is bought later."""
+    c = h200()
+    assert (c.min_rows, c.bucket_from, c.stand_in_from) == (4096, 16384, 8192)
+    rule = DenseRule(c.min_rows, c, calls=27)
+    assert rule.warm_from == 8192 and DenseRule(c.min_rows, c, 27, replayed=True).warm_from is None
+    rows, bucket = 9000, bucket_rows(9000)
+    assert rule.stand_in_rows(rows) == bucket == 9216 and c.stand_in_ms(rows) < c.ms_at(rows)[0]
+    assert 0 < rule.gain_ms(rows, stand_in=True) < rule.gain_ms(rows)
+
+    def until_bought(ledger: PlanLedger) -> list[int]:
+        runs = []
+        while (run := ledger.run_length("g", rows, rule)) != rows:
+            runs.append(run)
+        return runs
+
+    plain = until_bought(PlanLedger())
+    assert set(plain) == {0}  # no bucket held: varlen
+    ledger = PlanLedger()
+    ledger.own("g", bucket)
+    held = until_bought(ledger)
+    assert set(held) == {bucket} and len(held) > len(plain)  # padded meanwhile, the exact plan bought later
+    missed = len(held) * rule.gain_ms(rows, stand_in=True)
+    assert missed < rule.plan_ms <= missed + 27 * rule.gain_ms(rows, stand_in=True)
+    assert ledger.stats() == {"bought": 1, "rented_calls": len(held), "stand_in_calls": len(held), "warmed": 1}
+    assert ledger.run_length("g", rows, rule) == rows  # steady: the exact length, as before
+    # none under stand_in_from (the padded call loses to varlen there), none at a bucket length (its own run
+    # length), none from bucket_from (the run length is the bucket), none between a piecewise replay's segments
+    ledger.own("g", bucket_rows(5000))
+    assert rule.stand_in_rows(5000) is None and ledger.run_length("g", 5000, rule) == 0
+    assert rule.stand_in_rows(9216) is None and rule.stand_in_rows(17000) is None and rule.run_rows(17000) == 17408
+    assert DenseRule(c.min_rows, c, 27, replayed=True).stand_in_rows(rows) is None
+    assert Crossover.from_dict(c.to_dict()) == c and c.to_dict()["stand_in_from"] == 8192
+    no_padded = Crossover("gpu", 16, 72, "bfloat16", c.lengths, c.varlen_ms, c.dense_ms)
+    assert no_padded.stand_in_from is None and DenseRule(4096, no_padded).stand_in_rows(rows) is None
+
+
+@given(st.lists(st.lists(st.integers(min_value=3000, max_value=20000), max_size=3), max_size=6),
+       st.integers(min_value=1, max_value=30), st.sets(st.sampled_from([8704, 9216, 9728, 12288, 15360])))
+def test_surcharge_with_stand_ins_is_what_the_forward_then_pays(forwards, calls, held):
+    """The runner's price of an eager forward counts a rented call standing in padded at its bucket's miss, not
+    varlen's: for any history and any buckets held, what the forward then loses."""
+    c = h200()
+    rule = DenseRule(c.min_rows, c, calls=calls)
+    ledger = PlanLedger()
+    for bucket in held:
+        ledger.own("g", bucket)
+    for rows in forwards:
+        predicted = ledger.surcharge_ms("g", rows, rule)
+        assert predicted == pytest.approx(_paid(ledger, "g", rows, rule), abs=1e-9)
+    stand_ins = ledger.stats()["stand_in_calls"]
+    assert stand_ins == 0 or held  # only at a bucket held
