@@ -64,7 +64,7 @@ JSON (``benches/results/traffic_<gpu>.json``)::
                         "system_floors"? (sizes "new": each system's own copy): {"<system>": {"floor_ms": [...],
                                           "shape_floor_ms"?: [...]}},
                         "routes": {"<graph system>": [{"replays", "eager", "piecewise"?, "plans_bought"?, "rented_calls"?,
-                                                       "rerouted"?, "explored"?}]}},
+                                                       "stand_in_calls"?, "rerouted"?, "explored"?}]}},
         "floor"?: {"shape", "rates", "shape_rates"? | "shape_error"?},
         "unavailable", "dropped"?, "warmup_mean_ms", "seconds"}}}
 """
