@@ -14,8 +14,9 @@ JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. The d
 at each length, on a shorter sequence padded to it (:func:`~encgraph.models.dense_sequence.padded_dense`): where
 that costs little, dense calls run at bucket lengths (``Crossover.bucket_from``); and the same padded call replayed
 from a CUDA graph, its device time alone, as it runs between a piecewise replay's segments (where the host issues
-its copies while the segment before runs): from where that costs little, those calls run at bucket lengths
-(``Crossover.replay_bucket_from``), whose plans capture builds. Measured once per process and geometry (under a
+its copies while the segment before runs): from where that beats varlen, those calls stand in at bucket lengths
+while their own lengths rent (``Crossover.replay_stand_in_from``; eager calls from ``stand_in_from``), whose plans
+capture builds. Measured once per process and geometry (under a
 second on an H200: 7 lengths, each kernel a few calls, two new plans per length); a geometry already in a given
 cost model for this device is not measured again.
 

@@ -8,13 +8,15 @@ fill wrote, each long one on the dense kernel where this thread's plan ledger sa
 forward does), the others in runs on the varlen kernel; the padding rows' attention output is zero (their rows
 are never returned, and attend nothing: no NaN or stale value can reach a real row).
 
-A long sequence runs dense at its bucket length (:func:`~encgraph.packing.kernels.bucket_rows`) from the
-crossover's :attr:`~encgraph.packing.kernels.Crossover.replay_bucket_from`, measured on the padded call's device
-time: between segments the host issues its copies while the segment before runs. Capture builds those buckets'
-plans up to the largest split budget's rows (:meth:`SplitCall.warm`), so that an image size met for the first time
-runs dense at once: without buckets every new size rented varlen (on an H200 a 5,000-row sequence saves about
-5 ms a forward on cuDNN against a 40 ms plan: eight forwards at that size before it paid, the plan then bought
-inside a request).
+A long sequence runs dense at its own length once this thread holds that plan (bought by rent-or-buy), and
+until then at its bucket length (:func:`~encgraph.packing.kernels.bucket_rows`) from the crossover's
+:attr:`~encgraph.packing.kernels.Crossover.replay_stand_in_from`, where the padded call's device time beats varlen
+(between segments the host issues its copies while the segment before runs); from
+:attr:`~encgraph.packing.kernels.Crossover.replay_bucket_from`, where padding costs little against the exact
+kernel, at its bucket always. Capture builds the buckets' plans up to the largest split budget's rows
+(:meth:`SplitCall.warm`), so that an image size met for the first time runs dense at once, and one met again
+runs at its own length once it paid its plan: on an H200 the padded call costs 1.3x the exact kernel at 4,096-8,192
+rows, and a 4,960-row image's split replay at budget 1280 took 26.5 ms at its bucket against 22 at its length.
 """
 
 from __future__ import annotations
@@ -97,11 +99,11 @@ class SplitCall:
 
     def warm(self, rows: int, device: torch.device) -> dict[str, Any]:
         """Build, in this thread, the dense plans of every bucket length up to ``rows`` that this call may run at
-        (:func:`encgraph.models.dense_plans.warm_plans`, from the rule's crossover), so that a replay meeting a
-        new image size runs it dense at once instead of renting varlen until a plan pays (and then paying it
-        inside a request). Capture time only."""
+        (:func:`encgraph.models.dense_plans.warm_plans`, from the rule's crossover: :attr:`DenseRule.warm_from`),
+        so that a replay meeting a new image size runs it dense at once (standing in at its bucket) instead of
+        renting varlen. Capture time only."""
         rule = self.rule
-        if rule.min_rows is None or rule.bucket_from is None:
+        if rule.min_rows is None or rule.warm_from is None:
             return {"lengths": 0, "seconds": 0.0}
         return dense_plans.warm_plans({self.geometry: rule}, device, rows=(rule.min_rows, rows))
 

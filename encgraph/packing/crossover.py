@@ -162,13 +162,8 @@ class Crossover:
             at most :data:`BUCKET_SLACK` times the exact one at it and at every longer length measured, where dense
             calls start to run at bucket lengths (:func:`bucket_rows`; one plan per bucket); past the longest
             where that one fails (extrapolated: :func:`_bucket_from`); ``None`` without padded times.
-        replay_bucket_from: derived from ``padded_replay_ms``: the shortest measured length from which the padded
-            call beats the varlen kernel at it and at every longer one (:func:`crossover_rows`), where calls between
-            piecewise segments run at bucket lengths, whose plans capture builds; ``None`` without those times, or
-            where varlen wins at the longest. Not against the exact kernel, as :attr:`bucket_from` is: a split
-            call at a new length would otherwise rent varlen until a plan of its own paid (on an H200 the padded
-            call's copies cost 26-28% of the exact kernel from 4,096 to 8,192 rows, and it still beats varlen
-            there).
+        replay_bucket_from: derived from ``padded_replay_ms`` as :attr:`bucket_from` is from ``padded_ms``: where
+            calls between piecewise segments start to run at bucket lengths; ``None`` without those times.
         stand_in_from: derived from ``padded_ms``: the shortest measured length from which an eager forward's
             padded call (as issued back to back) beats the varlen kernel at it and at every longer one
             (:func:`crossover_rows`); ``None`` without padded times, or where varlen wins at the longest. Below
@@ -176,6 +171,11 @@ class Crossover:
             renting has paid it; from here, until then, the sequence runs padded to its bucket where the thread
             holds that bucket's plan (:meth:`stand_in_rows`; capture builds them) instead of on varlen. On an
             H200 at 16 x 72 the padded call is 1.09 against varlen's 1.36 ms at 8,192 rows (the exact 0.77).
+        replay_stand_in_from: the same from ``padded_replay_ms``, for calls between piecewise segments: on an
+            H200 from 4,096 rows, where the padded call's device time (0.33 ms at 16 x 72) beats varlen's (0.35)
+            but not the exact kernel's (0.25), so that a split call at a size met before runs at its own length
+            and one at a new size at its bucket (a 4,960-row image's replay at budget 1280 takes 22 ms at its
+            own length and 26.5 at its bucket).
     """
 
     device: str = attrs.field(converter=lambda v: check_str("Crossover(device)", v))
@@ -198,6 +198,7 @@ class Crossover:
     bucket_from: int | None = attrs.field(init=False)
     replay_bucket_from: int | None = attrs.field(init=False)
     stand_in_from: int | None = attrs.field(init=False)
+    replay_stand_in_from: int | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if not len(self.varlen_ms) == len(self.dense_ms) == len(self.lengths):
@@ -214,12 +215,12 @@ class Crossover:
                 )
         object.__setattr__(self, "varlen_kernel", faster_varlen(self.varlen_ms, self.fa4_ms))
         object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.chosen_varlen_ms, self.dense_ms))
-        # Derived once: run_rows reads it for every long sequence of every eager attention call.
-        object.__setattr__(self, "bucket_from", _bucket_from(self.lengths, self.dense_ms, self.padded_ms))
-        object.__setattr__(self, "replay_bucket_from", crossover_rows(self.lengths, self.chosen_varlen_ms,
-                                                                      self.padded_replay_ms) if self.padded_replay_ms else None)
-        object.__setattr__(self, "stand_in_from", crossover_rows(self.lengths, self.chosen_varlen_ms,
-                                                                 self.padded_ms) if self.padded_ms else None)
+        # Derived once: run_rows reads them for every long sequence of every eager attention call.
+        varlen = self.chosen_varlen_ms
+        for bucket, stand_in, padded in (("bucket_from", "stand_in_from", self.padded_ms),
+                                         ("replay_bucket_from", "replay_stand_in_from", self.padded_replay_ms)):
+            object.__setattr__(self, bucket, _bucket_from(self.lengths, self.dense_ms, padded))
+            object.__setattr__(self, stand_in, crossover_rows(self.lengths, varlen, padded) if padded else None)
 
     @property
     def key(self) -> str:
@@ -256,31 +257,40 @@ class Crossover:
         piecewise segments (``replayed``), else :attr:`bucket_from`."""
         return self.replay_bucket_from if replayed else self.bucket_from
 
+    def stand_in_start(self, *, replayed: bool = False) -> int | None:
+        """Rows from which a dense call whose own length rents may stand in at its bucket:
+        :attr:`replay_stand_in_from` for calls between piecewise segments (``replayed``), else
+        :attr:`stand_in_from`."""
+        return self.replay_stand_in_from if replayed else self.stand_in_from
+
+    def padded_at(self, run: int, *, replayed: bool = False) -> float:
+        """ms of the padded call at run length ``run`` (``padded_replay_ms`` where ``replayed``)."""
+        return loglog_at(self.lengths, self.padded_replay_ms if replayed else self.padded_ms, run)
+
     def dense_at(self, rows: int, *, replayed: bool = False) -> float:
         """ms of the dense call over one sequence of ``rows`` rows as it runs (:meth:`run_rows`): at its bucket
         with the padded kernel (the exact one where no padding is needed), or at ``rows``; ``replayed``: between
         piecewise segments (the padded call's device time, :attr:`padded_replay_ms`)."""
         run = self.run_rows(rows, replayed=replayed)
-        if run == rows:
-            return self.ms_at(rows)[1]
-        return loglog_at(self.lengths, self.padded_replay_ms if replayed else self.padded_ms, run)
+        return self.ms_at(rows)[1] if run == rows else self.padded_at(run, replayed=replayed)
 
-    def stand_in_rows(self, rows: int) -> int | None:
-        """The bucket length an eager dense call over a sequence of ``rows`` rows may run at while its own length
-        (its run length: below :attr:`bucket_from`) has no plan: from :attr:`stand_in_from`, ``bucket_rows(rows)``
+    def stand_in_rows(self, rows: int, *, replayed: bool = False) -> int | None:
+        """The bucket length a dense call over a sequence of ``rows`` rows may run at while its own length (its
+        run length: below :meth:`bucket_start`) has no plan: from :meth:`stand_in_start`, ``bucket_rows(rows)``
         where that is longer than ``rows``; else ``None`` (a bucket length is its own run length)."""
-        if self.stand_in_from is None or rows < self.stand_in_from or self.run_rows(rows) != rows:
+        start = self.stand_in_start(replayed=replayed)
+        if start is None or rows < start or self.run_rows(rows, replayed=replayed) != rows:
             return None
         bucket = bucket_rows(rows)
         return bucket if bucket != rows else None
 
-    def stand_in_ms(self, rows: int) -> float | None:
-        """ms of the eager padded call over ``rows`` rows at :meth:`stand_in_rows`, or ``None`` where there is none
-        or it would not beat the varlen kernel at ``rows`` (between measured lengths)."""
-        bucket = self.stand_in_rows(rows)
+    def stand_in_ms(self, rows: int, *, replayed: bool = False) -> float | None:
+        """ms of the padded call over ``rows`` rows at :meth:`stand_in_rows`, or ``None`` where there is none or
+        it would not beat the varlen kernel at ``rows`` (between measured lengths)."""
+        bucket = self.stand_in_rows(rows, replayed=replayed)
         if bucket is None:
             return None
-        ms = loglog_at(self.lengths, self.padded_ms, bucket)
+        ms = self.padded_at(bucket, replayed=replayed)
         return ms if ms < self.ms_at(rows)[0] else None
 
     def ms_at(self, rows: int) -> tuple[float, float]:
@@ -292,18 +302,20 @@ class Crossover:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; ``min_rows`` is written for readers and recomputed on load (``bucket_from``,
-        ``replay_bucket_from``, ``stand_in_from`` and ``varlen_kernel`` too)."""
+        ``replay_bucket_from``, the stand-in starts and ``varlen_kernel`` too)."""
         return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
                 "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
                 "dense_first_ms": list(self.dense_first_ms), "padded_ms": list(self.padded_ms),
                 "fa4_ms": list(self.fa4_ms), "padded_replay_ms": list(self.padded_replay_ms),
                 "varlen_kernel": self.varlen_kernel, "min_rows": self.min_rows, "bucket_from": self.bucket_from,
-                "replay_bucket_from": self.replay_bucket_from, "stand_in_from": self.stand_in_from}
+                "replay_bucket_from": self.replay_bucket_from, "stand_in_from": self.stand_in_from,
+                "replay_stand_in_from": self.replay_stand_in_from}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Crossover:
         check_mapping("Crossover.from_dict(data)", data, hint="Pass the dict Crossover.to_dict() returned.")
-        derived = ("min_rows", "bucket_from", "replay_bucket_from", "stand_in_from", "varlen_kernel")
+        derived = ("min_rows", "bucket_from", "replay_bucket_from", "stand_in_from", "replay_stand_in_from",
+                   "varlen_kernel")
         fields = {k: v for k, v in data.items() if k not in derived}
         try:
             return cls(**fields)

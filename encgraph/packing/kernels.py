@@ -46,10 +46,11 @@ class DenseRule:
         calls: attention calls per forward that run with host bounds at this geometry (the tower's
             full-attention layers), at least 1.
         replayed: the rule of calls between a piecewise replay's segments (:mod:`encgraph.capture.piecewise`):
-            their bucket lengths start at the crossover's :attr:`~Crossover.replay_bucket_from` and are priced at
-            the padded call's device time (the host issues its copies while the segment before runs), where an
-            eager forward's start at :attr:`~Crossover.bucket_from`, priced as issued back to back. Its lengths
-            are kept apart in the ledger (:func:`encgraph.models.sequence_bounds.ledger_key`).
+            their bucket lengths and stand-ins start at the crossover's :attr:`~Crossover.replay_bucket_from` and
+            :attr:`~Crossover.replay_stand_in_from` and are priced at the padded call's device time (the host
+            issues its copies while the segment before runs), where an eager forward's start at
+            :attr:`~Crossover.bucket_from` and :attr:`~Crossover.stand_in_from`, priced as issued back to back.
+            Its lengths are kept apart in the ledger (:func:`encgraph.models.sequence_bounds.ledger_key`).
     """
 
     min_rows: int | None
@@ -74,17 +75,16 @@ class DenseRule:
         if self.crossover is None:
             return 0.0
         dense = self.crossover.dense_at(rows, replayed=self.replayed)
-        renting = self.crossover.stand_in_ms(rows) if stand_in and not self.replayed else None
+        renting = self.crossover.stand_in_ms(rows, replayed=self.replayed) if stand_in else None
         return max((self.crossover.ms_at(rows)[0] if renting is None else renting) - dense, 0.0)
 
     def stand_in_rows(self, rows: int) -> int | None:
         """The bucket length a sequence of ``rows`` rows may run at while its own run length rents (where this
         thread holds that bucket's plan: :class:`PlanLedger`), padded, faster than varlen
-        (:meth:`Crossover.stand_in_ms`); ``None``: it rents varlen. Eager forwards only: between piecewise
-        segments buckets start where the padded call beats varlen already."""
-        if self.crossover is None or self.replayed or self.crossover.stand_in_ms(rows) is None:
+        (:meth:`Crossover.stand_in_ms`, for eager or replayed calls); ``None``: it rents varlen."""
+        if self.crossover is None or self.crossover.stand_in_ms(rows, replayed=self.replayed) is None:
             return None
-        return self.crossover.stand_in_rows(rows)
+        return self.crossover.stand_in_rows(rows, replayed=self.replayed)
 
     def may_run_dense(self, rows: int) -> bool:
         """Whether a sequence of ``rows`` rows ever runs dense: from ``min_rows``, except where it would run
@@ -106,12 +106,11 @@ class DenseRule:
 
     @property
     def warm_from(self) -> int | None:
-        """Rows from which a dense call may run at a bucket length (:attr:`bucket_from`, or the crossover's
-        :attr:`~Crossover.stand_in_from` where eager calls stand in earlier), whose plans capture builds; or
-        ``None``."""
-        starts = [self.bucket_from]
-        if self.crossover is not None and not self.replayed:
-            starts.append(self.crossover.stand_in_from)
+        """Rows from which a dense call may run at a bucket length (:attr:`bucket_from`, or earlier where it
+        stands in: :meth:`Crossover.stand_in_start`), whose plans capture builds; or ``None``."""
+        if self.crossover is None:
+            return None
+        starts = (self.bucket_from, self.crossover.stand_in_start(replayed=self.replayed))
         return min((s for s in starts if s is not None), default=None)
 
 

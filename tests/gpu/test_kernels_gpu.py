@@ -320,12 +320,13 @@ def test_runner_calls_above_the_ladder_equal_the_tower(monkeypatch):
 def test_an_eager_batch_that_would_rent_replays_instead(monkeypatch):
     """The cost model prices eager at its steady kernels. An image at a length this thread has not bought would
     rent varlen (the adapter's surcharge): with eager priced a hair under the replay, the runner replays it
-    (``rerouted``), piecewise: its long sequence outside the graph, at its bucket length (the split calls' rule,
-    ``DenseRule.replayed``), renting varlen through the ledger while that bucket is new to the thread (capture
-    built it; ``LEDGER.clear()`` forgot it). Within the calls the rent takes to reach the plan the bucket is
-    bought, and the same image then replays piecewise on the dense kernel at its bucket. The eager length is
-    never bought (no eager run buys it): every call is rerouted. Every output equals the tower's own forward;
-    called outside ``inference_mode`` (``no_grad``, as ``generate()`` does)."""
+    (``rerouted``), piecewise: its long sequence outside the graph, at its run length under the split calls' rule
+    (``DenseRule.replayed``: its own length, under the replay buckets' start), renting varlen through the ledger
+    while neither that length nor its bucket is held by the thread (capture built the bucket; ``LEDGER.clear()``
+    forgot it). Within the calls the rent takes to reach the plan the length is bought, and the same image then
+    replays piecewise on the dense kernel at it. The eager length is never bought (no eager run buys it): every
+    call is rerouted. Every output equals the tower's own forward; called outside ``inference_mode``
+    (``no_grad``, as ``generate()`` does)."""
     import math
 
     import attrs
@@ -340,7 +341,8 @@ def test_an_eager_batch_that_would_rent_replays_instead(monkeypatch):
     (key, rule), = adapter.kernel_rows.items()
     assert rule.min_rows is not None and rule.min_rows <= 4560, rule
     # 4,560 rows: a length dense runs faster than varlen, under the lengths capture builds ahead for eager forwards
-    # (kernel_choice.WARM_ROWS), so new to this thread after clear(); between segments at its bucket, 4,608.
+    # (kernel_choice.WARM_ROWS), so new to this thread after clear(); between segments at the split rule's run
+    # length (4,560 where replay buckets start past it, as on an H200; else its bucket, 4,608).
     assert rule.gain_ms(4560) > 0 and rule.run_rows(4560) < kernel_choice.WARM_ROWS[0], rule.crossover.to_dict()
     # The plan as 5 forwards' savings: the crossover's own plan time depends on whether this process built
     # cuDNN plans at its lengths before (earlier tests did), and this test is about the rent, not the device.
@@ -379,7 +381,7 @@ def test_an_eager_batch_that_would_rent_replays_instead(monkeypatch):
         assert stats["paths"]["default"]["piecewise_replays"] == {1280: call + 1}, stats["paths"]
         assert adapter.eager_surcharge_ms("default", specs) > 0  # the eager length still rents: rerouted again
         dense = dense_spy(monkeypatch)
-        out = runner(inputs)  # the bucket bought: a piecewise replay on the dense kernel
+        out = runner(inputs)  # its run length bought: a piecewise replay on the dense kernel
     assert rel(out[0]["pooler_output"], ref) < HF_RTOL
     stats = runner.stats
     assert stats["cost_feedback"]["rerouted"] == call + 2 and stats["eager_items"] == 0, stats

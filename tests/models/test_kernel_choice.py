@@ -368,39 +368,43 @@ def test_warm_lengths_are_the_bucket_lengths_from_bucket_from():
     assert kernel_choice.warm_lengths(DenseRule(4096)) == []  # nothing measured
 
 
-def test_calls_between_segments_bucket_from_the_padded_calls_device_time():
-    """A replayed rule (a piecewise replay's split calls) buckets from where the padded call's device time beats
-    the varlen kernel, and prices it there; an eager forward's rule keeps the queued times' start; the cost model's JSON
-    keeps the replay times, and a file without them loads with no replay buckets."""
+def test_calls_between_segments_stand_in_from_the_padded_calls_device_time():
+    """A replayed rule (a piecewise replay's split calls) runs a long sequence at its own length, standing in at
+    its bucket while that length rents from where the padded call's device time beats varlen, and buckets (for
+    good) only where the padded call stays within the slack of the exact one, as an eager forward's rule does
+    with the queued times; it is priced at its steady kernel, the exact one. The cost model's JSON keeps the
+    replay times, and a file without them loads with no replay buckets or stand-ins."""
     lengths, dense = (4096, 8192, 16384), (0.25, 0.8, 3.1)
-    queued = (0.5, 1.1, 3.5)  # host-bound: buckets from 16,384 only
+    queued = (0.5, 1.1, 3.5)  # host-bound: buckets from 16,384 only, stands in from 8,192
     replay = (0.33, 0.99, 3.5)  # the device alone: 1.1-1.3x the exact kernel, under varlen from 4,096
     c = Crossover(H200, 16, 72, "bfloat16", lengths, (0.36, 1.36, 5.3), dense, padded_ms=queued,
                   padded_replay_ms=replay, dense_first_ms=(40.0, 40.0, 40.0))
-    assert (c.min_rows, c.bucket_from, c.replay_bucket_from) == (4096, 16384, 4096)
+    assert (c.min_rows, c.bucket_from, c.replay_bucket_from) == (4096, 16384, 16384)
+    assert (c.stand_in_from, c.replay_stand_in_from) == (8192, 4096)
     eager, split = DenseRule(c.min_rows, c, 27), DenseRule(c.min_rows, c, 27, replayed=True)
-    assert eager.run_rows(4999) == 4999 and split.run_rows(4999) == 5120 and split.run_rows(4096) == 4096
-    assert split.bucket_from == 4096 and eager.bucket_from == 16384
-    # priced at the padded call's device time at its bucket, against varlen at the sequence's own rows
+    assert eager.run_rows(4999) == 4999 and split.run_rows(4999) == 4999 and split.run_rows(17000) == 17408
+    assert eager.stand_in_rows(4999) is None and split.stand_in_rows(4999) == 5120
+    assert eager.stand_in_rows(9000) == split.stand_in_rows(9000) == 9216
+    assert split.bucket_from == eager.bucket_from == 16384
+    # steady: the exact kernel, against varlen at the sequence's own rows; standing in: the padded call's device
+    # time at its bucket
     from encgraph.packing.crossover import loglog_at
 
-    want = c.ms_at(4999)[0] - loglog_at(lengths, replay, 5120)
-    assert split.gain_ms(4999) == pytest.approx(want) and 0 < want
-    assert eager.gain_ms(4999) == pytest.approx(c.ms_at(4999)[0] - c.ms_at(4999)[1])
+    assert split.gain_ms(4999) == pytest.approx(c.ms_at(4999)[0] - c.ms_at(4999)[1]) == eager.gain_ms(4999)
+    want = loglog_at(lengths, replay, 5120) - c.ms_at(4999)[1]
+    assert split.gain_ms(4999, stand_in=True) == pytest.approx(want) and 0 < want < split.gain_ms(4999)
     got = kernel_choice.warm_lengths(split, (4096, 16384))
     assert got[0] == 4096 and got[-1] == 16384 and len(got) == 2 * 16 + 1
-    # an eager forward's padded call beats varlen from 8,192 rows (1.1 against 1.36 ms): there a length not
-    # bought stands in at its bucket, so those buckets are built too
-    assert c.stand_in_from == 8192 and eager.warm_from == 8192 and split.warm_from == 4096
+    assert eager.warm_from == 8192 and split.warm_from == 4096
     got = kernel_choice.warm_lengths(eager, (4096, 16384))
     assert got[0] == 8192 and got[-1] == 16384 and len(got) == 16 + 1
     again = Crossover.from_dict(c.to_dict())
-    assert again == c and again.to_dict()["replay_bucket_from"] == 4096 and again.to_dict()["stand_in_from"] == 8192
+    assert again == c and again.to_dict()["replay_stand_in_from"] == 4096 and again.to_dict()["stand_in_from"] == 8192
     old = {k: v for k, v in c.to_dict().items() if k != "padded_replay_ms"}  # a cost model of before
-    assert Crossover.from_dict(old).replay_bucket_from is None
-    assert DenseRule(c.min_rows, Crossover.from_dict(old), replayed=True).run_rows(4999) == 4999
+    assert (Crossover.from_dict(old).replay_bucket_from, Crossover.from_dict(old).replay_stand_in_from) == (None, None)
+    assert DenseRule(c.min_rows, Crossover.from_dict(old), replayed=True).stand_in_rows(4999) is None
     slow = attrs.evolve(c, padded_replay_ms=(0.4, 0.99, 3.5))  # over varlen at 4,096: from 8,192
-    assert slow.replay_bucket_from == 8192 and DenseRule(4096, slow, replayed=True).run_rows(4999) == 4999
+    assert slow.replay_stand_in_from == 8192 and DenseRule(4096, slow, replayed=True).stand_in_rows(4999) is None
     with pytest.raises(ConfigError, match="padded_replay_ms"):
         Crossover(H200, 16, 72, "bfloat16", lengths, (1, 2, 3), dense, padded_replay_ms=(1.0,))
 

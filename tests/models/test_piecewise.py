@@ -141,6 +141,40 @@ def test_a_split_call_runs_long_sequences_at_warmed_bucket_lengths(monkeypatch, 
     LEDGER.clear()
 
 
+def test_a_split_call_stands_in_at_its_bucket_until_its_own_length_is_bought(monkeypatch, fake_varlen):  # noqa: F811
+    """Where the padded call beats varlen but costs well over the exact kernel (an H200's times, rows scaled
+    down), a split call runs a long sequence at its own length once this thread holds that plan; until then at
+    its bucket where capture built it (renting the difference), else on varlen. The attention is the same."""
+    calls = fake_varlen
+    runs: list[tuple[int, int]] = []
+    dense_spy(monkeypatch, runs)
+    cross = Crossover(H200, 2, 8, "float32", (16, 32, 64), (0.353, 1.357, 5.241), (0.249, 0.770, 3.062),
+                      dense_first_ms=(60.0, 60.0, 60.0), padded_replay_ms=(0.333, 0.991, 3.529))
+    assert (cross.replay_stand_in_from, cross.replay_bucket_from) == (16, 64)
+    call = piece_attention.SplitCall({GEO: DenseRule(cross.min_rows, cross, calls=1)}, GEO, None,
+                                     attention._host_planned_attention)
+    assert call.rule.run_rows(30) == 30 and call.rule.stand_in_rows(30) == 32
+    q, k, v = qkv(40, 2, 8)
+    bounds = (0, 30, 36)
+    cu = torch.tensor([0, 30, 36, 40], dtype=torch.int32)
+    want = reference(q[:36], k[:36], v[:36], [30, 6], None)
+    key = sequence_bounds.ledger_key(2, 8, torch.float32, torch.device("cpu"), replayed=True)
+    LEDGER.clear()
+    before = LEDGER.stats()["stand_in_calls"]
+    out = torch.empty_like(q)
+    for held, expected in ((None, []), (32, [(30, 32)]), (30, [(30, 30)])):  # nothing; the bucket; the length
+        if held is not None:
+            LEDGER.own(key, held)
+        runs.clear()
+        calls.clear()
+        call.run(q, k, v, cu, bounds, out, True)
+        assert runs == expected, held
+        assert [c[1] for c in calls] == ([[0, 30, 36]] if not expected else [[0, 6]]), held
+        torch.testing.assert_close(out[:36], want, rtol=1e-5, atol=1e-5)
+    assert LEDGER.stats()["stand_in_calls"] == before + 1
+    LEDGER.clear()
+
+
 def test_each_kind_of_split_call_warms_once_up_to_its_longest_site():
     seen: list[int] = []
 

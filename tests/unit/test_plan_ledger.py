@@ -289,6 +289,7 @@ def test_a_rented_length_stands_in_at_its_bucket_where_that_plan_is_held():
     assert ledger.run_length("g", rows, rule) == rows  # steady: the exact length, as before
     # none under stand_in_from (the padded call loses to varlen there), none at a bucket length (its own run
     # length), none from bucket_from (the run length is the bucket), none between a piecewise replay's segments
+    # without the padded call's replayed times
     ledger.own("g", bucket_rows(5000))
     assert rule.stand_in_rows(5000) is None and ledger.run_length("g", 5000, rule) == 0
     assert rule.stand_in_rows(9216) is None and rule.stand_in_rows(17000) is None and rule.run_rows(17000) == 17408
