@@ -6,6 +6,8 @@ kernels. Run with ``pytest -s`` to see the measured crossovers."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -131,35 +133,52 @@ def _per_sequence_fp32(q, k, v, lengths):
     return out
 
 
-def test_host_plan_equals_varlen_and_isolates_nan(monkeypatch):
-    lengths = [6000, 300, 200, 5000, 64]
-    bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
-    cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
-    q, k, v = _qkv(lengths)
-    table = {(16, 72, torch.bfloat16): 2048}
-    dense = dense_spy(monkeypatch)
+def _plain_and_planned(q, k, v, bounds, table):
+    """Flash varlen alone, and the host plan of ``bounds`` under the rows ``table``, on the same inputs."""
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    cu = torch.tensor(bounds, device=q.device, dtype=torch.int32)
+    plain = attention.packed_attention(q, k, v, cu, max(lengths))
+    with attention.host_bounds([(cu, bounds)], min_rows=table):
+        planned = attention.packed_attention(q, k, v, cu, max(lengths))
+    return plain, planned
 
-    def both(q, k, v):
-        plain = attention.packed_attention(q, k, v, cu, max(lengths))
-        with attention.host_bounds([(cu, bounds)], min_rows=table):
-            planned = attention.packed_attention(q, k, v, cu, max(lengths))
-        return plain, planned
 
-    plain, planned = both(q, k, v)
-    assert dense == [6000, 5000]
+def _check_sequences(q, k, v, bounds, table):
+    """Both outputs of :func:`_plain_and_planned` against each other and an fp32 reference, per sequence (bf16).
+    Returns the plain one."""
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    plain, planned = _plain_and_planned(q, k, v, bounds, table)
     ref = _per_sequence_fp32(q, k, v, lengths)
     for i, (a, b, r) in enumerate(zip(torch.split(plain, lengths), torch.split(planned, lengths), ref)):
         assert rel(a, r) < BF16_RTOL and rel(b, r) < BF16_RTOL and rel(b, a) < BF16_RTOL, i
-    # NaN values in a short sequence (a varlen run) and a long one (dense): only their own rows turn NaN.
+    return plain
+
+
+def _check_nan_isolation(q, k, v, bounds, table, plain, nan_at):
+    """NaN values at row ``nan_at[i]`` of each sequence ``i``: through either kernel only those sequences' rows
+    turn NaN, the others equal ``plain``."""
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
     bad_v = v.clone()
-    bad_v[bounds[1] + 5] = float("nan")
-    bad_v[bounds[3] + 7] = float("nan")
-    for out in both(q, k, bad_v):
+    for i, row in nan_at.items():
+        bad_v[bounds[i] + row] = float("nan")
+    for out in _plain_and_planned(q, k, bad_v, bounds, table):
         for i, (got, want) in enumerate(zip(torch.split(out, lengths), torch.split(plain, lengths))):
-            if i in (1, 3):
+            if i in nan_at:
                 assert torch.isnan(got).all(), i
             else:
                 assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
+
+
+def test_host_plan_equals_varlen_and_isolates_nan(monkeypatch):
+    lengths = [6000, 300, 200, 5000, 64]
+    bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    q, k, v = _qkv(lengths)
+    table = {(16, 72, torch.bfloat16): 2048}
+    dense = dense_spy(monkeypatch)
+    plain = _check_sequences(q, k, v, bounds, table)
+    assert dense == [6000, 5000]
+    # NaN values in a short sequence (a varlen run) and a long one (dense): only their own rows turn NaN.
+    _check_nan_isolation(q, k, v, bounds, table, plain, {1: 5, 3: 7})
 
 
 def test_a_rented_length_stands_in_padded_at_its_held_bucket(monkeypatch):
@@ -176,7 +195,6 @@ def test_a_rented_length_stands_in_padded_at_its_held_bucket(monkeypatch):
     lengths = [9000, 300, 8300, 5000, 64]  # 9000 stands in at 9216; 8300 at 8704 is not held; 5000 under 8192
     assert [rule.stand_in_rows(n) for n in lengths] == [9216, None, 8704, None, None]
     bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
-    cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
     q, k, v = _qkv(lengths)
     table = {(16, 72, torch.bfloat16): rule}
     LEDGER.clear()
@@ -185,31 +203,13 @@ def test_a_rented_length_stands_in_padded_at_its_held_bucket(monkeypatch):
     runs: list[tuple[int, int]] = []
     dense_spy(monkeypatch, runs)
     before = LEDGER.stats()
-
-    def both(q, k, v):
-        plain = attention.packed_attention(q, k, v, cu, max(lengths))
-        with attention.host_bounds([(cu, bounds)], min_rows=table):
-            planned = attention.packed_attention(q, k, v, cu, max(lengths))
-        return plain, planned
-
-    plain, planned = both(q, k, v)
+    plain = _check_sequences(q, k, v, bounds, table)
     assert runs == [(9000, 9216)], runs  # the others rent varlen
     after = LEDGER.stats()
     assert after["stand_in_calls"] - before["stand_in_calls"] == 1
     assert after["rented_calls"] - before["rented_calls"] == 3  # 9000 (padded), 8300, 5000 (varlen)
     assert not LEDGER.bought(key, 9000)
-    ref = _per_sequence_fp32(q, k, v, lengths)
-    for i, (a, b, r) in enumerate(zip(torch.split(plain, lengths), torch.split(planned, lengths), ref)):
-        assert rel(a, r) < BF16_RTOL and rel(b, r) < BF16_RTOL and rel(b, a) < BF16_RTOL, i
-    bad_v = v.clone()
-    bad_v[bounds[0] + 11] = float("nan")  # in the padded sequence
-    bad_v[bounds[1] + 5] = float("nan")  # in a varlen one
-    for out in both(q, k, bad_v):
-        for i, (got, want) in enumerate(zip(torch.split(out, lengths), torch.split(plain, lengths))):
-            if i in (0, 1):
-                assert torch.isnan(got).all(), i
-            else:
-                assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
+    _check_nan_isolation(q, k, v, bounds, table, plain, {0: 11, 1: 5})  # the padded sequence, a varlen one
     LEDGER.clear()
 
 
