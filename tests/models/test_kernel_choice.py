@@ -277,11 +277,13 @@ def test_a_scaled_model_keeps_its_crossovers():
     assert model.scaled(graph={"default": 2.0}).kernels == {c.key: c}
 
 
-def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen, monkeypatch):
+@pytest.mark.parametrize("padded_ms", [(), (0.8, 10.0)])
+def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen, monkeypatch, padded_ms):
     """The runner decides eager-or-replay with the adapter's ``eager_surcharge_ms`` before the forward runs: over
     a stream of calls (new lengths renting, then bought; an image and a video's frames), it must be exactly what
     the forward's attention calls then lose to rent, per frame sequence, and reading it changes nothing. A
-    replay in place of the forward (``rent_replayed``) pays the same rent. Off CUDA nothing rents: 0."""
+    replay in place of the forward (``rent_replayed``) pays the same rent. Off CUDA nothing rents: 0. With padded
+    times the 36-row frames stand in at their bucket (40 rows, held as capture would build it) while renting."""
     import numpy as np
 
     from encgraph.models import wrap
@@ -297,9 +299,19 @@ def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen,
     inputs = QwenVisionInputs(qwen.random_pixels(grid), grid)
     specs = adapter.item_specs(inputs)
     heads, head_dim = kernel_choice.tower_geometries(adapter._module)[0]
-    c = Crossover("cpu", heads, head_dim, "float32", (16, 64), (1.0, 16.0), (0.5, 8.0), dense_first_ms=(30.5, 38.0))
+    c = Crossover("cpu", heads, head_dim, "float32", (16, 64), (1.0, 16.0), (0.5, 8.0), dense_first_ms=(30.5, 38.0),
+                  padded_ms=padded_ms)
     rule = DenseRule(c.min_rows, c, calls=adapter._module.config.depth)
+    assert [rule.stand_in_rows(n) for n in (64, 24, 36, 4)] == ([None, None, 40, None] if padded_ms else [None] * 4)
     adapter.kernel_rows = {(heads, head_dim, torch.float32): rule}
+    key = sequence_bounds.ledger_key(heads, head_dim, torch.float32, torch.device("cpu"))
+
+    def cleared(ledger):  # a thread that has bought no length, holding the buckets capture builds
+        ledger.clear()
+        if padded_ms:
+            ledger.own(key, 40)
+        return ledger
+
     assert adapter.eager_surcharge_ms("default", specs) == 0.0  # the CPU: no varlen kernel, nothing rents
     monkeypatch.setattr(sequence_bounds, "_rents", lambda device: True)  # the stand-in varlen kernel rents
 
@@ -314,7 +326,7 @@ def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen,
 
     monkeypatch.setattr(ledger, "run_length", spy)
     want = adapter.forward_eager("default", inputs)["pooler_output"]
-    ledger.clear()
+    cleared(ledger)
     for call in range(6):
         predicted = adapter.eager_surcharge_ms("default", specs)
         assert adapter.eager_surcharge_ms("default", specs) == predicted  # reading changed nothing
@@ -322,22 +334,26 @@ def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen,
         got = adapter.forward_eager("default", inputs)["pooler_output"]
         assert predicted == pytest.approx(sum(paid), abs=1e-9), call
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    key = sequence_bounds.ledger_key(heads, head_dim, torch.float32, torch.device("cpu"))
     assert ledger.bought(key, 64) and ledger.bought(key, 36) and ledger.stats()["rented_calls"] > 0
-    ledger.clear()  # a replay in place of the first forward pays what that forward would have lost
+    assert (ledger.stats()["stand_in_calls"] > 0) == bool(padded_ms)
+    cleared(ledger)  # a replay in place of the first forward pays what that forward would have lost
     first = adapter.eager_surcharge_ms("default", specs)
     adapter.rent_replayed("default", specs)
     paid.clear()
     adapter.forward_eager("default", inputs)
     assert first > 0 and adapter.eager_surcharge_ms("default", specs) < first
-    assert sum(paid) == pytest.approx(ledger_after_one_forward(c, rule, [64, 24, 36, 36, 4]), abs=1e-9)
+    held = [("k", 40)] if padded_ms else []
+    assert sum(paid) == pytest.approx(ledger_after_one_forward(c, rule, [64, 24, 36, 36, 4], held), abs=1e-9)
 
 
-def ledger_after_one_forward(c, rule, rows):
-    """What a second forward over ``rows`` loses to rent on a fresh ledger (its first forward already rented)."""
+def ledger_after_one_forward(c, rule, rows, held=()):
+    """What a second forward over ``rows`` loses to rent on a fresh ledger holding the run lengths ``held``
+    (its first forward already rented)."""
     from encgraph.packing.kernels import PlanLedger
 
     ledger = PlanLedger()
+    for entry in held:
+        ledger.own(*entry)
     for _ in range(rule.calls):
         for n in rows:
             ledger.dense("k", n, rule)
