@@ -16,9 +16,9 @@ that costs little, dense calls run at bucket lengths (``Crossover.bucket_from``)
 from a CUDA graph, its device time alone, as it runs between a piecewise replay's segments (where the host issues
 its copies while the segment before runs): from where that beats varlen, those calls stand in at bucket lengths
 while their own lengths rent (``Crossover.replay_stand_in_from``; eager calls from ``stand_in_from``), whose plans
-capture builds. Measured once per process and geometry (under a
-second on an H200: 7 lengths, each kernel a few calls, two new plans per length); a geometry already in a given
-cost model for this device is not measured again.
+capture builds. Measured once per process and geometry (under a second on an H200: 7 lengths, each kernel a few
+calls, two new plans per length); a geometry already in a given cost model for this device is not measured
+again.
 
 Where the optional FlashAttention-4 wheel can run (:mod:`encgraph.models.fa4`: a Hopper or Blackwell GPU), its
 varlen kernel is timed at the same lengths, after its kernels are compiled (seconds, once per process and

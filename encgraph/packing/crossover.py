@@ -169,7 +169,7 @@ class Crossover:
             (:func:`crossover_rows`); ``None`` without padded times, or where varlen wins at the longest. Below
             :attr:`bucket_from` a long sequence's own length is its run length, whose plan a thread buys once
             renting has paid it; from here, until then, the sequence runs padded to its bucket where the thread
-            holds that bucket's plan (:meth:`stand_in_rows`; capture builds them) instead of on varlen. On an
+            holds that bucket's plan (:meth:`stand_in`; capture builds them) instead of on varlen. On an
             H200 at 16 x 72 the padded call is 1.09 against varlen's 1.36 ms at 8,192 rows (the exact 0.77).
         replay_stand_in_from: the same from ``padded_replay_ms``, for calls between piecewise segments: on an
             H200 from 4,096 rows, where the padded call's device time (0.33 ms at 16 x 72) beats varlen's (0.35)
@@ -274,24 +274,19 @@ class Crossover:
         run = self.run_rows(rows, replayed=replayed)
         return self.ms_at(rows)[1] if run == rows else self.padded_at(run, replayed=replayed)
 
-    def stand_in_rows(self, rows: int, *, replayed: bool = False) -> int | None:
-        """The bucket length a dense call over a sequence of ``rows`` rows may run at while its own length (its
-        run length: below :meth:`bucket_start`) has no plan: from :meth:`stand_in_start`, ``bucket_rows(rows)``
-        where that is longer than ``rows``; else ``None`` (a bucket length is its own run length)."""
+    def stand_in(self, rows: int, *, replayed: bool = False) -> tuple[int, float] | None:
+        """``(bucket length, ms)`` of the padded call a dense call over a sequence of ``rows`` rows may run while its
+        own length (its run length: below :meth:`bucket_start`) has no plan: from :meth:`stand_in_start`, at
+        ``bucket_rows(rows)`` where that is longer than ``rows`` (a bucket length is its own run length) and the
+        padded call beats the varlen kernel at ``rows`` (between measured lengths); else ``None``."""
         start = self.stand_in_start(replayed=replayed)
         if start is None or rows < start or self.run_rows(rows, replayed=replayed) != rows:
             return None
         bucket = bucket_rows(rows)
-        return bucket if bucket != rows else None
-
-    def stand_in_ms(self, rows: int, *, replayed: bool = False) -> float | None:
-        """ms of the padded call over ``rows`` rows at :meth:`stand_in_rows`, or ``None`` where there is none or
-        it would not beat the varlen kernel at ``rows`` (between measured lengths)."""
-        bucket = self.stand_in_rows(rows, replayed=replayed)
-        if bucket is None:
+        if bucket == rows:
             return None
         ms = self.padded_at(bucket, replayed=replayed)
-        return ms if ms < self.ms_at(rows)[0] else None
+        return (bucket, ms) if ms < self.ms_at(rows)[0] else None
 
     def ms_at(self, rows: int) -> tuple[float, float]:
         """``(varlen ms, dense ms)`` of one call on one sequence of ``rows`` rows (the varlen kernel chosen):

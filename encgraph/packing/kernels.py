@@ -75,16 +75,15 @@ class DenseRule:
         if self.crossover is None:
             return 0.0
         dense = self.crossover.dense_at(rows, replayed=self.replayed)
-        renting = self.crossover.stand_in_ms(rows, replayed=self.replayed) if stand_in else None
-        return max((self.crossover.ms_at(rows)[0] if renting is None else renting) - dense, 0.0)
+        padded = self.crossover.stand_in(rows, replayed=self.replayed) if stand_in else None
+        return max((self.crossover.ms_at(rows)[0] if padded is None else padded[1]) - dense, 0.0)
 
     def stand_in_rows(self, rows: int) -> int | None:
         """The bucket length a sequence of ``rows`` rows may run at while its own run length rents (where this
         thread holds that bucket's plan: :class:`PlanLedger`), padded, faster than varlen
-        (:meth:`Crossover.stand_in_ms`, for eager or replayed calls); ``None``: it rents varlen."""
-        if self.crossover is None or self.crossover.stand_in_ms(rows, replayed=self.replayed) is None:
-            return None
-        return self.crossover.stand_in_rows(rows, replayed=self.replayed)
+        (:meth:`Crossover.stand_in`, for eager or replayed calls); ``None``: it rents varlen."""
+        padded = self.crossover.stand_in(rows, replayed=self.replayed) if self.crossover is not None else None
+        return None if padded is None else padded[0]
 
     def may_run_dense(self, rows: int) -> bool:
         """Whether a sequence of ``rows`` rows ever runs dense: from ``min_rows``, except where it would run

@@ -268,7 +268,7 @@ def test_a_rented_length_stands_in_at_its_bucket_where_that_plan_is_held():
     rule = DenseRule(c.min_rows, c, calls=27)
     assert rule.warm_from == 8192 and DenseRule(c.min_rows, c, 27, replayed=True).warm_from is None
     rows, bucket = 9000, bucket_rows(9000)
-    assert rule.stand_in_rows(rows) == bucket == 9216 and c.stand_in_ms(rows) < c.ms_at(rows)[0]
+    assert rule.stand_in_rows(rows) == bucket == 9216 and c.stand_in(rows)[1] < c.ms_at(rows)[0]
     assert 0 < rule.gain_ms(rows, stand_in=True) < rule.gain_ms(rows)
 
     def until_bought(ledger: PlanLedger) -> list[int]:
