@@ -10,21 +10,18 @@ Backends (chosen per call from the tensors, never from their values, so the choi
 at replay):
 
 - ``VARLEN``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention) on CUDA with fp16/bf16;
-- ``SEGMENTS``: on the CPU: ``scaled_dot_product_attention`` of each sequence on its own, the bounds read from
-  ``cu_seqlens`` on the host (free on the CPU, where nothing is captured). Exact, isolated (one sequence's values
-  never enter another's rows), and memory-bounded: torch's CPU flash kernel needs no ``tokens^2`` scores;
+- ``SEGMENTS``: on the CPU, ``scaled_dot_product_attention`` of each sequence on its own (exact, isolated and
+  memory-bounded: :func:`~encgraph.models.exact_attention.segment_attention`);
 - an eager forward that passes its bounds from the host (:func:`host_bounds`, :mod:`encgraph.models.sequence_bounds`)
   runs, on CUDA, each sequence of at least the measured crossover's rows (:mod:`encgraph.models.kernel_choice`;
   :data:`SEGMENT_MIN_ROWS` where none was measured) as one dense SDPA call, which on an H200 runs cuDNN's kernel at
   346-428 TF/s where Flash's varlen one reaches 207-258 at head dim 72-80 (``benches/attention_kernels.py``), and
   each run of shorter sequences between them as one varlen call; a length new to the thread runs dense only once
   the saving pays for cuDNN's plan of that shape (rent-or-buy: :class:`~encgraph.packing.kernels.DenseRule`);
-- ``MASKED_SDPA``: on CUDA in fp32 or where varlen is missing (and on the ``meta`` device): a block-diagonal mask
-  built from ``cu_seqlens`` with tensor ops only (``searchsorted`` segment ids: no host sync, capturable) and
-  ``scaled_dot_product_attention``. Exact but ``tokens^2`` memory and 3-21x slower than varlen on a GPU
-  (measured): a fallback, not a fast path. A masked product still multiplies other sequences' values by zero
-  weights, and ``0 * NaN`` is NaN, so values are sanitised first and non-finite ones are carried only within
-  their own sequence (rule 13).
+- ``MASKED_SDPA``: on CUDA in fp32 or where varlen is missing (and on the ``meta`` device): one SDPA call under a
+  block-diagonal mask built on the device (capturable; ``tokens^2`` memory and 3-21x slower than varlen on a GPU:
+  a fallback, not a fast path; NaN isolated per sequence, rule 13):
+  :func:`~encgraph.models.exact_attention.masked_attention`.
 
 For Hugging Face towers the function is registered with ``transformers.AttentionInterface`` under a name that
 contains "flash" (:data:`ATTENTION_NAME`): the Qwen-VL towers take their packed ``cu_seqlens`` path only for such
@@ -48,6 +45,7 @@ from encgraph.capture import piecewise
 from encgraph.models import fa4, piece_attention, sequence_bounds
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
+from encgraph.models.exact_attention import masked_attention, repeat_heads, segment_attention
 from encgraph.models.sequence_bounds import RowsTable, host_bounds
 
 __all__ = [
@@ -242,10 +240,10 @@ def packed_attention(
     if backend is AttentionBackend.VARLEN:
         return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scale)
     if key.shape[1] != query.shape[1]:
-        key, value = _repeat_heads(key, value, query.shape[1])
+        key, value = repeat_heads(key, value, query.shape[1])
     if backend is AttentionBackend.SEGMENTS:
-        return _segment_attention(query, key, value, cu_seqlens, scale)
-    return _masked_attention(query, key, value, cu_seqlens, scale)
+        return segment_attention(query, key, value, cu_seqlens, scale)
+    return masked_attention(query, key, value, cu_seqlens, scale)
 
 
 def _varlen_attention(
@@ -270,7 +268,7 @@ def _varlen_attention(
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     kwargs: dict[str, Any] = {}
     if key.shape[1] != query.shape[1]:
-        key, value = _repeat_heads(key, value, query.shape[1])
+        key, value = repeat_heads(key, value, query.shape[1])
     if torch.compiler.is_compiling():
         # Traced by torch.compile: one opaque op (see encgraph.models._varlen_op) around _varlen_call, which picks
         # the geometry's kernel at run time; the scale passed as it is (under a symbolic head dim the
@@ -287,36 +285,6 @@ def _varlen_attention(
     return _kernel_call(query, key, value, cu, cu, max_seqlen, max_seqlen, scale, kernel)
 
 
-def _repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if heads % key.shape[1]:
-        raise InputError(
-            f"packed_attention: query heads ({heads}) must be a multiple of key/value heads ({key.shape[1]})."
-        )
-    groups = heads // key.shape[1]
-    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-
-
-def _segment_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
-    bounds: Sequence[int] | None = None,
-) -> torch.Tensor:
-    # key and value have the query's heads here (packed_attention repeats grouped ones).
-    tokens = query.shape[0]
-    if bounds is None:
-        bounds = cu_seqlens.tolist()  # the CPU only: a host read costs nothing and nothing is captured
-    out = query.new_empty(query.shape)
-    # (1, heads, tokens, head_dim): the 4-D layout torch's CPU flash kernel takes (3-D inputs fall back to the
-    # math kernel, whose (tokens, tokens) scores a long padding sequence cannot afford).
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    ends = sorted({min(max(int(e), 0), tokens) for e in bounds} | {0, tokens})
-    for start, end in zip(ends[:-1], ends[1:]):
-        # Rows past cu[-1] (none in encgraph's layouts) form one more sequence, as in the masked backend.
-        out[start:end] = F.scaled_dot_product_attention(
-            q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], scale=scale
-        )[0].transpose(0, 1)
-    return out
-
-
 def _host_planned_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
     bounds: Sequence[int], dense: Sequence[int] | None, out: torch.Tensor | None = None,
@@ -328,11 +296,11 @@ def _host_planned_attention(
     shape; a piecewise replay's static output), default a fresh tensor."""
     if dense is None:
         if key.shape[1] != query.shape[1]:
-            key, value = _repeat_heads(key, value, query.shape[1])
-        return _segment_attention(query, key, value, cu_seqlens, scale, bounds)
+            key, value = repeat_heads(key, value, query.shape[1])
+        return segment_attention(query, key, value, cu_seqlens, scale, bounds)
     tokens = query.shape[0]
     out = query.new_empty(query.shape) if out is None else out
-    dense_k, dense_v = _repeat_heads(key, value, query.shape[1]) if key.shape[1] != query.shape[1] else (key, value)
+    dense_k, dense_v = repeat_heads(key, value, query.shape[1]) if key.shape[1] != query.shape[1] else (key, value)
     run: int | None = None  # the cu index where the current run of varlen sequences starts
 
     def flush(end: int) -> None:
@@ -357,33 +325,6 @@ def _host_planned_attention(
         a = bounds[-1]
         out[a:] = dense_sequence(query[a:], dense_k[a:], dense_v[a:], scale)
     return out
-
-
-def _masked_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
-) -> torch.Tensor:
-    # key and value have the query's heads here (packed_attention repeats grouped ones).
-    tokens = query.shape[0]
-    # Segment id of each row: the number of sequence ends at or before it. Zero-length sequences add equal ends
-    # and so never split a segment; rows past cu[-1] share one extra segment (they attend among themselves).
-    rows = torch.arange(tokens, device=query.device, dtype=cu_seqlens.dtype)
-    seg = torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True)
-    mask = seg[:, None] == seg[None, :]
-    # Another sequence's NaN or inf reaches a row through the masked product (a -inf mask plus an inf score, or a
-    # zero weight times an inf value, is NaN): compute on finite keys and values only, then make NaN exactly the
-    # rows whose own sequence holds a non-finite key or value, as the attention of that sequence alone would.
-    zero = torch.zeros((), dtype=value.dtype, device=value.device)
-    bad_k, bad_v = ~torch.isfinite(key), ~torch.isfinite(value)
-    bad = (bad_k | bad_v).reshape(tokens, -1).any(-1)
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        torch.where(bad_k, zero, key).transpose(0, 1).unsqueeze(0),
-        torch.where(bad_v, zero, value).transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-    )[0].transpose(0, 1)
-    reach = (mask & bad[None, :]).any(-1)  # (tokens,): the row's sequence holds a non-finite key or value
-    return torch.where(reach[:, None, None], torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
 
 
 def hf_attention_forward(

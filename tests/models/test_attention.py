@@ -247,13 +247,13 @@ def test_tower_dtype_device():
 def segment_spy(monkeypatch) -> list[bool]:
     """Records, per SEGMENTS call, whether it got its bounds from the host (``host_bounds``)."""
     calls: list[bool] = []
-    original = attention._segment_attention
+    original = attention.segment_attention
 
     def spy(q, k, v, cu, scale, bounds=None):
         calls.append(bounds is not None)
         return original(q, k, v, cu, scale, bounds)
 
-    monkeypatch.setattr(attention, "_segment_attention", spy)
+    monkeypatch.setattr(attention, "segment_attention", spy)
     return calls
 
 

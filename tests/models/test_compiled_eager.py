@@ -39,7 +39,7 @@ def varlen_call_on_cpu(monkeypatch):
     from encgraph.models._varlen_op import make_op
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-        return attention._masked_attention(q, k, v, cu_q, kw.get("scale"))
+        return attention.masked_attention(q, k, v, cu_q, kw.get("scale"))
 
     previous = _varlen_op._IMPL
     monkeypatch.setattr(attention, "pick_backend", lambda q: attention.AttentionBackend.VARLEN)

@@ -118,7 +118,7 @@ def fake_varlen(monkeypatch):
         calls.append((query.shape[0], bounds, max_seqlen))
         assert bounds[-1] == query.shape[0] and max(b - a for a, b in zip(bounds, bounds[1:])) <= max_seqlen
         if key.shape[1] != query.shape[1]:
-            key, value = attention._repeat_heads(key, value, query.shape[1])
+            key, value = attention.repeat_heads(key, value, query.shape[1])
         return reference(query, key, value, [b - a for a, b in zip(bounds, bounds[1:])], scale)
 
     monkeypatch.setattr(attention, "_varlen_attention", varlen)
@@ -135,7 +135,7 @@ def test_long_sequences_run_dense_and_runs_of_short_ones_varlen(fake_varlen, kv_
         assert attention._host_plan(cu, q) == (tuple(bounds), (0, 0, 20, 0, 0, 0, 20))
         got = packed_attention_default(q, k, v, cu)
     assert fake_varlen == [(5, [0, 3, 5], 3), (5, [0, 2, 2, 5], 3)]
-    kk, vv = attention._repeat_heads(k, v, 3) if kv_heads else (k, v)
+    kk, vv = attention.repeat_heads(k, v, 3) if kv_heads else (k, v)
     torch.testing.assert_close(got, reference(q, kk, vv, [3, 2, 20, 2, 0, 3, 20, 2]), rtol=1e-6, atol=1e-6)
 
 
