@@ -296,7 +296,10 @@ class EncoderGraphRunner:
         return self._dp.global_stats()
 
     def _call_local(self, inputs: Any) -> list[Any]:
-        with self._lock, torch.no_grad():
+        # A dense attention plan bought during the call is built once the call has issued its work (the device
+        # runs it meanwhile) rather than by the attention call that buys it, with the device waiting
+        # (PlanLedger.deferring; a serving front's outer block builds them when idle instead).
+        with self._lock, torch.no_grad(), LEDGER.deferring():
             specs = item_specs(self.adapter, inputs)
             if not self.captured:
                 if self.mode is RunMode.GRAPH and not self.lazy:
@@ -415,7 +418,8 @@ class EncoderGraphRunner:
         serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``rerouted`` batches (eager
         would rent a kernel), ``unchosen`` eager runs not timed (forced eager), ``corrections`` per kind, cumulative ``scale`` per path; kept across
         ``reset_stats()``), ``kernel_plans`` (the process's dense attention plans: ``bought`` lengths,
-        ``rented_calls``, ``warmed`` lengths built at capture; :data:`~encgraph.packing.kernels.LEDGER`),
+        ``rented_calls``, ``stand_in_calls``, ``warmed`` lengths built at capture, ``deferred`` purchases built
+        after their call's work was issued; :data:`~encgraph.packing.kernels.LEDGER`),
         ``compiled_eager`` (whether eager forwards run through the blocks compiled for capture, and how often:
         :meth:`~encgraph.capture.compiled_eager.CompiledEager.as_dict`).
         ``graph_items + eager_items == items``.

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
 from encgraph.capture import piecewise
-from encgraph.models import fa4, piece_attention, sequence_bounds
+from encgraph.models import dense_plans, fa4, piece_attention, sequence_bounds
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.models.exact_attention import masked_attention, repeat_heads, segment_attention
@@ -79,10 +79,14 @@ measured inside graphs on an H200 at 16 heads x 72, dense cuDNN against Flash va
 0.58 ms at 1 x 5120 rows and 0.46 vs 0.73 ms at 2 x 4096, about even at 4 x 1280, and 0.19 vs 0.08 ms at
 16 x 256 (one launch per sequence)."""
 
-def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...] | None] | None:
+def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None,
+               value: torch.Tensor | None = None, scale: float | None = None,
+               ) -> tuple[tuple[int, ...], tuple[int, ...] | None] | None:
     """``(host bounds of cu_seqlens, per sequence the rows it runs dense at, 0 for varlen)`` when
     :func:`host_bounds` gave the bounds and at least one sequence runs dense in this call (``None`` for the
-    flags: every sequence on its own, the CPU); else ``None`` (the backend of :func:`pick_backend`)."""
+    flags: every sequence on its own, the CPU); else ``None`` (the backend of :func:`pick_backend`). With
+    ``key`` and ``value``, a length bought in a deferring block falls due, its plan built later
+    (:func:`~encgraph.models.dense_plans.plan_build`); without, the call at hand buys it."""
     found = sequence_bounds.lookup(cu_seqlens)
     if found is None:
         return None
@@ -94,7 +98,8 @@ def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor) -> tuple[tuple[int
     rule = sequence_bounds.segment_rule(query, table, SEGMENT_MIN_ROWS)
     if rule.min_rows is None or all(b - a < rule.min_rows for a, b in zip(bounds[:-1], bounds[1:])):
         return None
-    flags = sequence_bounds.dense_flags(query, bounds, rule)
+    builder = None if key is None or value is None else lambda: dense_plans.plan_build(query, key, value, scale)
+    flags = sequence_bounds.dense_flags(query, bounds, rule, builder)
     return (bounds, flags) if any(flags) else None
 
 
@@ -127,7 +132,7 @@ def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     split = _split(query, key, value, cu_q, max_q, scale) if same else None
     if split is not None:
         return split
-    plan = _host_plan(cu_q, query) if same else None
+    plan = _host_plan(cu_q, query, key, value, scale) if same else None
     if plan is not None:
         return _host_planned_attention(query, key, value, cu_q, scale, *plan)
     return _kernel_call(query, key, value, cu_q, cu_k, max_q, max_k, scale)
@@ -233,7 +238,7 @@ def packed_attention(
             f"packed_attention(max_seqlen): expected a host int >= 1 fixed per layer at capture, got "
             f"{describe(max_seqlen)}; a tensor here would sync the host inside the graph."
         )
-    plan = _host_plan(cu_seqlens, query) if backend is None else None
+    plan = _host_plan(cu_seqlens, query, key, value, scale) if backend is None else None
     if plan is not None:
         return _host_planned_attention(query, key, value, cu_seqlens, scale, *plan)
     backend = pick_backend(query) if backend is None else backend

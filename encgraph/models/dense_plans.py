@@ -4,22 +4,25 @@ bucket_rows`) built here is free to its first image of that size. Eager forwards
 built when the adapter chooses its kernels (:mod:`encgraph.models.kernel_choice`); a piecewise replay's split calls'
 buckets, up to the largest split budget's rows, after the split capture
 (:meth:`encgraph.models.piece_attention.SplitCall.warm`). Lengths a thread holds are marked in the plan ledger
-(:data:`~encgraph.packing.kernels.LEDGER`), which then runs them dense at once.
+(:data:`~encgraph.packing.kernels.LEDGER`), which then runs them dense at once. A length bought while serving is
+built after the call that bought it has issued its work (:func:`plan_build`,
+:meth:`~encgraph.packing.kernels.PlanLedger.deferring`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
 
 import torch
 
-from encgraph.models.dense_sequence import padded_dense
+from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.models.sequence_bounds import LEDGER, RowsTable, ledger_key
-from encgraph.packing.kernels import DenseRule, bucket_rows
+from encgraph.packing.kernels import DenseRule, PlanBuild, bucket_rows
 
-__all__ = ["WARM_ROWS", "warm_lengths", "warm_plans"]
+__all__ = ["WARM_ROWS", "plan_build", "warm_lengths", "warm_plans"]
 
 log = logging.getLogger("encgraph")
 
@@ -81,3 +84,33 @@ def warm_plans(table: RowsTable, device: torch.device, rows: tuple[int, int] = W
         log.info("encgraph: built %d dense attention plans at bucket lengths %d..%d rows in %.1f s.", built,
                  rows[0], rows[1], seconds)
     return {"lengths": built, "seconds": seconds}
+
+
+def plan_build(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> PlanBuild:
+    """The :data:`~encgraph.packing.kernels.PlanBuild` of the dense calls a host-planned attention makes over
+    slices of ``query``, ``key`` and ``value`` (``(tokens, heads, head_dim)``; key and value with fewer heads are
+    repeated to the query's first, into contiguous tensors): ``build(rows)`` runs
+    :func:`~encgraph.models.dense_sequence.dense_sequence` once at ``rows`` rows on uninitialised scratch
+    tensors of the same sizes, strides, dtype and device, so that torch builds the cuDNN plan the real calls will
+    find (torch keys it by those, not by the values or the addresses; per thread: build it in the thread that runs
+    the calls). Keeps only that metadata, never the tensors. Each build allocates its three inputs and the output
+    (``rows x heads x head_dim``, times the row stride's excess over ``heads x head_dim`` for views of a fused
+    projection) for the one call, and runs one dense kernel on the current stream (about 0.3 ms at 5,000 rows
+    on an H200) whose output is dropped."""
+    heads = int(query.shape[1])
+    layouts = []
+    for t in (query, key, value):
+        shape = (heads, int(t.shape[2]))
+        # _host_planned_attention repeats grouped heads with repeat_interleave: a fresh contiguous tensor
+        strides = tuple(t.stride()) if int(t.shape[1]) == heads else (heads * shape[1], shape[1], 1)
+        layouts.append((shape, strides))
+    dtype, device = query.dtype, query.device
+
+    def build(rows: int) -> None:
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with torch.no_grad(), on_device:
+            q, k, v = (torch.empty_strided((rows, *shape), strides, dtype=dtype, device=device)
+                       for shape, strides in layouts)
+            dense_sequence(q, k, v, scale)
+
+    return build

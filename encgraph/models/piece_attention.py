@@ -86,7 +86,8 @@ class SplitCall:
         if n == 0:
             return
         if dense:
-            flags = sequence_bounds.dense_flags(query, bounds, self.rule)
+            flags = sequence_bounds.dense_flags(
+                query, bounds, self.rule, lambda: dense_plans.plan_build(query, key, value, self.scale))
         else:
             flags = (0,) * (len(bounds) - 1)
         self.attend(query[:n], key[:n], value[:n], cu_seqlens, self.scale, bounds, flags, out=out[:n])

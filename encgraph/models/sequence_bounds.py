@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from encgraph.packing.kernels import LEDGER, DenseRule
+from encgraph.packing.kernels import LEDGER, DenseRule, PlanBuild
 
 __all__ = ["LEDGER", "RowsTable", "dense_flags", "eager_surcharge_ms", "host_bounds", "ledger_key", "lookup",
            "rent_replayed", "segment_rule"]
@@ -100,13 +100,16 @@ def ledger_key(heads: int, head_dim: int, dtype: torch.dtype, device: torch.devi
     return (*key, "replayed") if replayed else key
 
 
-def dense_flags(query: torch.Tensor, bounds: Sequence[int], rule: DenseRule) -> tuple[int, ...]:
+def dense_flags(query: torch.Tensor, bounds: Sequence[int], rule: DenseRule,
+                builder: Callable[[], PlanBuild] | None = None) -> tuple[int, ...]:
     """Per sequence of ``bounds``, the rows it runs dense at in this call (its run length,
     :meth:`~encgraph.packing.kernels.DenseRule.run_rows`: its own rows or its bucket's; while its own length rents,
     the bucket it stands in at), 0 where it runs varlen (:data:`LEDGER`'s rent-or-buy,
-    :meth:`~encgraph.packing.kernels.PlanLedger.run_length`, keyed by ``query``'s geometry, dtype and device)."""
+    :meth:`~encgraph.packing.kernels.PlanLedger.run_length`, keyed by ``query``'s geometry, dtype and device).
+    ``builder``: what builds this call's plans later where a purchase falls due (inside
+    :meth:`~encgraph.packing.kernels.PlanLedger.deferring`: :func:`encgraph.models.dense_plans.plan_build`)."""
     key = ledger_key(query.shape[1], query.shape[2], query.dtype, query.device, replayed=rule.replayed)
-    return tuple(LEDGER.run_length(key, b - a, rule) for a, b in zip(bounds[:-1], bounds[1:]))
+    return tuple(LEDGER.run_length(key, b - a, rule, builder) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def _rents(device: torch.device) -> bool:

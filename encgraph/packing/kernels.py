@@ -2,14 +2,20 @@
 (:class:`DenseRule`, one per head geometry, from its measured :class:`~encgraph.packing.crossover.Crossover`) and
 which run lengths this thread holds a plan for (:class:`PlanLedger`, :data:`LEDGER`). The crossover's names are
 re-exported here. Pure Python: importing it never imports torch.
+
+A length bought inside :meth:`PlanLedger.deferring` (the runner's calls, the serving front's) falls due instead
+of being built by the call at hand: cuDNN builds a plan on the host (about 40 ms on an H200) while the device,
+with only the layers issued so far queued, waits. The call goes on renting, and the plan is built once the call
+has issued all its work (the device then runs it meanwhile) or when the serving front is idle.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import attrs
 
@@ -24,8 +30,15 @@ from encgraph.packing.crossover import (
     kernel_table,
 )
 
-__all__ = ["BUCKET_SLACK", "LEDGER", "PER_OCTAVE", "Crossover", "DenseRule", "PlanLedger", "bucket_rows",
+__all__ = ["BUCKET_SLACK", "LEDGER", "PER_OCTAVE", "Crossover", "DenseRule", "PlanBuild", "PlanLedger", "bucket_rows",
            "crossover_rows", "kernel_key", "kernel_table"]
+
+log = logging.getLogger("encgraph")
+
+PlanBuild = Callable[[int], None]
+"""Builds, in the calling thread, the dense plan of one run length (its argument, in rows): one dense call at
+that length on scratch inputs laid out as the call that fell due laid its own
+(:func:`encgraph.models.dense_plans.plan_build`). It holds no tensor of that call."""
 
 
 @attrs.frozen
@@ -113,11 +126,22 @@ class DenseRule:
         return min((s for s in starts if s is not None), default=None)
 
 
+@attrs.define
+class _Due:
+    """A length fallen due in :meth:`PlanLedger.deferring`: its builder, its run length, and how many outermost
+    deferring blocks have ended since (``age``)."""
+
+    build: PlanBuild
+    rows: int
+    age: int = 0
+
+
 class PlanLedger:
     """Rent-or-buy of the dense kernel's plans, per thread: torch keeps cuDNN's attention plans in a cache per
     thread (``getMHAGraphCache_`` in ``aten/src/ATen/native/cudnn/MHA.cpp``: ``thread_local``, never evicted), so a
     length this thread has run dense is free to run dense again, and a new one costs a plan. The state (the
-    lengths bought, the rent of the others) grows with the distinct lengths a thread sees: one entry each.
+    lengths bought, the rent of the others, those due) grows with the distinct lengths a thread sees: one entry
+    each.
 
     >>> rule = DenseRule(1024, Crossover("gpu", 16, 72, "bfloat16", (1024, 4096), (1.0, 10.0), (0.5, 5.0),
     ...                                  dense_first_ms=(30.5, 35.0)), calls=4)
@@ -126,35 +150,61 @@ class PlanLedger:
     [False, False, True, True]
     >>> ledger.dense("g", 1000, rule), ledger.dense("g", 8192, rule)  # under min_rows; saves 80 a forward
     (False, True)
+    >>> built = []
+    >>> with ledger.deferring():  # the same purchase, deferred: built once the block has issued its work
+    ...     [ledger.dense("h", 4096, rule, builder=lambda: built.append) for _ in range(4)], built
+    ([False, False, False, False], [])
+    >>> built, ledger.dense("h", 4096, rule)
+    ([4096], True)
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
         # every thread's, for stats (int updates under the GIL)
-        self._counts = {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 0}
+        self._counts = {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 0, "deferred": 0}
 
-    def _state(self) -> tuple[set[Hashable], dict[Hashable, float]]:
+    def _state(self) -> tuple[set[Hashable], dict[Hashable, float], dict[Hashable, _Due]]:
         state = getattr(self._local, "state", None)
         if state is None:
-            state = self._local.state = (set(), {})
+            state = self._local.state = (set(), {}, {})
         return state
 
-    def run_length(self, key: Hashable, rows: int, rule: DenseRule) -> int:
+    def _deferring(self) -> bool:
+        return getattr(self._local, "defer_depth", 0) > 0
+
+    def run_length(self, key: Hashable, rows: int, rule: DenseRule,
+                   builder: Callable[[], PlanBuild] | None = None) -> int:
         """The rows the call at hand runs its sequence of ``rows`` rows (head geometry ``key``) dense at (its run
         length, or while that rents the bucket it stands in at: :meth:`DenseRule.stand_in_rows`), or 0: varlen.
-        A rented call adds its missed saving to the length's rent, a bought length is remembered."""
+        A rented call adds its missed saving to the length's rent, a bought length is remembered.
+
+        Inside :meth:`deferring`, a length whose rent reaches its plan falls due instead, when ``builder`` is
+        given (called then, once: it returns the :data:`PlanBuild` of the call at hand's layout): this call and
+        the block's later ones keep renting, and the plan is built when the block ends (:meth:`build_due`). Not
+        a length bought at first sight (one forward's saving pays its plan): this forward's later calls gain
+        more from the plan than the deferral would save, so the call at hand builds it."""
         if not rule.may_run_dense(rows):
             return 0
         run = rule.run_rows(rows)
         if rule.plan_ms <= 0.0:
             return run
-        bought, rent = self._state()
+        bought, rent, due = self._state()
         entry = (key, run)
         if entry in bought:
             return run
         if not getattr(self._local, "buying", False):  # inside buying(): bought at once
             stand_in = self._stand_in(key, rows, rule)
-            missed = rule.rent_ms(rows, rent.get(entry, 0.0), stand_in=stand_in is not None)
+            if entry in due and self._deferring():
+                missed: float | None = rule.gain_ms(rows, stand_in=stand_in is not None)
+            else:
+                missed = rule.rent_ms(rows, rent.get(entry, 0.0), stand_in=stand_in is not None)
+                # Deferred where the rent paid over earlier calls carries the purchase; one whose own forward's
+                # saving pays the plan (bought at first sight) is built here, for this forward's later calls.
+                if (missed is None and builder is not None and self._deferring()
+                        and rule.rent_ms(rows, 0.0, stand_in=stand_in is not None) is not None):
+                    due[entry] = _Due(builder(), run)
+                    self._counts["deferred"] += 1
+                    missed = rule.gain_ms(rows, stand_in=stand_in is not None)
             if missed is not None:
                 rent[entry] = rent.get(entry, 0.0) + missed
                 self._counts["rented_calls"] += 1
@@ -165,10 +215,11 @@ class PlanLedger:
         self._hold(entry, "bought")
         return run
 
-    def dense(self, key: Hashable, rows: int, rule: DenseRule) -> bool:
+    def dense(self, key: Hashable, rows: int, rule: DenseRule,
+              builder: Callable[[], PlanBuild] | None = None) -> bool:
         """Whether the call at hand runs its sequence of ``rows`` rows dense (:meth:`run_length`, at its run
         length or standing in at its bucket)."""
-        return self.run_length(key, rows, rule) > 0
+        return self.run_length(key, rows, rule, builder) > 0
 
     def _stand_in(self, key: Hashable, rows: int, rule: DenseRule) -> int | None:
         """The bucket a rented sequence of ``rows`` rows runs at (:meth:`DenseRule.stand_in_rows`) where this
@@ -177,10 +228,12 @@ class PlanLedger:
         return bucket if bucket is not None and (key, bucket) in self._state()[0] else None
 
     def _hold(self, entry: Hashable, counter: str) -> None:
-        """This thread holds ``entry``'s plan from now on (its rent forgotten), counted under ``counter``."""
-        bought, rent = self._state()
+        """This thread holds ``entry``'s plan from now on (its rent and its due build forgotten), counted under
+        ``counter``."""
+        bought, rent, due = self._state()
         bought.add(entry)
         rent.pop(entry, None)
+        due.pop(entry, None)
         self._counts[counter] += 1
 
     @contextlib.contextmanager
@@ -195,26 +248,76 @@ class PlanLedger:
         finally:
             self._local.buying = before
 
+    @contextlib.contextmanager
+    def deferring(self, *, build: bool = True) -> Iterator[None]:
+        """Inside the block, a length this thread buys with a builder (:meth:`run_length`) falls due instead of
+        being built by the call at hand. When the outermost block ends without an exception, ``build=True``
+        builds what fell due (:meth:`build_due`): by then the block has issued its device work, which runs while
+        the host builds, where a plan built by the call at hand leaves the device waiting. ``build=False`` (the
+        serving front's worker: :class:`~encgraph.serving.BatchingFront`) leaves them for the caller to build
+        when idle. Blocks nest; an inner one's ``build`` is ignored. Each outermost end ages every due length by
+        one (:meth:`build_due`'s ``min_age``)."""
+        depth = getattr(self._local, "defer_depth", 0)
+        self._local.defer_depth = depth + 1
+        ended = False
+        try:
+            yield
+            ended = True
+        finally:
+            self._local.defer_depth = depth
+            if depth == 0:
+                for pending in self._state()[2].values():
+                    pending.age += 1
+                if ended and build:
+                    self.build_due()
+
+    def build_due(self, *, min_age: int = 0) -> int:
+        """Build the plans of this thread's due lengths that have waited at least ``min_age`` outermost
+        :meth:`deferring` blocks, oldest first, and hold them (counted as ``bought``); returns how many. Host
+        time: about 40 ms each on an H200 (cuDNN's plan), plus one dense call on the device. A build that raises
+        is logged and its length held anyway: its next call then builds the plan itself, as without deferral."""
+        due = self._state()[2]
+        ready = [(entry, pending) for entry, pending in due.items() if pending.age >= min_age]
+        for entry, pending in ready:
+            try:
+                pending.build(pending.rows)
+            except Exception as exc:  # noqa: BLE001
+                # out of memory for the scratch inputs, say: the real call builds the plan, as without deferral
+                log.warning("encgraph: building the dense attention plan of %d rows ahead failed (%s: %s); the "
+                            "next call at that length builds it itself.", pending.rows, type(exc).__name__, exc)
+            self._hold(entry, "bought")
+        return len(ready)
+
+    def due(self) -> int:
+        """How many lengths of this thread are due (:meth:`deferring`), waiting for :meth:`build_due`."""
+        return len(self._state()[2])
+
     def _rented(self, key: Hashable, rows: Sequence[int], rule: DenseRule) -> Iterator[tuple[Hashable, float]]:
         """``(length's entry, missed saving)`` of each call that one forward of ``rule.calls`` attention calls over
         sequences of ``rows`` rows would rent, in order, from this thread's ledger as it stands; a length stops
-        renting at the call where :meth:`dense` would buy it. Changes nothing."""
+        renting at the call where :meth:`dense` would buy it (inside :meth:`deferring`, where it falls due: from
+        there its calls rent as its purchase, which is not priced); one due before this forward rents at every
+        call (inside a block: its plan is built when the block or the serving front chooses). Changes nothing."""
         if rule.min_rows is None or rule.plan_ms <= 0.0 or getattr(self._local, "buying", False):
             return
-        bought, rent = self._state()
+        bought, rent, due = self._state()
         # The sequences that could rent (long, at a length not bought); none in the usual steady case. Two of
         # one bucket share its entry (and its rent).
         pending = [(entry, int(n)) for n in rows if rule.may_run_dense(n)
                    if (entry := (key, rule.run_rows(n))) not in bought]
         paid: dict[Hashable, float] = {}  # this forward's view of the rent of the lengths it meets
+        waiting = set(due) if self._deferring() else set()  # due before this forward: they rent every call
         for _ in range(rule.calls if pending else 0):
             for entry, n in pending:
                 if paid.get(entry) == math.inf:
                     continue
                 so_far = paid.get(entry, rent.get(entry, 0.0))
-                missed = rule.rent_ms(n, so_far, stand_in=self._stand_in(key, n, rule) is not None)
+                stand_in = self._stand_in(key, n, rule) is not None
+                missed = (rule.gain_ms(n, stand_in=stand_in) if entry in waiting
+                          else rule.rent_ms(n, so_far, stand_in=stand_in))
                 if missed is None:
-                    paid[entry] = math.inf  # bought at this call: dense from here on
+                    # bought at this call (dense from here on), or fallen due: its later calls are its purchase
+                    paid[entry] = math.inf
                 else:
                     paid[entry] = so_far + missed
                     yield entry, missed
@@ -225,8 +328,10 @@ class PlanLedger:
         (:meth:`buying`): per call that :meth:`dense` would rent, the saving it misses (:meth:`DenseRule.gain_ms`).
         A plan bought on the way is not counted: buying is the rule's decision (rent until the rent paid reaches
         the plan, then buy: never more than twice the best choice in hindsight), not a cost to avoid; pricing it
-        would make a replay look cheaper every time and the length would rent for ever. Reads this thread's
-        ledger without changing it.
+        would make a replay look cheaper every time and the length would rent for ever. Nor, for the same reason,
+        the calls after a length falls due inside :meth:`deferring` (they rent to the forward's end: the rest of
+        its purchase); a length due before the forward rents at every call, counted. Reads this thread's ledger
+        without changing it.
 
         >>> rule = DenseRule(1024, Crossover("gpu", 16, 72, "bfloat16", (1024, 4096), (1.0, 10.0), (0.5, 5.0),
         ...                                  dense_first_ms=(30.5, 35.0)), calls=4)
@@ -250,7 +355,7 @@ class PlanLedger:
         >>> ledger.rent("g", [4096], rule), ledger.surcharge_ms("g", [4096], rule), ledger.dense("g", 4096, rule)
         (2, 0.0, True)
         """
-        _, rent = self._state()
+        rent = self._state()[1]
         calls = list(self._rented(key, rows, rule))
         for entry, gain in calls:
             rent[entry] = rent.get(entry, 0.0) + gain
@@ -276,8 +381,8 @@ class PlanLedger:
     def stats(self) -> dict[str, int]:
         """``{"bought": lengths bought, "rented_calls": calls that ran a long sequence on varlen or padded while
         its length was rented, "stand_in_calls": those of them padded to a bucket (:meth:`DenseRule.stand_in_rows`),
-        "warmed": lengths built ahead (:meth:`own`)}``, over every thread since the process started
-        (monotonic)."""
+        "warmed": lengths built ahead (:meth:`own`), "deferred": purchases that fell due (:meth:`deferring`; each
+        is counted under "bought" once built)}``, over every thread since the process started (monotonic)."""
         return dict(self._counts)
 
     def clear(self) -> None:

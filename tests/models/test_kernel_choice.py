@@ -277,13 +277,18 @@ def test_a_scaled_model_keeps_its_crossovers():
     assert model.scaled(graph={"default": 2.0}).kernels == {c.key: c}
 
 
+@pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("padded_ms", [(), (0.8, 10.0)])
-def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen, monkeypatch, padded_ms):
+def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen, monkeypatch, padded_ms, deferred):
     """The runner decides eager-or-replay with the adapter's ``eager_surcharge_ms`` before the forward runs: over
     a stream of calls (new lengths renting, then bought; an image and a video's frames), it must be exactly what
     the forward's attention calls then lose to rent, per frame sequence, and reading it changes nothing. A
     replay in place of the forward (``rent_replayed``) pays the same rent. Off CUDA nothing rents: 0. With padded
-    times the 36-row frames stand in at their bucket (40 rows, held as capture would build it) while renting."""
+    times the 36-row frames stand in at their bucket (40 rows, held as capture would build it) while renting.
+    ``deferred``: each forward runs in a deferring block, as the runner's calls do: a length bought falls due and
+    rents to the forward's end, the surcharge counting those calls too, and is built (once) as the block ends."""
+    import contextlib
+
     import numpy as np
 
     from encgraph.models import wrap
@@ -318,23 +323,37 @@ def test_the_adapters_surcharge_is_what_its_eager_forward_then_pays(fake_varlen,
     paid: list[float] = []
     run_length = ledger.run_length
 
-    def spy(key, rows, r):
-        out = run_length(key, rows, r)
-        if rows >= r.min_rows and out != r.run_rows(rows):  # rented: on varlen (0), or standing in padded
+    built: list[int] = []
+
+    due_before: set = set()  # lengths due when the forward began: their rent counts, a purchase's after it not
+
+    def spy(key, rows, r, builder=None):
+        assert builder is not None  # an eager forward's host plan can always defer its purchase
+        out = run_length(key, rows, r, lambda: (lambda n: (built.append(n), builder()(n))[0]))
+        fallen = (entry := (key, r.run_rows(rows))) in ledger._state()[2] and entry not in due_before
+        if rows >= r.min_rows and out != r.run_rows(rows) and not fallen:  # rented: varlen (0), or standing in
             paid.append(r.gain_ms(rows, stand_in=out > 0))
         return out
+
+    def block():
+        return ledger.deferring() if deferred else contextlib.nullcontext()
 
     monkeypatch.setattr(ledger, "run_length", spy)
     want = adapter.forward_eager("default", inputs)["pooler_output"]
     cleared(ledger)
     for call in range(6):
-        predicted = adapter.eager_surcharge_ms("default", specs)
-        assert adapter.eager_surcharge_ms("default", specs) == predicted  # reading changed nothing
-        paid.clear()
-        got = adapter.forward_eager("default", inputs)["pooler_output"]
+        with block():
+            predicted = adapter.eager_surcharge_ms("default", specs)
+            assert adapter.eager_surcharge_ms("default", specs) == predicted  # reading changed nothing
+            paid.clear()
+            due_before = set(ledger._state()[2])
+            got = adapter.forward_eager("default", inputs)["pooler_output"]
         assert predicted == pytest.approx(sum(paid), abs=1e-9), call
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert ledger.bought(key, 64) and ledger.bought(key, 36) and ledger.stats()["rented_calls"] > 0
+    # deferred: each length bought was built once, after its forward (the 64-row frame's and the 36-row ones')
+    assert sorted(built) == ([36, 64] if deferred else []) and ledger.stats()["deferred"] == len(built)
+    assert ledger.due() == 0
     assert (ledger.stats()["stand_in_calls"] > 0) == bool(padded_ms)
     cleared(ledger)  # a replay in place of the first forward pays what that forward would have lost
     first = adapter.eager_surcharge_ms("default", specs)

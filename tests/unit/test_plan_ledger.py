@@ -57,7 +57,7 @@ def test_a_length_rents_until_its_missed_savings_pay_the_plan_then_buys():
     missed = bought_at * rule.gain_ms(rows)
     assert missed < rule.plan_ms <= missed + 27 * rule.gain_ms(rows)  # bought once rent + a forward reaches it
     assert ledger.bought("g", rows) and not ledger.bought("other geometry", rows)
-    assert ledger.stats() == {"bought": 1, "rented_calls": bought_at, "stand_in_calls": 0, "warmed": 0}
+    assert ledger.stats() == {"bought": 1, "rented_calls": bought_at, "stand_in_calls": 0, "warmed": 0, "deferred": 0}
 
 
 def test_a_long_length_buys_at_first_sight_and_short_ones_never_run_dense():
@@ -107,17 +107,20 @@ def test_buying_buys_every_length_past_min_rows_at_once_and_restores():
             pass
         assert ledger.dense("g", 5000, rule)  # a nested block leaves the outer one buying
     assert not ledger.dense("g", 6000, rule)  # after the block: rent again
-    assert ledger.stats() == {"bought": 2, "rented_calls": 1, "stand_in_calls": 0, "warmed": 0}
+    assert ledger.stats() == {"bought": 2, "rented_calls": 1, "stand_in_calls": 0, "warmed": 0, "deferred": 0}
 
 
-def _paid(ledger: PlanLedger, key: str, rows: list[int], rule: DenseRule) -> float:
+def _paid(ledger: PlanLedger, key: str, rows: list[int], rule: DenseRule, builder=None) -> float:
     """What one forward of ``rule.calls`` attention calls over ``rows`` loses to rent, as ``dense`` decides call
-    by call: each rented call misses its saving."""
+    by call: each rented call misses its saving, except those of a length from the call where it fell due in this
+    forward (its purchase, inside a deferring block)."""
     total = 0.0
+    due_before = set(ledger._state()[2])
     for _ in range(rule.calls):
         for n in rows:
-            run = ledger.run_length(key, n, rule)
-            if rule.min_rows is not None and n >= rule.min_rows and run != rule.run_rows(n):  # rented
+            run = ledger.run_length(key, n, rule, builder)
+            fallen = (entry := (key, rule.run_rows(n))) in ledger._state()[2] and entry not in due_before
+            if rule.min_rows is not None and n >= rule.min_rows and run != rule.run_rows(n) and not fallen:
                 total += rule.gain_ms(n, stand_in=run > 0)
     return total
 
@@ -169,7 +172,7 @@ def test_replays_in_place_of_renting_pay_rent_until_the_length_is_bought(rows, c
         assert replays <= rule.plan_ms / (calls * gain) + 1
     assert paid <= rule.plan_ms + calls * copies * gain
     assert ledger.dense("g", rows, rule) and ledger.bought("g", rows)  # the next eager forward buys it
-    assert ledger.stats() == {"bought": 1, "rented_calls": rented, "stand_in_calls": 0, "warmed": 0}
+    assert ledger.stats() == {"bought": 1, "rented_calls": rented, "stand_in_calls": 0, "warmed": 0, "deferred": 0}
 
 
 def bucketed(slack: float | tuple[float, ...] = 1.05) -> Crossover:
@@ -244,7 +247,7 @@ def test_a_length_built_ahead_runs_dense_at_once_and_is_counted_apart():
     ledger.own("g", 4096)  # once per length
     assert ledger.bought("g", 4096) and ledger.dense("g", 4096, rule)
     assert ledger.surcharge_ms("g", [4096], rule) == 0.0
-    assert ledger.stats() == {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 1}
+    assert ledger.stats() == {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 1, "deferred": 0}
     seen = []
     t = threading.Thread(target=lambda: seen.append(ledger.bought("g", 4096)))  # per thread, as torch's plans
     t.start()
@@ -285,7 +288,7 @@ def test_a_rented_length_stands_in_at_its_bucket_where_that_plan_is_held():
     assert set(held) == {bucket} and len(held) > len(plain)  # padded meanwhile, the exact plan bought later
     missed = len(held) * rule.gain_ms(rows, stand_in=True)
     assert missed < rule.plan_ms <= missed + 27 * rule.gain_ms(rows, stand_in=True)
-    assert ledger.stats() == {"bought": 1, "rented_calls": len(held), "stand_in_calls": len(held), "warmed": 1}
+    assert ledger.stats() == {"bought": 1, "rented_calls": len(held), "stand_in_calls": len(held), "warmed": 1, "deferred": 0}
     assert ledger.run_length("g", rows, rule) == rows  # steady: the exact length, as before
     # none under stand_in_from (the padded call loses to varlen there), none at a bucket length (its own run
     # length), none from bucket_from (the run length is the bucket), none between a piecewise replay's segments
@@ -314,3 +317,155 @@ def test_surcharge_with_stand_ins_is_what_the_forward_then_pays(forwards, calls,
         assert predicted == pytest.approx(_paid(ledger, "g", rows, rule), abs=1e-9)
     stand_ins = ledger.stats()["stand_in_calls"]
     assert stand_ins == 0 or held  # only at a bucket held
+
+
+# ------------------------------------------------------------------------------------------- deferred purchases
+class Builds:
+    """A builder factory (``PlanLedger.run_length``'s ``builder``) recording each build: ``(rows, thread)``."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.made = 0
+        self.built: list[tuple[int, str]] = []
+        self.fail = fail
+
+    def __call__(self):
+        self.made += 1
+
+        def build(rows: int) -> None:
+            self.built.append((rows, threading.current_thread().name))
+            if self.fail:
+                raise MemoryError("scratch")
+
+        return build
+
+
+def ripe(ledger: PlanLedger, rule: DenseRule, *keys: str, rows: int = 16384) -> None:
+    """Pay each length's rent through replays (``rent``, outside any block) until its next call buys it."""
+    for key in keys:
+        while ledger.surcharge_ms(key, [rows], rule) > 0:
+            ledger.rent(key, [rows], rule)
+
+
+def test_a_purchase_inside_deferring_falls_due_rents_on_and_is_built_as_the_block_ends():
+    """Inside ``deferring()`` the call whose rent reaches the plan does not build it: it and the block's later
+    calls keep renting (standing in where they may), and the plan is built once, when the block ends; later calls
+    run dense at once. The builder factory is called once, when the length falls due."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=27)
+    ledger, builds = PlanLedger(), Builds()
+    rows = 4096
+    outside = PlanLedger()
+    bought_at = [outside.dense("g", rows, rule) for _ in range(27 * 4)].index(True)  # the inline purchase's call
+    with ledger.deferring():
+        flags = [ledger.dense("g", rows, rule, builds) for _ in range(27 * 4)]
+        assert not any(flags) and builds.built == [] and ledger.due() == 1 and builds.made == 1
+    assert builds.built == [(rows, threading.current_thread().name)] and ledger.due() == 0
+    assert ledger.dense("g", rows, rule, builds) and ledger.bought("g", rows)
+    assert ledger.stats() == {"bought": 1, "rented_calls": 27 * 4, "stand_in_calls": 0, "warmed": 0, "deferred": 1}
+    assert bought_at < 27 * 4  # the same calls outside the block would have bought it on the way
+
+
+def test_without_a_builder_outside_a_block_or_at_first_sight_the_call_at_hand_buys():
+    """A length whose one forward saves more than its plan (bought at first sight) is built by the call at hand
+    inside a block too: the forward's later calls gain more from it than the deferral saves."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=1)
+    ledger, builds = PlanLedger(), Builds()
+    ripe(ledger, rule, "g", "h")
+    with ledger.deferring():
+        assert ledger.dense("g", 16384, rule)  # no builder: bought by this call, as before
+    assert ledger.dense("h", 16384, rule, builds) and builds.made == 0  # no block: the builder is never asked
+    with ledger.deferring():  # 27 calls save 130 ms a forward against a 36 ms plan
+        assert ledger.dense("i", 16384, DenseRule(c.min_rows, c, calls=27), builds) and builds.made == 0
+    assert ledger.stats()["deferred"] == 0 and ledger.stats()["bought"] == 3
+
+
+def test_blocks_nest_and_a_front_builds_when_it_chooses():
+    """Only the outermost block builds, and only with ``build=True``; each outermost end ages what is due, and
+    ``build_due(min_age=)`` builds those that waited that long (the serving front under a queue that never
+    empties). A block that raises builds nothing; outside any block a due length's next call buys it itself."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=1)
+    ledger, builds = PlanLedger(), Builds()
+    ripe(ledger, rule, "a", "b", "c")
+    with ledger.deferring(build=False):
+        with ledger.deferring():  # inner: its end builds nothing
+            assert not ledger.dense("a", 16384, rule, builds)
+        assert ledger.due() == 1 and builds.built == []
+    with ledger.deferring(build=False):
+        assert not ledger.dense("b", 16384, rule, builds) and not ledger.dense("a", 16384, rule, builds)
+    assert ledger.due() == 2
+    assert ledger.build_due(min_age=2) == 1 and [r for r, _ in builds.built] == [16384]  # "a" waited 2 blocks
+    assert ledger.bought("a", 16384) and not ledger.bought("b", 16384)
+    with pytest.raises(RuntimeError, match="boom"), ledger.deferring():
+        assert not ledger.dense("c", 16384, rule, builds)
+        raise RuntimeError("boom")
+    assert ledger.due() == 2 and len(builds.built) == 1  # nothing built after the exception
+    assert ledger.dense("b", 16384, rule, builds)  # outside a block: bought by the call at hand, no longer due
+    assert ledger.due() == 1 and len(builds.built) == 1
+    assert ledger.build_due() == 1 and ledger.bought("c", 16384) and ledger.due() == 0
+
+
+def test_a_failed_build_is_logged_and_its_length_held(caplog):
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=1)
+    ledger, builds = PlanLedger(), Builds(fail=True)
+    ripe(ledger, rule, "g")
+    with caplog.at_level("WARNING", logger="encgraph"), ledger.deferring():
+        assert not ledger.dense("g", 16384, rule, builds)
+    assert len(builds.built) == 1 and "building the dense attention plan of 16384 rows ahead failed" in caplog.text
+    assert "MemoryError" in caplog.text and ledger.dense("g", 16384, rule, builds) and ledger.due() == 0
+
+
+def test_due_lengths_are_per_thread():
+    """A plan is built in the thread that will run its calls (torch's cache is per thread): another thread's
+    ``build_due`` builds none of this thread's."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=1)
+    ledger, builds = PlanLedger(), Builds()
+    ripe(ledger, rule, "g")
+    with ledger.deferring(build=False):
+        assert not ledger.dense("g", 16384, rule, builds)
+    other: list[int] = []
+    t = threading.Thread(target=lambda: other.append(ledger.build_due()), name="other")
+    t.start()
+    t.join()
+    assert other == [0] and ledger.due() == 1 and builds.built == []
+    assert ledger.build_due() == 1 and builds.built == [(16384, threading.current_thread().name)]
+
+
+@given(st.lists(st.lists(st.sampled_from([100, 2000, 4096, 4096, 6000, 9000, 16384]), max_size=4), max_size=6),
+       st.integers(min_value=1, max_value=30), st.lists(st.booleans(), min_size=6, max_size=6))
+def test_surcharge_inside_deferring_is_what_the_forward_then_pays(forwards, calls, build_after):
+    """Priced inside a deferring block (the runner's), a forward's surcharge is what it then loses to rent, for
+    any history, whether or not earlier blocks built their due lengths: the calls of a length due before it
+    counted, those after a length falls due in it not (its purchase, as the plan itself; counted, a replay would
+    look cheaper at every call and the length, renting through replays, would never fall due)."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=calls)
+    ledger, builds = PlanLedger(), Builds()
+    for rows, build in zip(forwards, build_after):
+        with ledger.deferring(build=build):
+            predicted = ledger.surcharge_ms("g", rows, rule)
+            assert predicted == pytest.approx(_paid(ledger, "g", rows, rule, builds), abs=1e-9)
+    assert len(builds.built) <= ledger.stats()["deferred"] == builds.made
+
+
+@given(st.sampled_from([2000, 4096, 6000, 9000]), st.integers(min_value=1, max_value=40))
+def test_a_length_renting_through_replays_still_falls_due_and_is_built(rows, calls):
+    """The runner replays a batch in place of an eager forward that would rent (``rent``), and runs the eager
+    forward once its surcharge is 0. Inside deferring blocks that forward must come: were the calls after a
+    length falls due priced, the surcharge would stay positive and the length rent through replays for ever."""
+    c = crossover()
+    rule = DenseRule(c.min_rows, c, calls=calls)
+    ledger, builds = PlanLedger(), Builds()
+    for forward in range(1000):
+        with ledger.deferring():
+            if ledger.surcharge_ms("g", [rows], rule) > 0:
+                ledger.rent("g", [rows], rule)
+            else:
+                _paid(ledger, "g", [rows], rule, builds)
+        if ledger.bought("g", rows):
+            break
+    at_first_sight = rule.rent_ms(rows, 0.0) is None  # bought by the call at hand, not deferred
+    assert ledger.bought("g", rows) and [r for r, _ in builds.built] == ([] if at_first_sight else [rows]), forward
