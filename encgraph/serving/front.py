@@ -38,8 +38,9 @@ import attrs
 
 from encgraph._validate import check_int, check_optional_int, describe
 from encgraph.errors import ConfigError, ConfigTypeError, OverloadedError, ShutdownError
+from encgraph.packing.kernels import LEDGER
 from encgraph.serving.targets import Parsed, make_target
-from encgraph.serving.waiting import IDLE_POLL_S, WaitPolicy, cuda_device
+from encgraph.serving.waiting import IDLE_POLL_S, WaitPolicy, build_due_plans, cuda_device
 
 __all__ = ["BatchingFront", "FrontStats"]
 
@@ -62,7 +63,9 @@ class FrontStats:
     ``cancelled`` requests; ``calls`` of the target and ``requests_per_call`` (a histogram: requests -> calls);
     ``retried_calls``: coalesced calls that raised and were run again one request at a time; ``items`` answered;
     ``waits_skipped``: calls that did not wait for more requests (the device was idle, or recent waits gathered
-    none: see the module docs); ``idle_launches``: those of them that found a CUDA target's device idle.
+    none: see the module docs); ``idle_launches``: those of them that found a CUDA target's device idle;
+    ``plans_built``: dense attention plans the calls bought, built after their requests were answered
+    (:func:`~encgraph.serving.waiting.build_due_plans`).
     """
 
     requests: int = 0
@@ -75,6 +78,7 @@ class FrontStats:
     items: int = 0
     waits_skipped: int = 0
     idle_launches: int = 0
+    plans_built: int = 0
     requests_per_call: collections.Counter = attrs.field(factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -327,7 +331,8 @@ class BatchingFront:
     def _run(self, group: list[tuple[_Request, Parsed]]) -> None:
         parsed = [p for _, p in group]
         try:
-            with _inference_mode():
+            # Plans the call buys are built once its requests are answered (build_due_plans), not inside it.
+            with _inference_mode(), LEDGER.deferring(build=False):
                 results = self._target.run(parsed)
         except Exception as exc:
             self._count_call(len(group))
@@ -350,6 +355,11 @@ class BatchingFront:
                     self._answer(one, exc=exc)
                     continue
             self._answer(one, result=result)
+        with self._cond:
+            idle = not self._queue
+        if built := build_due_plans(idle):
+            with self._cond:
+                self._stats.plans_built += built
 
     def _guarded(self, request: _Request, fn: Any) -> Any:
         try:
