@@ -419,7 +419,8 @@ class EncoderGraphRunner:
         would rent a kernel), ``unchosen`` eager runs not timed (forced eager), ``corrections`` per kind, cumulative ``scale`` per path; kept across
         ``reset_stats()``), ``kernel_plans`` (the process's dense attention plans: ``bought`` lengths,
         ``rented_calls``, ``stand_in_calls``, ``warmed`` lengths built at capture, ``deferred`` purchases built
-        after their call's work was issued; :data:`~encgraph.packing.kernels.LEDGER`),
+        after their call's work was issued, ``refining_calls`` at a bucket while their own length rents;
+        :data:`~encgraph.packing.kernels.LEDGER`),
         ``compiled_eager`` (whether eager forwards run through the blocks compiled for capture, and how often:
         :meth:`~encgraph.capture.compiled_eager.CompiledEager.as_dict`).
         ``graph_items + eager_items == items``.

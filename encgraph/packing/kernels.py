@@ -1,7 +1,8 @@
-"""Rent-or-buy of the dense attention kernel's plans: which long sequences of an eager forward run dense
-(:class:`DenseRule`, one per head geometry, from its measured :class:`~encgraph.packing.crossover.Crossover`) and
-which run lengths this thread holds a plan for (:class:`PlanLedger`, :data:`LEDGER`). The crossover's names are
-re-exported here. Pure Python: importing it never imports torch.
+"""Rent-or-buy of the dense attention kernel's plans: which run lengths this thread holds a plan for
+(:class:`PlanLedger`, :data:`LEDGER`), for the rules of which long sequences run dense
+(:class:`~encgraph.packing.dense_rule.DenseRule`, one per head geometry, from its measured
+:class:`~encgraph.packing.crossover.Crossover`). The rule's and the crossover's names are re-exported here. Pure
+Python: importing it never imports torch.
 
 A length bought inside :meth:`PlanLedger.deferring` (the runner's calls, the serving front's) falls due instead
 of being built by the call at hand: cuDNN builds a plan on the host (about 40 ms on an H200) while the device,
@@ -19,7 +20,6 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import attrs
 
-from encgraph._validate import check_int
 from encgraph.packing.crossover import (
     BUCKET_SLACK,
     PER_OCTAVE,
@@ -29,6 +29,7 @@ from encgraph.packing.crossover import (
     kernel_key,
     kernel_table,
 )
+from encgraph.packing.dense_rule import DenseRule
 
 __all__ = ["BUCKET_SLACK", "LEDGER", "PER_OCTAVE", "Crossover", "DenseRule", "PlanBuild", "PlanLedger", "bucket_rows",
            "crossover_rows", "kernel_key", "kernel_table"]
@@ -39,91 +40,6 @@ PlanBuild = Callable[[int], None]
 """Builds, in the calling thread, the dense plan of one run length (its argument, in rows): one dense call at
 that length on scratch inputs laid out as the call that fell due laid its own
 (:func:`encgraph.models.dense_plans.plan_build`). It holds no tensor of that call."""
-
-
-@attrs.frozen
-class DenseRule:
-    """Which sequences of an eager forward run dense, for one head geometry: none shorter than ``min_rows``
-    (``None``: none at all); from there, a sequence runs dense at its run length (:meth:`run_rows`: its bucket
-    from the crossover's :attr:`~Crossover.bucket_from` rows, so one plan serves many lengths); a run length
-    whose dense plan this thread has built does so at once, and a new one once the time varlen has cost it
-    (rent) plus what dense would save over the ``calls`` attention calls of one forward reaches
-    :attr:`Crossover.plan_ms` (buy); until then it runs varlen, or padded to its bucket where that is faster and
-    the bucket's plan is held (:meth:`stand_in_rows`: capture builds them), and the saving it missed is added to
-    its rent (:class:`PlanLedger`). Without a measured ``crossover`` (or with no plan cost measured) every sequence from
-    ``min_rows`` runs dense.
-
-    Attributes:
-        min_rows: the crossover's rows, or ``None``.
-        crossover: the measurement the times come from, or ``None``.
-        calls: attention calls per forward that run with host bounds at this geometry (the tower's
-            full-attention layers), at least 1.
-        replayed: the rule of calls between a piecewise replay's segments (:mod:`encgraph.capture.piecewise`):
-            their bucket lengths and stand-ins start at the crossover's :attr:`~Crossover.replay_bucket_from` and
-            :attr:`~Crossover.replay_stand_in_from` and are priced at the padded call's device time (the host
-            issues its copies while the segment before runs), where an eager forward's start at
-            :attr:`~Crossover.bucket_from` and :attr:`~Crossover.stand_in_from`, priced as issued back to back.
-            Its lengths are kept apart in the ledger (:func:`encgraph.models.sequence_bounds.ledger_key`).
-    """
-
-    min_rows: int | None
-    crossover: Crossover | None = None
-    calls: int = attrs.field(default=1, converter=lambda v: check_int("DenseRule(calls)", v, minimum=1))
-    replayed: bool = attrs.field(default=False, kw_only=True)
-
-    @property
-    def plan_ms(self) -> float:
-        return self.crossover.plan_ms if self.crossover is not None else 0.0
-
-    def rent_ms(self, rows: int, paid_ms: float, *, stand_in: bool = False) -> float | None:
-        """The call at hand at a length not bought, whose rent so far is ``paid_ms``: the saving it misses by
-        renting (on varlen, or padded to its bucket where ``stand_in``: :meth:`stand_in_rows`, a plan held), or
-        ``None`` where it buys (the rent plus one forward's saving reaches the plan)."""
-        gain = self.gain_ms(rows, stand_in=stand_in)
-        return gain if paid_ms + self.calls * gain < self.plan_ms else None
-
-    def gain_ms(self, rows: int, *, stand_in: bool = False) -> float:
-        """ms one call at ``rows`` rows saves on dense (as it runs: :meth:`Crossover.dense_at`) against varlen,
-        or with ``stand_in`` against the padded call at its bucket (:meth:`stand_in_rows`), at least 0."""
-        if self.crossover is None:
-            return 0.0
-        dense = self.crossover.dense_at(rows, replayed=self.replayed)
-        padded = self.crossover.stand_in(rows, replayed=self.replayed) if stand_in else None
-        return max((self.crossover.ms_at(rows)[0] if padded is None else padded[1]) - dense, 0.0)
-
-    def stand_in_rows(self, rows: int) -> int | None:
-        """The bucket length a sequence of ``rows`` rows may run at while its own run length rents (where this
-        thread holds that bucket's plan: :class:`PlanLedger`), padded, faster than varlen
-        (:meth:`Crossover.stand_in`, for eager or replayed calls); ``None``: it rents varlen."""
-        padded = self.crossover.stand_in(rows, replayed=self.replayed) if self.crossover is not None else None
-        return None if padded is None else padded[0]
-
-    def may_run_dense(self, rows: int) -> bool:
-        """Whether a sequence of ``rows`` rows ever runs dense: from ``min_rows``, except where it would run
-        padded to its bucket no faster than varlen."""
-        if self.min_rows is None or rows < self.min_rows:
-            return False
-        return self.run_rows(rows) == rows or self.gain_ms(rows) > 0.0
-
-    def run_rows(self, rows: int) -> int:
-        """The length a dense call over ``rows`` rows runs at, whose plan it needs (:meth:`Crossover.run_rows`;
-        ``rows`` without a crossover)."""
-        return self.crossover.run_rows(rows, replayed=self.replayed) if self.crossover is not None else int(rows)
-
-    @property
-    def bucket_from(self) -> int | None:
-        """Rows from which dense calls run at bucket lengths (the crossover's, for eager or replayed calls), or
-        ``None``: never."""
-        return self.crossover.bucket_start(replayed=self.replayed) if self.crossover is not None else None
-
-    @property
-    def warm_from(self) -> int | None:
-        """Rows from which a dense call may run at a bucket length (:attr:`bucket_from`, or earlier where it
-        stands in: :meth:`Crossover.stand_in_start`), whose plans capture builds; or ``None``."""
-        if self.crossover is None:
-            return None
-        starts = (self.bucket_from, self.crossover.stand_in_start(replayed=self.replayed))
-        return min((s for s in starts if s is not None), default=None)
 
 
 @attrs.define
@@ -161,7 +77,8 @@ class PlanLedger:
     def __init__(self) -> None:
         self._local = threading.local()
         # every thread's, for stats (int updates under the GIL)
-        self._counts = {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 0, "deferred": 0}
+        self._counts = {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 0, "deferred": 0,
+                        "refining_calls": 0}
 
     def _state(self) -> tuple[set[Hashable], dict[Hashable, float], dict[Hashable, _Due]]:
         state = getattr(self._local, "state", None)
@@ -191,7 +108,7 @@ class PlanLedger:
         bought, rent, due = self._state()
         entry = (key, run)
         if entry in bought:
-            return run
+            return run if run == rows else self._refined(key, rows, run, rule, builder)
         if not getattr(self._local, "buying", False):  # inside buying(): bought at once
             stand_in = self._stand_in(key, rows, rule)
             if entry in due and self._deferring():
@@ -213,6 +130,35 @@ class PlanLedger:
                 self._counts["stand_in_calls"] += 1
                 return stand_in
         self._hold(entry, "bought")
+        return run
+
+    def _refined(self, key: Hashable, rows: int, run: int, rule: DenseRule,
+                 builder: Callable[[], PlanBuild] | None) -> int:
+        """The length a sequence of ``rows`` rows runs at whose bucket ``run`` this thread holds: its own once
+        bought; until then the bucket, while the exact length rents by what the padded call misses
+        (:meth:`DenseRule.refine_ms`) and is bought (inside :meth:`deferring`, falls due) once that pays its plan,
+        as a length below the buckets is. A photo size that recurs so ends on the exact kernel, as the tower's
+        own SDPA holds it, and a new one still pays no plan. Counted as ``refining_calls``; not in
+        :meth:`surcharge_ms` (the cost model prices these calls at the bucket) nor in ``rented_calls``."""
+        bought, rent, due = self._state()
+        exact = (key, rows)
+        if exact in bought:
+            return rows
+        gain = rule.refine_ms(rows)
+        if not gain or getattr(self._local, "buying", False):
+            return run
+        paid = rent.get(exact, 0.0)
+        if exact in due and self._deferring():
+            pass  # built when the block ends
+        elif paid + rule.calls * gain < rule.plan_ms:
+            rent[exact] = paid + gain
+        elif builder is not None and self._deferring() and rule.calls * gain < rule.plan_ms:
+            due[exact] = _Due(builder(), rows)
+            self._counts["deferred"] += 1
+        else:
+            self._hold(exact, "bought")
+            return rows
+        self._counts["refining_calls"] += 1
         return run
 
     def dense(self, key: Hashable, rows: int, rule: DenseRule,
@@ -382,7 +328,8 @@ class PlanLedger:
         """``{"bought": lengths bought, "rented_calls": calls that ran a long sequence on varlen or padded while
         its length was rented, "stand_in_calls": those of them padded to a bucket (:meth:`DenseRule.stand_in_rows`),
         "warmed": lengths built ahead (:meth:`own`), "deferred": purchases that fell due (:meth:`deferring`; each
-        is counted under "bought" once built)}``, over every thread since the process started (monotonic)."""
+        is counted under "bought" once built), "refining_calls": calls run at a bucket held while their own length
+        rents (:meth:`DenseRule.refine_ms`)}``, over every thread since the process started (monotonic)."""
         return dict(self._counts)
 
     def clear(self) -> None:

@@ -251,6 +251,37 @@ def test_a_rented_length_stands_in_padded_at_its_held_bucket(monkeypatch):
     LEDGER.clear()
 
 
+def test_a_recurring_size_past_the_buckets_ends_on_its_own_length(monkeypatch):
+    """A sequence past ``bucket_from`` runs padded at its bucket (held: capture builds them) while its own length
+    rents by what the padding costs, then at its own length once that paid the plan: every call equals Flash
+    varlen alone and an fp32 reference per sequence (bf16), on both kernels, and NaN stays in its sequence."""
+    from encgraph.packing.kernels import Crossover, DenseRule, bucket_rows
+
+    # H200-like times (16 x 72), buckets from 16,384 rows; a 6 ms plan, so that the exact length is bought
+    # within a few calls (the padding costs about 0.55 ms a call at 17,000 rows).
+    dense = (0.249, 0.770, 3.062)
+    c = Crossover("test", 16, 72, "bfloat16", (4096, 8192, 16384), (0.353, 1.357, 5.241), dense,
+                  dense_first_ms=tuple(d + 6.0 for d in dense), padded_ms=(0.761, 1.088, 3.476))
+    rule = DenseRule(c.min_rows, c, calls=4)
+    lengths = [17000, 300]
+    assert rule.run_rows(17000) == bucket_rows(17000) == 17408 and 0 < rule.refine_ms(17000)
+    bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    q, k, v = _qkv(lengths, seed=3)
+    table = {(16, 72, torch.bfloat16): rule}
+    LEDGER.clear()
+    key = sequence_bounds.ledger_key(16, 72, torch.bfloat16, q.device)
+    LEDGER.own(key, 17408)
+    runs: list[tuple[int, int]] = []
+    dense_spy(monkeypatch, runs)
+    for _ in range(20):
+        plain = _check_sequences(q, k, v, bounds, table)
+        if LEDGER.bought(key, 17000):
+            break
+    assert LEDGER.bought(key, 17000) and runs[0] == (17000, 17408) and runs[-1] == (17000, 17000), runs
+    _check_nan_isolation(q, k, v, bounds, table, plain, {0: 11})  # at its own length now
+    LEDGER.clear()
+
+
 @pytest.mark.parametrize(("heads", "dim"), GEOMETRIES)
 def test_counted_dense_replayed_at_each_length(heads, dim):
     """counted_dense captured once at a budget's rows and replayed with the real length rewritten on the device,

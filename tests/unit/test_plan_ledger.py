@@ -57,7 +57,7 @@ def test_a_length_rents_until_its_missed_savings_pay_the_plan_then_buys():
     missed = bought_at * rule.gain_ms(rows)
     assert missed < rule.plan_ms <= missed + 27 * rule.gain_ms(rows)  # bought once rent + a forward reaches it
     assert ledger.bought("g", rows) and not ledger.bought("other geometry", rows)
-    assert ledger.stats() == {"bought": 1, "rented_calls": bought_at, "stand_in_calls": 0, "warmed": 0, "deferred": 0}
+    assert ledger.stats() == {"bought": 1, "rented_calls": bought_at, "stand_in_calls": 0, "warmed": 0, "deferred": 0, "refining_calls": 0}
 
 
 def test_a_long_length_buys_at_first_sight_and_short_ones_never_run_dense():
@@ -107,7 +107,7 @@ def test_buying_buys_every_length_past_min_rows_at_once_and_restores():
             pass
         assert ledger.dense("g", 5000, rule)  # a nested block leaves the outer one buying
     assert not ledger.dense("g", 6000, rule)  # after the block: rent again
-    assert ledger.stats() == {"bought": 2, "rented_calls": 1, "stand_in_calls": 0, "warmed": 0, "deferred": 0}
+    assert ledger.stats() == {"bought": 2, "rented_calls": 1, "stand_in_calls": 0, "warmed": 0, "deferred": 0, "refining_calls": 0}
 
 
 def _paid(ledger: PlanLedger, key: str, rows: list[int], rule: DenseRule, builder=None) -> float:
@@ -120,7 +120,8 @@ def _paid(ledger: PlanLedger, key: str, rows: list[int], rule: DenseRule, builde
         for n in rows:
             run = ledger.run_length(key, n, rule, builder)
             fallen = (entry := (key, rule.run_rows(n))) in ledger._state()[2] and entry not in due_before
-            if rule.min_rows is not None and n >= rule.min_rows and run != rule.run_rows(n) and not fallen:
+            rented = run not in (rule.run_rows(n), n)  # on varlen (0) or standing in; not at its bucket or own length
+            if rule.min_rows is not None and n >= rule.min_rows and rented and not fallen:
                 total += rule.gain_ms(n, stand_in=run > 0)
     return total
 
@@ -172,7 +173,7 @@ def test_replays_in_place_of_renting_pay_rent_until_the_length_is_bought(rows, c
         assert replays <= rule.plan_ms / (calls * gain) + 1
     assert paid <= rule.plan_ms + calls * copies * gain
     assert ledger.dense("g", rows, rule) and ledger.bought("g", rows)  # the next eager forward buys it
-    assert ledger.stats() == {"bought": 1, "rented_calls": rented, "stand_in_calls": 0, "warmed": 0, "deferred": 0}
+    assert ledger.stats() == {"bought": 1, "rented_calls": rented, "stand_in_calls": 0, "warmed": 0, "deferred": 0, "refining_calls": 0}
 
 
 def bucketed(slack: float | tuple[float, ...] = 1.05) -> Crossover:
@@ -247,7 +248,7 @@ def test_a_length_built_ahead_runs_dense_at_once_and_is_counted_apart():
     ledger.own("g", 4096)  # once per length
     assert ledger.bought("g", 4096) and ledger.dense("g", 4096, rule)
     assert ledger.surcharge_ms("g", [4096], rule) == 0.0
-    assert ledger.stats() == {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 1, "deferred": 0}
+    assert ledger.stats() == {"bought": 0, "rented_calls": 0, "stand_in_calls": 0, "warmed": 1, "deferred": 0, "refining_calls": 0}
     seen = []
     t = threading.Thread(target=lambda: seen.append(ledger.bought("g", 4096)))  # per thread, as torch's plans
     t.start()
@@ -288,7 +289,7 @@ def test_a_rented_length_stands_in_at_its_bucket_where_that_plan_is_held():
     assert set(held) == {bucket} and len(held) > len(plain)  # padded meanwhile, the exact plan bought later
     missed = len(held) * rule.gain_ms(rows, stand_in=True)
     assert missed < rule.plan_ms <= missed + 27 * rule.gain_ms(rows, stand_in=True)
-    assert ledger.stats() == {"bought": 1, "rented_calls": len(held), "stand_in_calls": len(held), "warmed": 1, "deferred": 0}
+    assert ledger.stats() == {"bought": 1, "rented_calls": len(held), "stand_in_calls": len(held), "warmed": 1, "deferred": 0, "refining_calls": 0}
     assert ledger.run_length("g", rows, rule) == rows  # steady: the exact length, as before
     # none under stand_in_from (the padded call loses to varlen there), none at a bucket length (its own run
     # length), none from bucket_from (the run length is the bucket), none between a piecewise replay's segments
@@ -361,7 +362,7 @@ def test_a_purchase_inside_deferring_falls_due_rents_on_and_is_built_as_the_bloc
         assert not any(flags) and builds.built == [] and ledger.due() == 1 and builds.made == 1
     assert builds.built == [(rows, threading.current_thread().name)] and ledger.due() == 0
     assert ledger.dense("g", rows, rule, builds) and ledger.bought("g", rows)
-    assert ledger.stats() == {"bought": 1, "rented_calls": 27 * 4, "stand_in_calls": 0, "warmed": 0, "deferred": 1}
+    assert ledger.stats() == {"bought": 1, "rented_calls": 27 * 4, "stand_in_calls": 0, "warmed": 0, "deferred": 1, "refining_calls": 0}
     assert bought_at < 27 * 4  # the same calls outside the block would have bought it on the way
 
 
@@ -469,3 +470,45 @@ def test_a_length_renting_through_replays_still_falls_due_and_is_built(rows, cal
             break
     at_first_sight = rule.rent_ms(rows, 0.0) is None  # bought by the call at hand, not deferred
     assert ledger.bought("g", rows) and [r for r, _ in builds.built] == ([] if at_first_sight else [rows]), forward
+
+
+# ------------------------------------------------------------------------------------ exact lengths past buckets
+def test_a_size_at_a_bucket_held_rents_its_own_length_and_buys_it_once_paid():
+    """From ``bucket_from`` a sequence runs at its bucket; where this thread holds the bucket's plan, its own
+    length rents by what the padding costs (``refine_ms``) and is bought once that pays the plan, so a recurring
+    photo size ends on the exact kernel (as the tower's own SDPA holds it) while a new one still pays no plan.
+    Lengths of one bucket rent apart; a bucket length never refines; the cost model's price (at the bucket) sees
+    no rent, and nothing counts as rented."""
+    c = h200()
+    rule = DenseRule(c.min_rows, c, calls=27)
+    ledger = PlanLedger()
+    rows, other = 19457, 19900
+    bucket = bucket_rows(rows)
+    assert bucket == bucket_rows(other) == 20480 and rule.run_rows(rows) == bucket
+    ledger.own("g", bucket)
+    gain = rule.refine_ms(rows)
+    assert 0 < 27 * gain < rule.plan_ms  # about 0.74 ms a call: rented over a few forwards
+    runs = []
+    for _ in range(10):
+        assert ledger.surcharge_ms("g", [rows], rule) == 0.0
+        runs += [ledger.run_length("g", rows, rule) for _ in range(27)]
+    first = runs.index(rows)
+    assert set(runs[:first]) == {bucket} and set(runs[first:]) == {rows}
+    assert first * gain < rule.plan_ms <= (first + 27) * gain + 1e-9  # the rent rule's moment
+    assert ledger.run_length("g", other, rule) == bucket  # its own rent, from nothing
+    assert ledger.run_length("g", bucket, rule) == bucket and rule.refine_ms(bucket) is None
+    assert ledger.stats() == {"bought": 1, "rented_calls": 0, "stand_in_calls": 0, "warmed": 1, "deferred": 0,
+                              "refining_calls": first + 1}
+
+
+def test_an_exact_length_past_the_buckets_falls_due_inside_a_block():
+    c = h200()
+    rule = DenseRule(c.min_rows, c, calls=27)
+    ledger, builds = PlanLedger(), Builds()
+    ledger.own("g", 20480)
+    with ledger.deferring():
+        runs = [ledger.run_length("g", 19457, rule, builds) for _ in range(27 * 10)]
+        assert set(runs) == {20480} and ledger.due() == 1 and builds.built == []
+    assert [r for r, _ in builds.built] == [19457] and ledger.run_length("g", 19457, rule, builds) == 19457
+    with ledger.buying():  # capture times eager forwards at their steady kernels: the bucket, as priced
+        assert ledger.run_length("g", 19900, rule, builds) == 20480
