@@ -24,9 +24,10 @@ MAX_ERRORS = 3
 FLUSH_EVERY = 25
 SETTLE_CALLS = 8
 """Untimed calls at most before a timed one under ``--sizes seen``: a graph system repeats the request while its
-last call still rented a kernel (``encgraph.models.sequence_bounds.LEDGER``: rent-or-buy buys the dense plan of a
-length within a few sightings), so the timed call meets settled kernels, as recurring sizes in steady traffic
-do; other systems need one."""
+last call still rented a kernel or ran at a bucket while its own length rents (``rented_calls``,
+``refining_calls`` of ``encgraph.models.sequence_bounds.LEDGER``: rent-or-buy buys the dense plan of a length
+within a few sightings), so the timed call meets settled kernels, as recurring sizes in steady traffic do, and
+as the tower's own SDPA holds their exact plans; other systems need one."""
 
 
 def _order(systems: Sequence[System], index: int) -> list[System]:
@@ -110,12 +111,16 @@ class Replay:
         """Untimed calls of ``system`` on ``inputs`` until its kernels are settled (:data:`SETTLE_CALLS`)."""
         from encgraph.models.sequence_bounds import LEDGER
 
+        def renting() -> int:
+            stats = LEDGER.stats()
+            return stats["rented_calls"] + stats["refining_calls"]
+
         calls = 0
         while calls < (SETTLE_CALLS if system in GRAPH_SYSTEMS else 1):
-            before = LEDGER.stats()["rented_calls"]
+            before = renting()
             self.one(system, inputs, env, index, doc)
             calls += 1
-            if LEDGER.stats()["rented_calls"] == before:
+            if renting() == before:
                 break
         self.settle_calls[system].append(calls)
 

@@ -117,8 +117,10 @@ def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
 def route(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
     """How a graph runner ran one request, from its ``stats`` before and after the call: ``replays`` per budget
     (over every path), ``eager`` items per reason, ``piecewise`` replays (of those), ``plans_bought``,
-    ``rented_calls`` and ``stand_in_calls`` (of those, padded to a bucket: the dense kernel's plan ledger) where
-    there were any, and the cost feedback's ``rerouted`` and ``explored`` batches
+    ``rented_calls`` and ``stand_in_calls`` (of those, padded to a bucket: the dense kernel's plan ledger),
+    ``plans_deferred`` (bought plans built after the call's work was issued) and ``refining_calls`` (at a bucket
+    held while their own length rents) where there were any, and the cost feedback's ``rerouted`` and ``explored``
+    batches
     where there were any. Read outside the timed call.
 
     >>> b = {"paths": {"p": {"replays": {"64": 1}}}, "eager_reasons": {}, "cost_feedback": {"rerouted": 2}}
@@ -147,7 +149,8 @@ def route(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]
     # Dense attention plans bought, and calls rented, during the request (the process's ledger: a bought plan costs
     # the request tens of ms on an H200).
     for key, name in (("bought", "plans_bought"), ("rented_calls", "rented_calls"),
-                      ("stand_in_calls", "stand_in_calls")):
+                      ("stand_in_calls", "stand_in_calls"), ("deferred", "plans_deferred"),
+                      ("refining_calls", "refining_calls")):
         moved = after.get("kernel_plans", {}).get(key, 0) - before.get("kernel_plans", {}).get(key, 0)
         if moved:
             out[name] = moved
