@@ -93,7 +93,8 @@ class PlanLedger:
                    builder: Callable[[], PlanBuild] | None = None) -> int:
         """The rows the call at hand runs its sequence of ``rows`` rows (head geometry ``key``) dense at (its run
         length, or while that rents the bucket it stands in at: :meth:`DenseRule.stand_in_rows`), or 0: varlen.
-        A rented call adds its missed saving to the length's rent, a bought length is remembered.
+        A rented call adds its missed saving to the length's rent, a bought length is remembered. A sequence
+        whose bucket is held runs at its own length once that is bought in turn (:meth:`_refined`).
 
         Inside :meth:`deferring`, a length whose rent reaches its plan falls due instead, when ``builder`` is
         given (called then, once: it returns the :data:`PlanBuild` of the call at hand's layout): this call and
