@@ -40,7 +40,12 @@ from encgraph._validate import check_int, check_optional_int, describe
 from encgraph.errors import ConfigError, ConfigTypeError, OverloadedError, ShutdownError
 from encgraph.packing.kernels import LEDGER
 from encgraph.serving.targets import Parsed, make_target
-from encgraph.serving.waiting import IDLE_POLL_S, WaitPolicy, build_due_plans, cuda_device
+from encgraph.serving.waiting import (
+    IDLE_POLL_S,
+    WaitPolicy,
+    build_due_plans,
+    cuda_device,
+)
 
 __all__ = ["BatchingFront", "FrontStats"]
 
