@@ -39,6 +39,7 @@ import attrs
 from encgraph._validate import check_int, check_optional_int, describe
 from encgraph.errors import ConfigError, ConfigTypeError, OverloadedError, ShutdownError
 from encgraph.packing.kernels import LEDGER
+from encgraph.serving.front_stats import FrontStats
 from encgraph.serving.targets import Parsed, make_target
 from encgraph.serving.waiting import (
     IDLE_POLL_S,
@@ -58,38 +59,6 @@ class _Request:
     kwargs: dict[str, Any]
     future: concurrent.futures.Future
     arrived: float
-
-
-@attrs.define
-class FrontStats:
-    """Counters of a front (read a copy with :attr:`BatchingFront.stats`).
-
-    ``requests`` submitted and accepted; ``rejected`` (queue full or closed); ``completed``, ``failed`` and
-    ``cancelled`` requests; ``calls`` of the target and ``requests_per_call`` (a histogram: requests -> calls);
-    ``retried_calls``: coalesced calls that raised and were run again one request at a time; ``items`` answered;
-    ``waits_skipped``: calls that did not wait for more requests (the device was idle, or recent waits gathered
-    none: see the module docs); ``idle_launches``: those of them that found a CUDA target's device idle;
-    ``plans_built``: dense attention plans the calls bought, built after their requests were answered
-    (:func:`~encgraph.serving.waiting.build_due_plans`).
-    """
-
-    requests: int = 0
-    rejected: int = 0
-    completed: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    calls: int = 0
-    retried_calls: int = 0
-    items: int = 0
-    waits_skipped: int = 0
-    idle_launches: int = 0
-    plans_built: int = 0
-    requests_per_call: collections.Counter = attrs.field(factory=collections.Counter)
-
-    def as_dict(self) -> dict[str, Any]:
-        out = attrs.asdict(self)
-        out["requests_per_call"] = dict(sorted(self.requests_per_call.items()))
-        return out
 
 
 class BatchingFront:
