@@ -480,3 +480,4 @@ def test_the_probe_slices_queries_keys_and_values_alike():
         got = kernel_choice.probe_slices([q, k, v], 300)
         assert len({t.shape for t in got}) == 1 and got[0].shape[0] % 2 == 1 and got[0].shape[0] < 300
         assert all(g.data_ptr() == t.data_ptr() for g, t in zip(got, (q, k, v)))
+
