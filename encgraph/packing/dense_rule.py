@@ -45,6 +45,8 @@ class DenseRule:
     crossover: Crossover | None = None
     calls: int = attrs.field(default=1, converter=lambda v: check_int("DenseRule(calls)", v, minimum=1))
     replayed: bool = attrs.field(default=False, kw_only=True)
+    # refine_ms by rows: read at every call of a long sequence at a bucket held, which a new size makes for good
+    _refined: dict[int, float | None] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     @property
     def plan_ms(self) -> float:
@@ -80,10 +82,12 @@ class DenseRule:
         bucket length itself) would save at its own length: the padded call's time against the exact kernel's,
         at least 0; what its exact length rents by while this thread holds the bucket's plan
         (:meth:`~encgraph.packing.kernels.PlanLedger.run_length`). ``None`` where it runs at its own length already."""
-        run = self.run_rows(rows)
-        if self.crossover is None or run == rows:
-            return None
-        return max(self.crossover.padded_at(run, replayed=self.replayed) - self.crossover.ms_at(rows)[1], 0.0)
+        if rows not in self._refined:
+            run = self.run_rows(rows)
+            c = self.crossover
+            self._refined[rows] = (None if c is None or run == rows
+                                   else max(c.padded_at(run, replayed=self.replayed) - c.ms_at(rows)[1], 0.0))
+        return self._refined[rows]
 
     def may_run_dense(self, rows: int) -> bool:
         """Whether a sequence of ``rows`` rows ever runs dense: from ``min_rows``, except where it would run

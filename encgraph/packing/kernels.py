@@ -106,25 +106,12 @@ class PlanLedger:
         run = rule.run_rows(rows)
         if rule.plan_ms <= 0.0:
             return run
-        bought, rent, due = self._state()
         entry = (key, run)
-        if entry in bought:
+        if entry in self._state()[0]:
             return run if run == rows else self._refined(key, rows, run, rule, builder)
         if not getattr(self._local, "buying", False):  # inside buying(): bought at once
             stand_in = self._stand_in(key, rows, rule)
-            if entry in due and self._deferring():
-                missed: float | None = rule.gain_ms(rows, stand_in=stand_in is not None)
-            else:
-                missed = rule.rent_ms(rows, rent.get(entry, 0.0), stand_in=stand_in is not None)
-                # Deferred where the rent paid over earlier calls carries the purchase; one whose own forward's
-                # saving pays the plan (bought at first sight) is built here, for this forward's later calls.
-                if (missed is None and builder is not None and self._deferring()
-                        and rule.rent_ms(rows, 0.0, stand_in=stand_in is not None) is not None):
-                    due[entry] = _Due(builder(), run)
-                    self._counts["deferred"] += 1
-                    missed = rule.gain_ms(rows, stand_in=stand_in is not None)
-            if missed is not None:
-                rent[entry] = rent.get(entry, 0.0) + missed
+            if self._rents(entry, run, rule.gain_ms(rows, stand_in=stand_in is not None), rule, builder):
                 self._counts["rented_calls"] += 1
                 if stand_in is None:
                     return 0
@@ -133,34 +120,43 @@ class PlanLedger:
         self._hold(entry, "bought")
         return run
 
+    def _rents(self, entry: Hashable, run: int, gain: float, rule: DenseRule,
+               builder: Callable[[], PlanBuild] | None) -> bool:
+        """Whether the call at hand rents ``entry`` (a length of ``run`` rows, whose plan would save ``gain`` ms
+        a call) rather than buying it; a rented call adds ``gain`` to its rent. It rents while its rent plus one
+        forward's saving stays under the plan; inside :meth:`deferring`, a due length rents, and one whose rent
+        reaches the plan falls due (with a ``builder``: it is called then), except where one forward's saving
+        alone pays the plan (bought at first sight: this forward's later calls gain more from the plan than the
+        deferral would save)."""
+        _, rent, due = self._state()
+        paid, deferring = rent.get(entry, 0.0), self._deferring()
+        if not (deferring and entry in due) and paid + rule.calls * gain >= rule.plan_ms:
+            if builder is None or not deferring or rule.calls * gain >= rule.plan_ms:
+                return False
+            due[entry] = _Due(builder(), run)
+            self._counts["deferred"] += 1
+        rent[entry] = paid + gain
+        return True
+
     def _refined(self, key: Hashable, rows: int, run: int, rule: DenseRule,
                  builder: Callable[[], PlanBuild] | None) -> int:
         """The length a sequence of ``rows`` rows runs at whose bucket ``run`` this thread holds: its own once
         bought; until then the bucket, while the exact length rents by what the padded call misses
         (:meth:`DenseRule.refine_ms`) and is bought (inside :meth:`deferring`, falls due) once that pays its plan,
-        as a length below the buckets is. A photo size that recurs so ends on the exact kernel, as the tower's
-        own SDPA holds it, and a new one still pays no plan. Counted as ``refining_calls``; not in
+        as a length below the buckets is (:meth:`_rents`). A photo size that recurs so ends on the exact kernel,
+        as the tower's own SDPA holds it, and a new one still pays no plan. Counted as ``refining_calls``; not in
         :meth:`surcharge_ms` (the cost model prices these calls at the bucket) nor in ``rented_calls``."""
-        bought, rent, due = self._state()
         exact = (key, rows)
-        if exact in bought:
+        if exact in self._state()[0]:
             return rows
         gain = rule.refine_ms(rows)
         if not gain or getattr(self._local, "buying", False):
             return run
-        paid = rent.get(exact, 0.0)
-        if exact in due and self._deferring():
-            pass  # built when the block ends
-        elif paid + rule.calls * gain < rule.plan_ms:
-            rent[exact] = paid + gain
-        elif builder is not None and self._deferring() and rule.calls * gain < rule.plan_ms:
-            due[exact] = _Due(builder(), rows)
-            self._counts["deferred"] += 1
-        else:
-            self._hold(exact, "bought")
-            return rows
-        self._counts["refining_calls"] += 1
-        return run
+        if self._rents(exact, rows, gain, rule, builder):
+            self._counts["refining_calls"] += 1
+            return run
+        self._hold(exact, "bought")
+        return rows
 
     def dense(self, key: Hashable, rows: int, rule: DenseRule,
               builder: Callable[[], PlanBuild] | None = None) -> bool:
