@@ -303,7 +303,7 @@ def _capture_pieces(runner: RunnerState, pool: Any, record: GraphRecord, stream:
     held.reserve(discovery.shapes)
     try:
         made = piecewise.capture_piecewise(
-            lambda: _forward_into(forward, record.inputs, budget, record.outputs), _bounds_views(runner, path, budget),
+            lambda: _forward_into(forward, record.inputs, budget, record.outputs), discovery.bounds_views,
             discovery.table, held, pool, path, budget, stream,
         )
     except EncgraphError:
