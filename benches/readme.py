@@ -160,8 +160,8 @@ def headline_block(results_dir: Path, slug: str) -> str:
                 x = ratio(hf["mean_ms"], d["mean_ms"])
                 if stem == f"traffic_{slug}":
                     best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
-                worst = d.get("worst_ratio_vs_hf_sdpa")
-                slower = f"; worst request {worst:.2f}x HF's" if worst is not None and "_photo" in stem else ""
+                worst = d.get("worst_ratio_vs_hf_sdpa")  # every trace's row states its worst request
+                slower = f"; worst request {worst:.2f}x HF's" if worst is not None else ""
                 sizes = f", {SIZES_SHORT[mode]}" if mode in SIZES_SHORT else ""
                 rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}{sizes}, mean "
                              f"latency{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms",
