@@ -267,18 +267,21 @@ def traffic_runs_block(results_dir: Path, slug: str) -> str:
                 gs = doc.get("graph_stats", {}).get(System.DEFAULTS.value, {})
                 rows.append([trace, _tree(env), kernel, _short(doc.get("tower", {}).get("label", name)),
                              SIZES_SHORT.get(mode or "", "as drawn"), d.get("requests"), hf.get("mean_ms"),
-                             d.get("mean_ms"), report._x(d.get("speedup_mean_vs_hf_sdpa")),
-                             report._x(d.get("speedup_p99_vs_hf_sdpa")), report._x(d.get("worst_ratio_vs_hf_sdpa")),
-                             d.get("slower_than_hf_sdpa"), report._pct(gs.get("padded_share")),
+                             d.get("mean_ms"), *(None if d.get(k) is None else f"{d[k]:.2f}x" for k in (
+                                 "speedup_mean_vs_hf_sdpa", "speedup_p99_vs_hf_sdpa", "worst_ratio_vs_hf_sdpa")),
+                             d.get("slower_than_hf_sdpa"),
+                             None if gs.get("padded_share") is None else f"{100 * gs['padded_share']:.1f}%",
                              f"{gs.get('eager_items')} of {gs.get('items')}" if gs else None,
                              _floor_cell(hf), _floor_cell(d)])
     if not rows:
         return f"No results yet: `benches/results/traffic_{slug}*.json` are missing."
     gpus = ", ".join(sorted({e["gpu"] for e in envs}))
-    versions = ", ".join(f"{n} {', '.join(sorted({e[n] for e in envs if e.get(n)}))}" for n in ("torch", "transformers"))
+    versions = ", ".join(f"{n} {', '.join(sorted({e[n] for e in envs if e.get(n)}))}"
+                         for n in ("torch", "transformers"))
+    dtypes = ", ".join(sorted({str(e["dtype"]) for e in envs if e.get("dtype")}))
     dates = sorted({_date(e) for e in envs})
-    head = (f"{gpus}, {versions}, bfloat16; {dates[0]} to {dates[-1]}; one row per tower and pass of each "
-            f"`benches/results/traffic_{slug}*.json`")
+    head = (f"{gpus}, {versions}, {dtypes}; {' to '.join(dict.fromkeys((dates[0], dates[-1])))}; one row per "
+            f"tower and pass of each `benches/results/traffic_{slug}*.json`")
     table = markdown_table(
         ["trace", "library at", "varlen kernel", "tower", "sizes", "requests", "HF sdpa mean ms", "defaults mean ms",
          "mean speedup", "P99 speedup", "worst request (defaults / HF)", "requests slower than HF",
