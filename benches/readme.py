@@ -21,7 +21,12 @@ docs/benchmarks.md (links through ``docs/results``, a link to ``benches/results`
   --transports inprocess``), with its plot;
 - ``serving_server``: the same through ``encgraph serve`` over loopback HTTP (``--transports server``);
 - ``serving_repeats``: the server at 32 clients, every system measured in rounds and pooled (``--transports server
-  --concurrency 32 --repeats 3``).
+  --concurrency 32 --repeats 3``);
+- ``traffic_runs``: every traffic result (the chat and photo traces, each without and with FlashAttention-4), one
+  row per tower and pass: ``defaults`` against HF, the varlen kernel capture chose, and the floor at the requests'
+  sizes;
+- ``photo_capture``: what capture measured in the photo run: each budget's graph whole and split at its attention
+  calls, and the attention kernels at the lengths where dense cuDNN and its buckets take over.
 
     python benches/readme.py           # rewrite the blocks
     python benches/readme.py --check   # exit 1 if a block differs from its rendering (CI: no hand-typed figures)
@@ -160,8 +165,8 @@ def headline_block(results_dir: Path, slug: str) -> str:
                 x = ratio(hf["mean_ms"], d["mean_ms"])
                 if stem == f"traffic_{slug}":
                     best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
-                worst = d.get("worst_ratio_vs_hf_sdpa")
-                slower = f"; worst request {worst:.2f}x HF's" if worst is not None and "_photo" in stem else ""
+                worst = d.get("worst_ratio_vs_hf_sdpa")  # every trace's row states its worst request
+                slower = f"; worst request {worst:.2f}x HF's" if worst is not None else ""
                 sizes = f", {SIZES_SHORT[mode]}" if mode in SIZES_SHORT else ""
                 rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}{sizes}, mean "
                              f"latency{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms",
@@ -216,6 +221,116 @@ def headline_block(results_dir: Path, slug: str) -> str:
             "system are in each result file.</sub>")
 
 
+TRAFFIC_RUNS = ("", "_chat-fa4", "_photo", "_photo-fa4")
+"""The traffic results of one GPU that ``traffic_runs`` compares (``traffic_<slug><tag>.json``): the chat and the
+photo trace, each without and with FlashAttention-4 installed."""
+
+
+def _tree(env: Mapping[str, Any]) -> str:
+    """The commit a run's library code was at: its ``tree`` where the device copy's git lagged, else ``commit``."""
+    return str(env.get("tree") or env.get("commit") or "?").split()[0][:7]
+
+
+def _varlen_kernels(tower: Mapping[str, Any]) -> str:
+    """The packed attention kernel capture chose per head geometry of ``defaults`` (``-`` in older files)."""
+    kernels = tower.get("capture", {}).get(System.DEFAULTS.value, {}).get("kernels") or {}
+    chosen = sorted({k.get("varlen_kernel", "flash") for k in kernels.values() if isinstance(k, dict) and "heads" in k})
+    return ", ".join(chosen) or "-"
+
+
+def _floor_cell(entry: Mapping[str, Any]) -> str | None:
+    """A system's time over the floor at each request's sizes: mean / worst (requests within 1.2x)."""
+    if "mean_ratio_vs_shape_floor" not in entry:
+        return None
+    return (f"{entry['mean_ratio_vs_shape_floor']:.2f}x / {entry['worst_ratio_vs_shape_floor']:.2f}x "
+            f"({entry['within_shape_floor_bound']} of {entry['compared_with_shape_floor']})")
+
+
+def traffic_runs_block(results_dir: Path, slug: str) -> str:
+    """One row per tower and pass of every traffic result of ``slug``: ``defaults`` against HF sdpa, the kernel
+    capture chose, and both systems against the floor at the requests' sizes (photo trace)."""
+    rows, envs = [], []
+    for tag in TRAFFIC_RUNS:
+        stem = f"traffic_{slug}{tag}"
+        data = _load(results_dir, stem)
+        if not data:
+            continue
+        env = data["environment"]
+        envs.append(env)
+        trace = f"[{'photo' if report.is_photo(data) else 'chat'}](benches/results/{stem}.md)"
+        for name, tower in report.tower_docs(data).items():
+            kernel = _varlen_kernels(tower)
+            for mode, doc in report.passes(tower):
+                hf, d = (doc.get("systems", {}).get(s.value) for s in (System.HF_SDPA, System.DEFAULTS))
+                if not (hf and d):
+                    continue
+                gs = doc.get("graph_stats", {}).get(System.DEFAULTS.value, {})
+                rows.append([trace, _tree(env), kernel, _short(doc.get("tower", {}).get("label", name)),
+                             SIZES_SHORT.get(mode or "", "as drawn"), d.get("requests"), hf.get("mean_ms"),
+                             d.get("mean_ms"), *(None if d.get(k) is None else f"{d[k]:.2f}x" for k in (
+                                 "speedup_mean_vs_hf_sdpa", "speedup_p99_vs_hf_sdpa", "worst_ratio_vs_hf_sdpa")),
+                             d.get("slower_than_hf_sdpa"),
+                             None if gs.get("padded_share") is None else f"{100 * gs['padded_share']:.1f}%",
+                             f"{gs.get('eager_items')} of {gs.get('items')}" if gs else None,
+                             _floor_cell(hf), _floor_cell(d)])
+    if not rows:
+        return f"No results yet: `benches/results/traffic_{slug}*.json` are missing."
+    gpus = ", ".join(sorted({e["gpu"] for e in envs}))
+    versions = ", ".join(f"{n} {', '.join(sorted({e[n] for e in envs if e.get(n)}))}"
+                         for n in ("torch", "transformers"))
+    dtypes = ", ".join(sorted({str(e["dtype"]) for e in envs if e.get("dtype")}))
+    dates = sorted({_date(e) for e in envs})
+    head = (f"{gpus}, {versions}, {dtypes}; {' to '.join(dict.fromkeys((dates[0], dates[-1])))}; one row per "
+            f"tower and pass of each `benches/results/traffic_{slug}*.json`")
+    table = markdown_table(
+        ["trace", "library at", "varlen kernel", "tower", "sizes", "requests", "HF sdpa mean ms", "defaults mean ms",
+         "mean speedup", "P99 speedup", "worst request (defaults / HF)", "requests slower than HF",
+         "padded share", "eager items", "HF / floor at its sizes: mean / worst (within 1.2x)",
+         "defaults / floor at its sizes: mean / worst (within 1.2x)"], rows)
+    return head + "\n\n" + table
+
+
+PIECEWISE_BUDGETS = (1088, 1280, 2240, 4096)
+"""The budgets ``photo_capture`` shows of each split graph (those the page names)."""
+
+
+def photo_capture_block(data: Mapping[str, Any], slug: str) -> str:
+    """What capture measured in the photo run (``defaults``' ``capture_info``): each split budget's replay whole,
+    split with long sequences dense, and split all varlen; the kernels at 4,096-16,384 rows, with the lengths from
+    which the runner runs dense cuDNN, stands in at a bucket and runs at buckets."""
+    split_rows, kernel_rows = [], []
+    for name, tower in report.tower_docs(data).items():
+        cap = tower.get("capture", {}).get(System.DEFAULTS.value, {})
+        label = _short(tower.get("tower", {}).get("label", name))
+        graphs = {g["budget"]: g["piecewise"] for g in cap.get("per_graph", []) if g.get("piecewise")}
+        shown = [b for b in PIECEWISE_BUDGETS if b in graphs]
+        if shown:
+            split_rows.append([label, len(graphs), " / ".join(f"{b:,}" for b in shown)]
+                              + [" / ".join(fmt(graphs[b][k]) for b in shown)
+                                 for k in ("whole_ms", "dense_ms", "varlen_ms")])
+        for key, k in (cap.get("kernels") or {}).items():
+            if not (isinstance(k, dict) and "heads" in k):
+                continue
+            first = {n: k.get(n) for n in ("min_rows", "stand_in_from", "replay_stand_in_from", "bucket_from")}
+            for i, rows in enumerate(k.get("lengths", [])):
+                if rows < 4096:
+                    continue
+                cells = [k.get(c)[i] if len(k.get(c) or []) > i else None
+                         for c in ("varlen_ms", "dense_ms", "dense_first_ms", "padded_ms", "padded_replay_ms")]
+                kernel_rows.append([f"{label} {k['heads']}x{k['head_dim']}", f"{rows:,}", *cells,
+                                    " / ".join(fmt(v) for v in first.values())])
+    parts = [provenance(data, "traffic", f"{slug}_photo") + "; `capture_info` of `defaults`"]
+    if split_rows:
+        parts.append(markdown_table(["tower", "split budgets", "budgets shown (tokens)", "whole graph ms",
+                                     "split, long sequences dense ms", "split, all varlen ms"], split_rows))
+    if kernel_rows:
+        parts.append(markdown_table(
+            ["geometry", "rows", "varlen ms", "dense ms", "dense, first call (its plan) ms", "dense padded to a "
+             "bucket ms", "padded, replayed ms", "dense from / stand-in from (eager / replay) / buckets from, rows"],
+            kernel_rows))
+    return "\n\n".join(parts)
+
+
 BLOCKS: dict[str, tuple[str, Callable[[Mapping[str, Any], str], str]]] = {
     "traffic": ("traffic_{slug}", traffic_block),
     "towers": ("towers_{slug}", towers_block),
@@ -224,14 +339,17 @@ BLOCKS: dict[str, tuple[str, Callable[[Mapping[str, Any], str], str]]] = {
     "serving": ("serving_{slug}_inprocess", serving_block),
     "serving_server": ("serving_{slug}_server", functools.partial(serving_block, transport="server")),
     "serving_repeats": ("serving_{slug}_server_repeats", functools.partial(serving_block, transport="server_repeats")),
+    "photo_capture": ("traffic_{slug}_photo", photo_capture_block),
 }
+MULTI: dict[str, Callable[[Path, str], str]] = {"headline": headline_block, "traffic_runs": traffic_runs_block}
+"""Blocks rendered from several result files (each reads the ones it finds)."""
 # The blocks each document holds: the README only its headline table, the benchmarks page every table.
-DOCUMENTS: dict[Path, tuple[str, ...]] = {README: ("headline",), BENCHMARKS_PAGE: tuple(BLOCKS)}
+DOCUMENTS: dict[Path, tuple[str, ...]] = {README: ("headline",), BENCHMARKS_PAGE: (*BLOCKS, "traffic_runs")}
 
 
 def render_block(name: str, results_dir: Path, slug: str) -> str:
-    if name == "headline":
-        return headline_block(results_dir, slug)
+    if name in MULTI:
+        return MULTI[name](results_dir, slug)
     stem, render = BLOCKS[name]
     path = Path(results_dir) / f"{stem.format(slug=slug)}.json"
     if not path.exists():
@@ -245,7 +363,7 @@ def _pattern(name: str) -> re.Pattern[str]:
 
 def update(text: str, results_dir: Path = RESULTS_DIR, slug: str = SLUG, link_prefix: str = "benches/results/") -> str:
     """``text`` with every block it has rendered anew, its links to result files starting with ``link_prefix``."""
-    for name in ("headline", *BLOCKS):
+    for name in (*MULTI, *BLOCKS):
         pattern = _pattern(name)
         if not pattern.search(text):  # a block of the other document
             continue
