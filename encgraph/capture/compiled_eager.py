@@ -4,7 +4,7 @@ Why: items past the ladder's top (a photo at the processor's default size is up 
 default ladder stops at 4,096) and batches the cost model sends eagerly run the adapter's eager forward, and
 there the tower's element-wise work runs unfused: measured on an H200 for one 2688 px GLM-4.1V photo (36,864 patch
 rows), 70 ms of element-wise kernels and 38 ms of copies and casts of a 509 ms forward, from the fp32 rotary
-embedding and RMSNorm of Hugging Face's blocks (``benches/results/kernel_profile_nvidia-h200_glm-large.md``). The
+embedding and RMSNorm of Hugging Face's blocks (``benches/results/kernel_profile_nvidia-h200_glm-large.md``, in git at 8720e67). The
 graphs already hold these blocks compiled (:mod:`encgraph.capture.compiling`: one compilation with a symbolic token
 dimension); the same compiled callables serve an eager forward of any size without another trace, when the block's
 inputs look as they did at capture.

@@ -101,7 +101,7 @@ def test_capture_measures_fa4_and_runs_the_faster_kernel():
     assert len(c.fa4_ms) == len(c.lengths) and all(t > 0 for t in c.fa4_ms)
     assert c.varlen_kernel == faster_varlen(c.varlen_ms, c.fa4_ms)
     # Timed on the device (replayed from a graph), FA4 is 1.08-2.25x torch's Flash at every length on an H200
-    # (benches/results/attention_kernels_nvidia-h200_fa4.md): capture must choose it there.
+    # (benches/results/attention_kernels_nvidia-h200_fa4.md, in git at 280d20c): capture must choose it there.
     assert c.varlen_kernel == "fa4", c.to_dict()
     module = torch.nn.Module()
     module.attn = torch.nn.Module()
