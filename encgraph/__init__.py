@@ -27,6 +27,7 @@ __all__ = [
     "EncoderGraphRunner",
     "RunMode",
     "graphed",
+    "graphs",
     "EncgraphError",
     "ConfigError",
     "ConfigTypeError",
@@ -43,12 +44,13 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from encgraph.capture.records import RunMode
     from encgraph.capture.runner import EncoderGraphRunner
-    from encgraph.models.graphed import graphed
+    from encgraph.models.graphed import graphed, graphs
 
 _LAZY = {
     "EncoderGraphRunner": ("encgraph.capture.runner", "EncoderGraphRunner"),
     "RunMode": ("encgraph.capture.records", "RunMode"),
     "graphed": ("encgraph.models.graphed", "graphed"),
+    "graphs": ("encgraph.models.graphed", "graphs"),
 }
 
 

@@ -151,6 +151,7 @@ class TowerBench:
         self._defaults_tower: Any = modules.get("defaults")
         self.adapter: Any = None
         self.graphed: Any = None
+        self.graphed_handle: Any = None  # what captures and counts: encgraph.graphs(graphed), or the FeatureShim
         self.unavailable: dict[System, str] = {}
         self.attention_switch: Any = None
         self.compile_backend = "inductor" if env.cuda else "eager"
@@ -193,9 +194,10 @@ class TowerBench:
                 import encgraph
 
                 if self.spec.features:
-                    self.graphed = FeatureShim(self._defaults_tower, **self.graphed_options)
-                else:  # no options: the library's defaults
+                    self.graphed = self.graphed_handle = FeatureShim(self._defaults_tower, **self.graphed_options)
+                else:  # no options: the library's defaults; graphed() hooks the tower itself
                     self.graphed = encgraph.graphed(self._defaults_tower, **self.graphed_options)
+                    self.graphed_handle = encgraph.graphs(self.graphed)
             except Exception as exc:
                 what = "the adapter's shim" if self.spec.features else "graphed()"
                 self.unavailable[System.DEFAULTS] = f"unavailable: {what} raised ({short_error(exc)})"
@@ -221,7 +223,7 @@ class TowerBench:
         if System.DEFAULTS in self.unavailable:
             raise RuntimeError(self.unavailable[System.DEFAULTS])
         if System.DEFAULTS not in self.capture_infos:
-            self._captured(System.DEFAULTS, self.graphed.capture)
+            self._captured(System.DEFAULTS, self.graphed_handle.capture)
         return self.graphed
 
     def runner(self, system: System) -> Any:
@@ -290,10 +292,15 @@ class TowerBench:
 
     def stats(self, system: System) -> dict[str, Any]:
         """The runner's counters of a graph or runner system (``runner.stats``)."""
-        return self.defaults().stats if system is System.DEFAULTS else self.runner(system).stats
+        if system is System.DEFAULTS:
+            self.defaults()
+            return self.graphed_handle.stats
+        return self.runner(system).stats
 
     def reset_stats(self, system: System) -> None:
-        (self.defaults().runner if system is System.DEFAULTS else self.runner(system)).reset_stats()
+        if system is System.DEFAULTS:
+            self.defaults()
+        (self.graphed_handle.runner if system is System.DEFAULTS else self.runner(system)).reset_stats()
 
     def plan_summary(self, inputs: BenchInputs) -> list[dict[str, Any]]:
         """The graph runner's plan for ``inputs``: per batch its items and budget per path (None: eager)."""
@@ -313,5 +320,6 @@ class TowerBench:
     def close(self) -> None:
         """Drop towers, runners and graphs, and return their memory to the device."""
         self._runners.clear()
-        self.adapter = self.hf = self.enc = self.graphed = self._defaults_tower = self._compiled_hf = None
+        self.adapter = self.hf = self.enc = self.graphed = self.graphed_handle = self._defaults_tower = None
+        self._compiled_hf = None
         free_memory()

@@ -110,5 +110,4 @@ def position_embedding_gather(embeddings: torch.nn.Module) -> LayoutPatch | None
         position = bicubic_border(weight.to(torch.float32), side, side, x, y)
         return hidden + position.to(weight.dtype).to(hidden.device)
 
-    embeddings.forward = forward
-    return LayoutPatch(embeddings, "bicubic position embedding as one weighted gather")
+    return LayoutPatch(embeddings, "bicubic position embedding as one weighted gather", forward)

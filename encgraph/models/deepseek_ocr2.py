@@ -66,7 +66,7 @@ from encgraph.errors import (
 )
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.deepseek_ocr2_tower import default_side, graph_safe_rel_pos, view_tokens
-from encgraph.models.generic import concat_parts, take_rows
+from encgraph.models.batch_ladder import concat_parts, take_rows
 from encgraph.packing import ItemSpec
 
 __all__ = ["DeepseekOcr2Adapter", "OcrImages", "adapter", "view_tokens"]
@@ -263,7 +263,7 @@ class DeepseekOcr2Adapter:
 
     def select(self, inputs: OcrImages, indices: Sequence[int]) -> OcrImages:
         """Images ``indices`` with their tiles: views where they are consecutive, else gathers whose index reaches
-        the device without a host wait (:func:`~encgraph.models.generic.take_rows`)."""
+        the device without a host wait (:func:`~encgraph.models.batch_ladder.take_rows`)."""
         idx = list(indices)
         counts = tuple(inputs.num_local_patches[i] for i in idx)
         pv = inputs.pixel_values

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from encgraph.models.own_forward import own_forward
 from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["Ernie45VLAdapter", "adapter"]
@@ -40,7 +41,7 @@ class Ernie45VLAdapter(QwenVisionAdapter):
 
     def _run(self, pixels: torch.Tensor, tokens: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            out = self._module(pixels, grid_thw=None, return_dict=True, **kwargs)
+            out = own_forward(self._module)(pixels, grid_thw=None, return_dict=True, **kwargs)
         return {"last_hidden_state": out.last_hidden_state.reshape(tokens, -1)}
 
     def _output(self, last: torch.Tensor | None, cat: dict[str, torch.Tensor]) -> Any:

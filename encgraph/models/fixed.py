@@ -37,9 +37,10 @@ import torch
 from encgraph._validate import check_int, check_pixels, describe
 from encgraph.capture.protocol import BufferSpec, StockCall
 from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError, UnsupportedModelError
+from encgraph.models.own_forward import own_forward
 from encgraph.models._hf import repeated_blocks, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
-from encgraph.models.generic import GenericModuleAdapter, _Signature, concat_parts
+from encgraph.models.batch_ladder import BatchLadderAdapter, Signature, concat_parts
 from encgraph.packing import ItemSpec
 
 __all__ = ["FixedResolutionAdapter", "PixelBatch", "CallRequest", "hidden_states_layout"]
@@ -125,10 +126,10 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
     raise ConfigTypeError(f"{name}: expected an int or a (height, width) pair of ints, got {describe(value)}.")
 
 
-class FixedResolutionAdapter(GenericModuleAdapter):
+class FixedResolutionAdapter(BatchLadderAdapter):
     """Adapter for a fixed-resolution Hugging Face vision tower; families set the class attributes below.
 
-    Builds on :class:`~encgraph.models.generic.GenericModuleAdapter` (a batch ladder, one zero-filled input
+    Builds on :class:`~encgraph.models.batch_ladder.BatchLadderAdapter` (a batch ladder, one zero-filled input
     buffer ``arg0`` of shape ``(budget, C, H, W)`` in the tower's dtype, batch-first outputs), adding what a
     Hugging Face tower needs: its forward's keyword arguments, named outputs (``hidden_states`` entries
     included), checks of the images against the tower's config, and its own output class.
@@ -198,7 +199,7 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         self.learn_hidden = hidden_states is None
         self.hidden: tuple[int, ...] = () if hidden_states is None else self._resolve_hidden(hidden_states)
         self.frozen = False
-        self._signature = _Signature(
+        self._signature = Signature(
             ((self.channels, *self.image_size),), (self._dtype,), "dict", self._output_names()
         )
         self._takes_any_keyword = any(
@@ -367,7 +368,7 @@ class FixedResolutionAdapter(GenericModuleAdapter):
         if self.resized and self.interpolate_kwarg:
             kwargs[self.interpolate_kwarg] = True
         with torch.no_grad():
-            out = self._module(pixel_values=pixel_values, **kwargs)
+            out = own_forward(self._module)(pixel_values=pixel_values, **kwargs)
         named = {"last_hidden_state": out.last_hidden_state}
         if self.has_pooler:
             named["pooler_output"] = out.pooler_output

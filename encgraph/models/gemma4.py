@@ -51,10 +51,11 @@ import torch
 
 from encgraph._validate import check_int, check_pixels, describe
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
+from encgraph.models.own_forward import own_forward
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import use_packed_attention
 from encgraph.models.gemma4_layout import Gemma4Patches, PatchLayouts, grid_positions
-from encgraph.models.generic import take_rows
+from encgraph.models.batch_ladder import take_rows
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.packing import ItemSpec
 
@@ -132,7 +133,7 @@ class Gemma4Adapter:
         pos = torch.from_numpy(grid_positions(k, k)[None]).to(self._device)
         with torch.no_grad():
             pv = torch.zeros(1, k * k, self.channels, dtype=self.pixel_dtype, device=self._device)
-            return type(self._module(pv, pos, return_dict=True))
+            return type(own_forward(self._module)(pv, pos, return_dict=True))
 
     # ------------------------------------------------------------------ description
     @property

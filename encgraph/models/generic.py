@@ -1,15 +1,22 @@
-"""A generic adapter for any ``nn.Module`` whose forward takes batch-first tensors and returns a batch-first
-tensor (or a tuple, list or dict of them): the budget unit is items, the ladder is one of batch sizes, padding
-rows are zeros.
+"""The any-module adapter: one call shape of a batch-first module, learned from the module's own answers.
 
-The adapter learns the trailing shapes and dtypes of the inputs, and the structure and type of the output, from
-the first call (or from ``example``); later calls must match them (a different trailing shape would need other
-graphs: wrap that module once per shape). The output comes back as the module's own type: a tensor, a tuple or
-list (a named tuple stays one), a dict or a mapping class such as transformers' ``ModelOutput``.
+``encgraph.graphed(module)`` gives every module no model adapter knows (timm, open_clip, torchvision, Hugging Face
+backbones such as ViT or DINOv2, a user's own) this path. Each distinct call shape (:mod:`encgraph.models.call_spec`:
+the structure of the arguments, every tensor's trailing shape, dtype and device, every other argument's value) is
+one *shape family*; the hook (:mod:`encgraph.models.graphed_forward`) answers the first call of a family with the
+module's own forward and learns the output's structure from that answer (:class:`OutputSpec`); a family seen
+again gets a :class:`GenericModuleAdapter` and a runner of its own: a ladder of batch sizes, zero-filled padding
+rows.
 
-The adapter cannot know whether a module really is batch-first (rows never mix across the batch); the runner's
-self-check at capture finds out (``verify=True``): it compares each budget's padded forward with the eager one
-on sample items drawn from the first call, and drops budgets that disagree.
+Batch-first means rows never mix across dim 0. No adapter can know that of an arbitrary module, so a family
+splits or pads a batch only once the runner's self-check (``verify=True``, the default, at capture) has compared
+padded batches of each budget with the module's forward on exactly their items; a module that fails it answers
+every call of that family with its own forward (:meth:`selfcheck_failed`), as do calls under ``RunMode.EAGER``
+(nothing was verified there).
+
+Outputs: any nesting of tuples, lists, dicts and registered containers (transformers' ``ModelOutput``, named
+tuples) whose leaves are batch-first tensors or ``None``, rebuilt as the module's own type with
+``torch.utils._pytree``.
 """
 
 from __future__ import annotations
@@ -18,88 +25,100 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
+import torch.utils._pytree as pytree
 
 from encgraph._validate import check_int, describe
 from encgraph.capture.grad import persistent
-from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec
-from encgraph.errors import ConfigError, InputError, InputTypeError
+from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec, StockCall
+from encgraph.errors import InputError, InputTypeError
+from encgraph.models._hf import repeated_blocks
+from encgraph.models.batch_ladder import concat_parts, take_rows
+from encgraph.models.call_spec import CallSplit, describe_key, rebuild, split_call
+from encgraph.models.own_forward import own_forward
 from encgraph.packing import ItemSpec
 
-__all__ = ["GenericModuleAdapter", "concat_parts", "take_rows"]
+__all__ = ["GenericModuleAdapter", "OutputSpec"]
 
 PATH = "default"
 
 
-def concat_parts(parts: Sequence[Any], kind: type | tuple[type, ...]) -> list[Any]:
-    """The ``parts`` of an adapter's ``concat`` as a list, checked to be non-empty and of ``kind``."""
-    if not isinstance(parts, (list, tuple)) or not parts:
-        raise InputError(f"concat: expected a non-empty list of inputs, got {describe(parts)}.")
-    parts = list(parts)
-    for i, part in enumerate(parts):
-        if not isinstance(part, kind):
-            raise InputTypeError(f"concat: parts[{i}]: expected {describe_kind(kind)}, got {describe(part)}.")
-    return parts
+@attrs.frozen(eq=False)
+class OutputSpec:
+    """The structure of a module's output: the pytree spec, and per leaf either a tensor name (``out<i>``) or the
+    constant it holds (``None``)."""
 
+    spec: Any
+    names: tuple[str | None, ...]
 
-def take_rows(t: torch.Tensor, rows: Sequence[int] | np.ndarray) -> torch.Tensor:
-    """Rows ``rows`` of ``t`` (dim 0), in that order, without making the host wait for the device: a view of ``t``
-    when they are one ascending run (a sub-batch of consecutive items, the usual case), else ``index_select`` with
-    the index built on the host and copied to ``t``'s device from pinned memory without blocking (a copy from
-    pageable memory, ``torch.as_tensor(rows, device=...)``, waits for the stream's queued work: the previous
-    replay). Lifetime: a view shares ``t``'s storage; the host allocator keeps the pinned index until its copy is
-    done."""
-    index = np.asarray(rows, dtype=np.int64).reshape(-1)
-    n = index.size
-    start = int(index[0]) if n else 0
-    if n == 0 or (start >= 0 and np.array_equal(index, np.arange(start, start + n))):
-        return t[start : start + n]
-    host = torch.from_numpy(index)
-    if t.device.type == "cuda":
-        return t.index_select(0, host.pin_memory().to(t.device, non_blocking=True))
-    return t.index_select(0, host.to(t.device))
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(n for n in self.names if n is not None)
 
+    @classmethod
+    def learn(cls, out: Any, batch: int) -> OutputSpec | str:
+        """The spec of ``out`` (the module's answer to a call of ``batch`` items), or why its outputs cannot be
+        split per item: a leaf that is neither ``None`` nor a tensor with ``batch`` rows in dim 0."""
+        leaves, spec = pytree.tree_flatten(out)
+        names: list[str | None] = []
+        for leaf in leaves:
+            if leaf is None:
+                names.append(None)
+            elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch:
+                names.append(f"out{len(names)}")
+            elif isinstance(leaf, torch.Tensor):
+                return f"an output tensor of shape {tuple(leaf.shape)} is not batch-first ({batch} items)"
+            else:
+                return f"an output leaf of type {type(leaf).__name__} (not a tensor)"
+        if not any(n is not None for n in names):
+            return "no tensor in the output"
+        return cls(spec, tuple(names))
 
-def describe_kind(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
+    def named(self, out: Any) -> dict[str, torch.Tensor]:
+        """The tensors of ``out`` (an output of the same structure) by name."""
+        leaves, spec = pytree.tree_flatten(out)
+        if spec != self.spec:
+            raise InputError(
+                f"module output: expected the structure of the module's earlier answers ({self.spec}), got {spec}; "
+                "a module whose output structure depends on the batch size is not batch-first."
+            )
+        return {n: leaf for n, leaf in zip(self.names, leaves) if n is not None}
 
-
-@attrs.frozen
-class _Signature:
-    """Trailing shapes and dtypes of the positional inputs; the output's structure ("tensor", "tuple",
-    "list" or "dict") and names."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-    kind: str
-    names: tuple[str, ...]
-    cls: type | None = None
+    def build(self, named: Mapping[str, torch.Tensor]) -> Any:
+        return pytree.tree_unflatten([None if n is None else named[n] for n in self.names], self.spec)
 
 
 class GenericModuleAdapter:
-    """Adapter for a batch-first module. Inputs: a tuple of tensors with the same size in dim 0.
+    """Adapter for one call shape of a batch-first module (items: rows of dim 0 of every tensor argument).
 
     Args:
-        module: the module; its parameters' device and dtype are the tower's.
-        max_batch: the largest batch size captured (default 32); the default ladder is 1, 2, 4, ... up to it.
-        example: optional example positional inputs (a tensor or a tuple), to capture before the first call.
+        module: the module; its tensors' device is where buffers live.
+        example: a call of the family (a :class:`~encgraph.models.call_spec.CallSplit`, e.g. the call that made
+            the family recur); its first item, kept, seeds ``sample_inputs``.
+        output: the structure of the module's answers to that call shape.
+        max_batch: the largest batch size captured (default 32); the default ladder runs up to it.
+
+    Buffers per budget ``B``: ``arg<i>`` ``(B, *trailing_i)`` in tensor ``i``'s dtype, ZERO (padding rows are
+    zeros). Outputs: ``out<i>`` ``(B, ...)``, the output's tensor leaves in order.
     """
 
-    def __init__(self, module: torch.nn.Module, *, max_batch: int = 32, example: Any = None) -> None:
+    def __init__(self, module: torch.nn.Module, example: CallSplit, output: OutputSpec, *, max_batch: int = 32) -> None:
         if not isinstance(module, torch.nn.Module):
             raise InputTypeError(f"module: expected a torch.nn.Module, got {describe(module)}.")
+        if not isinstance(example, CallSplit) or example.batch < 1:
+            raise InputError(f"example: expected a CallSplit of at least one item, got {describe(example)}.")
         self._module = module
+        self.key = example.key
+        self.output = output
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
-        param = next(iter(module.parameters()), None)
-        self._device = param.device if param is not None else torch.device("cpu")
-        self._dtype = param.dtype if param is not None else torch.float32
-        self._signature: _Signature | None = None
-        self._example: tuple[torch.Tensor, ...] | None = None  # one item of the first call, for sample_inputs
+        param = next(module.parameters(), None)
+        self._device = param.device if param is not None else example.tensors[0].device
+        self._dtype = param.dtype if param is not None else example.tensors[0].dtype
+        self._shapes = [(tuple(t.shape[1:]), t.dtype) for t in example.tensors]
+        with persistent():
+            self._seed = tuple(t[:1].detach().clone() for t in example.tensors)
+        self._scales = [float(t.float().std()) if t.is_floating_point() and t.numel() > 1 else 1.0 for t in self._seed]
         self._not_batch_first: str | None = None
-        if example is not None:
-            self.item_specs(self.inputs_from_call(*(example if isinstance(example, tuple) else (example,))))
 
     @property
     def module(self) -> torch.nn.Module:
@@ -107,177 +126,98 @@ class GenericModuleAdapter:
 
     @property
     def config(self) -> AdapterConfig:
-        names = self._signature.names if self._signature is not None else ("out",)
         return AdapterConfig(
-            paths=PathSpec(PATH, 1, self.max_batch, outputs=names, unit=BudgetUnit.ITEMS),
+            paths=PathSpec(PATH, 1, self.max_batch, outputs=self.output.tensor_names, unit=BudgetUnit.ITEMS),
             dtype=self._dtype,
             device=self._device,
         )
 
-    # -- inputs
+    def describe(self) -> str:
+        return describe_key(self.key)
+
+    # -- the self-check's verdict
     @property
     def stock_reason(self) -> str | None:
-        """Why every call is answered by the module's own forward (the self-check found rows mixing), or None."""
+        """Why every call of this shape is answered by the module's own forward (the self-check), or None."""
         return self._not_batch_first
 
     def selfcheck_failed(self, path: str, budget: int, reason: str) -> bool:
-        """The runner's self-check found the padded forward off the eager one: this module mixes rows across
-        the batch, so no split or padded batch can stand in for it; every budget goes (returns True) and
-        ``encgraph.graphed`` answers every call with the module's own forward."""
-        self._not_batch_first = "module mixes rows across the batch (self-check)"
+        """A padded batch disagreed with the module's forward on its items: rows mix across dim 0 (or padding
+        changes the answer), so no split or padded batch may stand in for the module; every budget goes."""
+        self._not_batch_first = "not batch-first (self-check: a padded batch differs from the module's forward)"
         return True
 
-    def inputs_from_call(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        if kwargs:
-            raise InputTypeError(
-                f"graphed module: keyword arguments are not supported by the generic adapter, got "
-                f"{sorted(kwargs)}; pass tensors positionally."
-            )
-        return tuple(args)
+    # -- inputs
+    def inputs_from_call(self, *args: Any, **kwargs: Any) -> CallSplit | StockCall:
+        split = split_call(args, kwargs)
+        if isinstance(split, str):
+            return StockCall(split)
+        if split.key != self.key:
+            return StockCall("another call shape")
+        return split
 
-    def item_specs(self, inputs: tuple[torch.Tensor, ...]) -> list[ItemSpec]:
-        if not isinstance(inputs, tuple) or not inputs:
-            raise InputTypeError(f"inputs: expected a non-empty tuple of tensors, got {describe(inputs)}.")
-        for i, t in enumerate(inputs):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                raise InputTypeError(f"inputs[{i}]: expected a batch-first tensor, got {describe(t)}.")
-            if t.device != self._device:
-                raise InputError(
-                    f"inputs[{i}]: expected a tensor on {self._device} (where the module is), got {t.device}; "
-                    f"move it with .to({str(self._device)!r})."
-                )
-        batch = inputs[0].shape[0]
-        if any(t.shape[0] != batch for t in inputs):
-            raise InputError(
-                f"inputs: every tensor must have the same batch size in dim 0, got {[t.shape[0] for t in inputs]}."
-            )
-        shapes = tuple(tuple(t.shape[1:]) for t in inputs)
-        dtypes = tuple(t.dtype for t in inputs)
-        if self._signature is None:
-            if batch == 0:
-                raise InputError("inputs: expected at least one item, got an empty batch.")
-            self._signature = self._probe(inputs, shapes, dtypes)
-            with persistent():
-                self._example = tuple(t[:1].detach().clone() for t in inputs)
-        elif (shapes, dtypes) != (self._signature.shapes, self._signature.dtypes):
-            raise InputError(
-                f"inputs: the graphs were built for trailing shapes {list(self._signature.shapes)} and dtypes "
-                f"{list(self._signature.dtypes)}, got {list(shapes)} and {list(dtypes)}; wrap the module once per "
-                "input shape."
-            )
-        return [ItemSpec(1)] * batch
+    def item_specs(self, inputs: CallSplit) -> list[ItemSpec]:
+        if not isinstance(inputs, CallSplit) or inputs.key != self.key:
+            raise InputTypeError(f"inputs: expected a CallSplit of shape {self.describe()}, got {describe(inputs)}.")
+        return [ItemSpec(1)] * inputs.batch
 
-    def _probe(self, inputs: tuple[torch.Tensor, ...], shapes: Any, dtypes: Any) -> _Signature:
-        with torch.inference_mode():
-            out = self._module(*(t[:1] for t in inputs))
-        if isinstance(out, torch.Tensor):
-            return _Signature(shapes, dtypes, "tensor", ("out",))
-        if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
-            kind = "tuple" if isinstance(out, tuple) else "list"
-            return _Signature(shapes, dtypes, kind, tuple(str(i) for i in range(len(out))), type(out))
-        if isinstance(out, Mapping) and out and all(isinstance(o, torch.Tensor) for o in out.values()):
-            return _Signature(shapes, dtypes, "dict", tuple(str(k) for k in out), type(out))
-        raise InputTypeError(
-            f"module output: the generic adapter needs a batch-first tensor, or a tuple, list or dict of them, got "
-            f"{describe(out)}."
-        )
+    def select(self, inputs: CallSplit, indices: Sequence[int]) -> CallSplit:
+        return CallSplit(inputs.key, tuple(take_rows(t, indices) for t in inputs.tensors), len(indices))
 
-    def sample_inputs(self, path: str, tokens: int) -> tuple[torch.Tensor, ...]:
-        """``tokens`` items like the first call's first item: floating inputs with noise of its scale added
-        (so the items differ), other dtypes repeated as they were."""
-        n = check_int("tokens", tokens, minimum=1)
-        if self._example is None:
-            raise ConfigError("generic adapter: no sample before the first call; call the module once first.")
-        out = []
-        for t in self._example:
-            rows = t.expand(n, *t.shape[1:]).clone()
-            if rows.is_floating_point():
-                scale = float(t.float().std()) if t.numel() > 1 else 1.0
-                rows = rows + torch.randn_like(rows) * (scale if scale > 0 else 1.0)
-            out.append(rows)
-        return tuple(out)
-
-    def select(self, inputs: tuple[torch.Tensor, ...], indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        return tuple(take_rows(t, indices) for t in inputs)
-
-    def concat(self, parts: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-        """One input tuple holding every part's items in order (each positional tensor concatenated in dim 0);
-        every part was validated by ``item_specs`` (same trailing shapes and dtypes)."""
-        parts = concat_parts(parts, tuple)
+    def concat(self, parts: Sequence[CallSplit]) -> CallSplit:
+        """One call holding every part's items in order (each tensor argument concatenated in dim 0)."""
+        parts = concat_parts(parts, CallSplit)
         if len(parts) == 1:
             return parts[0]
-        return tuple(torch.cat(column) for column in zip(*parts))
+        tensors = tuple(torch.cat(column) for column in zip(*(p.tensors for p in parts)))
+        return CallSplit(parts[0].key, tensors, sum(p.batch for p in parts))
+
+    def sample_inputs(self, path: str, tokens: int) -> CallSplit:
+        """``tokens`` scratch items like the kept first item: floating tensors with noise of its scale added (the
+        items differ), other dtypes repeated as they were. Never a caller's tensors."""
+        n = check_int("tokens", tokens, minimum=1)
+        tensors = []
+        for t, scale in zip(self._seed, self._scales):
+            rows = t.expand(n, *t.shape[1:]).clone()
+            if rows.is_floating_point():
+                rows = rows + torch.randn_like(rows) * (scale if scale > 0 else 1.0)
+            tensors.append(rows)
+        return CallSplit(self.key, tuple(tensors), n)
 
     # -- static buffers and forwards
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:
-        sig = self._require_signature()
         return {
-            f"arg{i}": BufferSpec((budget, *shape), dtype, FillRule.ZERO)
-            for i, (shape, dtype) in enumerate(zip(sig.shapes, sig.dtypes))
+            f"arg{i}": BufferSpec((budget, *shape), dtype, FillRule.ZERO) for i, (shape, dtype) in enumerate(self._shapes)
         }
 
-    def replay_values(self, path: str, inputs: tuple[torch.Tensor, ...], budget: int) -> dict[str, torch.Tensor]:
-        return {f"arg{i}": t for i, t in enumerate(inputs)}
+    def replay_values(self, path: str, inputs: CallSplit, budget: int) -> dict[str, torch.Tensor]:
+        return {f"arg{i}": t for i, t in enumerate(inputs.tensors)}
 
     def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
-        args = [buffers[f"arg{i}"] for i in range(len(buffers))]
-        return self._named(self._module(*args))
+        return self._run([buffers[f"arg{i}"] for i in range(len(self._shapes))])
 
-    def forward_eager(self, path: str, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
-        return self._named(self._module(*inputs))
+    def forward_eager(self, path: str, inputs: CallSplit) -> dict[str, torch.Tensor]:
+        return self._run(inputs.tensors)
 
-    def _named(self, out: Any) -> dict[str, torch.Tensor]:
-        sig = self._require_signature()
-        if sig.kind == "tensor":
-            return {"out": out}
-        if sig.kind == "dict":
-            return {k: out[k] for k in sig.names}
-        return {name: out[i] for i, name in enumerate(sig.names)}
+    def _run(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        args, kwargs = rebuild(self.key, tensors)
+        return self.output.named(own_forward(self._module)(*args, **kwargs))
 
     def assemble(self, parts: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return dict(parts[PATH])
 
-    def output_for_call(self, results: list[dict[str, torch.Tensor]], inputs: Any) -> Any:
-        sig = self._require_signature()
-        cat = {name: torch.cat([r[name] for r in results]) for name in sig.names}
-        if sig.kind == "tensor":
-            return cat["out"]
-        if sig.kind == "dict":
-            return _rebuild_mapping(sig.cls, cat)
-        seq = [cat[name] for name in sig.names]
-        if sig.kind == "tuple":
-            return _rebuild_tuple(sig.cls, seq)
-        return seq if sig.cls in (None, list) else _try(lambda: sig.cls(seq), seq)
+    def output_for_call(self, results: list[dict[str, torch.Tensor]], inputs: CallSplit) -> Any:
+        """The module's own output type, each tensor leaf concatenated over the call's items in input order."""
+        names = self.output.tensor_names
+        return self.output.build({n: torch.cat([r[n] for r in results]) for n in names})
+
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The module's repeated blocks (its longest list of same-class layers), compiled once for all of them and
+        every batch size by ``compile="auto"``; none found: the runner compiles the whole static forward."""
+        return repeated_blocks(self._module)
 
     def unwrap(self) -> torch.nn.Module:
         return self._module
 
-    def _require_signature(self) -> _Signature:
-        if self._signature is None:
-            raise ConfigError(
-                "generic adapter: input shapes are unknown before the first call; call the module once, or pass "
-                "example=(tensors...) to capture ahead."
-            )
-        return self._signature
-
-
-def _try(build: Any, fallback: Any) -> Any:
-    try:
-        return build()
-    except Exception:  # a container class that cannot be rebuilt from its items: its plain equivalent
-        return fallback
-
-
-def _rebuild_mapping(cls: type | None, values: dict[str, torch.Tensor]) -> Any:
-    """``values`` as the module's own mapping type (a transformers ``ModelOutput`` takes its fields as keywords)."""
-    if cls in (None, dict):
-        return dict(values)
-    return _try(lambda: cls(**values), None) or _try(lambda: cls(values), dict(values))
-
-
-def _rebuild_tuple(cls: type | None, items: list[torch.Tensor]) -> Any:
-    if cls in (None, tuple):
-        return tuple(items)
-    if hasattr(cls, "_fields"):  # a named tuple
-        return _try(lambda: cls(*items), tuple(items))
-    return _try(lambda: cls(items), tuple(items))
+    def __repr__(self) -> str:
+        return f"GenericModuleAdapter({type(self._module).__name__}, {self.describe()}, max_batch={self.max_batch})"

@@ -1,107 +1,37 @@
-"""``graphed(module)``: a drop-in ``nn.Module`` with the wrapped module's forward signature and output type,
-backed by an :class:`~encgraph.EncoderGraphRunner`.
+"""``graphed(module)``: the module itself, its forward replaying CUDA graphs; ``graphs(module)``: its handle.
 
-Every valid call is answered as the module answers it. Calls the graphs cannot answer exactly (per-layer hidden
-states or attentions the graphs do not hold, autograd asked for) are answered by the module's own forward: the
-adapter says so by returning :class:`~encgraph.models.protocol.StockCall` from ``inputs_from_call``, and
-autograd is detected here (grad mode on and an input or a parameter requires grad: a captured graph cannot
-replay a backward pass). Such calls are counted in ``stats["eager_reasons"]`` (one per call) and
-``stats["stock_calls"]``, and each reason is logged once.
+Wrapping changes nothing around the module. As accelerate's ``add_hook_to_module`` does, ``graphed`` sets one
+instance attribute, ``module.forward``, to a :class:`~encgraph.models.graphed_forward.GraphedForward`, and returns
+the same module: its class, identity, parameter names, ``state_dict``, ``save_pretrained`` / ``from_pretrained``,
+``load_state_dict`` of the original checkpoint, PEFT's module names, ``deepcopy``, ``pickle`` and ``.to()`` are the
+module's own. A model adapter that rewrites layers for speed (the Qwen-VL towers' attention and layouts) does so
+only inside its own forwards, never between calls. ``graphs(module).unwrap()`` removes the hook.
+
+Which graphs: a tower a model adapter knows (:mod:`encgraph.models.registry`, by its config class) gets that
+adapter (token budgets, its metadata, its output type); any other module (timm, open_clip, torchvision, HF
+backbones without an adapter, a user's own) takes the any-module path (:mod:`encgraph.models.generic`): one set of
+graphs per call shape, each verified batch-first before any batch is split or padded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import threading
 from typing import Any
 
 import torch
 
-from encgraph._validate import describe
-from encgraph.capture.grad import autograd_requested
-from encgraph.capture.protocol import ModuleAdapter, StockCall
+from encgraph._validate import check_int, describe
+from encgraph.capture.protocol import ModuleAdapter
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import ConfigError, ConfigTypeError, InputTypeError, UnsupportedModelError
+from encgraph.models.engines import Engine
+from encgraph.models.graphed_forward import AUTOGRAD, GraphedForward
+from encgraph.models.own_forward import HOOK_MARK
 
-__all__ = ["graphed", "GraphedModule", "AUTOGRAD"]
+__all__ = ["graphed", "graphs", "GraphedForward", "AUTOGRAD"]
 
 log = logging.getLogger("encgraph")
-
-AUTOGRAD = "autograd requested"
-"""The ``eager_reasons`` key of calls with grad enabled and an input or parameter that requires grad."""
-
-
-class GraphedModule(torch.nn.Module):
-    """Holds the original module (so ``.parameters()``, ``.config``, ``.dtype`` and other attributes still
-    answer) and a runner; ``forward`` has the original's signature. ``unwrap()`` restores and returns the
-    original; the graphed module cannot be called after it."""
-
-    def __init__(self, adapter: Any, runner: EncoderGraphRunner) -> None:
-        super().__init__()
-        self.inner = adapter.module
-        object.__setattr__(self, "adapter", adapter)
-        object.__setattr__(self, "runner", runner)
-        object.__setattr__(self, "_unwrapped", False)
-        object.__setattr__(self, "_logged", set())
-        object.__setattr__(self, "_log_lock", threading.Lock())
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._unwrapped:
-            raise ConfigError(
-                f"graphed {type(self.inner).__name__}: called after unwrap(); call the module unwrap() returned "
-                "(or wrap it again with encgraph.graphed)."
-            )
-        if autograd_requested(self.inner, args, kwargs):
-            return self._stock(AUTOGRAD, args, kwargs)
-        inputs = self.adapter.inputs_from_call(*args, **kwargs)
-        if isinstance(inputs, StockCall):
-            return self._stock(inputs.reason, args, kwargs)
-        if not self.runner.captured:
-            self.runner.prepare(inputs)  # capture (and self-check) before planning this very call
-        reason = getattr(self.adapter, "stock_reason", None)
-        if reason:
-            return self._stock(reason, args, kwargs)
-        results = self.runner(inputs)
-        return self.adapter.output_for_call(results, inputs)
-
-    def _stock(self, reason: str, args: Any, kwargs: Any) -> Any:
-        """The module's own forward (what wrapping changed put back for the call), counted and logged once."""
-        with self._log_lock:
-            first = reason not in self._logged
-            self._logged.add(reason)
-        if first:
-            hint = (
-                " Call the model under torch.no_grad() or torch.inference_mode() (or set requires_grad_(False) on "
-                "the tower) for the graphs." if reason == AUTOGRAD else ""
-            )
-            log.info("encgraph: graphed %s answers calls with %s by its own forward.%s", type(self.inner).__name__,
-                     reason, hint)
-        context = getattr(self.adapter, "stock_context", None)
-        # Under the runner's lock: the context switches the tower's attention back, which a concurrent replay
-        # must not see (calls are serialised anyway).
-        with self.runner._lock, (context() if context is not None else contextlib.nullcontext()):
-            self.runner._stats.add_stock(reason)
-            return self.inner(*args, **kwargs)
-
-    def capture(self) -> dict[str, Any]:
-        return self.runner.capture()
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return self.runner.stats
-
-    def unwrap(self) -> torch.nn.Module:
-        object.__setattr__(self, "_unwrapped", True)
-        return self.adapter.unwrap()
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = super().__getattr__("inner")
-            return getattr(inner, name)
 
 
 def _runner_options() -> list[str]:
@@ -109,26 +39,43 @@ def _runner_options() -> list[str]:
     return [name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
-def _is_hf_model(module: torch.nn.Module) -> bool:
-    # By class name, so that checking never imports transformers.
-    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+def graphs(module: torch.nn.Module) -> GraphedForward:
+    """The hook of a graphed module (``module.forward``): ``stats``, ``capture()``, ``reset()``, ``unwrap()``,
+    ``runner``, ``engines``. Raises :class:`~encgraph.ConfigError` for a module that is not graphed."""
+    hook = module.__dict__.get("forward") if isinstance(module, torch.nn.Module) else None
+    if hook is None or not getattr(hook, HOOK_MARK, False):
+        raise ConfigError(
+            f"module: expected a module wrapped by encgraph.graphed, got {describe(module)}; wrap it first: "
+            "encgraph.graphed(module)."
+        )
+    return hook
 
 
-def graphed(module: torch.nn.Module, *, adapter_options: dict[str, Any] | None = None, **runner_options: Any) -> GraphedModule:
-    """Wrap ``module`` so that its forward replays CUDA graphs (on the CPU, by default, runs the adapter's eager
-    forward: no graphs to gain, so nothing is captured or padded; ``mode=RunMode.STATIC`` runs the padded plan).
+def graphed(
+    module: torch.nn.Module,
+    *,
+    adapter_options: dict[str, Any] | None = None,
+    max_shapes: int = 4,
+    **runner_options: Any,
+) -> torch.nn.Module:
+    """Make ``module``'s forward replay CUDA graphs; returns ``module`` itself (so ``tower = graphed(tower)`` and
+    ``graphed(tower)`` alone both work). Calling it again on a graphed module rewraps it with the new options.
 
-    A known Hugging Face vision tower gets its model adapter (``encgraph.models.wrap``); a Hugging Face model no
-    adapter knows is refused (:class:`~encgraph.UnsupportedModelError`, naming the supported families); any other
-    module gets the generic batch-first adapter. ``runner_options`` go to :class:`~encgraph.EncoderGraphRunner`
-    (``budgets``, ``max_items``, ``mode``, ``compile``, ``costs``, ``verify``, ...); ``adapter_options`` to the
-    adapter.
+    Every call the module answers is answered, equal to the module's own forward: a call graphs cannot answer
+    exactly goes to the module's own forward, counted in ``graphs(module).stats["eager_reasons"]`` (train mode,
+    autograd asked for, the CPU under the default mode, per-layer outputs an adapter does not hold, a call shape
+    seen once). ``runner_options`` go to :class:`~encgraph.EncoderGraphRunner` (``budgets``, ``max_items``,
+    ``mode``, ``compile``, ``costs``, ``verify``, ...); ``adapter_options`` to the adapter (the any-module path
+    takes ``max_batch``); ``max_shapes``: on the any-module path, how many call shapes keep graphs at once (least
+    recently used dropped).
 
     >>> import torch, encgraph
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.GELU())
-    >>> fast = encgraph.graphed(net, budgets=[1, 2, 4])
+    >>> fast = encgraph.graphed(net)
+    >>> fast is net, list(net.state_dict()) == ["0.weight", "0.bias"]
+    (True, True)
     >>> x = torch.randn(6, 8)
-    >>> torch.allclose(fast(x), net(x), atol=1e-6)
+    >>> torch.allclose(fast(x), torch.nn.functional.gelu(x @ net[0].weight.T + net[0].bias))
     True
     """
     if not isinstance(module, torch.nn.Module):
@@ -138,37 +85,75 @@ def graphed(module: torch.nn.Module, *, adapter_options: dict[str, Any] | None =
     if unknown:
         raise ConfigTypeError(
             f"graphed(): unknown option{'s' if len(unknown) > 1 else ''} {unknown}; expected runner options "
-            f"{valid} or adapter_options={{...}} for the adapter."
+            f"{valid}, max_shapes=N, or adapter_options={{...}} for the adapter."
         )
-    from encgraph.models.generic import GenericModuleAdapter
-    from encgraph.models.registry import known_configs, supported_families, wrap
-
+    max_shapes = check_int("max_shapes", max_shapes, minimum=1)
     options = dict(adapter_options or {})
+    existing = module.__dict__.get("forward")
+    if existing is not None and getattr(existing, HOOK_MARK, False):
+        existing.unwrap()
+    engine = _family_engine(module, options, runner_options)
+    if engine is None:
+        _check_generic_options(options)
+        _check_runner_options(module, options, runner_options)
+    hook = GraphedForward(
+        module, original=module.__dict__.get("forward"), family=engine is not None, adapter_options=options,
+        runner_options=runner_options, max_shapes=max_shapes, engine=engine,
+    )
+    module.__dict__["forward"] = hook
+    return module
+
+
+def _family_engine(module: torch.nn.Module, options: dict[str, Any], runner_options: dict[str, Any]) -> Engine | None:
+    """The model adapter's engine, or ``None`` when no model adapter takes ``module`` (the any-module path)."""
+    from encgraph.models.registry import known_configs, wrap
+
+    if type(getattr(module, "config", None)).__name__ not in known_configs():
+        return None
     try:
         adapter = wrap(module, **options)
-    except UnsupportedModelError:
-        # A tower whose config an adapter claims, but that adapter refuses (CLIPVisionModelWithProjection shares
-        # CLIPVisionConfig), must not silently become a generic module with another output type; neither may a
-        # Hugging Face model that no adapter knows (it takes keywords, grids, masks the generic adapter cannot).
-        if type(getattr(module, "config", None)).__name__ in known_configs():
-            raise
-        if _is_hf_model(module):
-            raise UnsupportedModelError(
-                f"module: no encgraph adapter knows {type(module).__name__} (config "
-                f"{type(getattr(module, 'config', None)).__name__}); supported families: {supported_families()}. "
-                "Wrap its vision tower (e.g. model.model.visual) if it is one of those, or write an adapter "
-                "(encgraph.models.protocol) and register it (encgraph.models.registry.register_adapter)."
-            ) from None
-        adapter = GenericModuleAdapter(module, **options)
+    except UnsupportedModelError as why:
+        # A tower whose config an adapter knows but whose class it does not take (CLIPVisionModelWithProjection
+        # shares CLIPVisionConfig): the any-module path answers it with its own output type.
+        log.info("encgraph: %s goes on the any-module path (%s).", type(module).__name__, why)
+        return None
     if not isinstance(adapter, ModuleAdapter):
+        adapter.unwrap()
         raise UnsupportedModelError(
-            f"module: the {type(adapter).__name__} adapter cannot stand in for {type(module).__name__}'s forward; "
-            f"build EncoderGraphRunner(encgraph.models.wrap(module)) and call it from a shim (see "
-            f"{type(adapter).__module__})."
+            f"module: {type(module).__name__} is a whole model whose encoder encgraph runs through a runner, not "
+            f"through the model's forward; build encgraph.EncoderGraphRunner(encgraph.models.wrap(module)) and call "
+            f"it from a shim (see {type(adapter).__module__}), or wrap its vision tower instead."
         )
     try:
-        runner = EncoderGraphRunner(adapter, **runner_options)
+        return Engine(adapter, EncoderGraphRunner(adapter, **runner_options))
     except BaseException:
         adapter.unwrap()  # a bad option must not leave the tower rewritten
         raise
-    return GraphedModule(adapter, runner)
+
+
+def _check_generic_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - {"max_batch"})
+    if unknown:
+        raise ConfigTypeError(
+            f"adapter_options: unknown option{'s' if len(unknown) > 1 else ''} {unknown} for the any-module path; "
+            "it takes max_batch (the largest batch size captured)."
+        )
+    if "max_batch" in options:
+        check_int("adapter_options['max_batch']", options["max_batch"], minimum=1)
+
+
+def _check_runner_options(module: torch.nn.Module, options: dict[str, Any], runner_options: dict[str, Any]) -> None:
+    """A bad runner option fails at wrap time, as for a model adapter, not at some later call: a runner is built
+    (construction does no device work) over a scratch call shape, and dropped."""
+    from encgraph.models.call_spec import split_call
+    from encgraph.models.generic import GenericModuleAdapter, OutputSpec
+
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if device.type == "meta":
+        return
+    scratch = torch.zeros(1, 1, device=device)
+    split = split_call((scratch,), {})
+    output = OutputSpec.learn(scratch, 1)
+    assert not isinstance(split, str) and not isinstance(output, str)
+    EncoderGraphRunner(GenericModuleAdapter(module, split, output, **options), **runner_options)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from encgraph.errors import ConfigError, InputError
+from encgraph.models.own_forward import own_forward
 from encgraph.models._hf import require_transformers
 from encgraph.models.protocol import BufferSpec, FillRule
 from encgraph.models.qwen_grid import UnitGrid, raster_positions
@@ -195,7 +196,7 @@ class KimiK25Adapter(QwenVisionAdapter):
     # -- forwards and results
     def _run(self, pixels: torch.Tensor, tokens: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            out = self._module(pixels, grid_thw=None, return_dict=True, **kwargs)
+            out = own_forward(self._module)(pixels, grid_thw=None, return_dict=True, **kwargs)
         return {
             "pooler_output": out.pooler_output,  # (tokens, kernel^2, hidden): an item's first h*w/4 are real
             "last_hidden_state": out.last_hidden_state.reshape(tokens, -1),

@@ -14,20 +14,22 @@ Measured on an H200 (``benches/kernel_profile.py``, Qwen2.5-VL-7B tower, bf16; r
   next multiple of 8 and fuses ``gate_proj`` and ``up_proj`` into one matmul; the padded columns are exactly
   zero (``act(0 + 0) * 0``, times zero weights), so the result is the same sum, in another kernel's order.
 
-Each rewrite sets an instance ``forward`` on the submodule (the class is untouched) and returns a
-:class:`LayoutPatch` whose ``restore()`` undoes it; adapters apply them at construction and restore them in
-``unwrap()``, as they do the attention switch. :func:`align_gated_mlp` re-points the module's own parameters
-at views of the padded storage (``param.data``: the same ``Parameter`` objects, no second copy of the weights),
-so the module's original forward and ``state_dict`` keep working while it is wrapped; ``restore()`` gives them
-compact storage again. While wrapped, copy new values into the parameters (``load_state_dict``, ``copy_``) rather
-than rebinding them, and do not move (``.to``) or copy (``copy.deepcopy``) the tower: the padded forward reads
-the storage it was given, and a copy's forward would still read the original's. Unwrap first.
+Each rewrite returns a :class:`LayoutPatch` holding an instance ``forward`` for the submodule (the class is
+untouched), set only while the adapter's own forwards run (:func:`engaged`: the static forward it captures, its
+eager forward); between calls the module runs, copies, pickles and saves as its own. :func:`align_gated_mlp`
+re-points the module's own parameters at views of the padded storage (``param.data``: the same ``Parameter``
+objects, no second copy of the weights), so values copied into them (``load_state_dict``, ``copy_``) reach the
+padded forward, the module's own forward and ``state_dict`` keep working, and ``save_pretrained`` writes compact
+tensors (transformers clones tensors that share storage before writing). ``restore()`` gives them compact storage
+again. Moving or casting the tower rebinds the parameters: ``encgraph.graphed`` notices it
+(:mod:`encgraph.models.module_state`) and builds its adapter, and so the padding, again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 import attrs
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,10 @@ import torch.nn.functional as F
 from encgraph._validate import describe
 from encgraph.errors import InputTypeError
 
-__all__ = ["ALIGN", "LayoutPatch", "align_gated_mlp", "apply_all", "describe_patches", "linear_patch_embed", "restore_all"]
+__all__ = [
+    "ALIGN", "LayoutPatch", "align_gated_mlp", "apply_all", "describe_patches", "engaged", "linear_patch_embed",
+    "restore_all",
+]
 
 ALIGN = 8
 """Elements of a 2-byte dtype per 16 bytes: the row alignment cuBLAS's Hopper matmul kernels need."""
@@ -43,17 +48,28 @@ ALIGN = 8
 
 @attrs.define(eq=False)
 class LayoutPatch:
-    """One applied rewrite: ``restore()`` removes the instance ``forward`` and runs ``undo`` (idempotent)."""
+    """One applied rewrite: its instance ``forward`` is set on the submodule only while engaged (``engage()`` /
+    ``disengage()``; :func:`engaged`), so that between an adapter's own forwards the module is its own;
+    ``restore()`` disengages and runs ``undo`` (idempotent)."""
 
     module: torch.nn.Module
     what: str
+    forward: Callable[..., torch.Tensor] | None = None
     undo: Callable[[], None] | None = None
     restored: bool = False
+
+    def engage(self) -> None:
+        if not self.restored and self.forward is not None:
+            self.module.__dict__["forward"] = self.forward
+
+    def disengage(self) -> None:
+        if self.module.__dict__.get("forward") is self.forward:
+            del self.module.__dict__["forward"]
 
     def restore(self) -> None:
         if self.restored:
             return
-        self.module.__dict__.pop("forward", None)
+        self.disengage()
         if self.undo is not None:
             self.undo()
         self.restored = True
@@ -82,8 +98,7 @@ def linear_patch_embed(patch_embed: torch.nn.Module, *, proj: str = "proj") -> L
         return F.linear(hidden_states.reshape(-1, width).to(weight.dtype), weight.reshape(weight.shape[0], width),
                         conv.bias)
 
-    patch_embed.forward = forward
-    return LayoutPatch(patch_embed, "patch embedding as one matmul")
+    return LayoutPatch(patch_embed, "patch embedding as one matmul", forward)
 
 
 def align_gated_mlp(
@@ -154,8 +169,7 @@ def align_gated_mlp(
                 if param is not None:
                     param.data = param.data.clone(memory_format=torch.contiguous_format)
 
-    mlp.forward = forward
-    return LayoutPatch(mlp, f"gated MLP padded {inner} -> {padded}, gate and up fused", undo)
+    return LayoutPatch(mlp, f"gated MLP padded {inner} -> {padded}, gate and up fused", forward, undo)
 
 
 def apply_all(rewrites: list[Callable[[], LayoutPatch | None]]) -> list[LayoutPatch]:
@@ -172,6 +186,18 @@ def apply_all(rewrites: list[Callable[[], LayoutPatch | None]]) -> list[LayoutPa
             patch.restore()
         raise
     return done
+
+
+@contextlib.contextmanager
+def engaged(patches: list[LayoutPatch]) -> Iterator[None]:
+    """The rewritten forwards in place inside the block (an adapter's own forwards), the module's own after it."""
+    for patch in patches:
+        patch.engage()
+    try:
+        yield
+    finally:
+        for patch in patches:
+            patch.disengage()
 
 
 def restore_all(patches: list[LayoutPatch]) -> None:

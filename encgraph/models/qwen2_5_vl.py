@@ -84,8 +84,9 @@ class Qwen25VLAdapter(QwenVisionAdapter):
 
     def _layout_rewrites(self, module: torch.nn.Module) -> list[Callable[[], LayoutPatch | None]]:
         # Intermediate size 3420 in every released Qwen2.5-VL tower: misaligned rows (see encgraph.models.layout).
+        # Only plain linear projections: a layer another library replaced (a PEFT LoRA layer) runs as it is.
         return super()._layout_rewrites(module) + [
-            (lambda block=block: align_gated_mlp(block.mlp)) for block in module.blocks
+            (lambda block=block: align_gated_mlp(block.mlp)) for block in module.blocks if _plain_gated(block.mlp)
         ]
 
     def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
@@ -139,3 +140,7 @@ class Qwen25VLAdapter(QwenVisionAdapter):
 def adapter(module: torch.nn.Module, **options: Any) -> Qwen25VLAdapter:
     """The registry factory: ``options`` are :class:`Qwen25VLAdapter`'s keyword arguments."""
     return Qwen25VLAdapter(module, **options)
+
+
+def _plain_gated(mlp: torch.nn.Module) -> bool:
+    return all(type(getattr(mlp, name, None)) is torch.nn.Linear for name in ("gate_proj", "up_proj", "down_proj"))

@@ -212,7 +212,7 @@ class QwenInputsMixin:
     def concat(self, parts: Sequence[Any]) -> QwenVisionInputs:
         """One input holding every part's items in order: pixel rows concatenated, grids stacked; part 0's
         ``return_dict`` (``output_for_call`` reads each call's own). Parts were validated by ``item_specs``."""
-        from encgraph.models.generic import concat_parts
+        from encgraph.models.batch_ladder import concat_parts
 
         parts = [self._coerce(p) for p in concat_parts(parts, (QwenVisionInputs, tuple))]
         if len(parts) == 1:

@@ -38,7 +38,8 @@ from encgraph.errors import InputTypeError
 from encgraph.models import sequence_bounds
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import MIN_TRANSFORMERS, RowsTable, host_bounds, use_packed_attention
-from encgraph.models.layout import LayoutPatch, apply_all, describe_patches, linear_patch_embed, restore_all
+from encgraph.models.layout import LayoutPatch, apply_all, describe_patches, engaged, linear_patch_embed, restore_all
+from encgraph.models.own_forward import own_forward
 from encgraph.models.protocol import AdapterConfig, BufferSpec, FillRule, PathSpec
 from encgraph.models.qwen_grid import (
     FrameTableCache,
@@ -145,6 +146,11 @@ class QwenVisionAdapter(QwenInputsMixin):
         except BaseException:
             restore_all(layout)
             raise
+        # Engaged only inside the adapter's forwards (_engaged): between calls the tower copies, pickles, saves and
+        # answers its own calls as it is.
+        self._switch.disengage()
+        for patch in layout:
+            patch.disengage()
         self._layout = layout
 
     def _layout_rewrites(self, module: torch.nn.Module) -> list[Callable[[], LayoutPatch | None]]:
@@ -186,19 +192,13 @@ class QwenVisionAdapter(QwenInputsMixin):
             device=self._device,
         )
 
-    # ------------------------------------------------------------------ running the tower as it is, compiling
+    # ------------------------------------------------------------------ the adapter's own forwards, compiling
     @contextlib.contextmanager
-    def stock_context(self) -> Iterator[None]:
-        """The tower exactly as it was before wrapping, for a call its own forward answers: its original attention
-        implementation and layer layout (the rewritten forwards set aside; the weights are the same objects)."""
-        with self._switch.suspended():
-            saved = [(p.module, p.module.__dict__.pop("forward")) for p in self._layout
-                     if not p.restored and "forward" in p.module.__dict__]
-            try:
-                yield
-            finally:
-                for module, forward in saved:
-                    module.forward = forward
+    def _engaged(self) -> Iterator[None]:
+        """The packed attention and the layout rewrites, in place only while the adapter's own forwards run
+        (replays run no Python: they cost them nothing); outside, the tower is exactly its own."""
+        with self._switch.engaged(), engaged(self._layout):
+            yield
 
     def compile_regions(self) -> list[torch.nn.Module]:
         """The vision blocks: what ``compile="auto"`` compiles (once for all of them and every budget)."""
@@ -292,7 +292,8 @@ class QwenVisionAdapter(QwenInputsMixin):
             "max_seqlen": self._rows(budget),
         }
         kwargs.update(self._static_kwargs(buffers, budget))
-        return self._run(buffers["pixels"], budget, kwargs)
+        with self._engaged():
+            return self._run(buffers["pixels"], budget, kwargs)
 
     def forward_eager(self, path: str, inputs: Any) -> dict[str, torch.Tensor]:
         """The tower's forward on exactly the items' rows, with host metadata and exact ``max_seqlen`` (no
@@ -304,7 +305,7 @@ class QwenVisionAdapter(QwenInputsMixin):
         tokens = int(inputs.pixel_values.shape[0]) // self.merge**2
         # The full-attention bounds are known here: long images then attend with one dense SDPA call each
         # (cuDNN on an H200, faster than Flash varlen at head dim 72), reading nothing back from the device.
-        with host_bounds([(kwargs["cu_seqlens"], host_cu)], min_rows=self.kernel_rows):
+        with host_bounds([(kwargs["cu_seqlens"], host_cu)], min_rows=self.kernel_rows), self._engaged():
             return self._run(inputs.pixel_values, tokens, kwargs)
 
     def eager_surcharge_ms(self, path: str, specs: Sequence[ItemSpec]) -> float:
@@ -337,7 +338,8 @@ class QwenVisionAdapter(QwenInputsMixin):
         from encgraph.models.dense_plans import warm_plans
         from encgraph.models.kernel_choice import attention_calls, choose, rows_table
 
-        chosen = choose(self._module, self._dtype, self._device, known)
+        with self._engaged():
+            chosen = choose(self._module, self._dtype, self._device, known)
         self.kernel_rows = rows_table(chosen.values(), attention_calls(self._module)) if chosen else None
         # The long images' bucket plans, built now in the capturing thread rather than by the first such images.
         self.warmed_plans = warm_plans(self.kernel_rows, self._device) if self.kernel_rows else None
@@ -366,7 +368,7 @@ class QwenVisionAdapter(QwenInputsMixin):
     def _run(self, pixels: torch.Tensor, tokens: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             # grid_thw stays None (a tower that read it would fail loudly) unless the family passes a static one.
-            out = self._module(pixels, grid_thw=kwargs.pop("grid_thw", None), return_dict=True, **kwargs)
+            out = own_forward(self._module)(pixels, grid_thw=kwargs.pop("grid_thw", None), return_dict=True, **kwargs)
         named = {"pooler_output": out.pooler_output}
         named.update(self._extra_named(out))
         if self.with_last_hidden_state:

@@ -36,7 +36,7 @@ from encgraph.capture.protocol import AdapterConfig, PathSpec, StockCall
 from encgraph.errors import ConfigError, InputTypeError, UnsupportedModelError
 from encgraph.models._hf import require_transformers
 from encgraph.models.deepseek_ocr2 import GLOBAL, LOCAL
-from encgraph.models.generic import concat_parts, take_rows
+from encgraph.models.batch_ladder import concat_parts, take_rows
 from encgraph.models.step3p7 import HIDDEN, MIN_TRANSFORMERS, _Step3p7Views
 from encgraph.packing import ItemSpec
 
@@ -141,7 +141,7 @@ class Step3p7TowerAdapter(_Step3p7Views):
 
     def select(self, inputs: TowerViews, indices: Sequence[int]) -> TowerViews:
         """Items ``indices``: per path a view of its views' tensor when they are consecutive, else a gather whose
-        index reaches the device without a host wait (:func:`~encgraph.models.generic.take_rows`)."""
+        index reaches the device without a host wait (:func:`~encgraph.models.batch_ladder.take_rows`)."""
         pixels = {p: take_rows(inputs.pixels[p], r) for p, r in inputs.rows(indices).items()}
         return TowerViews(pixels, tuple(inputs.paths[i] for i in indices), inputs.return_dict)
 

@@ -103,29 +103,97 @@ class RunnerTarget:
         return list(results)
 
 
-class GraphedTarget(RunnerTarget):
-    """Requests are the forward arguments of a graphed module (:func:`encgraph.graphed`)."""
+class GraphedTarget:
+    """Requests are the forward arguments of a graphed module (:func:`encgraph.graphed`); each request's result is
+    the module's own output for its items.
+
+    A module with a model adapter: requests are parsed by the adapter and coalesced through its ``concat`` into one
+    runner call (the adapter's ``output_for_call`` gives each request its part). Any other module: requests of one
+    call shape (:mod:`encgraph.models.call_spec`) are concatenated in dim 0 and coalesced into one call of the
+    module (whose hook replays that shape's graphs), and each request gets its rows of every output tensor. A request
+    the graphs cannot answer (a call the module's own forward answers) runs alone, through the module.
+    """
 
     def __init__(self, module: Any) -> None:
-        super().__init__(module.runner)
+        from encgraph.models.graphed import graphs
+
         self.module = module
+        self.hook = graphs(module)
+        self.family = self.hook.family
+        self.coalesces = not self.family or callable(getattr(self.hook.adapter, "concat", None))
+
+    @property
+    def runner(self) -> Any:
+        """What the front reads ``stats`` and ``device`` from: the hook (its stats cover every call shape)."""
+        return self.hook
+
+    def capture(self) -> None:
+        if self.family:
+            self.hook.capture()
+
+    def caps(self) -> dict[str, int]:
+        if self.family:
+            return {path: max(ladder) for path, ladder in self.hook.runner.ladders.items()}
+        return {"default": self.hook.max_batch}
 
     def parse(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Parsed:
         from encgraph.capture.protocol import StockCall
+        from encgraph.models.call_spec import split_call
 
-        inputs = self.adapter.inputs_from_call(*args, **dict(kwargs))
-        if isinstance(inputs, StockCall):
-            # The module's own forward answers it (graphed() counts the reason): never coalesced.
+        if self.family:
+            inputs = self.hook.adapter.inputs_from_call(*args, **dict(kwargs))
+            if isinstance(inputs, StockCall):  # the module's own forward answers it (counted there): alone
+                return Parsed(None, alone=True, args=args, kwargs=kwargs)
+            specs = tuple(self.hook.adapter.item_specs(inputs))
+            return Parsed(inputs, specs, _tokens(specs), args=args, kwargs=kwargs)
+        split = split_call(args, dict(kwargs))
+        if isinstance(split, str) or split.batch == 0:
             return Parsed(None, alone=True, args=args, kwargs=kwargs)
-        return self._parsed(inputs)
+        specs = (ItemSpec(1),) * split.batch
+        return Parsed(split, specs, {"default": split.batch}, args=args, kwargs=kwargs)
 
     def run(self, group: Sequence[Parsed]) -> list[Any]:
-        if group[0].alone:
+        if len(group) == 1:
             return [self.module(*group[0].args, **group[0].kwargs)]
-        return super().run(group)
+        if self.family:
+            return self._run_family(group)
+        return self._run_shapes(group)
 
-    def finish(self, parsed: Parsed, results: list[Any]) -> Any:
-        return self.adapter.output_for_call(list(results), parsed.inputs)
+    def _run_family(self, group: Sequence[Parsed]) -> list[Any]:
+        self.hook.check()
+        adapter, runner = self.hook.adapter, self.hook.runner
+        results = runner(adapter.concat([p.inputs for p in group]))
+        out, start = [], 0
+        for parsed in group:
+            n = len(parsed.specs)
+            out.append(adapter.output_for_call(list(results[start : start + n]), parsed.inputs))
+            start += n
+        return out
+
+    def _run_shapes(self, group: Sequence[Parsed]) -> list[Any]:
+        import torch
+        import torch.utils._pytree as pytree
+
+        from encgraph.models.call_spec import rebuild
+
+        out: list[Any] = [None] * len(group)
+        by_shape: dict[Any, list[int]] = {}
+        for i, parsed in enumerate(group):
+            by_shape.setdefault(parsed.inputs.key, []).append(i)
+        for key, members in by_shape.items():
+            if len(members) == 1:
+                out[members[0]] = self.module(*group[members[0]].args, **group[members[0]].kwargs)
+                continue
+            columns = zip(*(group[i].inputs.tensors for i in members))
+            args, kwargs = rebuild(key, [torch.cat(column) for column in columns])
+            leaves, spec = pytree.tree_flatten(self.module(*args, **kwargs))
+            start = 0
+            for i in members:
+                n = group[i].inputs.batch
+                part = [t[start : start + n] if isinstance(t, torch.Tensor) else t for t in leaves]
+                out[i] = pytree.tree_unflatten(part, spec)
+                start += n
+        return out
 
 
 class CallableTarget:
@@ -153,13 +221,13 @@ class CallableTarget:
 def make_target(target: Any) -> RunnerTarget | CallableTarget:
     """The target kind of ``target``: a runner, a graphed module, or a callable."""
     from encgraph.capture.runner import EncoderGraphRunner
-    from encgraph.models.graphed import GraphedModule
+    from encgraph.models.own_forward import HOOK_MARK
 
-    if isinstance(target, (RunnerTarget, CallableTarget)):
+    if isinstance(target, (RunnerTarget, GraphedTarget, CallableTarget)):
         return target
     if isinstance(target, EncoderGraphRunner):
         return RunnerTarget(target)
-    if isinstance(target, GraphedModule):
+    if getattr(getattr(target, "__dict__", {}).get("forward"), HOOK_MARK, False):
         return GraphedTarget(target)
     if callable(target):
         return CallableTarget(target)

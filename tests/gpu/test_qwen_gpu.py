@@ -186,13 +186,13 @@ def test_replay_equals_static_eager_and_hf(family):
 def test_graphed_module_drop_in():
     tower, reference, _ = build("qwen2_5_vl")
     fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=MAX_ITEMS, compile=False)
-    fast.capture()
-    pixels, grid = random_mix(np.random.default_rng(1), fast.adapter.channels, 6)
+    encgraph.graphs(fast).capture()
+    pixels, grid = random_mix(np.random.default_rng(1), encgraph.graphs(fast).adapter.channels, 6)
     with torch.inference_mode():
         out = fast(pixels, grid_thw=torch.from_numpy(grid).cuda())
         ref = reference(pixels, grid_thw=torch.from_numpy(grid).cuda())
     assert rel(out.pooler_output, ref.pooler_output) < HF_RTOL
-    assert fast.unwrap() is tower
+    assert encgraph.graphs(fast).unwrap() is tower
 
 
 def test_nan_poisoned_pool_does_not_leak():
@@ -252,7 +252,7 @@ def test_fast_layout_equals_plain_layout():
     print(f"\nfast vs plain layout, eager forward per item: worst norm-relative error {worst:.2e}")
     assert worst < HF_RTOL
     plain.unwrap()
-    fast.unwrap()
+    encgraph.graphs(fast).unwrap()
     assert all("forward" not in m.__dict__ for m in tower.modules())
 
 

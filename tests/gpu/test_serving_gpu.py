@@ -101,7 +101,7 @@ def test_siglip_graphed_front_equal_per_request():
     requests = [torch.randn(int(n), 3, 384, 384, generator=gen, device="cuda", dtype=torch.bfloat16)
                 for n in np.random.default_rng(1).integers(1, 5, CLIENTS)]
     with BatchingFront(fast, capture=True, max_wait_ms=20) as front:
-        poison(fast.runner)
+        poison(encgraph.graphs(fast).runner)
         with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
             futures = list(ex.map(lambda x: front.submit(pixel_values=x), requests))
         outs = [f.result(TIMEOUT) for f in futures]
@@ -135,7 +135,7 @@ def test_side_stream_uploads_and_worker_host_copies_stay_exact():
 
     finish = lambda out: to_host([out.pooler_output.float()])  # noqa: E731
     with BatchingFront(fast, capture=True, max_wait_ms=20, finish=finish) as front:
-        poison(fast.runner)
+        poison(encgraph.graphs(fast).runner)
         with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
             answers = list(ex.map(client, host))
         stats = front.stats

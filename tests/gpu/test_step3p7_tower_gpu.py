@@ -30,10 +30,10 @@ def test_graphed_tower_inside_the_model(costs: bool | None) -> None:
     base = model.model
     tower = base.vision_model
     fast = encgraph.graphed(tower, costs=costs, compile=False, adapter_options={"max_images": 4, "max_tiles": 8})
-    info = fast.capture()
+    info = encgraph.graphs(fast).capture()
     assert not info["failed"], info["failed"]
-    poison(fast.runner)
-    sizes = fast.adapter.sizes
+    poison(encgraph.graphs(fast).runner)
+    sizes = encgraph.graphs(fast).adapter.sizes
     views = 0
     for n, tiles in enumerate(MIXES):
         pv, local, counts = step3p7_views(tiles, sizes["global"], sizes["local"], seed=n, device="cuda",
@@ -57,7 +57,7 @@ def test_graphed_tower_inside_the_model(costs: bool | None) -> None:
         for i, (g, w) in enumerate(zip(got.pooler_output, want.pooler_output)):
             assert g.shape == w.shape and torch.isfinite(g).all(), (tiles, i)
             assert norm_rel_err(g, w) < HF_TOL, (tiles, i, norm_rel_err(g, w))
-    stats = fast.stats
+    stats = encgraph.graphs(fast).stats
     assert stats["items"] == views and stats["stock_calls"] == 0
     if costs is False:
         assert stats["eager_items"] == 0, stats["eager_reasons"]

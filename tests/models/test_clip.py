@@ -1,5 +1,6 @@
 """CLIP (``CLIPVisionModel``): ``graphed(tower)`` equals the tower's own forward per image, on CPU."""
 
+import encgraph
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ class TestClip(FixedTowerTests):
 
 
 def test_adapter_is_picked_by_config():
-    assert isinstance(graphed_tower(tiny_clip()).adapter, ClipAdapter)
+    assert isinstance(encgraph.graphs(graphed_tower(tiny_clip())).adapter, ClipAdapter)
 
 
 def test_projection_model_is_not_taken():

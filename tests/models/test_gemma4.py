@@ -101,11 +101,11 @@ def test_graphed_tower_equals_tower_per_item(tower: torch.nn.Module, mode: str) 
         with grad_mode(mode):
             check_call(fast, tower, IMAGES, 108, seed=1)
             check_call(fast, tower, [(6, 6)] * 5 + [(3, 3)], 36, seed=2)
-        stats = fast.stats
+        stats = encgraph.graphs(fast).stats
         assert stats["eager_items"] == 0 and stats["graph_items"] == 12
         assert all(sum(stats["paths"][p]["replays"].values()) > 0 for p in ("image", "video"))
     finally:
-        assert fast.unwrap() is tower
+        assert encgraph.graphs(fast).unwrap() is tower
 
 
 def test_any_row_order_and_return_dict(tower: torch.nn.Module) -> None:
@@ -118,7 +118,7 @@ def test_any_row_order_and_return_dict(tower: torch.nn.Module) -> None:
         assert isinstance(as_tuple, tuple) and len(as_tuple) == 1
         assert rel_err(as_tuple[0], reference(tower, pv, pos).last_hidden_state) < TOL
     finally:
-        fast.unwrap()
+        encgraph.graphs(fast).unwrap()
 
 
 def video_features(model: torch.nn.Module, frames: torch.Tensor, positions: torch.Tensor) -> Any:
@@ -154,9 +154,9 @@ def test_full_model_feature_functions(mode: str) -> None:
             for g, w in zip(got.pooler_output, want.pooler_output):
                 assert g.shape == w.shape and rel_err(g, w) < TOL
         assert [p.shape[0] for p in got_video.pooler_output] == [8, 4, 4]
-        assert model.vision_tower.stats["graph_items"] == len(IMAGES) + 6
+        assert encgraph.graphs(model.vision_tower).stats["graph_items"] == len(IMAGES) + 6
     finally:
-        model.vision_tower = model.vision_tower.unwrap()
+        model.vision_tower = encgraph.graphs(model.vision_tower).unwrap()
 
 
 def test_partial_eager_image_path(tower: torch.nn.Module) -> None:

@@ -92,12 +92,12 @@ def test_wrapping_capturing_and_calling_leave_global_state_alone(name):
     with unusual_settings():
         before = snapshot()
         fast = encgraph.graphed(tower, verify=False)
-        fast.capture()
-        path, ladder = next(iter(fast.runner.ladders.items()))
+        encgraph.graphs(fast).capture()
+        path, ladder = next(iter(encgraph.graphs(fast).runner.ladders.items()))
         # The smallest budget's size: Gemma-4's sample inputs of a few tokens fall outside the tiny tower's table.
-        sample = fast.runner.adapter.sample_inputs(path, min(b for b in ladder if b > 0))
+        sample = encgraph.graphs(fast).runner.adapter.sample_inputs(path, min(b for b in ladder if b > 0))
         with torch.no_grad():
-            fast.runner(sample)
+            encgraph.graphs(fast).runner(sample)
         after = snapshot()
     changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
     if "dynamo" in changed or "inductor" in changed:  # name the keys, not the whole configs

@@ -1,5 +1,6 @@
 """InternVL (``InternVLVisionModel``): ``graphed(tower)`` equals the tower's own forward per tile, on CPU."""
 
+import encgraph
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,7 @@ def test_masked_positions_are_answered_like_the_tower():
     else:
         got = fast(x, **TestInternVL.masked)
         assert (got.last_hidden_state - want.last_hidden_state).abs().max() < 1e-5
-    assert fast.stats["eager_reasons"] == {"bool_masked_pos given": 1}
+    assert encgraph.graphs(fast).stats["eager_reasons"] == {"bool_masked_pos given": 1}
 
 
 @pytest.mark.parametrize("mode", [RunMode.STATIC, RunMode.EAGER])
@@ -40,5 +41,5 @@ def test_mean_pooling_rms_norm_tower(mode):
 
 def test_adapter_is_picked_by_config():
     fast = graphed_tower(tiny_internvl())
-    assert isinstance(fast.adapter, InternVLAdapter)
-    assert fast.adapter.config.path("default").outputs == ("last_hidden_state",)  # the tower returns no pooler
+    assert isinstance(encgraph.graphs(fast).adapter, InternVLAdapter)
+    assert encgraph.graphs(fast).adapter.config.path("default").outputs == ("last_hidden_state",)  # the tower returns no pooler

@@ -1,6 +1,7 @@
 """Llama 4 (``Llama4VisionModel``): ``graphed(tower)`` equals the tower's own forward per tile, on CPU; the tiny
 ``Llama4ForConditionalGeneration``'s logits and image features are unchanged with its tower graphed."""
 
+import encgraph
 from __future__ import annotations
 
 import inspect
@@ -70,16 +71,16 @@ class TestLlama4(FixedTowerTests):
             model.vision_model = graphed_tower(tower)
             features = model.get_image_features(pixels, *extra)
             projected = model.multi_modal_projector(features.last_hidden_state)
-        assert model.vision_model.stats["graph_items"] == 5
+        assert encgraph.graphs(model.vision_model).stats["graph_items"] == 5
         assert_outputs_match(features, ref)
         assert rel_err(projected, ref_projected) < TOL
-        assert model.vision_model.unwrap() is tower
+        assert encgraph.graphs(model.vision_model).unwrap() is tower
 
 
 def test_adapter_is_picked_by_config():
     fast = graphed_tower(tiny_llama4())
-    assert isinstance(fast.adapter, Llama4VisionAdapter)
-    assert fast.adapter.config.path("default").outputs == ("last_hidden_state",)  # no pooler, as the tower
+    assert isinstance(encgraph.graphs(fast).adapter, Llama4VisionAdapter)
+    assert encgraph.graphs(fast).adapter.config.path("default").outputs == ("last_hidden_state",)  # no pooler, as the tower
 
 
 def test_hidden_states_flag_as_the_tower_reads_it():
@@ -95,14 +96,14 @@ def test_hidden_states_flag_as_the_tower_reads_it():
 
 def test_sample_inputs_and_concat():
     fast = graphed_tower(tiny_llama4())
-    adapter = fast.adapter
+    adapter = encgraph.graphs(fast).adapter
     sample = adapter.sample_inputs("default", 3)
     assert adapter.item_specs(sample) == [adapter.item_specs(sample)[0]] * 3
     assert sample.pixel_values.shape == (3, 3, SIZE, SIZE) and sample.pixel_values.abs().sum() > 0
     both = adapter.concat([sample, adapter.sample_inputs("default", 2)])
     with torch.no_grad():
-        got = fast.runner(both)
-        want = fast.inner(both.pixel_values).last_hidden_state
+        got = encgraph.graphs(fast).runner(both)
+        want = encgraph.graphs(fast).original_forward(both.pixel_values).last_hidden_state
     assert len(got) == 5
     for i, item in enumerate(got):
         assert_items_close(item["last_hidden_state"], want[i : i + 1])

@@ -50,7 +50,7 @@ def test_tower_without_the_merger():
     tower = MiniCPMV4_6VisionModel._from_config(config).eval()
     reference = copy.deepcopy(tower)
     fast = encgraph.graphed(tower, budgets=[16, 64], mode=RunMode.STATIC)
-    assert fast.adapter.merge == 1 and "window_index" not in fast.adapter.buffer_specs("default", 16, 4, 4)
+    assert encgraph.graphs(fast).adapter.merge == 1 and "window_index" not in encgraph.graphs(fast).adapter.buffer_specs("default", 16, 4, 4)
     grid = np.array([[1, 3, 5], [1, 8, 8], [1, 2, 1]])  # no merger: any size; 64 tokens fill the budget exactly
     rows = MINICPM.pixels(grid)
     with torch.no_grad():
@@ -102,4 +102,4 @@ def test_four_x_mode_is_answered_by_the_tower():
         want = reference(pixels, sizes_, use_vit_merger=False)
     assert got.last_hidden_state.shape == (1, 28, 32)
     assert torch.equal(got.last_hidden_state, want.last_hidden_state)
-    assert fast.stats["eager_reasons"] == {"use_vit_merger=False": 1}
+    assert encgraph.graphs(fast).stats["eager_reasons"] == {"use_vit_merger=False": 1}

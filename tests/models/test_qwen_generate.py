@@ -74,10 +74,10 @@ def test_drop_in_generates_the_same_tokens():
         tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
     assert tokens.tolist() == ref_tokens.tolist()
-    stats = model.model.visual.stats
+    stats = encgraph.graphs(model.model.visual).stats
     assert stats["graph_items"] > 0  # the static (padded) forward ran, not only the eager fallback
 
-    model.model.visual = model.model.visual.unwrap()
+    model.model.visual = encgraph.graphs(model.model.visual).unwrap()
     assert model.model.visual is visual and visual.config._attn_implementation == before
 
 
@@ -140,4 +140,4 @@ def test_full_model_call_patterns_with_the_tower_graphed(build):
     assert _close(att.logits, ref_att.logits)
     twin = type(model)(model.config)  # the user's config objects are untouched while the tower is wrapped
     assert twin.config.vision_config._attn_implementation == model.config.vision_config._attn_implementation
-    assert model.model.visual.stats["graph_items"] > 0
+    assert encgraph.graphs(model.model.visual).stats["graph_items"] > 0

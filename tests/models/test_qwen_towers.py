@@ -71,7 +71,7 @@ def towers(family, qwen_towers):
 def test_graphed_equals_tower_per_item(family, towers, make_grid, make_pixels):
     tower, ref_tower = towers
     fast = encgraph.graphed(tower, budgets=BUDGETS, max_items=4, mode=RunMode.STATIC)
-    assert isinstance(fast.adapter, ADAPTERS[family])
+    assert isinstance(encgraph.graphs(fast).adapter, ADAPTERS[family])
     gen = np.random.default_rng(3)
     for case in range(6):
         # Up to 10 items: more than max_items, several batches; some items over the largest budget run eagerly.
@@ -84,7 +84,7 @@ def test_graphed_equals_tower_per_item(family, towers, make_grid, make_pixels):
             assert got.keys() == ref.keys()
             for name in ref:
                 assert rel_err(got[name], ref[name]) < RTOL, (case, i, grid[i].tolist(), name)
-    stats = fast.stats
+    stats = encgraph.graphs(fast).stats
     assert stats["graph_items"] > 0 and stats["eager_items"] > 0
     assert stats["paths"]["default"]["padded_tokens"] > 0
 
@@ -144,7 +144,7 @@ def test_unwrap_restores_attention(towers):
     # user's, and the full model's vision_config) is untouched.
     assert tower.config is config and config._attn_implementation == before
     assert all(b.attn.config._attn_implementation == ATTENTION_NAME for b in tower.blocks)
-    assert fast.unwrap() is tower
+    assert encgraph.graphs(fast).unwrap() is tower
     assert all(b.attn.config is config for b in tower.blocks)
 
 

@@ -256,7 +256,7 @@ def test_first_call_equals_the_tower(case: Case, data: Any) -> None:
             with torch.no_grad():
                 got = case.call(fast, reference=False)
             assert_same(got, want, case)
-            failed = fast.stats["capture"].get("failed", {})
+            failed = encgraph.graphs(fast).stats["capture"].get("failed", {})
             assert all(isinstance(r, str) and r for f in failed.values() for r in f.values()), failed
         finally:
-            fast.unwrap()
+            encgraph.graphs(fast).unwrap()

@@ -1,5 +1,6 @@
 """SigLIP (``SiglipVisionModel``): ``graphed(tower)`` equals the tower's own forward per image, on CPU."""
 
+import encgraph
 from __future__ import annotations
 
 import pytest
@@ -26,13 +27,13 @@ class TestSiglip(FixedTowerTests):
 def test_tower_without_pooling_head(mode):
     tower = tiny_siglip(vision_use_head=False)  # PaliGemma's and Gemma3's towers
     check_batches(tower, mode)
-    assert graphed_tower(tower).adapter.config.path("default").outputs == ("last_hidden_state",)
+    assert encgraph.graphs(graphed_tower(tower)).adapter.config.path("default").outputs == ("last_hidden_state",)
 
 
 def test_adapter_is_picked_by_config():
     fast = graphed_tower(tiny_siglip())
-    assert isinstance(fast.adapter, SiglipAdapter)
-    assert fast.adapter.config.path("default").outputs == ("last_hidden_state", "pooler_output")
+    assert isinstance(encgraph.graphs(fast).adapter, SiglipAdapter)
+    assert encgraph.graphs(fast).adapter.config.path("default").outputs == ("last_hidden_state", "pooler_output")
 
 
 def test_interpolate_at_config_size_is_the_same():

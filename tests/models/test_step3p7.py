@@ -234,7 +234,7 @@ def test_model_calls_the_graphed_tower(model: torch.nn.Module, tiles: list[int],
         with grad_mode(mode):
             got = model.model.get_image_features(pv, local, counts)
     finally:
-        model.model.vision_model = fast.unwrap()
+        model.model.vision_model = encgraph.graphs(fast).unwrap()
     assert type(got) is type(want)
     assert got.last_hidden_state.shape == want.last_hidden_state.shape
     assert rel_err(got.last_hidden_state, want.last_hidden_state) < TOL
@@ -244,7 +244,7 @@ def test_model_calls_the_graphed_tower(model: torch.nn.Module, tiles: list[int],
     assert got.hidden_states is None and want.hidden_states is None
     assert got.attentions is None and want.attentions is None
     assert not got.last_hidden_state.requires_grad
-    stats = fast.stats
+    stats = encgraph.graphs(fast).stats
     assert stats["eager_items"] == 0 and stats["stock_calls"] == 0
     assert stats["graph_items"] == len(tiles) + sum(tiles)  # one item per view
 
@@ -261,7 +261,7 @@ def test_tower_calls_equal_the_tower(model: torch.nn.Module) -> None:
             want = want if isinstance(want, tuple) else want.to_tuple()
             assert len(got) == len(want) == 1
             assert got[0].shape == want[0].shape and rel_err(got[0], want[0]) < TOL
-    assert fast.stats["stock_calls"] == 0 and fast.stats["graph_items"] == 2 + 5 + 2  # views: 2 global, 5 crops, 2 global
+    assert encgraph.graphs(fast).stats["stock_calls"] == 0 and encgraph.graphs(fast).stats["graph_items"] == 2 + 5 + 2  # views: 2 global, 5 crops, 2 global
 
 
 def test_tower_stock_calls(model: torch.nn.Module) -> None:
@@ -273,7 +273,7 @@ def test_tower_stock_calls(model: torch.nn.Module) -> None:
         assert rel_err(fast(odd).last_hidden_state, tower(odd).last_hidden_state) == 0
         hidden = fast(torch.randn(1, 3, GLOBAL_SIZE, GLOBAL_SIZE), output_hidden_states=True)
     assert len(hidden.hidden_states) == STEP_TINY["num_hidden_layers"] + 1
-    assert fast.stats["eager_reasons"] == {"view size 48x48 not captured": 1, "output_hidden_states requested": 1}
+    assert encgraph.graphs(fast).stats["eager_reasons"] == {"view size 48x48 not captured": 1, "output_hidden_states requested": 1}
 
 
 def test_tower_concat_mixes_sizes(model: torch.nn.Module) -> None:

@@ -99,7 +99,7 @@ def test_siglip_graphed_module_gets_its_own_output_per_request():
 
 def test_generic_concat_joins_every_positional_tensor():
     net = torch.nn.Bilinear(3, 4, 2)
-    adapter = encgraph.graphed(net, budgets=[1, 2], mode=RunMode.STATIC).adapter
+    adapter = encgraph.graphs(encgraph.graphed(net, budgets=[1, 2], mode=RunMode.STATIC)).adapter
     a = (torch.randn(2, 3), torch.randn(2, 4))
     b = (torch.randn(1, 3), torch.randn(1, 4))
     joined = adapter.concat([a, b])
