@@ -80,7 +80,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "paste when it is rated no slower than the default ladder (else: keep the default).",
         epilog=_EPILOG,
     )
-    p.add_argument("log", nargs="?", default="-", help="the log of observed requests; '-' or none: stdin")
+    p.add_argument(
+        "log", nargs="?", help="the log of observed requests; '-' or none: stdin (piped; on a terminal, '-' only)"
+    )
     p.add_argument("--tower", choices=sorted(TOWERS), default="qwen2_5_vl", help="tower geometry (default qwen2_5_vl)")
     p.add_argument(
         "--max-budgets",
@@ -203,7 +205,10 @@ def _ladder_text(ladder: tuple[int, ...]) -> str:
 def run(args: argparse.Namespace) -> int:
     geometry = TOWERS[args.tower].with_pixels(args.min_pixels, args.max_pixels)
     costs = _load_costs(args.costs)
-    text, name = read_text(args.log, "the log", command="tune")
+    text, name = read_text(
+        args.log, "the log", command="tune",
+        example="encgraph tune sizes.log, or printf '640x480\\n\\n2,16,24\\n' | encgraph tune",
+    )
     requests = parse_log(text.splitlines(), geometry, name=name)
     if not requests:
         raise UsageError(
