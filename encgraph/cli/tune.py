@@ -316,7 +316,9 @@ class Verdict:
     notes: tuple[str, ...] = ()
 
 
-def _verdict(tuned: TunedLadder, ladder: tuple[int, ...], default: tuple[int, ...], args: argparse.Namespace) -> Verdict:
+def _verdict(
+    tuned: TunedLadder, ladder: tuple[int, ...], default: tuple[int, ...], args: argparse.Namespace
+) -> Verdict:
     """The tuned ladder where it differs from the default and is rated no slower; else the default ladder, saying
     plainly that no ladder within the limits given is better (and which limit kept the default out)."""
     change = tuned.cost_after_ms / tuned.cost_before_ms - 1 if tuned.cost_before_ms else 0.0
@@ -344,7 +346,7 @@ def _verdict(tuned: TunedLadder, ladder: tuple[int, ...], default: tuple[int, ..
         )
     return Verdict(
         "default", options, line,
-        f"keep the default ladder ({paste}): no ladder within the limits given is rated faster; the best found, "
-        f"{', '.join(map(str, ladder))}, is rated {change:.1%} slower",
+        f"keep the default ladder ({paste}) unless the limits given must hold: no ladder within them is rated as "
+        f"fast; the best found, {', '.join(map(str, ladder))}, is rated {change:.1%} slower",
         tuple(notes),
     )

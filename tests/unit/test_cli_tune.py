@@ -135,8 +135,9 @@ def test_no_runner_options_for_a_ladder_rated_slower_than_the_default(capsys, mo
     assert "runner options:" not in out and "EncoderGraphRunner" not in out
     change = re.search(r"expected cost change: \+(\d+\.\d)%", out).group(1)
     assert out.rstrip().splitlines()[-1] == (
-        "recommendation: keep the default ladder (nothing to paste): no ladder within the limits given is rated "
-        f"faster; the best found, {', '.join(map(str, report['tuned']['budgets']))}, is rated {change}% slower"
+        "recommendation: keep the default ladder (nothing to paste) unless the limits given must hold: no ladder "
+        f"within them is rated as fast; the best found, {', '.join(map(str, report['tuned']['budgets']))}, is "
+        f"rated {change}% slower"
     )
 
 
@@ -164,6 +165,10 @@ def test_limits_memory_cap_granularity_and_a_file(capsys, monkeypatch, log, tmp_
     assert sum(budgets) <= 3000 and all(b % 128 == 0 for b in budgets) and min(budgets) >= 4
     assert report["limits"] == {"max_items": 4, "max_frames": 8}
     assert report["tower"] == "qwen3_vl"
+    # The default ladder (26432 tokens) is over the cap: said so; no options to paste for a slower ladder.
+    if report["tuned"]["cost_ms"] > report["default"]["cost_ms"]:
+        assert report["recommended"] == "default" and report["runner_options"] == {"max_items": 4}
+        assert any("over --memory-cap-tokens 3000" in note for note in report["notes"]), report["notes"]
 
 
 def test_measured_costs_file(capsys, monkeypatch, log, tmp_path):
