@@ -8,13 +8,12 @@ Phases, in the order a runner lives through them:
    a budget whose capture fails is logged and dropped, the rest keep working;
 3. ``__call__`` - item specs -> ``pack`` -> per batch: select the sub-batch, fill the buffers of its budget
    (every row, by the adapter's fill rules), replay (or run eagerly where no budget fits) -> per-item results
-   as fresh tensors, in the caller's order.
+   as fresh tensors, in the caller's order (:mod:`encgraph.capture.calls`).
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import sys
 import threading
@@ -25,20 +24,12 @@ from typing import Any
 import torch
 
 from encgraph._validate import check_int, describe
-from encgraph.capture import relayout
+from encgraph.capture import calls, relayout
 from encgraph.capture.buffers import PathBuffers, PathOutputs
 from encgraph.capture.capture import capture_graphs
 from encgraph.capture.compiled_eager import CompiledEager
 from encgraph.capture.compiling import CompileMode, resolve_compile
-from encgraph.capture.execution import (
-    CAPTURE_FAILED,
-    EAGER_MODE,
-    check_outputs,
-    item_specs,
-    route,
-    run_static,
-    split_outputs,
-)
+from encgraph.capture.execution import CAPTURE_FAILED, EAGER_MODE, item_specs
 from encgraph.capture.feedback import CostFeedback, event_factory
 from encgraph.capture.grad import persistent
 from encgraph.capture.kernels import choose_kernels, keep_kernels
@@ -47,14 +38,11 @@ from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
 from encgraph.capture.selfcheck import check_and_measure, measure_cost_model
 from encgraph.capture.stats import RunStats
-from encgraph.errors import CaptureError, ConfigError, ConfigTypeError
-from encgraph.packing import CostModel, EagerReason, ItemSpec, Plan, TunedLadder, pack
+from encgraph.errors import ConfigError, ConfigTypeError
+from encgraph.packing import CostModel, ItemSpec, Plan, TunedLadder, pack
 from encgraph.packing.kernels import LEDGER
 
 __all__ = ["EncoderGraphRunner", "CAPTURE_FAILED", "EAGER_MODE"]
-
-log = logging.getLogger("encgraph")
-
 
 
 class EncoderGraphRunner:
@@ -296,64 +284,7 @@ class EncoderGraphRunner:
         return self._dp.global_stats()
 
     def _call_local(self, inputs: Any) -> list[Any]:
-        # A dense attention plan bought during the call is built once the call has issued its work (the device
-        # runs it meanwhile) rather than by the attention call that buys it, with the device waiting
-        # (PlanLedger.deferring; a serving front's outer block builds them when idle instead).
-        with self._lock, torch.no_grad(), LEDGER.deferring():
-            specs = item_specs(self.adapter, inputs)
-            if not self.captured:
-                if self.mode is RunMode.GRAPH and not self.lazy:
-                    raise CaptureError("runner: call capture() before the first call, or pass lazy=True.")
-                self.capture()
-            if self._record:
-                self.observed.append(tuple(specs))
-            # Read what earlier calls timed (never waits) and correct the model: a correction is no replacement
-            # (the feedback goes on; the setter would reset it).
-            if self._costs is not None:
-                self._costs = self._feedback.poll(self._costs) or self._costs
-            plan = self._pack(specs)
-            # Per path, the last sub-batch with tokens there: only its zero-copy results may stay views.
-            last = {p: max((i for i, b in enumerate(plan.batches) if b.tokens[p]), default=-1)
-                    for p in self.config.path_names}
-            batch_results = [self._run_batch(inputs, specs, batch, {p for p, j in last.items() if j == i})
-                             for i, batch in enumerate(plan.batches)]
-            self._stats.add_call()
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("encgraph: call of %d items, %d batches; stats %s", len(specs), len(plan.batches), self.stats)
-            return plan.restore(batch_results)
-
-    def _run_batch(self, inputs: Any, specs: Sequence[Any], batch: Any, last_on: set[str]) -> list[Any]:
-        sub = self.adapter.select(inputs, batch.items)
-        sub_specs = [specs[i] for i in batch.items]
-        outputs: dict[str, Mapping[str, torch.Tensor]] = {}
-        eager_paths: dict[str, str] = {}
-        for path in self.config.path_names:
-            budget = batch.budgets[path]
-            used = batch.tokens[path]
-            if budget == 0 or used == 0:
-                continue
-            budget, reason = route(self, self._feedback, batch, path, sub_specs)
-            # Forced eager runs (over the ladder, over max_frames) lie where the model is extrapolated: not checked.
-            chosen = reason is None or reason == EagerReason.COST.value
-            with self._feedback.timed(self.costs, path, None if reason else budget, sub_specs, chosen=chosen):
-                if reason is not None:
-                    out = self.compiled_eager.forward(self.adapter, path, sub)
-                    check_outputs(self.adapter, path, budget, out, used, "eager")
-                    eager_paths[path] = reason
-                    self._stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
-                else:
-                    out = run_static(self, path, budget, sub, used, last_on_path=path in last_on,
-                                     on_piecewise=lambda p=path, b=budget: self._piecewise_ran(p, b))
-                    self._stats.add_replay(path, budget, used)
-            outputs[path] = out
-        self._stats.add_items(eager=sum(1 for s in sub_specs if any(s.tokens[p] for p in eager_paths)),
-                              total=len(sub_specs))
-        return split_outputs(self.adapter, outputs, sub_specs)
-
-    def _piecewise_ran(self, path: str, budget: int) -> None:
-        # Counted, and kept out of the cost model's check of whole replays (it prices whole graphs).
-        self._stats.add_piecewise(path, budget)
-        self._feedback.drop()
+        return calls.call(self, inputs)
 
     # ------------------------------------------------------------------ costs and tuning
     @property

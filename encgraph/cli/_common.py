@@ -90,11 +90,28 @@ def add_pixel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pixels", type=positive_int, help="override the processor's max_pixels")
 
 
-def read_text(path: str, what: str, *, command: str, stdin: bool = True) -> tuple[str, str]:
-    """The UTF-8 text of the file ``path`` (``'-'``: standard input, when ``stdin``) and the name to quote in
-    messages; a one-line :class:`UsageError` of ``encgraph {command}`` naming ``what`` when unreadable."""
-    if stdin and path == "-":
+def read_text(
+    path: str | None, what: str, *, command: str, stdin: bool = True, example: str = ""
+) -> tuple[str, str]:
+    """The UTF-8 text of the file ``path`` and the name to quote in messages; with ``stdin``, ``'-'`` or ``None``
+    (no file given) read standard input.  A one-line :class:`UsageError` of ``encgraph {command}`` naming
+    ``what`` when unreadable.
+
+    No file given while standard input is a terminal is a :class:`UsageError` that says what the command expects
+    (``example``: a command line that works) rather than a silent wait for typed input; ``'-'`` on a terminal
+    reads it, after a line on stderr saying so and how to end it.  Piped or redirected input reads as ever.
+    """
+    if stdin and path in (None, "-"):
+        if _terminal(sys.stdin):
+            if path is None:
+                raise UsageError(
+                    f"encgraph {command}: error: expected {what} as a path or piped to standard input, got neither "
+                    f"(standard input is a terminal); e.g. {example} (see 'encgraph {command} --help')"
+                )
+            print(f"encgraph {command}: reading {what} from the terminal; end it with Ctrl-D", file=sys.stderr)
         return sys.stdin.read(), "<stdin>"
+    if path is None:
+        raise UsageError(f"encgraph {command}: error: expected {what} as a path, got none")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read(), path
@@ -102,6 +119,14 @@ def read_text(path: str, what: str, *, command: str, stdin: bool = True) -> tupl
         raise UsageError(f"encgraph {command}: error: cannot read {what} {path!r}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise UsageError(f"encgraph {command}: error: {what} {path!r} is not UTF-8 text") from None
+
+
+def _terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (a closed or missing stream is not)."""
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:

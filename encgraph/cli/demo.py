@@ -12,9 +12,7 @@ import argparse
 import contextlib
 import copy
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +27,7 @@ from encgraph.cli._common import (
 )
 from encgraph.cli.demo_batches import make_batch
 from encgraph.cli.demo_report import DemoReport, path_ladders
+from encgraph.cli.demo_timing import CPU_MAX_PAIRS, CPU_MIN_PAIRS, CPU_SECONDS, Timings, time_interleaved
 from encgraph.embedded_towers import TOWERS, build_tower
 
 if TYPE_CHECKING:
@@ -63,7 +62,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-items", type=positive_int, help="most items per batch (default: the runner's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default 0)")
-    p.add_argument("--repeats", type=positive_int, help="timed calls per measurement (default 3 on CPU, 20 on CUDA)")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        help=f"timed calls of each system, interleaved after a warm-up call (default 20 on CUDA; on a CPU as many as "
+        f"fit in about {CPU_SECONDS:g} s, {CPU_MIN_PAIRS} to {CPU_MAX_PAIRS})",
+    )
     add_output_args(p)
     return p
 
@@ -150,22 +154,23 @@ def _relative_error(mine: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Te
     return worst, names
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int, device: torch.device, *, desc: str, show: bool) -> float:
+def _time_both(tower: Callable[[], Any], runner: Callable[[], Any], repeats: int | None, device: torch.device, *,
+               show: bool) -> Timings:
+    """The tower's own forward and encgraph, timed interleaved (:mod:`encgraph.cli.demo_timing`): ``repeats``
+    pairs, or by default 20 on CUDA and on a CPU as many as fit in about a second (5 to 25)."""
     import torch
 
-    # The checked call (and the per-item reference forwards) already ran both sides once on these inputs; on
-    # CUDA one more untimed call settles the caching allocator and lazy kernel loading.
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    if device.type == "cuda":
-        fn()
-        sync()
-    times = []
-    for _ in progress(range(repeats), desc=desc, enabled=show):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    if repeats is not None:
+        pairs, min_seconds, most = repeats, 0.0, repeats
+    elif device.type == "cuda":
+        pairs, min_seconds, most = 20, 0.0, 20
+    else:
+        pairs, min_seconds, most = CPU_MIN_PAIRS, CPU_SECONDS, CPU_MAX_PAIRS
+    return time_interleaved(
+        tower, runner, pairs=pairs, sync=sync, min_seconds=min_seconds, max_pairs=most,
+        bar=lambda it: progress(it, desc="timing the tower and encgraph", enabled=show, total=most),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the command
@@ -188,7 +193,6 @@ def run(args: argparse.Namespace) -> int:
             f"encgraph demo: error: --budgets: --model {spec.name} has one ladder per path "
             f"({', '.join(spec.budgets)}); the demo uses its own ({path_ladders(spec.budgets)}), drop --budgets"
         )
-    repeats = args.repeats or (20 if device.type == "cuda" else 3)
     show = not args.quiet and sys.stderr.isatty()
     threshold = THRESHOLDS[dtype_name]
     largest = max(max(lad) for lad in ladder.values()) if isinstance(ladder, Mapping) else max(ladder)
@@ -232,17 +236,15 @@ def run(args: argparse.Namespace) -> int:
                 mine = _leaves(adapter.output_for_call([results[i]], adapter.select(inputs, [i])))
                 err, compared = _relative_error(mine, ref)
                 errors.append(err)
-            eager_ms = _median_ms(
-                lambda: reference(*batch.args, **batch.kwargs), repeats, device, desc="timing the tower", show=show
-            )
-            runner_ms = _median_ms(lambda: runner(inputs), repeats, device, desc="timing encgraph", show=show)
+            timings = _time_both(lambda: reference(*batch.args, **batch.kwargs), lambda: runner(inputs),
+                                 args.repeats, device, show=show)
         finally:
             adapter.unwrap()
 
     report = DemoReport(
         args=args, description=description, device=str(device), dtype=dtype_name, runner=runner, batch=batch,
         specs=tuple(specs), plan=plan, errors=tuple(errors), compared=tuple(compared), threshold=threshold,
-        eager_ms=eager_ms, runner_ms=runner_ms, repeats=repeats, capture=capture, stats=stats,
+        timings=timings, capture=capture, stats=stats,
     )
     if args.json:
         emit_json(report.json())

@@ -11,6 +11,7 @@ import attrs
 
 from encgraph.cli._common import budget_text, count, plan_json, plan_lines, table
 from encgraph.cli.demo_batches import DemoBatch
+from encgraph.cli.demo_timing import Timings
 from encgraph.packing import Plan
 
 __all__ = ["DemoReport", "path_ladders", "NOTE_CPU"]
@@ -44,8 +45,8 @@ class DemoReport:
     """What the demo measured, as text lines or as one JSON object.
 
     ``errors[i]``: item ``i``'s max |encgraph - tower| / max |tower| over the outputs named in ``compared``;
-    ``eager_ms`` / ``runner_ms``: medians over ``repeats`` calls on the whole batch; ``stats``: the runner's
-    counters after the checked call.
+    ``timings``: the tower's own forward and encgraph on the whole batch, timed interleaved
+    (:mod:`encgraph.cli.demo_timing`); ``stats``: the runner's counters after the checked call.
     """
 
     args: argparse.Namespace
@@ -59,9 +60,7 @@ class DemoReport:
     errors: tuple[float, ...]
     compared: tuple[str, ...]
     threshold: float
-    eager_ms: float
-    runner_ms: float
-    repeats: int
+    timings: Timings
     capture: dict[str, Any]
     stats: dict[str, Any]
 
@@ -139,13 +138,20 @@ class DemoReport:
         worst = max(self.errors)
         verdict = "agree" if worst <= self.threshold else "DO NOT all agree"
         out.append(f"all {len(self.errors)} items {verdict} within {self.threshold:g} ({self.dtype}); largest {worst:.2e}")
-        out.append(f"timings, median of {count(self.repeats, 'call')} on the whole batch:")
+        t = self.timings
+        out.append(
+            f"timings on the whole batch, {count(t.pairs, 'call')} of each (interleaved, after "
+            f"{count(t.warmup, 'untimed call')} of each)" + ("; median (min-max):" if t.pairs > 1 else ":")
+        )
         label = "encgraph, CUDA graphs" if self.mode == "graph" else f"encgraph, {self.mode} mode"
-        rows = [("tower's own forward (eager)", f"{self.eager_ms:.2f} ms"), (label, f"{self.runner_ms:.2f} ms")]
+        rows = [("tower's own forward (eager)", t.tower.text()), (label, t.runner.text())]
         if self.mode == "graph":
-            rows.append(("speed-up", f"{self.eager_ms / self.runner_ms:.2f}x"))
+            rows.append(("speed-up", f"{t.speedup:.2f}x (median over pairs of calls)"))
         width = max(len(name) for name, _ in rows)
         out += [f"  {name.ljust(width)}  {value}" for name, value in rows]
+        noise = t.noise_note()
+        if noise:
+            out.append(f"timing noise: {noise}")
         if self.mode == "graph":
             c = self.capture
             out.append(
@@ -197,10 +203,11 @@ class DemoReport:
                 "ok": max(self.errors) <= self.threshold,
             },
             "timings_ms": {
-                "repeats": self.repeats,
-                "tower_eager": self.eager_ms,
-                "encgraph": self.runner_ms,
+                "repeats": self.timings.pairs,
+                "tower_eager": self.timings.tower.median,
+                "encgraph": self.timings.runner.median,
                 "encgraph_mode": self.mode,
+                **self.timings.as_dict(),
             },
             "capture": self.capture,
             "stats": self.stats,

@@ -60,7 +60,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "it runs eager), and the padded share.",
         epilog=_EPILOG,
     )
-    p.add_argument("items", nargs="?", default="-", help="file with one item size per line; '-' or none: stdin")
+    p.add_argument(
+        "items", nargs="?", help="file with one item size per line; '-' or none: stdin (piped; on a terminal, '-' only)"
+    )
     p.add_argument("--tower", choices=sorted(TOWERS), default="qwen2_5_vl", help="tower geometry (default qwen2_5_vl)")
     ladder = p.add_mutually_exclusive_group()
     ladder.add_argument("--budgets", type=budget_list, help="the ladder, comma-separated token budgets (e.g. 256,512,1024)")
@@ -96,7 +98,10 @@ def make_plan(items: list[SizedItem], ladder: tuple[int, ...], limits: Limits) -
 def run(args: argparse.Namespace) -> int:
     geometry = TOWERS[args.tower].with_pixels(args.min_pixels, args.max_pixels)
     ladder = _ladder(args)
-    text, name = read_text(args.items, "the items file", command="plan")
+    text, name = read_text(
+        args.items, "the items file", command="plan",
+        example="encgraph plan sizes.txt, or printf '640x480\\n2,16,24\\n' | encgraph plan",
+    )
     items = parse_items(text.splitlines(), geometry, name=name)
     if not items:
         raise UsageError(f"encgraph plan: error: no items in {name}; give one size per line (see 'encgraph plan --help')")

@@ -44,8 +44,9 @@ LIMITS_HELP = (
     "--max-request-pixels it is refused (413), and it is decoded only while the requests being decoded hold at most "
     "--max-pixels-in-flight pixels and the bodies being read or held at most --max-body-bytes-in-flight bytes "
     "(else 503 with Retry-After). With the defaults the requests in flight hold at most about 4 GiB (16 bytes "
-    "counted per decoded pixel, 10.4-10.9 measured; bodies counted twice) on top of the idle server (0.45 GB for "
-    "the embedded models): a 24 GB machine cannot be pushed out of memory by any sequence of requests."
+    "counted per decoded pixel, 10.4-10.9 measured; bodies counted twice) on top of the idle server (its resident "
+    "memory after start-up, which depends on the models served): a 24 GB machine cannot be pushed out of memory by "
+    "any sequence of requests."
 )
 
 

@@ -2,8 +2,10 @@
 
 Reads a log of requests (each a list of item sizes, in the formats of ``encgraph plan``), turns every item into
 its token count for a named tower geometry, and runs :func:`encgraph.packing.tune_ladder` against the default
-ladder that ``encgraph plan`` and the runner use (the dense one, :func:`encgraph.cli.plan.default_ladder`).  Prints both ladders with their expected cost and padded share,
-and the runner options to paste.  Torch-free.
+ladder that ``encgraph plan`` and the runner use (the dense one, :func:`encgraph.cli.plan.default_ladder`).  Prints
+both ladders with their expected cost and padded share, and a recommendation: the tuned ladder with the runner
+options to paste only where the cost model rates it no slower than the default ladder, else the default ladder
+(with a plain statement that no ladder within the limits given is better).  Torch-free.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import json
 from collections.abc import Iterable
 from typing import Any
+
+import attrs
 
 from encgraph.cli._common import (
     UsageError,
@@ -37,8 +41,10 @@ from encgraph.packing import (
 
 __all__ = ["DEFAULT_MAX_BUDGETS", "add_parser", "parse_log", "run"]
 
-#: ``--max-budgets`` default: graphs to capture per path.
-DEFAULT_MAX_BUDGETS = 6
+#: ``--max-budgets`` default: graphs to capture per path, as many as the default ladder has (20), so that the
+#: default ladder is itself a candidate and the tuned one is never rated slower; a smaller limit may leave no
+#: ladder as fast as the default (the dense default pads less), and ``tune`` then says so.
+DEFAULT_MAX_BUDGETS = len(default_ladder())
 
 _EPILOG = """\
 log formats (one request per block or line; '#' comment lines skipped):
@@ -54,7 +60,11 @@ cost model: --costs reads a CostModel saved after measuring on the GPU, e.g.
     runner.measure_costs(...); runner.costs.save("costs.json")
   without it, a linear model shaped after the Qwen2.5-VL-7B tower on an H200.
 
-example:
+recommendation: the tuned ladder, with the runner options to paste, only where the cost model rates it no
+  slower than the default ladder; else the default ladder (nothing to paste), with the tuned one's cost beside it.
+
+examples:
+  encgraph tune sizes.log
   printf '640x480\\n1024x768\\n\\n2,16,24\\n' | encgraph tune --max-budgets 4
 """
 
@@ -67,16 +77,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="choose the ladder that minimises the expected cost of a log of observed sizes (no model, no GPU)",
         description="Print the ladder (at most --max-budgets graphs, within --memory-cap-tokens) that minimises "
         "the expected cost of the logged requests, compared with the default ladder, and the runner options to "
-        "paste.",
+        "paste when it is rated no slower than the default ladder (else: keep the default).",
         epilog=_EPILOG,
     )
-    p.add_argument("log", nargs="?", default="-", help="the log of observed requests; '-' or none: stdin")
+    p.add_argument(
+        "log", nargs="?", help="the log of observed requests; '-' or none: stdin (piped; on a terminal, '-' only)"
+    )
     p.add_argument("--tower", choices=sorted(TOWERS), default="qwen2_5_vl", help="tower geometry (default qwen2_5_vl)")
     p.add_argument(
         "--max-budgets",
         type=positive_int,
         default=DEFAULT_MAX_BUDGETS,
-        help=f"most budgets (captured graphs) in the ladder (default {DEFAULT_MAX_BUDGETS})",
+        help=f"most budgets (captured graphs) in the ladder (default {DEFAULT_MAX_BUDGETS}: as many as the default "
+        f"ladder)",
     )
     p.add_argument(
         "--memory-cap-tokens", type=positive_int, help="most tokens summed over the ladder's budgets (default: none)"
@@ -192,7 +205,10 @@ def _ladder_text(ladder: tuple[int, ...]) -> str:
 def run(args: argparse.Namespace) -> int:
     geometry = TOWERS[args.tower].with_pixels(args.min_pixels, args.max_pixels)
     costs = _load_costs(args.costs)
-    text, name = read_text(args.log, "the log", command="tune")
+    text, name = read_text(
+        args.log, "the log", command="tune",
+        example="encgraph tune sizes.log, or printf '640x480\\n\\n2,16,24\\n' | encgraph tune",
+    )
     requests = parse_log(text.splitlines(), geometry, name=name)
     if not requests:
         raise UsageError(
@@ -225,19 +241,7 @@ def run(args: argparse.Namespace) -> int:
     n = len(requests)
     change = (tuned.cost_after_ms / tuned.cost_before_ms - 1) if tuned.cost_before_ms else 0.0
     model = f"measured ({args.costs})" if args.costs else "default linear model (no --costs)"
-    notes = []
-    if tuned.cost_after_ms > tuned.cost_before_ms:
-        # tune_ladder keeps the baseline when it is cheaper and allowed: it is cheaper here but not allowed.
-        if len(default) > args.max_budgets:
-            notes.append(
-                f"the default ladder has {len(default)} budgets, more than --max-budgets {args.max_budgets}; "
-                f"raise --max-budgets for a ladder at least as cheap"
-            )
-        if args.memory_cap_tokens is not None and sum(default) > args.memory_cap_tokens:
-            notes.append(
-                f"the default ladder sums to {sum(default)} tokens, over --memory-cap-tokens "
-                f"{args.memory_cap_tokens}; the tuned ladder is the cheapest under the cap"
-            )
+    verdict = _verdict(tuned, ladder, default, args)
     if args.json:
         emit_json(
             {
@@ -264,9 +268,10 @@ def run(args: argparse.Namespace) -> int:
                     "padded_share": tuned.padded_share_after,
                 },
                 "cost_change": change,
-                "runner_options": {k: list(v) if k == "budgets" else v for k, v in tuned.to_runner_options().items()},
-                "runner_line": runner_line(tuned),
-                "notes": notes,
+                "recommended": verdict.recommended,
+                "runner_options": {k: list(v) if k == "budgets" else v for k, v in verdict.options.items()},
+                "runner_line": verdict.line,
+                "notes": list(verdict.notes),
             }
         )
         return 0
@@ -290,7 +295,58 @@ def run(args: argparse.Namespace) -> int:
         left=2,
     )
     out.append(f"expected cost change: {change:+.1%}")
-    out += [f"note: {note}" for note in notes]
-    out += ["runner options:", f"  {runner_line(tuned)}"]
+    out += [f"note: {note}" for note in verdict.notes]
+    out.append(f"recommendation: {verdict.text}")
+    if verdict.options:
+        out += ["runner options:", f"  {verdict.line}"]
     print("\n".join(out))
     return 0
+
+
+@attrs.frozen
+class Verdict:
+    """What ``tune`` recommends: ``recommended`` ``"tuned"`` (rated no slower than the default ladder) or
+    ``"default"``; ``options`` the runner options to paste for it (``{}``: none, the runner's defaults), ``line``
+    them as ``EncoderGraphRunner(...)``; ``text`` the recommendation in words; ``notes`` why no tuned ladder wins."""
+
+    recommended: str
+    options: dict[str, Any]
+    line: str
+    text: str
+    notes: tuple[str, ...] = ()
+
+
+def _verdict(
+    tuned: TunedLadder, ladder: tuple[int, ...], default: tuple[int, ...], args: argparse.Namespace
+) -> Verdict:
+    """The tuned ladder where it differs from the default and is rated no slower; else the default ladder, saying
+    plainly that no ladder within the limits given is better (and which limit kept the default out)."""
+    change = tuned.cost_after_ms / tuned.cost_before_ms - 1 if tuned.cost_before_ms else 0.0
+    if ladder != default and tuned.cost_after_ms <= tuned.cost_before_ms:
+        rated = f"{-change:.1%} faster than" if change < 0 else "as fast as"
+        return Verdict("tuned", tuned.to_runner_options(), runner_line(tuned),
+                       f"the tuned ladder ({count(len(ladder), 'graph')}), rated {rated} the default "
+                       f"({count(len(default), 'graph')})")
+    # The runner's default ladder: only limits the user set differ from what the runner would use.
+    options = {k: v for k, v in (("max_items", args.max_items), ("max_frames", args.max_frames)) if v is not None}
+    line = "EncoderGraphRunner(adapter" + "".join(f", {k}={v!r}" for k, v in options.items()) + ")"
+    paste = "with the runner options below" if options else "nothing to paste"
+    if ladder == default:
+        return Verdict("default", options, line, f"keep the default ladder ({paste}): it is the cheapest found")
+    notes = []
+    if len(default) > args.max_budgets:
+        notes.append(
+            f"the default ladder has {len(default)} budgets, more than --max-budgets {args.max_budgets}; "
+            f"raise --max-budgets for a ladder at least as cheap"
+        )
+    if args.memory_cap_tokens is not None and sum(default) > args.memory_cap_tokens:
+        notes.append(
+            f"the default ladder sums to {sum(default)} tokens, over --memory-cap-tokens "
+            f"{args.memory_cap_tokens}; the tuned ladder is the cheapest under the cap"
+        )
+    return Verdict(
+        "default", options, line,
+        f"keep the default ladder ({paste}) unless the limits given must hold: no ladder within them is rated as "
+        f"fast; the best found, {', '.join(map(str, ladder))}, is rated {change:.1%} slower",
+        tuple(notes),
+    )

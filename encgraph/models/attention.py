@@ -9,7 +9,8 @@ every row is written (design rule 1). ``max_seqlen`` is a host int fixed per lay
 Backends (chosen per call from the tensors, never from their values, so the choice is the same at capture and
 at replay):
 
-- ``VARLEN``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention) on CUDA with fp16/bf16;
+- ``VARLEN``: ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention) on CUDA with fp16/bf16, or
+  FlashAttention-4 where capture measured it faster (:mod:`encgraph.models.varlen_kernel`);
 - ``SEGMENTS``: on the CPU, ``scaled_dot_product_attention`` of each sequence on its own (exact, isolated and
   memory-bounded: :func:`~encgraph.models.exact_attention.segment_attention`);
 - an eager forward that passes its bounds from the host (:func:`host_bounds`, :mod:`encgraph.models.sequence_bounds`)
@@ -31,8 +32,6 @@ names, and otherwise split on ``cu_seqlens.tolist()``, which cannot be captured.
 from __future__ import annotations
 
 import enum
-import inspect
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
 from encgraph.capture import piecewise
-from encgraph.models import dense_plans, fa4, piece_attention, sequence_bounds
+from encgraph.models import dense_plans, piece_attention, sequence_bounds, varlen_kernel
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
 from encgraph.models.dense_sequence import dense_sequence, padded_dense
 from encgraph.models.exact_attention import masked_attention, repeat_heads, segment_attention
@@ -114,7 +113,6 @@ class AttentionBackend(enum.Enum):
     """SDPA with a block-diagonal boolean mask from ``cu_seqlens``: any device and dtype, tokens^2 memory."""
 
 
-_VARLEN: tuple[Callable[..., torch.Tensor] | None, bool] | None = None
 _VARLEN_OP: Callable[..., torch.Tensor] | None = None  # the custom op around it (encgraph.models._varlen_op)
 
 
@@ -135,7 +133,7 @@ def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     plan = _host_plan(cu_q, query, key, value, scale) if same else None
     if plan is not None:
         return _host_planned_attention(query, key, value, cu_q, scale, *plan)
-    return _kernel_call(query, key, value, cu_q, cu_k, max_q, max_k, scale)
+    return varlen_kernel.call_kernel(query, key, value, cu_q, cu_k, max_q, max_k, scale)
 
 
 def _split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_q: int,
@@ -147,44 +145,9 @@ def _split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torc
     return piece_attention.offer(query, key, value, cu, max_q, scale, _host_planned_attention)
 
 
-def _kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None, kernel: str | None = None,
-                 ) -> torch.Tensor:
-    """One call of the varlen kernel ``kernel`` (``"flash"`` or ``"fa4"``; default the geometry's,
-    :func:`encgraph.models.fa4.kernel_of`), eager or inside a capture: the one place that dispatches FA4 and
-    passes the scale to torch's kernel (folded into the query on torch 2.10, whose ``varlen_attn`` has none)."""
-    if (kernel or fa4.kernel_of(query)) == "fa4":
-        return fa4.varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale)
-    varlen_attn, takes_scale = _varlen()
-    default = query.shape[-1] ** -0.5
-    if scale is not None and math.isclose(scale, default, rel_tol=1e-6):
-        scale = None  # the kernel's own default: no folded multiply on torch 2.10
-    if scale is not None and not takes_scale:
-        query = query * (scale / default)
-        scale = None
-    return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **({"scale": scale} if scale is not None else {}))
-
-
 def _varlen() -> tuple[Callable[..., torch.Tensor] | None, bool]:
-    """``(varlen_attn, takes_scale)``; ``(None, False)`` where this torch build lacks it (older than 2.10).
-
-    Memoised in a module global rather than ``functools.cache``: under ``torch.compile`` dynamo reads the global
-    as a constant, whereas it warns about, and traces through, an lru_cache wrapper (the import and the
-    signature inspection) at every compile.
-    """
-    global _VARLEN
-    if _VARLEN is None:
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-        except ImportError:
-            _VARLEN = (None, False)
-        else:
-            try:
-                takes_scale = "scale" in inspect.signature(varlen_attn).parameters
-            except (TypeError, ValueError):
-                takes_scale = False
-            _VARLEN = (varlen_attn, takes_scale)
-    return _VARLEN
+    """``(varlen_attn, takes_scale)`` of this torch build: :func:`encgraph.models.varlen_kernel.torch_varlen`."""
+    return varlen_kernel.torch_varlen()
 
 
 def pick_backend(query: torch.Tensor) -> AttentionBackend:
@@ -277,7 +240,7 @@ def _varlen_attention(
     if torch.compiler.is_compiling():
         # Traced by torch.compile: one opaque op (see encgraph.models._varlen_op) around _varlen_call, which picks
         # the geometry's kernel at run time; the scale passed as it is (under a symbolic head dim the
-        # default-scale test below would be a graph break: math.isclose of a SymFloat).
+        # default-scale test of varlen_kernel.call_kernel would be a graph break: math.isclose of a SymFloat).
         op = _VARLEN_OP
         if op is None:
             raise ConfigError("packed_attention: register_attention() must run before torch.compile traces it.")
@@ -287,7 +250,7 @@ def _varlen_attention(
     split = _split(query, key, value, cu, max_seqlen, scale) if kernel is None else None
     if split is not None:
         return split
-    return _kernel_call(query, key, value, cu, cu, max_seqlen, max_seqlen, scale, kernel)
+    return varlen_kernel.call_kernel(query, key, value, cu, cu, max_seqlen, max_seqlen, scale, kernel)
 
 
 def _host_planned_attention(

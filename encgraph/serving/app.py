@@ -18,7 +18,9 @@ wrong API key, :mod:`encgraph.serving.auth`), 404 (unknown model or path), 405 (
 bytes, pixels of an image or of the request over the limits; too many images), 415 (a format other than PNG or
 JPEG), 422 (wrong JSON shape, an unknown field, empty input list), 500, and 503 with ``Retry-After`` (queue full,
 too much in flight (:mod:`encgraph.serving.admission`), shutting down, a preprocessing worker died).
-``GET /health``; ``GET /metrics`` (Prometheus).
+``GET /health`` (per model its device, dtype, queue depth and ``engine``, what runs it from the first request on:
+``graph`` (CUDA graph replays), ``eager`` (the adapter's eager forward, the CPU default), ``static`` or ``hf-eager``
+(``--eager``)); ``GET /metrics`` (Prometheus).
 
 A request's pixels are counted from its images' headers before any is decoded: over ``max_request_pixels`` it is
 refused (413), and it is decoded only while the pixels of all requests being decoded stay within the in-flight

@@ -78,7 +78,10 @@ FAMILIES: dict[str, Family] = {
 @attrs.define(eq=False)
 class ServedModel:
     """One served tower: ``front`` (its batching front), ``processor`` (a transformers image processor),
-    ``adapter`` (for the inputs and the pooling rule), where it runs, and what to report in ``/health``."""
+    ``adapter`` (for the inputs and the pooling rule), where it runs, and what to report in ``/health``:
+    ``engine`` is what runs the tower from the first request on, fixed when it is built (:func:`build_model`):
+    the runner's mode (``"graph"``: CUDA graph replays; ``"eager"``: the adapter's eager forward, the CPU default;
+    ``"static"``: the padded static forward run eagerly), or ``"hf-eager"`` (``eager``: the tower's own forward)."""
 
     name: str
     description: str
@@ -88,6 +91,7 @@ class ServedModel:
     device: Any
     dtype: Any
     eager: bool = False
+    engine: str | None = None
 
     def inputs(self, images: Sequence[Any]) -> Any:
         """The adapter's inputs for decoded RGB images (the processor's tensors, on the tower's device and in its
@@ -137,7 +141,7 @@ class ServedModel:
             "description": self.description,
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
-            "engine": "hf-eager" if self.eager else (runner.get("mode") or "graphs"),
+            "engine": self.engine or ("hf-eager" if self.eager else runner.get("mode", "unknown")),
             "queue_depth": self.front.queue_depth,
         }
 
@@ -291,8 +295,9 @@ def build_model(
     else:
         target = EncoderGraphRunner(adapter, budgets=budgets)
         options["capture"] = True
+    engine = "hf-eager" if eager else target.mode.value
     param = next(tower.parameters())
     finish = functools.partial(_finish, _per_item_tokens(adapter))
     front = BatchingFront(target, name=f"encgraph-front-{name}", finish=finish, **options)
     dtype = param.dtype if isinstance(param.dtype, torch.dtype) else None
-    return ServedModel(name, description, processor, adapter, front, param.device, dtype, eager)
+    return ServedModel(name, description, processor, adapter, front, param.device, dtype, eager, engine)

@@ -39,6 +39,8 @@ def test_health_lists_the_embedded_models(server):
     assert body["status"] == "ok" and body["default_model"] == "siglip"
     assert set(body["models"]) == set(MODELS)
     assert all(m["device"] == "cpu" and m["dtype"] == "float32" for m in body["models"].values())
+    # What really runs them: the runner's CPU default, the adapter's eager forward (issue 54: it said "graphs").
+    assert all(m["engine"] == "eager" for m in body["models"].values()), body["models"]
     # Start-up froze its heap (torch, transformers, the towers: ~10^5 objects) out of the collector's reach, and
     # /metrics times the collections that still run.
     assert body["gc_frozen_objects"] > 50_000, body["gc_frozen_objects"]

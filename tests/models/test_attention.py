@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import encgraph
-from encgraph.models import _hf, attention, sequence_bounds
+from encgraph.models import _hf, attention, sequence_bounds, varlen_kernel
 from encgraph.models.attention import (
     ATTENTION_NAME,
     MIN_TRANSFORMERS,
@@ -114,7 +114,7 @@ def test_varlen_call_contract(monkeypatch, takes_scale):
         lengths = torch.diff(cu_q).tolist()
         return reference(q, k, v, [n for n in lengths if n], scale=kw.get("scale"))
 
-    monkeypatch.setattr(attention, "_varlen", lambda: (fake, takes_scale))
+    monkeypatch.setattr(varlen_kernel, "torch_varlen", lambda: (fake, takes_scale))
     q, k, v = qkv(6, dim=16)
     cu = torch.tensor([0, 2, 6, 6], dtype=torch.int64)
     out = packed_attention(q, k, v, cu, 64, scale=0.5, backend=AttentionBackend.VARLEN)

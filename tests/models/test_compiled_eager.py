@@ -35,6 +35,7 @@ def varlen_call_on_cpu(monkeypatch):
     """The CUDA path of the packed attention with a CPU kernel behind torch's ``varlen_attn``: the compiled op
     calls :func:`encgraph.models.attention._varlen_call`, as on a GPU, host plan included."""
     import encgraph.models.attention as attention
+    from encgraph.models import varlen_kernel
     from encgraph.models import _varlen_op
     from encgraph.models._varlen_op import make_op
 
@@ -43,7 +44,7 @@ def varlen_call_on_cpu(monkeypatch):
 
     previous = _varlen_op._IMPL
     monkeypatch.setattr(attention, "pick_backend", lambda q: attention.AttentionBackend.VARLEN)
-    monkeypatch.setattr(attention, "_VARLEN", (kernel, True))
+    monkeypatch.setattr(varlen_kernel, "_VARLEN", (kernel, True))
     monkeypatch.setattr(attention, "_VARLEN_OP", make_op(attention._varlen_call, True))
     yield
     _varlen_op._IMPL = previous

@@ -231,6 +231,53 @@ def test_python_dash_m_plan_without_torch():
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--budgets" in done.stderr
 
 
+class _Terminal(io.StringIO):
+    """Standard input that is an interactive terminal (with ``text`` typed into it)."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("command, example", [
+    ("plan", "e.g. encgraph plan sizes.txt, or printf '640x480\\n2,16,24\\n' | encgraph plan"),
+    ("tune", "e.g. encgraph tune sizes.log, or printf '640x480\\n\\n2,16,24\\n' | encgraph tune"),
+], ids=["plan", "tune"])
+def test_no_file_on_a_terminal_says_what_it_expects(capsys, monkeypatch, command, example):
+    """Issue 54: `encgraph plan` / `tune` with no file, on a terminal, waited silently on stdin."""
+    monkeypatch.setattr(sys, "stdin", _Terminal("640x480\n"))
+    code, out, err = run_cli([command], capsys)
+    assert_usage_error(code, err, f"encgraph {command}: error: expected the", "as a path or piped to standard input",
+                       "got neither (standard input is a terminal)", example, f"'encgraph {command} --help'")
+    assert out == "" and sys.stdin.tell() == 0  # nothing read
+    # '-' asks for the terminal explicitly: read, after a line that says so and how to end it.
+    monkeypatch.setattr(sys, "stdin", _Terminal("640x480\n"))
+    code, out, err = run_cli([command, "-"], capsys)
+    assert code == 0 and "tower qwen2_5_vl" in out
+    assert err == f"encgraph {command}: reading the {'items file' if command == 'plan' else 'log'} from the terminal; " \
+                  "end it with Ctrl-D\n"
+    # Piped (not a terminal): read as ever, with or without '-'.
+    for argv in ([command], [command, "-"]):
+        code, out, err = run_cli(argv, capsys, "640x480\n", monkeypatch)
+        assert code == 0 and err == "" and "tower qwen2_5_vl" in out
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_plan_on_a_real_terminal_exits_at_once():
+    master, slave = os.openpty()
+    try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        try:
+            done = subprocess.run([sys.executable, "-m", "encgraph", "plan"], stdin=slave, capture_output=True,
+                                  text=True, cwd=ROOT, env=env, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("encgraph plan waited on the terminal with no word of what it expects")
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "standard input is a terminal" in done.stderr
+
+
 # ------------------------------------------------------------------------------------------- demo
 
 FAST = ["--quiet", "--repeats", "1"]

@@ -54,24 +54,33 @@ def log():
     return traffic_log()
 
 
-@pytest.mark.parametrize("max_budgets", [2, 4, 6, 7, 20])
+@pytest.mark.parametrize("max_budgets", [2, 4, 6, 7, 20, None])
 def test_known_traffic_never_worse_than_the_default(capsys, monkeypatch, log, max_budgets):
-    report = tune_json(["--max-budgets", str(max_budgets)], capsys, monkeypatch, log)
+    argv = [] if max_budgets is None else ["--max-budgets", str(max_budgets)]
+    report = tune_json(argv, capsys, monkeypatch, log)
     tuned, default = report["tuned"], report["default"]
+    limit = max_budgets or len(DEFAULT_LADDER)  # the default --max-budgets: as many as the default ladder has
     assert default["budgets"] == DEFAULT_LADDER
-    assert 1 <= len(tuned["budgets"]) <= max_budgets
+    assert 1 <= len(tuned["budgets"]) <= limit
     assert tuned["budgets"] == sorted(tuned["budgets"]) and all(b % 64 == 0 for b in tuned["budgets"])
-    if max_budgets >= len(DEFAULT_LADDER):  # the default is allowed: the tuned ladder is never costlier
+    if limit >= len(DEFAULT_LADDER):  # the default is allowed: the tuned ladder is never costlier
         assert tuned["cost_ms"] <= default["cost_ms"]
         assert report["notes"] == []
     elif tuned["cost_ms"] > default["cost_ms"]:  # the dense default's 20 graphs pad less: the report says why
         assert report["notes"] == [f"the default ladder has 20 budgets, more than --max-budgets {max_budgets}; "
                                    "raise --max-budgets for a ladder at least as cheap"], report["notes"]
     assert report["traffic"]["requests"] == 120
-    assert report["runner_options"]["budgets"] == tuned["budgets"]
-    assert report["runner_line"] == (
-        f"EncoderGraphRunner(adapter, budgets={tuple(tuned['budgets'])!r}, max_items=16, max_frames=32)"
-    )
+    # Issue 54: the options to paste are the tuned ladder's only where it is rated no slower than the default.
+    if report["recommended"] == "tuned":
+        assert tuned["cost_ms"] <= default["cost_ms"] and tuned["budgets"] != DEFAULT_LADDER
+        assert report["runner_options"]["budgets"] == tuned["budgets"]
+        assert report["runner_line"] == (
+            f"EncoderGraphRunner(adapter, budgets={tuple(tuned['budgets'])!r}, max_items=16, max_frames=32)"
+        )
+    else:
+        assert report["recommended"] == "default"
+        assert tuned["cost_ms"] > default["cost_ms"] or tuned["budgets"] == DEFAULT_LADDER
+        assert report["runner_options"] == {} and report["runner_line"] == "EncoderGraphRunner(adapter)"
 
 
 def test_text_output(capsys, monkeypatch, log):
@@ -81,13 +90,66 @@ def test_text_output(capsys, monkeypatch, log):
     assert "traffic: 120 requests" in out
     assert "limits: at most 16 items and 32 frames per batch; cost model: default linear model (no --costs)" in out
     assert re.search(r"default\s+64, 128, 192, 256, [\d, ]+, 3840, 4096 \(20 graphs, 26432 tokens\)", out)
-    tuned = re.search(r"tuned\s+([\d, ]+) \((\d) graphs?", out)
-    assert tuned and int(tuned.group(2)) <= 6
+    tuned = re.search(r"tuned\s+([\d, ]+) \((\d+) graphs?", out)
+    assert tuned and int(tuned.group(2)) < 20
     costs = [float(m) for m in re.findall(r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+%", out, flags=re.MULTILINE)]
-    assert len(costs) == 2 and (costs[1] <= costs[0] or "more than --max-budgets 6" in out)
-    assert re.search(r"expected cost change: [-+]\d+\.\d%", out)
+    assert len(costs) == 2 and costs[1] <= costs[0]
+    assert re.search(r"expected cost change: -\d+\.\d%", out)
+    assert re.search(rf"recommendation: the tuned ladder \({tuned.group(2)} graphs\), rated \d+\.\d% faster than "
+                     r"the default \(20 graphs\)", out)
     runner = f"  EncoderGraphRunner(adapter, budgets=({tuned.group(1)}), max_items=16, max_frames=32)"
-    assert out.rstrip().splitlines()[-1] == runner
+    assert out.rstrip().splitlines()[-2:] == ["runner options:", runner]
+
+
+def _help_example():
+    """The log of ``encgraph tune --help``'s piped example, and its extra arguments."""
+    line = next(ln for ln in tune_help().splitlines() if "| encgraph tune" in ln)
+    printf, command = line.split("|")
+    log = printf.strip().removeprefix("printf ").strip("'").encode().decode("unicode_escape")
+    return log, command.split()[2:]
+
+
+def tune_help():
+    import contextlib
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert main(["tune", "--help"]) == 0
+    return text.getvalue()
+
+
+@pytest.mark.parametrize("source", ["help example", "300 requests"])
+def test_no_runner_options_for_a_ladder_rated_slower_than_the_default(capsys, monkeypatch, source):
+    """Issue 54: `tune --max-budgets 4` on the --help example (+3.1%) and `--max-budgets 6` on a 300-request log
+    (+1.8%... +5%) printed "runner options" to paste for a ladder its own model rates slower than the default."""
+    if source == "help example":
+        log, argv = _help_example()
+        assert argv == ["--max-budgets", "4"]
+    else:
+        log, argv = traffic_log(seed=2, requests=300), ["--max-budgets", "6"]
+    report = tune_json(argv, capsys, monkeypatch, log)
+    assert report["tuned"]["cost_ms"] > report["default"]["cost_ms"]  # what the search finds within the limit
+    assert report["recommended"] == "default" and report["runner_options"] == {}
+    code, out, err = run_cli(["tune", *argv], capsys, monkeypatch, log)
+    assert code == 0, err
+    assert "runner options:" not in out and "EncoderGraphRunner" not in out
+    change = re.search(r"expected cost change: \+(\d+\.\d)%", out).group(1)
+    assert out.rstrip().splitlines()[-1] == (
+        "recommendation: keep the default ladder (nothing to paste) unless the limits given must hold: no ladder "
+        f"within them is rated as fast; the best found, {', '.join(map(str, report['tuned']['budgets']))}, is "
+        f"rated {change}% slower"
+    )
+
+
+def test_a_default_ladder_kept_still_gives_the_limits_the_user_set(capsys, monkeypatch, log):
+    report = tune_json(["--max-budgets", "3", "--max-items", "8"], capsys, monkeypatch, log)
+    assert report["recommended"] == "default"
+    assert report["runner_options"] == {"max_items": 8}
+    assert report["runner_line"] == "EncoderGraphRunner(adapter, max_items=8)"
+    # The default ladder found cheapest (nothing better within 20 graphs): said so, nothing to paste.
+    code, out, _ = run_cli(["tune"], capsys, monkeypatch, "640x480\n1024x768\n\n2,16,24\n")
+    assert code == 0 and "runner options:" not in out
+    assert out.rstrip().endswith("recommendation: keep the default ladder (nothing to paste): it is the cheapest found")
 
 
 def test_limits_memory_cap_granularity_and_a_file(capsys, monkeypatch, log, tmp_path):
@@ -103,6 +165,10 @@ def test_limits_memory_cap_granularity_and_a_file(capsys, monkeypatch, log, tmp_
     assert sum(budgets) <= 3000 and all(b % 128 == 0 for b in budgets) and min(budgets) >= 4
     assert report["limits"] == {"max_items": 4, "max_frames": 8}
     assert report["tower"] == "qwen3_vl"
+    # The default ladder (26432 tokens) is over the cap: said so; no options to paste for a slower ladder.
+    if report["tuned"]["cost_ms"] > report["default"]["cost_ms"]:
+        assert report["recommended"] == "default" and report["runner_options"] == {"max_items": 4}
+        assert any("over --memory-cap-tokens 3000" in note for note in report["notes"]), report["notes"]
 
 
 def test_measured_costs_file(capsys, monkeypatch, log, tmp_path):

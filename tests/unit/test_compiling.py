@@ -31,13 +31,14 @@ def varlen_on_cpu(monkeypatch):
     """The CUDA path of the packed attention (the VARLEN backend and its custom op), with a CPU kernel behind
     it: what torch.compile traces on a GPU."""
     import encgraph.models.attention as attention
+    from encgraph.models import varlen_kernel
     from encgraph.models._varlen_op import make_op
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
         return attention.masked_attention(q, k, v, cu_q, kw.get("scale"))
 
     monkeypatch.setattr(attention, "pick_backend", lambda q: attention.AttentionBackend.VARLEN)
-    monkeypatch.setattr(attention, "_VARLEN", (kernel, True))
+    monkeypatch.setattr(varlen_kernel, "_VARLEN", (kernel, True))
     from encgraph.models import _varlen_op
 
     previous = _varlen_op._IMPL

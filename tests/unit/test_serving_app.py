@@ -197,3 +197,28 @@ def test_a_request_in_flight_at_the_graceful_timeout_answers_a_json_503():
         got = first.result(10)
         model.gate.set()
     assert got.status_code == 503 and got.json()["error"]["code"] == "shutting_down", got.text
+
+
+@pytest.mark.parametrize("name", ["siglip", "qwen2_5_vl"])
+def test_health_reports_the_engine_the_model_really_runs(name):
+    """Issue 54: ``/health`` said ``"engine": "graphs"`` for CPU models (before a first call) while ``/metrics``
+    counted every item eager. On the CPU the runner's default is the adapter's eager forward: ``"eager"`` from the
+    start, and every item in /metrics eager too."""
+    torch = pytest.importorskip("torch")
+    from encgraph.serving import loading
+
+    tower, description = loading.embedded_tower(name, device=torch.device("cpu"), dtype=torch.float32)
+    served = loading.build_model(name, tower, loading.load_processor(name), description,
+                                 budgets=loading.EMBEDDED[name])
+    app = create_app({name: served})
+    try:
+        with TestClient(app) as client:
+            assert client.get("/health").json()["models"][name]["engine"] == "eager"  # before any request
+            got = client.post("/v1/embeddings", json={"model": name, "input": [_png((10, 20, 30))] * 2})
+            assert got.status_code == 200, got.text
+            assert client.get("/health").json()["models"][name]["engine"] == "eager"
+            metrics = client.get("/metrics").text
+    finally:
+        served.front.close()
+    assert f'encgraph_runner_items_total{{kind="eager",model="{name}"}} 2.0' in metrics, metrics
+    assert f'encgraph_runner_items_total{{kind="graph",model="{name}"}} 0.0' in metrics, metrics

@@ -1,0 +1,93 @@
+"""One call of a runner (:class:`~encgraph.EncoderGraphRunner`, phase 3 of :mod:`encgraph.capture.runner`): item
+specs -> ``pack`` -> per planned sub-batch, every path routed to its budget's static forward (a replay in GRAPH
+mode) or to the eager forward, timed for the cost model's check while serving and counted -> per-item results in
+the caller's order.
+
+The runner owns the state (lock, buffers, cost model, counters); these functions run a call over it, as
+:mod:`encgraph.capture.relayout` replaces its ladder.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from encgraph.capture.execution import check_outputs, item_specs, route, run_static, split_outputs
+from encgraph.capture.records import RunMode
+from encgraph.errors import CaptureError
+from encgraph.packing import Batch, EagerReason, ItemSpec
+from encgraph.packing.kernels import LEDGER
+
+__all__ = ["call", "run_batch"]
+
+log = logging.getLogger("encgraph")
+
+
+def call(runner: Any, inputs: Any) -> list[Any]:
+    """``runner(inputs)`` on this process (no data-parallel split): one result per item, in the caller's order."""
+    # A dense attention plan bought during the call is built once the call has issued its work (the device
+    # runs it meanwhile) rather than by the attention call that buys it, with the device waiting
+    # (PlanLedger.deferring; a serving front's outer block builds them when idle instead).
+    with runner._lock, torch.no_grad(), LEDGER.deferring():
+        specs = item_specs(runner.adapter, inputs)
+        if not runner.captured:
+            if runner.mode is RunMode.GRAPH and not runner.lazy:
+                raise CaptureError("runner: call capture() before the first call, or pass lazy=True.")
+            runner.capture()
+        if runner._record:
+            runner.observed.append(tuple(specs))
+        # Read what earlier calls timed (never waits) and correct the model: a correction is no replacement
+        # (the feedback goes on; the setter would reset it).
+        if runner._costs is not None:
+            runner._costs = runner._feedback.poll(runner._costs) or runner._costs
+        plan = runner._pack(specs)
+        # Per path, the last sub-batch with tokens there: only its zero-copy results may stay views.
+        last = {p: max((i for i, b in enumerate(plan.batches) if b.tokens[p]), default=-1)
+                for p in runner.config.path_names}
+        batch_results = [run_batch(runner, inputs, specs, batch, {p for p, j in last.items() if j == i})
+                         for i, batch in enumerate(plan.batches)]
+        runner._stats.add_call()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("encgraph: call of %d items, %d batches; stats %s", len(specs), len(plan.batches), runner.stats)
+        return plan.restore(batch_results)
+
+
+def run_batch(runner: Any, inputs: Any, specs: Sequence[ItemSpec], batch: Batch, last_on: set[str]) -> list[Any]:
+    """The per-item results of one planned sub-batch: each path with tokens runs at its budget, or eagerly where
+    the plan or the route says so (``last_on``: the paths whose last sub-batch of the call this is, whose
+    zero-copy results may stay views of the output buffers)."""
+    sub = runner.adapter.select(inputs, batch.items)
+    sub_specs = [specs[i] for i in batch.items]
+    outputs: dict[str, Mapping[str, torch.Tensor]] = {}
+    eager_paths: dict[str, str] = {}
+    stats, feedback = runner._stats, runner._feedback
+    for path in runner.config.path_names:
+        budget = batch.budgets[path]
+        used = batch.tokens[path]
+        if budget == 0 or used == 0:
+            continue
+        budget, reason = route(runner, feedback, batch, path, sub_specs)
+        # Forced eager runs (over the ladder, over max_frames) lie where the model is extrapolated: not checked.
+        chosen = reason is None or reason == EagerReason.COST.value
+        with feedback.timed(runner.costs, path, None if reason else budget, sub_specs, chosen=chosen):
+            if reason is not None:
+                out = runner.compiled_eager.forward(runner.adapter, path, sub)
+                check_outputs(runner.adapter, path, budget, out, used, "eager")
+                eager_paths[path] = reason
+                stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
+            else:
+                out = run_static(runner, path, budget, sub, used, last_on_path=path in last_on,
+                                 on_piecewise=lambda p=path, b=budget: _piecewise_ran(runner, p, b))
+                stats.add_replay(path, budget, used)
+        outputs[path] = out
+    stats.add_items(eager=sum(1 for s in sub_specs if any(s.tokens[p] for p in eager_paths)), total=len(sub_specs))
+    return split_outputs(runner.adapter, outputs, sub_specs)
+
+
+def _piecewise_ran(runner: Any, path: str, budget: int) -> None:
+    # Counted, and kept out of the cost model's check of whole replays (it prices whole graphs).
+    runner._stats.add_piecewise(path, budget)
+    runner._feedback.drop()
