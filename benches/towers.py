@@ -226,6 +226,8 @@ def measure_system(bench: TowerBench, system: System, inputs: BenchInputs, env: 
         case[key] = {
             "padded_share": round(padded / replayed, 4) if replayed else 0.0,
             "eager_items_per_call": stats["eager_items"] / max(stats["calls"], 1),
+            # Calls the tower's own forward answered (all of them on a CPU under the defaults: no graphs there).
+            "stock_calls": stats.get("stock_calls", 0),
             "eager_reasons": stats["eager_reasons"],
         }
     return out

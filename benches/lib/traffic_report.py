@@ -107,6 +107,7 @@ def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
         "runner_padded_share": {k: round(p["padded_share"], 4) for k, p in paths.items()},
         "items": stats["items"],
         "eager_items": stats["eager_items"],
+        "stock_calls": stats.get("stock_calls", 0),
         "eager_reasons": stats["eager_reasons"],
         "replays": {k: p["replays"] for k, p in paths.items()},
         "piecewise_replays": {k: p.get("piecewise_replays", {}) for k, p in paths.items()},

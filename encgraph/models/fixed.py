@@ -36,7 +36,7 @@ import torch
 
 from encgraph._validate import check_int, check_pixels, describe
 from encgraph.capture.protocol import BufferSpec, StockCall
-from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError, UnsupportedModelError
+from encgraph.errors import ConfigError, ConfigTypeError, InputTypeError, UnsupportedModelError
 from encgraph.models.own_forward import own_forward
 from encgraph.models._hf import repeated_blocks, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
@@ -239,19 +239,14 @@ class FixedResolutionAdapter(BatchLadderAdapter):
         """Parse the tower forward's own arguments into a :class:`PixelBatch`; learns the hidden states a call
         asks for while the adapter may still grow its outputs (before the runner allocates its buffers).
 
-        A valid call the graphs cannot answer (attentions, hidden states not captured, a per-call option of
-        :attr:`none_only`) gets a :class:`StockCall`: the tower's own forward answers it. Keywords the tower's
-        ``**kwargs`` would swallow are ignored, as the tower ignores them."""
-        name = type(self._module).__name__
-        if len(args) > len(self.positional):
-            raise InputTypeError(
-                f"graphed {name}: expected at most {len(self.positional)} positional arguments "
-                f"({', '.join(self.positional)}), got {len(args)}."
-            )
-        for key, value in zip(self.positional, args):
-            if key in kwargs:
-                raise InputTypeError(f"graphed {name}: got {key!r} both positionally and as a keyword.")
-            kwargs[key] = value
+        Any call the graphs cannot answer exactly gets a :class:`StockCall` and the tower's own forward answers it
+        (and raises where the tower itself would): attentions, hidden states not captured, a per-call option of
+        :attr:`none_only`, an image size, channel count or layout the graphs were not built for, an empty batch,
+        arguments the tower's signature does not take. Keywords the tower's ``**kwargs`` would swallow are ignored,
+        as the tower ignores them."""
+        if len(args) > len(self.positional) or any(key in kwargs for key in self.positional[: len(args)]):
+            return StockCall("arguments the adapter does not parse")
+        kwargs = {**dict(zip(self.positional, args)), **kwargs}
         config = self._module.config
         pixel_values = kwargs.pop("pixel_values", None)
         return_dict = kwargs.pop("return_dict", None)
@@ -262,26 +257,38 @@ class FixedResolutionAdapter(BatchLadderAdapter):
         if attentions or (attentions is None and getattr(config, "output_attentions", False)):
             return StockCall("output_attentions requested")
         interpolate = kwargs.pop(self.interpolate_kwarg, None) if self.interpolate_kwarg else None
-        if self.interpolate_kwarg and self.resized and not interpolate:
-            raise InputError(
-                f"graphed {name}: the graphs are built for {self.image_size[0]}x{self.image_size[1]} images, not "
-                f"the config's {self.config_size[0]}x{self.config_size[1]}; pass {self.interpolate_kwarg}=True, "
-                "as the tower itself requires."
-            )
         for key in self.none_only:
             if kwargs.pop(key, None) is not None:
                 return StockCall(f"{key} given")
         if kwargs and not self._takes_any_keyword:
-            raise InputTypeError(
-                f"graphed {name}: unsupported keyword arguments {sorted(kwargs)}; supported: "
-                f"{sorted({*self.positional, 'return_dict', 'output_hidden_states', 'output_attentions'})}."
-            )
-        if pixel_values is None:
-            raise InputTypeError(f"graphed {name}: expected pixel_values (B, C, H, W), got none.")
-        layout = hidden_states_layout(want, self.num_layers)
+            return StockCall("keyword arguments the tower does not take")
+        shape = self._unheld_shape(pixel_values, interpolate)
+        if shape is not None:
+            return StockCall(shape)
+        try:
+            layout = hidden_states_layout(want, self.num_layers)
+        except InputTypeError:  # a value the graphs cannot map: the tower reads it as it does
+            return StockCall("output_hidden_states of another form")
         if not self._take_hidden(layout):
             return StockCall("output_hidden_states not captured")
         return PixelBatch(pixel_values, CallRequest(return_dict=return_dict, hidden_layout=layout))
+
+    def _unheld_shape(self, pixel_values: Any, interpolate: Any) -> str | None:
+        """Why the graphs do not hold these pixels (the tower answers them, or raises as it would), or ``None``."""
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4:
+            return "pixel_values not a (B, C, H, W) tensor"
+        if pixel_values.shape[1] != self.channels or not pixel_values.is_floating_point():
+            return "pixel_values of another channel count or dtype kind"
+        size = tuple(pixel_values.shape[2:])
+        if size != self.image_size:
+            return f"image size {size[0]}x{size[1]} not captured"
+        if self.interpolate_kwarg and self.resized and not interpolate:
+            return f"{self.interpolate_kwarg} not set for graphs of another size than the config's"
+        if pixel_values.shape[0] == 0:
+            return "empty batch"
+        if pixel_values.device != self._device:
+            return "pixel_values on another device"
+        return None
 
     def _take_hidden(self, layout: tuple[int | None, ...] | None) -> bool:
         """Whether the graphs can answer ``layout``; learns it while the outputs may still grow."""

@@ -120,6 +120,22 @@ class GenericModuleAdapter:
         self._scales = [float(t.float().std()) if t.is_floating_point() and t.numel() > 1 else 1.0 for t in self._seed]
         self._not_batch_first: str | None = None
 
+    @classmethod
+    def of_call(cls, module: torch.nn.Module, *args: Any, max_batch: int = 32, **kwargs: Any) -> GenericModuleAdapter:
+        """The adapter of the call shape of ``module(*args, **kwargs)``, for a runner built by hand (``graphed()``
+        learns shapes from the calls themselves). Runs the module's own forward once on this example, under
+        ``no_grad`` with its buffers restored after, to learn the output's structure."""
+        from encgraph.models.module_state import buffers_restored
+
+        split = split_call(args, kwargs)
+        if isinstance(split, str):
+            raise InputError(f"example call: expected batch-first tensor arguments, got {split}.")
+        with torch.no_grad(), buffers_restored(module):
+            output = OutputSpec.learn(own_forward(module)(*args, **kwargs), split.batch)
+        if isinstance(output, str):
+            raise InputError(f"example call: the module's output cannot be split per item: {output}.")
+        return cls(module, split, output, max_batch=max_batch)
+
     @property
     def module(self) -> torch.nn.Module:
         return self._module

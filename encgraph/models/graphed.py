@@ -118,7 +118,7 @@ def _family_engine(module: torch.nn.Module, options: dict[str, Any], runner_opti
         log.info("encgraph: %s goes on the any-module path (%s).", type(module).__name__, why)
         return None
     if not isinstance(adapter, ModuleAdapter):
-        adapter.unwrap()
+        getattr(adapter, "unwrap", lambda: None)()
         raise UnsupportedModelError(
             f"module: {type(module).__name__} is a whole model whose encoder encgraph runs through a runner, not "
             f"through the model's forward; build encgraph.EncoderGraphRunner(encgraph.models.wrap(module)) and call "

@@ -37,6 +37,7 @@ from encgraph.capture.stats import RunStats, sum_counters
 from encgraph.errors import ConfigError
 from encgraph.models.call_spec import split_call
 from encgraph.models.engines import Engine, ShapeFamilies, new_generic_engine
+from encgraph.models.generic import OutputSpec
 from encgraph.models.module_state import ModuleState, buffers_restored
 
 __all__ = ["GraphedForward", "AUTOGRAD", "TRAIN_MODE", "CPU_PASSTHROUGH", "FIRST_SIGHT"]
@@ -112,13 +113,22 @@ class GraphedForward:
 
     @property
     def max_batch(self) -> int:
-        """On the any-module path, the largest batch a call shape's graphs hold."""
+        """On the any-module path, the largest batch a call shape's graphs hold (the top of ``budgets`` if given)."""
+        budgets = self._runner_options.get("budgets")
+        if budgets is not None and not isinstance(budgets, dict):
+            return max(int(b) for b in budgets)
         return int(self._adapter_options.get("max_batch", 32))
 
     @property
     def device(self) -> torch.device:
         param = next(self.module.parameters(), None)
         return param.device if param is not None else torch.device("cpu")
+
+    def holds(self, split: Any) -> bool:
+        """Whether graphs answer calls of ``split``'s shape (a :class:`~encgraph.models.call_spec.CallSplit`):
+        the shape was seen and its answers split per item; a serving front coalesces only such calls."""
+        with self._lock:
+            return not self._family and isinstance(self._shapes.learned.get(split.key), OutputSpec)
 
     def check(self) -> None:
         """What every call does first: drop the graphs if the module changed since they were built."""
@@ -139,8 +149,12 @@ class GraphedForward:
         with self._lock:
             self._check_state()
             passthrough = self._passthrough
+            if passthrough is not None:
+                self._stock.add_stock(passthrough)
         if passthrough is not None:  # outside the lock: the module's forward, as concurrent as the module is
-            return self._answer_stock(passthrough, args, kwargs)
+            if passthrough not in self._logged:
+                self._log_stock(passthrough)
+            return self.original_forward(*args, **kwargs)
         with self._lock:
             if self._family:
                 return self._call_family(args, kwargs)
@@ -190,12 +204,17 @@ class GraphedForward:
         """The module's own forward, counted once per call and logged once per reason."""
         with self._lock:
             self._stock.add_stock(reason)
-            first = reason not in self._logged
-            self._logged.add(reason)
-        if first:
-            log.info("encgraph: graphed %s answers calls with %s by its own forward.%s", type(self.module).__name__,
-                     reason, _HINTS.get(reason, ""))
+        if reason not in self._logged:
+            self._log_stock(reason)
         return self.original_forward(*args, **kwargs)
+
+    def _log_stock(self, reason: str) -> None:
+        with self._lock:
+            if reason in self._logged:
+                return
+            self._logged.add(reason)
+        log.info("encgraph: graphed %s answers calls with %s by its own forward.%s", type(self.module).__name__,
+                 reason, _HINTS.get(reason, ""))
 
     # ------------------------------------------------------------------ engines and the module's state
     def _check_state(self) -> None:
@@ -214,13 +233,17 @@ class GraphedForward:
             self._logged.add(reason)
             log.info("encgraph: graphed %s: %s; its graphs are dropped and built again on demand.",
                      type(self.module).__name__, reason)
+        self._close_engines()
+        self._state = ModuleState.of(self.module)
+        self._refresh_mode()
+
+    def _close_engines(self) -> None:
+        """Every engine goes (the adapters undo what they changed); their counters stay in ``stats``."""
         if self._engine is not None:
             self._shapes.retired = sum_counters([self._shapes.retired, self._engine.runner.stats])
             self._engine.close()
             self._engine = None
         self._shapes.clear()
-        self._state = ModuleState.of(self.module)
-        self._refresh_mode()
 
     def _refresh_mode(self) -> None:
         mode = self._runner_options.get("mode")
@@ -292,10 +315,7 @@ class GraphedForward:
     def unwrap(self) -> torch.nn.Module:
         """Remove the hook: the module's forward is again what it was before wrapping; returns the module."""
         with self._lock:
-            if self._engine is not None:
-                self._engine.close()
-                self._engine = None
-            self._shapes.clear()
+            self._close_engines()
             if self.module.__dict__.get("forward") is self:
                 del self.module.__dict__["forward"]
                 if self._original is not None:

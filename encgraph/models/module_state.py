@@ -69,7 +69,7 @@ def _tensor_facts(t: torch.Tensor | None) -> tuple[Any, ...]:
     return (t.data_ptr(), t.dtype, t.device)
 
 
-def _sentinel(module: torch.nn.Module) -> tuple[Any, ...]:
+def _sentinel_tensors(module: torch.nn.Module) -> tuple[torch.Tensor | None, ...]:
     first = next(module.parameters(), None)
     # A parameter near the end without walking the whole tree: the first one found along the chain of last
     # children (a cast of the module reaches it as surely as the first).
@@ -78,8 +78,11 @@ def _sentinel(module: torch.nn.Module) -> tuple[Any, ...]:
     while sub is not None and last is None:
         last = next((p for p in reversed(sub._parameters.values()) if p is not None), None)
         sub = next((m for m in reversed(sub._modules.values()) if m is not None), None)
-    buffer = next(module.buffers(), None)
-    return _tensor_facts(first) + _tensor_facts(last) + _tensor_facts(buffer)
+    return first, last, next(module.buffers(), None)
+
+
+def _facts(tensors: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+    return tuple(fact for t in tensors for fact in _tensor_facts(t))
 
 
 def _description(module: torch.nn.Module) -> tuple[Any, ...]:
@@ -90,20 +93,25 @@ def _description(module: torch.nn.Module) -> tuple[Any, ...]:
 
 @attrs.define(eq=False)
 class ModuleState:
-    """The module as its graphs were built: a registration counter, a sentinel, the full description."""
+    """The module as its graphs were built: a registration counter, the sentinel tensors (the same objects are
+    read at every call: a cast rebinds their storage, a replacement registers) and their facts, the full
+    description."""
 
     epoch: int
+    sentinels: tuple[torch.Tensor | None, ...]
     sentinel: tuple[Any, ...]
     description: tuple[Any, ...]
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleState:
-        return cls(registration_epoch(), _sentinel(module), _description(module))
+        tensors = _sentinel_tensors(module)
+        return cls(registration_epoch(), tensors, _facts(tensors), _description(module))
 
     def changed(self, module: torch.nn.Module) -> str | None:
-        """Why graphs built for this state no longer fit ``module`` (a short reason), or ``None``. Cheap unless
-        some module registered something since (then one full re-read; an unrelated registration is absorbed)."""
-        if _sentinel(module) != self.sentinel:
+        """Why graphs built for this state no longer fit ``module`` (a short reason), or ``None``. About a
+        microsecond unless some module registered something since (then one full re-read; an unrelated
+        registration is absorbed)."""
+        if _facts(self.sentinels) != self.sentinel:
             return "module moved or cast (.to, .half, .cuda)"
         epoch = registration_epoch()
         if epoch == self.epoch:
@@ -112,6 +120,7 @@ class ModuleState:
         if description != self.description:
             return "parameters, buffers or submodules replaced"
         self.epoch = epoch
+        self.sentinels = _sentinel_tensors(module)
         return None
 
 
@@ -125,7 +134,9 @@ def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        with persistent():
-            for buffer, value in saved:
-                if buffer.shape == value.shape and buffer.dtype == value.dtype:
-                    buffer.copy_(value)
+        for buffer, value in saved:
+            if buffer.shape != value.shape or buffer.dtype != value.dtype:
+                continue
+            # A buffer made under inference_mode (a tower built there) can only be written there.
+            with torch.inference_mode() if buffer.is_inference() else persistent():
+                buffer.copy_(value)

@@ -26,7 +26,7 @@ computed together in one vectorized pass; a batch is then a concatenation of its
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,7 +35,6 @@ import torch
 from encgraph._validate import check_int, describe
 from encgraph.capture.grad import persistent
 from encgraph.errors import InputTypeError
-from encgraph.models import sequence_bounds
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import MIN_TRANSFORMERS, RowsTable, host_bounds, use_packed_attention
 from encgraph.models.layout import LayoutPatch, apply_all, describe_patches, engaged, linear_patch_embed, restore_all
@@ -48,14 +47,14 @@ from encgraph.models.qwen_grid import (
     unit_grid,
 )
 from encgraph.models.qwen_inputs import QwenInputsMixin, QwenVisionInputs
+from encgraph.models.qwen_kernels import QwenKernelsMixin
 from encgraph.packing import ItemSpec
-from encgraph.packing.kernels import Crossover
 
 __all__ = ["QwenVisionAdapter", "QwenVisionInputs"]  # QwenVisionInputs: from encgraph.models.qwen_inputs
 
 PATH = "default"
 
-class QwenVisionAdapter(QwenInputsMixin):
+class QwenVisionAdapter(QwenInputsMixin, QwenKernelsMixin):
     """The adapter of a Qwen-VL vision tower (one path, ``"default"``, budgets in output tokens).
 
     Family modules subclass it: :class:`~encgraph.models.qwen2_vl.Qwen2VLAdapter` is this class as is,
@@ -307,43 +306,6 @@ class QwenVisionAdapter(QwenInputsMixin):
         # (cuDNN on an H200, faster than Flash varlen at head dim 72), reading nothing back from the device.
         with host_bounds([(kwargs["cu_seqlens"], host_cu)], min_rows=self.kernel_rows), self._engaged():
             return self._run(inputs.pixel_values, tokens, kwargs)
-
-    def eager_surcharge_ms(self, path: str, specs: Sequence[ItemSpec]) -> float:
-        """What :meth:`forward_eager` of items ``specs`` would lose now against its steady kernels (the cost
-        model's eager price): its long frames at lengths whose dense plan this thread has not bought yet rent
-        Flash varlen (:func:`~encgraph.models.sequence_bounds.eager_surcharge_ms`). The runner replays such a
-        batch instead where that is cheaper, and then calls :meth:`rent_replayed`."""
-        return sequence_bounds.eager_surcharge_ms(self.kernel_rows, self._device, self._frame_rows(specs))
-
-    def rent_replayed(self, path: str, specs: Sequence[ItemSpec]) -> None:
-        """The runner replayed items ``specs`` in place of an eager forward that would have rented: their lengths'
-        rent grows as that forward's would, so that each is bought (and runs eagerly on the dense kernel) once
-        its rent pays the plan (:func:`~encgraph.models.sequence_bounds.rent_replayed`)."""
-        sequence_bounds.rent_replayed(self.kernel_rows, self._device, self._frame_rows(specs))
-
-    def attention_rows(self, path: str, specs: Sequence[ItemSpec]) -> list[int]:
-        """The rows of each full-attention sequence of items ``specs``, in order (the runner prices a piecewise
-        replay by them: :mod:`encgraph.capture.piecewise`)."""
-        return self._frame_rows(specs)
-
-    def _frame_rows(self, specs: Sequence[ItemSpec]) -> list[int]:
-        """The rows of each full-attention sequence of items ``specs``: one per frame (per item where the family
-        attends over whole clips), ``input_size / frames`` each."""
-        return [s.input_size // s.frames for s in specs if s.input_size for _ in range(s.frames)]
-
-    def choose_kernels(self, known: Mapping[str, Crossover] | None = None) -> dict[str, Crossover]:
-        """Measure (on CUDA; or take from ``known``) from how many rows a sequence of :meth:`forward_eager` runs
-        faster on dense SDPA than on Flash varlen, per head geometry of the tower, and use it from now on
-        (:mod:`encgraph.models.kernel_choice`; the runner calls it at capture). Returns the crossovers by key."""
-        from encgraph.models.dense_plans import warm_plans
-        from encgraph.models.kernel_choice import attention_calls, choose, rows_table
-
-        with self._engaged():
-            chosen = choose(self._module, self._dtype, self._device, known)
-        self.kernel_rows = rows_table(chosen.values(), attention_calls(self._module)) if chosen else None
-        # The long images' bucket plans, built now in the capturing thread rather than by the first such images.
-        self.warmed_plans = warm_plans(self.kernel_rows, self._device) if self.kernel_rows else None
-        return chosen
 
     def _eager_kwargs(self, meta: dict[str, np.ndarray]) -> dict[str, Any]:
         cu = meta.pop("cu_seqlens")

@@ -147,7 +147,8 @@ class GraphedTarget:
             specs = tuple(self.hook.adapter.item_specs(inputs))
             return Parsed(inputs, specs, _tokens(specs), args=args, kwargs=kwargs)
         split = split_call(args, dict(kwargs))
-        if isinstance(split, str) or split.batch == 0:
+        if isinstance(split, str) or split.batch == 0 or not self.hook.holds(split):
+            # A shape the module answers itself (one not seen yet, or not split per item): alone.
             return Parsed(None, alone=True, args=args, kwargs=kwargs)
         specs = (ItemSpec(1),) * split.batch
         return Parsed(split, specs, {"default": split.batch}, args=args, kwargs=kwargs)

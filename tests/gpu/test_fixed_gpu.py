@@ -12,8 +12,9 @@ Geometry: SigLIP-so400m (hidden 1152, 16 heads, MLP 4304, patch 14, 384 px: 729 
 4 of its 27 layers; small CLIP and InternVL towers.
 """
 
-import encgraph
 from __future__ import annotations
+
+import encgraph
 
 import time
 from typing import Any
@@ -134,7 +135,6 @@ def test_internvl_replays_equal_eager():
 
 
 def test_drop_in_returns_the_tower_output():
-    import encgraph
 
     tower = siglip_so400m(layers=2)
     fast = encgraph.graphed(tower)
@@ -186,7 +186,6 @@ def test_static_forward_never_syncs(make):
 
 def test_siglip_so400m_replay_vs_eager_time():
     """Not a benchmark (issue 5 has those): a sanity print of call time, graphed vs the tower's eager forward."""
-    import encgraph
 
     tower = siglip_so400m(layers=27)
     fast = encgraph.graphed(tower, budgets=[1, 8])

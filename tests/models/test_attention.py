@@ -215,9 +215,11 @@ def test_switch_is_reversible_covers_copied_configs_and_never_mutates_them(qwen_
     attns = [b.attn for b in tower.blocks]
     assert all(a.config._attn_implementation == ATTENTION_NAME for a in attns)
     assert attns[1].config is attns[2].config and attns[0].config is not attns[1].config
-    with switch.suspended():
-        assert attns[0].config is own and attns[1].config is shared
-    assert attns[0].config._attn_implementation == ATTENTION_NAME
+    switch.disengage()  # between an adapter's own forwards: the tower's own configs
+    assert attns[0].config is own and attns[1].config is shared
+    with switch.engaged():
+        assert attns[0].config._attn_implementation == ATTENTION_NAME
+    assert attns[0].config is own
     switch.restore()
     switch.restore()  # idempotent
     assert attns[0].config is own and attns[1].config is shared and shared._attn_implementation == before

@@ -15,7 +15,7 @@ import torch
 from encgraph.capture.records import RunMode
 import encgraph
 from tests.toy_models import SequenceFirst
-from encgraph.errors import ConfigError, ConfigTypeError, EncgraphError, UnsupportedModelError
+from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.models.graphed import AUTOGRAD
 from tests.models.fixtures_fixed import tiny_siglip
 

@@ -23,6 +23,7 @@ from tests.models.versions import skip_module_below  # noqa: E402
 skip_module_below("5.17", "the Gemma-4 adapter")
 
 import encgraph
+from encgraph.models.own_forward import own_forward
 from encgraph.capture.records import RunMode
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
@@ -31,7 +32,7 @@ from encgraph.models.gemma4_layout import PatchLayouts, pack_patches
 from encgraph.models.protocol import StockCall
 from encgraph.models.registry import wrap
 from tests.models.fixtures_multipath import (  # one_thread: an autouse fixture
-    one_thread, GEMMA_TINY, GRAD_MODES, gemma4_batch, gemma4_model, gemma4_tower, grad_mode, grid_positions, rel_err,
+    GEMMA_TINY, GRAD_MODES, gemma4_batch, gemma4_model, gemma4_tower, grad_mode, grid_positions, rel_err,
     split_rows,
     static_forwards,
 )
@@ -51,7 +52,7 @@ def tower() -> torch.nn.Module:
 
 def reference(tower: torch.nn.Module, pv: torch.Tensor, pos: torch.Tensor) -> Any:
     with torch.no_grad():
-        return tower(pv, pos)
+        return own_forward(tower)(pv, pos)  # the tower's own forward, wrapped or not
 
 
 def check_call(fast: torch.nn.Module, tower: torch.nn.Module, grids, rows: int, **batch: Any) -> None:

@@ -1,8 +1,9 @@
 """Llama 4 (``Llama4VisionModel``): ``graphed(tower)`` equals the tower's own forward per tile, on CPU; the tiny
 ``Llama4ForConditionalGeneration``'s logits and image features are unchanged with its tower graphed."""
 
-import encgraph
 from __future__ import annotations
+
+import encgraph
 
 import inspect
 from typing import Any

@@ -143,7 +143,11 @@ def test_unwrap_restores_attention(towers):
     # The attention modules read the packed implementation from a private copy; the tower's own config (the
     # user's, and the full model's vision_config) is untouched.
     assert tower.config is config and config._attn_implementation == before
-    assert all(b.attn.config._attn_implementation == ATTENTION_NAME for b in tower.blocks)
+    # Switched only inside the adapter's own forwards: between calls the blocks hold the tower's own config.
+    assert all(b.attn.config is config for b in tower.blocks)
+    adapter = encgraph.graphs(fast).adapter
+    with adapter._engaged():
+        assert all(b.attn.config._attn_implementation == ATTENTION_NAME for b in tower.blocks)
     assert encgraph.graphs(fast).unwrap() is tower
     assert all(b.attn.config is config for b in tower.blocks)
 

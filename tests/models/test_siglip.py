@@ -1,7 +1,8 @@
 """SigLIP (``SiglipVisionModel``): ``graphed(tower)`` equals the tower's own forward per image, on CPU."""
 
-import encgraph
 from __future__ import annotations
+
+import encgraph
 
 import pytest
 import torch

@@ -92,7 +92,11 @@ def test_towers_smoke_families(tmp_path, monkeypatch):
         for s in ("hf_sdpa", "defaults", "adapter_eager"):
             assert median_of(case["systems"][s]) is not None, (name, s, case["systems"][s])
         assert case["defaults_vs_hf_sdpa_max_rel_diff"] < 1e-4, name
-        assert case["speedup"]["defaults_vs_hf_sdpa"] > 0 and case["defaults_stats"]["eager_items_per_call"] >= 1
+        # On a CPU graphed() defaults are the tower's own forward (no graphs to gain), each call counted as such; a
+        # family benchmarked through its shim runs its runner's eager forward.
+        defaults = case["defaults_stats"]
+        assert case["speedup"]["defaults_vs_hf_sdpa"] > 0
+        assert defaults["stock_calls"] >= 1 or defaults["eager_items_per_call"] >= 1, (name, defaults)
     assert data["towers"]["step3p7"]["cases"]["1x448"]["crops"] == [0]
     table = (tmp_path / f"towers_{SMOKE_SLUG}.md").read_text()
     assert "## towers, the newer families: HF sdpa vs encgraph defaults" in table
@@ -134,8 +138,10 @@ def test_traffic_smoke(smoke_dir):
     assert 0 <= d["slower_than_hf_sdpa"] <= 5 and d["worst_ratio_vs_hf_sdpa"] > 0 and "speedup_p99_vs_hf_sdpa" in d
     assert "slower_than_adapter_eager" in d
     stats = doc["graph_stats"]["defaults"]
-    assert stats["items"] == sum(doc["per_request"]["items"]) and 0 <= stats["padded_share"] < 1
-    assert doc["graph_stats"]["graph"]["items"] == stats["items"]  # the cost model may send all of it eagerly
+    # On a CPU the defaults are the tower's own forward (no graphs to gain): every request counted as such.
+    assert stats["items"] == 0 and stats["stock_calls"] >= len(doc["per_request"]["items"]) and stats["padded_share"] == 0
+    # The cost model may send all of it eagerly.
+    assert doc["graph_stats"]["graph"]["items"] == sum(doc["per_request"]["items"])
     routes = doc["per_request"]["routes"]
     assert set(routes) == {"defaults", "graph"} and all(len(v) == 5 for v in routes.values())
     for r, n in zip(routes["graph"], doc["per_request"]["items"]):  # every item replayed or eager, per request

@@ -94,13 +94,14 @@ def test_tower_copies_per_system_group():
     env = smoke_env()
     with inference():
         bench = TowerBench(TOWERS["qwen2_5_vl_7b"], env, (System.HF_SDPA, System.ADAPTER_EAGER, System.DEFAULTS))
-        modules = [bench.hf, bench.enc, bench.graphed.inner]
+        modules = [bench.hf, bench.enc, bench.graphed]
         assert len({id(m) for m in modules}) == 3
-        for a, b in zip(bench.hf.parameters(), bench.graphed.inner.parameters()):
+        for a, b in zip(bench.hf.parameters(), bench.graphed.parameters()):
             assert a.data_ptr() != b.data_ptr()
         x = bench.inputs([Visual(56, 84), Visual(28, 28)])
         ref = bench.call(System.HF_SDPA, x)()
         got = bench.call(System.DEFAULTS, x)()
         assert outputs.max_rel_diff([got["pooler_output"]], [ref["pooler_output"]]) < 1e-4
-        assert bench.stats(System.DEFAULTS)["items"] == 2
+        # On a CPU the defaults answer with the tower's own forward (no graphs to gain), counted as such.
+        assert bench.stats(System.DEFAULTS)["stock_calls"] == 1 and bench.stats(System.DEFAULTS)["items"] == 0
     bench.close()

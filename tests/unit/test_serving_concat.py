@@ -98,12 +98,15 @@ def test_siglip_graphed_module_gets_its_own_output_per_request():
 
 
 def test_generic_concat_joins_every_positional_tensor():
+    from encgraph.models.generic import GenericModuleAdapter
+
     net = torch.nn.Bilinear(3, 4, 2)
-    adapter = encgraph.graphs(encgraph.graphed(net, budgets=[1, 2], mode=RunMode.STATIC)).adapter
     a = (torch.randn(2, 3), torch.randn(2, 4))
     b = (torch.randn(1, 3), torch.randn(1, 4))
-    joined = adapter.concat([a, b])
-    assert [t.shape[0] for t in joined] == [3, 3] and torch.equal(joined[1][2:], b[1])
+    adapter = GenericModuleAdapter.of_call(net, *a)
+    joined = adapter.concat([adapter.inputs_from_call(*a), adapter.inputs_from_call(*b)])
+    assert joined.batch == 3 and [t.shape[0] for t in joined.tensors] == [3, 3]
+    assert torch.equal(joined.tensors[1][2:], b[1])
 
 
 def test_deepseek_two_paths_coalesce_per_image_equal_to_the_model():
