@@ -38,7 +38,7 @@ from encgraph.errors import ConfigError
 from encgraph.models.call_spec import split_call
 from encgraph.models.engines import Engine, ShapeFamilies, new_generic_engine
 from encgraph.models.generic import OutputSpec
-from encgraph.models.module_state import ModuleState, buffers_restored
+from encgraph.models.module_state import ModuleState, buffers_restored, watch_registrations
 
 __all__ = ["GraphedForward", "AUTOGRAD", "TRAIN_MODE", "CPU_PASSTHROUGH", "FIRST_SIGHT"]
 
@@ -77,6 +77,7 @@ class GraphedForward:
 
     def _init_transient(self, engine: Engine | None = None) -> None:
         # What a copy does not share: rebuilt at the first call (a copy, or an unpickled module, captures anew).
+        watch_registrations()  # once per process: replaced parameters and submodules are seen at the next call
         self._lock = threading.RLock()
         self._engine = engine  # the model adapter's (family modules)
         self._shapes = ShapeFamilies(self._build_shape, self.max_shapes)

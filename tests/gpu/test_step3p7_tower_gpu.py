@@ -10,6 +10,8 @@ Step-3.7 adapters' ``select`` never waits for the device (CUDA's sync debug mode
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ MIXES = [[0], [2], [3, 0, 1], [0, 0, 0, 0], [2, 2, 2, 2], [1, 4], [9, 0]]
 @pytest.mark.parametrize("costs", [False, None], ids=["greedy", "defaults"])
 def test_graphed_tower_inside_the_model(costs: bool | None) -> None:
     model = step3p7_model(depth=DEPTH, device="cuda", dtype=torch.bfloat16, real=True, text_hidden=64)
+    plain = copy.deepcopy(model)  # the reference: the same weights, never wrapped (graphed() hooks in place)
     base = model.model
     tower = base.vision_model
     fast = encgraph.graphed(tower, costs=costs, compile=False, adapter_options={"max_images": 4, "max_tiles": 8})
@@ -39,15 +42,12 @@ def test_graphed_tower_inside_the_model(costs: bool | None) -> None:
         pv, local, counts = step3p7_views(tiles, sizes["global"], sizes["local"], seed=n, device="cuda",
                                           dtype=torch.bfloat16)
         with torch.no_grad():
-            want = base.get_image_features(pv, local, counts)
-            base.vision_model = fast
-            try:
-                got = base.get_image_features(pv, local, counts)
-            finally:
-                base.vision_model = tower
+            want = plain.model.get_image_features(pv, local, counts)
+            got = base.get_image_features(pv, local, counts)
             for x, kwargs in ((pv, {}), (local, {"output_hidden_states": False})):
                 if x is not None:
-                    g, w = fast(x, **kwargs).last_hidden_state, tower(x, **kwargs).last_hidden_state
+                    g = fast(x, **kwargs).last_hidden_state
+                    w = plain.model.vision_model(x, **kwargs).last_hidden_state
                     for i in range(len(x)):
                         assert torch.isfinite(g[i]).all() and norm_rel_err(g[i], w[i]) < HF_TOL, (tiles, i)
         views += 2 * (len(tiles) + sum(tiles))

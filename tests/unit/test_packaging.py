@@ -44,6 +44,9 @@ def test_package_data_covers_the_files_the_package_reads() -> None:
 DISTRIBUTIONS = {"PIL": "pillow", "prometheus_client": "prometheus-client"}
 #: Skips that the ``test`` extra leaves in place on purpose: the engines (extras of their own, CUDA builds of torch).
 ENGINES = {"vllm", "sglang"}
+LIBRARY_STEP = {"timm", "open_clip"}
+"""Vision libraries whose tests run in .ci/run's step of their own (they need torchvision, whose PyPI wheels do not
+import beside the main step's CPU torch): not in the test extra, installed there."""
 
 
 def _requirement_names(requirements: list[str]) -> set[str]:
@@ -62,9 +65,11 @@ def test_the_test_extra_installs_what_the_cpu_tests_import_or_skip() -> None:
     for path in (ROOT / "tests").rglob("*.py"):
         for name in pattern.findall(path.read_text(encoding="utf-8")):
             top = name.split(".")[0]
-            if top not in ENGINES:
+            if top not in ENGINES | LIBRARY_STEP:
                 wanted.setdefault(DISTRIBUTIONS.get(top, top).lower().replace("_", "-"), set()).add(
                     str(path.relative_to(ROOT)))
     assert "matplotlib" in wanted  # the plot tests are found
     missing = {dist: sorted(paths) for dist, paths in wanted.items() if dist not in installed}
     assert not missing, f"not in the test extra: {missing}"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert all(name.replace("_", "-") in ci or name in ci for name in LIBRARY_STEP), "a library step installs them"

@@ -5,6 +5,8 @@ requests that arrive until it goes idle (never past ``max_wait_ms``); the policy
 
 from __future__ import annotations
 
+import copy
+
 import threading
 import time
 
@@ -47,9 +49,14 @@ def fake_device(monkeypatch):
 
 
 def _graphed():
+    """The net as it was (the reference) and a graphed copy whose call shape is known (the any-module path answers a
+    shape's first call with the module's own forward, and requests of it are not coalesced until then)."""
     torch.manual_seed(0)
     net = torch.nn.Linear(6, 5).eval()
-    return net, encgraph.graphed(net, budgets=[1, 2, 4, 8, 16], mode=RunMode.STATIC)
+    fast = encgraph.graphed(copy.deepcopy(net), budgets=[1, 2, 4, 8, 16], mode=RunMode.STATIC)
+    with torch.no_grad():
+        fast(torch.randn(1, 6))
+    return net, fast
 
 
 def test_policy_waits_only_while_the_last_call_runs(fake_device):

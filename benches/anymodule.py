@@ -1,0 +1,310 @@
+"""Any module, wrapped with ``encgraph.graphed(module)`` and no options, against what its user would run instead
+(issue 55 point 5): the module's own eager forward and ``torch.compile(module, mode="reduce-overhead")``.
+
+Modules (random weights at each model's released geometry, bf16, one GPU), most important first: ViT-B/16 224
+(Hugging Face ``ViTModel`` and timm ``vit_base_patch16_224``), ConvNeXt-B 224 (HF), DINOv2-L/14 224 (HF),
+CLIP-L/14 336 (HF ``CLIPVisionModel``: encgraph's CLIP adapter) and SigLIP-so400m 384 (HF: its SigLIP adapter). Per
+module, the three systems side by side in one process, each on a copy of its own:
+
+- **warm-up**: wall seconds of the calls each system needs before its timings are steady: every batch size of
+  1, 2, 4, 8, 16, 32 called three times in turn (reduce-overhead compiles on a new shape, recompiles with dynamic
+  shapes on the second, records a CUDA graph per shape; encgraph answers a shape's first call with the module and
+  captures its ladder on the second), with Dynamo's frames compiled and recompiles counted, and the peak memory
+  the system held;
+- **fixed batch sizes**: median latency of 20 calls per batch size (each call timed to completion, the systems
+  interleaved call by call);
+- **stream**: a seeded stream of requests mixing those batch sizes, each request through every system in turn:
+  mean, P50, P99, the worst per-request ratio, recompiles during the stream;
+- the per-item agreement of encgraph's outputs with the eager module's on one batch.
+
+A time budget (``--budget-s``) stops starting new modules past it; skipped modules are recorded as such. Writes
+``benches/results/anymodule_<gpu>.json``, ``.md`` and ``.png`` (and under ``$OUT/results`` when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+REPO = Path(__file__).resolve().parents[1]
+BATCHES = (1, 2, 4, 8, 16, 32)
+SYSTEMS = ("eager", "reduce_overhead", "encgraph")
+LABELS = {"eager": "module eager", "reduce_overhead": 'torch.compile(mode="reduce-overhead")',
+          "encgraph": "encgraph.graphed(module)"}
+
+
+def build(name: str, tiny: bool) -> tuple[Any, int, str]:
+    """The module, its image side and how it is called ("pixel_values" keyword or positional)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+    if name == "vit_b16_hf":
+        cfg = tf.ViTConfig(**(small if tiny else {}), image_size=224, patch_size=16)
+        return tf.ViTModel(cfg), 224, "pixel_values"
+    if name == "vit_b16_timm":
+        import timm
+
+        kw = dict(embed_dim=64, depth=2, num_heads=2) if tiny else {}
+        return timm.create_model("vit_base_patch16_224", pretrained=False, **kw), 224, "positional"
+    if name == "convnext_b":
+        cfg = tf.ConvNextConfig(hidden_sizes=[16, 32] if tiny else [128, 256, 512, 1024],
+                                depths=[1, 1] if tiny else [3, 3, 27, 3], num_stages=2 if tiny else 4)
+        return tf.ConvNextModel(cfg), 224, "pixel_values"
+    if name == "dinov2_l14":
+        cfg = tf.Dinov2Config(**(small if tiny else dict(hidden_size=1024, num_hidden_layers=24,
+                                                         num_attention_heads=16)), image_size=224, patch_size=14)
+        return tf.Dinov2Model(cfg), 224, "pixel_values"
+    if name == "clip_l14_336":
+        cfg = tf.CLIPVisionConfig(**(small if tiny else dict(hidden_size=1024, intermediate_size=4096,
+                                                             num_hidden_layers=24, num_attention_heads=16)),
+                                  image_size=336, patch_size=14)
+        return tf.CLIPVisionModel(cfg), 336, "pixel_values"
+    if name == "siglip_so400m_384":
+        cfg = tf.SiglipVisionConfig(**(small if tiny else dict(hidden_size=1152, intermediate_size=4304,
+                                                               num_hidden_layers=27, num_attention_heads=16)),
+                                    image_size=384, patch_size=14)
+        return tf.SiglipVisionModel(cfg), 384, "pixel_values"
+    raise SystemExit(f"--models: unknown module {name!r}")
+
+
+MODELS = ("vit_b16_hf", "vit_b16_timm", "convnext_b", "dinov2_l14", "clip_l14_336", "siglip_so400m_384")
+
+
+def first_tensor(out: Any) -> Any:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.last_hidden_state
+
+
+class Timer:
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def __call__(self, fn: Any) -> float:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - t) * 1e3
+
+
+def dynamo_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {"frames": int(counters["frames"].get("ok", 0)),
+            "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0}
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import encgraph
+
+    device = torch.device("cuda")
+    base, side, style = build(name, args.tiny)
+    base = base.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
+    systems = {"eager": base, "reduce_overhead": torch.compile(copy.deepcopy(base), mode="reduce-overhead"),
+               "encgraph": encgraph.graphed(copy.deepcopy(base))}
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+
+    def images(n: int) -> Any:
+        return torch.randn(n, 3, side, side, device=device, dtype=torch.bfloat16, generator=gen)
+
+    def call(system: str, x: Any) -> Any:
+        module = systems[system]
+        return module(x) if style == "positional" else module(pixel_values=x)
+
+    timer = Timer(device)
+    out: dict[str, Any] = {"image_size": side, "params_m": round(sum(p.numel() for p in base.parameters()) / 1e6, 1),
+                           "warmup": {}, "batches": {}, "stream": {}}
+    with torch.inference_mode():
+        for system in SYSTEMS:  # warm-up, one system at a time: its own peak memory and compile counters
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before_mem, before = torch.cuda.memory_allocated(device), dynamo_counts()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                for n in BATCHES:
+                    call(system, images(n))
+            torch.cuda.synchronize(device)
+            after = dynamo_counts()
+            out["warmup"][system] = {
+                "seconds": round(time.perf_counter() - t0, 2),
+                "frames_compiled": after["frames"] - before["frames"],
+                "recompiles": after["recompiles"] - before["recompiles"],
+                "peak_mib": round((torch.cuda.max_memory_allocated(device) - before_mem) / 2**20, 1),
+                "held_mib": round((torch.cuda.memory_allocated(device) - before_mem) / 2**20, 1),
+            }
+        x = images(8)
+        want = first_tensor(call("eager", x)).float()
+        got = first_tensor(call("encgraph", x)).float()
+        out["max_item_rel_diff"] = max(float((got[i] - want[i]).norm() / want[i].norm()) for i in range(8))
+        for n in BATCHES:
+            times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+            for _ in range(args.runs):
+                x = images(n)
+                for system in SYSTEMS:
+                    times[system].append(timer(lambda: call(system, x)))
+            out["batches"][n] = {s: round(statistics.median(v), 3) for s, v in times.items()}
+        import random
+
+        rng = random.Random(args.seed)
+        stream = [rng.choice(BATCHES) for _ in range(args.stream)]
+        lat: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+        before = dynamo_counts()
+        for n in stream:
+            x = images(n)
+            for system in SYSTEMS:
+                lat[system].append(timer(lambda: call(system, x)))
+        after = dynamo_counts()
+        for system in SYSTEMS:
+            v = sorted(lat[system])
+            out["stream"][system] = {"mean_ms": round(statistics.fmean(v), 3), "p50_ms": round(v[len(v) // 2], 3),
+                                     "p99_ms": round(v[min(len(v) - 1, int(0.99 * len(v)))], 3)}
+        for other in ("eager", "reduce_overhead"):
+            ratios = [o / e for o, e in zip(lat[other], lat["encgraph"])]
+            out["stream"][f"encgraph_worst_vs_{other}"] = round(min(ratios), 3)
+        out["stream"]["requests"] = len(stream)
+        out["stream"]["recompiles_during"] = after["recompiles"] - before["recompiles"]
+        out["encgraph_stats"] = {k: v for k, v in encgraph.graphs(systems["encgraph"]).stats.items()
+                                 if k in ("calls", "stock_calls", "graph_items", "eager_items", "eager_reasons",
+                                          "rebuilds")}
+        shapes = encgraph.graphs(systems["encgraph"]).stats.get("shapes")
+        if shapes:
+            out["encgraph_stats"]["graph_mib"] = round(shapes["graph_bytes"] / 2**20, 1)
+    del systems, base
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return out
+
+
+def render(doc: dict[str, Any]) -> str:
+    env = doc["environment"]
+    lines = [f"# anymodule: graphed(module) against the module and torch.compile(mode=\"reduce-overhead\")", "",
+             f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, bfloat16, random weights; "
+             f"{env['date']}; commit {env['commit']}", ""]
+    lines += ["| module | batch | eager ms | reduce-overhead ms | encgraph ms | vs eager | vs reduce-overhead |",
+              "|---|---|---|---|---|---|---|"]
+    for name, m in doc["models"].items():
+        if "skipped" in m or "error" in m:
+            lines.append(f"| {name} | - | {m.get('skipped') or m.get('error')} | | | | |")
+            continue
+        for n, t in m["batches"].items():
+            lines.append(f"| {name} | {n} | {t['eager']} | {t['reduce_overhead']} | {t['encgraph']} | "
+                         f"{t['eager'] / t['encgraph']:.2f}x | {t['reduce_overhead'] / t['encgraph']:.2f}x |")
+    lines += ["", "| module | system | warm-up s | frames compiled | recompiles | peak MiB | stream mean ms | "
+              "P50 ms | P99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in doc["models"].items():
+        if "warmup" not in m:
+            continue
+        for s in SYSTEMS:
+            w, st = m["warmup"][s], m["stream"][s]
+            lines.append(f"| {name} | {LABELS[s]} | {w['seconds']} | {w['frames_compiled']} | {w['recompiles']} | "
+                         f"{w['peak_mib']} | {st['mean_ms']} | {st['p50_ms']} | {st['p99_ms']} |")
+    lines += [""]
+    for name, m in doc["models"].items():
+        if "stream" in m:
+            s = m["stream"]
+            lines.append(f"- {name}: stream of {s['requests']} requests, worst per-request ratio encgraph vs eager "
+                         f"{s['encgraph_worst_vs_eager']}, vs reduce-overhead {s['encgraph_worst_vs_reduce_overhead']}"
+                         f"; recompiles during the stream {s['recompiles_during']}; max per-item relative difference "
+                         f"vs eager {m['max_item_rel_diff']:.2e}; encgraph {m['encgraph_stats']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = [n for n, m in doc["models"].items() if "batches" in m]
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(3.2 * len(models), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        b = doc["models"][name]["batches"]
+        sizes = [int(n) for n in b]
+        for s in SYSTEMS:
+            ax.plot(sizes, [b[n][s] for n in b], marker="o", label=LABELS[s])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("batch")
+    axes[0][0].set_ylabel("median ms")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment() -> dict[str, Any]:
+    import datetime
+    import subprocess
+
+    import torch
+    import transformers
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": datetime.date.today().isoformat(), "commit": commit.stdout.strip() or None}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated, in order (default: all)")
+    p.add_argument("--runs", type=int, default=20, help="timed calls per batch size and system")
+    p.add_argument("--stream", type=int, default=60, help="requests in the mixed stream")
+    p.add_argument("--budget-s", type=float, default=480.0, help="start no module past this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="tiny modules (a quick check of the script)")
+    p.add_argument("--results-dir", default=str(REPO / "benches" / "results"))
+    args = p.parse_args(argv)
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("anymodule.py needs CUDA (it times CUDA graphs and torch.compile's reduce-overhead).")
+    slug = "-".join("".join(c if c.isalnum() else " " for c in torch.cuda.get_device_name().lower()).split())
+    dirs = [Path(args.results_dir)] + ([Path(os.environ["OUT"]) / "results"] if os.environ.get("OUT") else [])
+    doc: dict[str, Any] = {"environment": environment(), "options": vars(args), "models": {}}
+    t0 = time.perf_counter()
+    for name in args.models.split(","):
+        if time.perf_counter() - t0 > args.budget_s:
+            doc["models"][name] = {"skipped": "skipped: time budget spent"}
+            continue
+        print(f"[{time.perf_counter() - t0:.0f} s] {name}", flush=True)
+        try:
+            doc["models"][name] = measure(name, args)
+        except Exception as exc:  # one module's failure is recorded; the others still run
+            doc["models"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"anymodule_{slug}.json").write_text(json.dumps(doc, indent=1, default=str))
+            (d / f"anymodule_{slug}.md").write_text(render(doc))
+    for d in dirs:
+        plot(doc, d / f"anymodule_{slug}.png")
+    print(render(doc))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
