@@ -44,7 +44,7 @@ def test_package_data_covers_the_files_the_package_reads() -> None:
 DISTRIBUTIONS = {"PIL": "pillow", "prometheus_client": "prometheus-client"}
 #: Skips that the ``test`` extra leaves in place on purpose: the engines (extras of their own, CUDA builds of torch).
 ENGINES = {"vllm", "sglang"}
-LIBRARY_STEP = {"timm", "open_clip"}
+LIBRARY_STEP = {"timm", "open_clip", "torchvision"}
 """Vision libraries whose tests run in .ci/run's step of their own (they need torchvision, whose PyPI wheels do not
 import beside the main step's CPU torch): not in the test extra, installed there."""
 
