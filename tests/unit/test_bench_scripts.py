@@ -28,7 +28,7 @@ from benches.lib.towers import FAMILY_TOWERS, SMOKE_TOWERS, TOWERS  # noqa: E402
 from tests.unit._helpers import smoke_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = ("towers", "traffic", "capture", "floor", "plot", "kernel_profile", "planning", "data_parallel")
+SCRIPTS = ("towers", "traffic", "capture", "floor", "plot", "kernel_profile", "planning", "data_parallel", "anymodule")
 FAST = ["--cpu-smoke", "--runs", "1", "--warmup", "0"]
 
 
@@ -278,3 +278,20 @@ def test_compiled_systems_bookkeeping(tmp_path, monkeypatch):
 
 def test_time_once_measures_wall_time_on_the_cpu():
     assert time_once(lambda: time.sleep(0.02), smoke_env()) >= 19.0
+
+
+def test_anymodule_renders_every_system_and_the_skipped_modules():
+    from benches import anymodule
+
+    batches = {n: {"eager": 2.0 * n, "reduce_overhead": 1.0 * n, "encgraph": 0.5 * n} for n in anymodule.BATCHES}
+    system = {"seconds": 1.0, "frames_compiled": 1, "recompiles": 0, "peak_mib": 10.0, "held_mib": 1.0}
+    stream = {s: {"mean_ms": 1.0, "p50_ms": 1.0, "p99_ms": 2.0} for s in anymodule.SYSTEMS}
+    stream.update(encgraph_worst_vs_eager=1.5, encgraph_worst_vs_reduce_overhead=0.9, requests=3, recompiles_during=0)
+    doc = {"environment": {"gpu": "GPU", "torch": "2.11", "transformers": "5.25", "date": "2026-12-06", "commit": "abc"},
+           "models": {"vit_b16_hf": {"batches": batches, "warmup": dict.fromkeys(anymodule.SYSTEMS, system),
+                                     "stream": stream, "max_item_rel_diff": 1e-3, "encgraph_stats": {"calls": 3}},
+                      "dinov2_l14": {"skipped": "skipped: time budget spent"}}}
+    table = anymodule.render(doc)
+    assert "| vit_b16_hf | 32 | 64.0 | 32.0 | 16.0 | 4.00x | 2.00x |" in table
+    assert "dinov2_l14 | - | skipped: time budget spent" in table
+    assert 'torch.compile(mode="reduce-overhead")' in table and "worst per-request ratio" in table
