@@ -245,6 +245,19 @@ class FixedTowerTests:
                               lambda: own_forward(tower)(images(1), pixel_values=images(1)))
         assert encgraph.graphs(fast).stats["stock_calls"] >= len(cases)
 
+    def test_another_size_with_interpolation_is_answered_by_the_tower(self) -> None:
+        """A size the graphs were not built for, with the tower's interpolation switch: the tower answers, counted."""
+        if not self.interpolate_kwarg:
+            pytest.skip("the tower interpolates by itself")
+        tower = self.make()
+        fast = graphed_tower(tower)
+        x = images(3, size=SIZE + 2 * PATCH)
+        with torch.no_grad():
+            assert_outputs_match(fast(x, **{self.interpolate_kwarg: True}),
+                                 own_forward(tower)(x, **{self.interpolate_kwarg: True}))
+        size = SIZE + 2 * PATCH
+        assert encgraph.graphs(fast).stats["eager_reasons"] == {f"image size {size}x{size} not captured": 1}
+
     def test_bad_options(self) -> None:
         tower = self.make()
         cases = [
