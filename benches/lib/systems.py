@@ -84,7 +84,7 @@ _COPIES: dict[str, tuple[System, ...]] = {
 class FeatureShim:
     """``graphed()``'s stand-in for a model whose adapter replaces a features function rather than a forward
     (Step-3.7's ``get_image_features``): the adapter's ``shim`` over ``EncoderGraphRunner(wrap(model),
-    **runner_options)``, with the members of :class:`~encgraph.GraphedModule` the benchmarks read (``capture()``,
+    **runner_options)``, with the members of :class:`~encgraph.models.graphed_forward.GraphedForward` the benchmarks read (``capture()``,
     ``stats``, ``runner``, ``inner``)."""
 
     def __init__(self, model: Any, **runner_options: Any) -> None:
