@@ -5,12 +5,13 @@ backbones such as ViT or DINOv2, a user's own) this path. Each distinct call sha
 the structure of the arguments, every tensor's trailing shape, dtype and device, every other argument's value) is
 one *shape family*; the hook (:mod:`encgraph.models.graphed_forward`) answers the first call of a family with the
 module's own forward and learns the output's structure from that answer (:class:`OutputSpec`); a family seen
-again gets a :class:`GenericModuleAdapter` and a runner of its own: a ladder of batch sizes, zero-filled padding
-rows.
+again gets a :class:`GenericModuleAdapter` and a runner of its own: a ladder of batch sizes, padding rows that
+repeat the last item.
 
 Batch-first means rows never mix across dim 0. No adapter can know that of an arbitrary module, so a family
 splits or pads a batch only once the runner's self-check (``verify=True``, the default, at capture) has compared
-padded batches of each budget with the module's forward on exactly their items; a module that fails it answers
+padded batches of each budget with the module's forward on exactly their items; a module that fails it at any
+budget (a disagreement, or an output of another row count: a module that packs its items into one sequence) answers
 every call of that family with its own forward (:meth:`selfcheck_failed`), as do calls under ``RunMode.EAGER``
 (nothing was verified there).
 
@@ -98,8 +99,8 @@ class GenericModuleAdapter:
         output: the structure of the module's answers to that call shape.
         max_batch: the largest batch size captured (default 32); the default ladder runs up to it.
 
-    Buffers per budget ``B``: ``arg<i>`` ``(B, *trailing_i)`` in tensor ``i``'s dtype, ZERO (padding rows are
-    zeros). Outputs: ``out<i>`` ``(B, ...)``, the output's tensor leaves in order.
+    Buffers per budget ``B``: ``arg<i>`` ``(B, *trailing_i)`` in tensor ``i``'s dtype, REPEAT_LAST (padding rows
+    repeat the sub-batch's last item). Outputs: ``out<i>`` ``(B, ...)``, the output's tensor leaves in order.
     """
 
     def __init__(self, module: torch.nn.Module, example: CallSplit, output: OutputSpec, *, max_batch: int = 32) -> None:
@@ -202,8 +203,12 @@ class GenericModuleAdapter:
 
     # -- static buffers and forwards
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:
+        # Padding rows repeat the last item rather than zeros: a zero row is rarely a valid item (a crop whose mask
+        # is all zeros, an image of 0x0 patches) and can switch what a module does for the whole batch (an
+        # attention mask present or not), where a copy of a real item reads as the real items do.
         return {
-            f"arg{i}": BufferSpec((budget, *shape), dtype, FillRule.ZERO) for i, (shape, dtype) in enumerate(self._shapes)
+            f"arg{i}": BufferSpec((budget, *shape), dtype, FillRule.REPEAT_LAST)
+            for i, (shape, dtype) in enumerate(self._shapes)
         }
 
     def replay_values(self, path: str, inputs: CallSplit, budget: int) -> dict[str, torch.Tensor]:

@@ -196,6 +196,8 @@ class GraphedForward:
             # Capture, self-check and cost model run on scratch inputs; the module's buffers are left as they were.
             with buffers_restored(self.module):
                 runner.prepare(inputs)
+            if not self._family:
+                _verified(engine)
         reason = getattr(adapter, "stock_reason", None)
         if reason:
             return self._answer_stock(reason, args, kwargs)
@@ -362,3 +364,13 @@ class GraphedForward:
         self._runner_options = state["runner_options"]
         self.max_shapes = state["max_shapes"]
         self._init_transient()
+
+
+def _verified(engine: Engine) -> None:
+    """A call shape is held only if its self-check passed at every budget: a budget that disagreed, or whose check
+    raised (an output of another row count than its batch), means the module is not batch-first for that shape,
+    whatever the other budgets did (a module that packs its items into one sequence agrees at a batch of one)."""
+    for path, failed in engine.runner.failed.items():
+        for budget, why in failed.items():
+            if why.startswith("self-check") and engine.adapter.stock_reason is None:
+                engine.adapter.selfcheck_failed(path, budget, why)
