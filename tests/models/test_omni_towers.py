@@ -155,7 +155,7 @@ def test_thinker_features_unchanged_with_its_tower_graphed(family, qwen_towers, 
     assert encgraph.graphs(tower).stats["graph_items"] > 0
     for (fn, _, _), a, b in zip(calls, got, want):
         assert type(a) is type(b) and list(a.keys()) == list(b.keys()), fn
-        for key in b.keys():  # pooler_output: a tuple per item; deepstack_features: a list of such tuples
+        for key in b:  # pooler_output: a tuple per item; deepstack_features: a list of such tuples
             (flat_a, spec_a), (flat_b, spec_b) = pytree.tree_flatten(a[key]), pytree.tree_flatten(b[key])
             assert spec_a == spec_b, (fn, key)
             for i, (x, y) in enumerate(zip(flat_a, flat_b)):
