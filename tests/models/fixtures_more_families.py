@@ -279,7 +279,7 @@ def dinov3() -> torch.nn.Module:
 
 @attrs.frozen
 class Case:
-    """One family: ``model`` builds the tiny model; ``tower`` is the tower's attribute path in it (``""``: the
+    """One family: ``name``, its transformers module; ``model`` builds the tiny model; ``tower`` is the tower's attribute path in it (``""``: the
     model is the tower, called directly); ``calls(n, seed)`` the model's feature calls for ``n`` images (a method's dotted path from the model, and
     its keyword arguments);
     ``served``: ``"graphs"`` or a phrase of the reason the tower's own forward answers; ``sizes``: ``n`` per round
@@ -316,6 +316,15 @@ CASES: dict[str, Case] = {c.name: c for c in (
 
 
 def build(case: Case) -> torch.nn.Module:
+    """The case's tiny model; the calling test is skipped where the installed transformers lacks the model."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec(f"transformers.models.{case.name}") is None:
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} has no {case.name}")
     return _seeded(case.model)
 
 
