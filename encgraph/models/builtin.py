@@ -15,6 +15,9 @@ BUILTIN_ADAPTERS: dict[str, tuple[str, str | None]] = {
     "Qwen2_5_VLVisionConfig": ("encgraph.models.qwen2_5_vl:adapter", "Qwen2.5-VL"),
     "Qwen3VLVisionConfig": ("encgraph.models.qwen3_vl:adapter", "Qwen3-VL"),
     "Qwen3VLMoeVisionConfig": ("encgraph.models.qwen3_vl:adapter", "Qwen3-VL-MoE"),
+    # The Omni models' vision encoders are these towers under another config: the same entries.
+    "Qwen2_5OmniVisionEncoderConfig": ("encgraph.models.qwen2_5_vl:adapter", "Qwen2.5-Omni"),
+    "Qwen3OmniMoeVisionEncoderConfig": ("encgraph.models.qwen3_vl:adapter", "Qwen3-Omni-MoE"),
     # Fixed-resolution towers (encgraph.models.fixed).
     "SiglipVisionConfig": ("encgraph.models.siglip:siglip_adapter", "SigLIP"),
     "CLIPVisionConfig": ("encgraph.models.clip:clip_adapter", "CLIP"),

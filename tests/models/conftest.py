@@ -66,11 +66,38 @@ def qwen3_vl_moe_tower(**overrides) -> torch.nn.Module:
     return Qwen3VLMoeVisionModel._from_config(Qwen3VLMoeVisionConfig(**kw)).eval().requires_grad_(False)
 
 
+# The Omni models' vision encoders: the Qwen2.5-VL and Qwen3-VL towers under another config (the same geometry).
+QWEN25_OMNI_VISION = dict(depth=3, hidden_size=32, intermediate_size=60, num_heads=2, out_hidden_size=48,
+                          patch_size=PATCH, temporal_patch_size=2, spatial_merge_size=MERGE, window_size=8,
+                          fullatt_block_indexes=[1])
+QWEN3_OMNI_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+                         patch_size=PATCH, temporal_patch_size=2, spatial_merge_size=MERGE, num_position_embeddings=16,
+                         deepstack_visual_indexes=[0, 2])
+
+
+def qwen2_5_omni_tower(**overrides) -> torch.nn.Module:
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniVisionEncoderConfig
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniVisionEncoder
+
+    config = Qwen2_5OmniVisionEncoderConfig(**(QWEN25_OMNI_VISION | overrides))
+    return Qwen2_5OmniVisionEncoder._from_config(config).eval().requires_grad_(False)
+
+
+def qwen3_omni_moe_tower(**overrides) -> torch.nn.Module:
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeVisionEncoderConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
+
+    config = Qwen3OmniMoeVisionEncoderConfig(**(QWEN3_OMNI_VISION | overrides))
+    return Qwen3OmniMoeVisionEncoder._from_config(config).eval().requires_grad_(False)
+
+
 QWEN_TOWERS: dict[str, Callable[..., torch.nn.Module]] = {
     "qwen2_vl": qwen2_vl_tower,
     "qwen2_5_vl": qwen2_5_vl_tower,
     "qwen3_vl": qwen3_vl_tower,
     "qwen3_vl_moe": qwen3_vl_moe_tower,
+    "qwen2_5_omni": qwen2_5_omni_tower,
+    "qwen3_omni_moe": qwen3_omni_moe_tower,
 }
 
 
