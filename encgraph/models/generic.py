@@ -42,6 +42,8 @@ from encgraph.packing import ItemSpec
 __all__ = ["GenericModuleAdapter", "OutputSpec"]
 
 PATH = "default"
+SEEDS = 8
+"""Items of a call shape's example kept to draw scratch inputs from."""
 
 
 @attrs.frozen(eq=False)
@@ -116,8 +118,10 @@ class GenericModuleAdapter:
         self._device = param.device if param is not None else example.tensors[0].device
         self._dtype = param.dtype if param is not None else example.tensors[0].dtype
         self._shapes = [(tuple(t.shape[1:]), t.dtype) for t in example.tensors]
+        # Up to SEEDS items of the example, kept: scratch items are drawn from them in turn, so that a sample batch
+        # mixes items as calls do (a padded crop beside a full one), and the split check has several to compare.
         with persistent():
-            self._seed = tuple(t[:1].detach().clone() for t in example.tensors)
+            self._seed = tuple(t[:SEEDS].detach().clone() for t in example.tensors)
         self._scales = [float(t.float().std()) if t.is_floating_point() and t.numel() > 1 else 1.0 for t in self._seed]
         self._not_batch_first: str | None = None
 
@@ -190,16 +194,38 @@ class GenericModuleAdapter:
         return CallSplit(parts[0].key, tensors, sum(p.batch for p in parts))
 
     def sample_inputs(self, path: str, tokens: int) -> CallSplit:
-        """``tokens`` scratch items like the kept first item: floating tensors with noise of its scale added (the
-        items differ), other dtypes repeated as they were. Never a caller's tensors."""
+        """``tokens`` scratch items drawn in turn from the kept items: floating tensors with noise of their scale
+        added (the items differ), other dtypes (masks, ids, shapes) as they were. Never a caller's tensors."""
         n = check_int("tokens", tokens, minimum=1)
+        rows = torch.arange(n, device=self._seed[0].device) % self._seed[0].shape[0]
         tensors = []
         for t, scale in zip(self._seed, self._scales):
-            rows = t.expand(n, *t.shape[1:]).clone()
-            if rows.is_floating_point():
-                rows = rows + torch.randn_like(rows) * (scale if scale > 0 else 1.0)
-            tensors.append(rows)
+            drawn = t.index_select(0, rows.to(t.device))
+            if drawn.is_floating_point():
+                drawn = drawn + torch.randn_like(drawn) * (scale if scale > 0 else 1.0)
+            tensors.append(drawn)
         return CallSplit(self.key, tuple(tensors), n)
+
+    def split_check(self, tolerance: float) -> str | None:
+        """Whether each item's answer depends on its batch mates, which the padded self-check cannot see (it pads
+        the same items): the module's forward on the kept items together against on each alone (scratch items,
+        ``no_grad``). Returns why the shape may not be split (then every call of it is the module's own:
+        :attr:`stock_reason`), or ``None``."""
+        from encgraph.capture.selfcheck import relative_error
+
+        sample = self.sample_inputs(PATH, self._seed[0].shape[0])
+        if sample.batch < 2:
+            return None
+        with torch.no_grad():
+            together = self.forward_eager(PATH, sample)
+            alone = [self.forward_eager(PATH, self.select(sample, [i])) for i in range(sample.batch)]
+        for name, value in together.items():
+            worst = relative_error(torch.cat([a[name] for a in alone]), value)
+            if not worst <= tolerance:
+                self._not_batch_first = (f"not batch-first (an item's output depends on its batch mates: {worst:.3g} "
+                                         f"norm-relative on output {name!r})")
+                return self._not_batch_first
+        return None
 
     # -- static buffers and forwards
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:

@@ -196,8 +196,8 @@ class GraphedForward:
             # Capture, self-check and cost model run on scratch inputs; the module's buffers are left as they were.
             with buffers_restored(self.module):
                 runner.prepare(inputs)
-            if not self._family:
-                _verified(engine)
+                if not self._family:
+                    _verified(engine)
         reason = getattr(adapter, "stock_reason", None)
         if reason:
             return self._answer_stock(reason, args, kwargs)
@@ -369,8 +369,17 @@ class GraphedForward:
 def _verified(engine: Engine) -> None:
     """A call shape is held only if its self-check passed at every budget: a budget that disagreed, or whose check
     raised (an output of another row count than its batch), means the module is not batch-first for that shape,
-    whatever the other budgets did (a module that packs its items into one sequence agrees at a batch of one)."""
-    for path, failed in engine.runner.failed.items():
+    whatever the other budgets did (a module that packs its items into one sequence agrees at a batch of one); and
+    only if each item's answer is the same alone as beside others (the split check: a module that switches for the
+    whole batch when one item is padded agrees with itself padded, but not split)."""
+    adapter, runner = engine.adapter, engine.runner
+    if not runner.verify:
+        return
+    for path, failed in runner.failed.items():
         for budget, why in failed.items():
-            if why.startswith("self-check") and engine.adapter.stock_reason is None:
-                engine.adapter.selfcheck_failed(path, budget, why)
+            if why.startswith("self-check") and adapter.stock_reason is None:
+                adapter.selfcheck_failed(path, budget, why)
+    if adapter.stock_reason is None:
+        from encgraph.capture.selfcheck import tolerance
+
+        adapter.split_check(tolerance(runner.config.dtype, runner.device))

@@ -72,12 +72,55 @@ def test_other_towers_are_answered_by_their_own_forward(name):
     causally when no crop is padded and bidirectionally when one is (its attention sets ``is_causal=True``, which SDPA
     applies only without a mask), so an item's answer depends on its batch: the capture's self-check finds it. No
     split or padded batch may stand in for these towers: each call is the tower's own forward, counted.
-
-    Known holes of the any-module path, not covered here (each call shape's first rounds decide): Pixtral's call
-    shape first seen with ONE image looks batch-first (its output's dim 0 is 1), and Phi-4's self-check passes when
-    the item it samples from is a padded crop; both then split or pad later calls and answer them wrongly. Reported
-    with reproductions on issue 58; these rounds start with two images and with a full crop."""
+"""
     stats = run_model_calls(name).stats
     reasons = set(stats["eager_reasons"]) - {FIRST_SIGHT}
     assert reasons and all(CASES[name].served in r for r in reasons), stats["eager_reasons"]
     assert stats["graph_items"] == 0
+
+
+@pytest.mark.parametrize("first", ["one image", "two images"])
+def test_pixtral_first_seen_with_one_image_is_still_the_towers_own(first):
+    """A call shape first seen with one image looks batch-first (Pixtral's output, one sequence of every image's
+    patches, has dim 0 = 1); the capture's self-check then finds budgets whose output has another row count, and
+    the shape goes to the tower's own forward as a whole, not split per image at the budgets that passed."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    tower = tf.PixtralVisionModel(tf.PixtralVisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                         intermediate_size=64, image_size=32, patch_size=8)).eval()
+    reference = copy.deepcopy(tower)
+    encgraph.graphed(tower, mode=RunMode.STATIC, budgets=[1, 2, 4])
+    sizes = [[[32, 32]], [[32, 32]], [[32, 32], [32, 32]], [[32, 32], [16, 16]], [[32, 32]]]
+    if first == "two images":
+        sizes = sizes[2:] + sizes[:2]
+    with torch.no_grad():
+        for i, s in enumerate(sizes):
+            x = torch.randn(len(s), 3, 32, 32, generator=torch.Generator().manual_seed(i))
+            assert_same(tower(x, image_sizes=torch.tensor(s)), reference(x, image_sizes=torch.tensor(s)), (first, i))
+    assert encgraph.graphs(tower).stats["graph_items"] == 0
+
+
+def test_phi4_sampled_from_a_padded_crop_is_still_the_towers_own():
+    """Phi-4's tower attends causally unless a crop of the batch is padded: an item's answer depends on its batch
+    mates. The padded self-check agrees with itself whatever the first item is; the split check (the kept items
+    together against each alone) finds it, so a later call of full crops is never split or padded."""
+    case = CASES["phi4_multimodal"]
+    model = build(case)
+    reference = copy.deepcopy(model)
+    tower = tower_of(model, case)
+    encgraph.graphed(tower, mode=RunMode.STATIC, budgets=[1, 2, 4])
+    from tests.models.fixtures_more_families import GRID, SIDE
+
+    def call(n, padded, seed):
+        mask = torch.ones(n, GRID, GRID, dtype=torch.bool)
+        if padded:
+            mask[0, GRID // 2:] = False
+        return {"img_embeds": torch.randn(n, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(seed)),
+                "attention_mask": mask}
+
+    with torch.no_grad():
+        for i, (n, padded) in enumerate([(2, True), (2, True), (3, False), (5, False)]):
+            kwargs = call(n, padded, i)
+            assert_same(attribute(model, "get_img_features")(**kwargs),
+                        attribute(reference, "get_img_features")(**kwargs), i)
+    assert encgraph.graphs(tower).stats["graph_items"] == 0
