@@ -221,6 +221,34 @@ def headline_block(results_dir: Path, slug: str) -> str:
             "system are in each result file.</sub>")
 
 
+def anymodule_block(results_dir: Path, slug: str) -> str:
+    """Any module through ``graphed()`` against its eager forward and ``torch.compile(mode="reduce-overhead")``
+    (``benches/anymodule.py``), at batch 1 and 32 and over the mixed stream; from the newest ``anymodule_*.json``."""
+    found = sorted(Path(results_dir).glob("anymodule_*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        return "No results yet: `benches/results/anymodule_*.json` is missing."
+    path = found[-1]
+    data = json.loads(path.read_text())
+    env = data["environment"]
+    rows = []
+    for name, m in data["models"].items():
+        if "batches" not in m:
+            rows.append([name, "-", "-", "-", m.get("skipped") or m.get("error", "")])
+            continue
+        one, top = m["batches"]["1"], m["batches"]["32"]
+        stream, warm = m["stream"], m["warmup"]
+        rows.append([name, f"{fmt(one['eager'])} / {fmt(one['reduce_overhead'])} / {fmt(one['encgraph'])} ms",
+                     f"{fmt(top['eager'])} / {fmt(top['reduce_overhead'])} / {fmt(top['encgraph'])} ms",
+                     f"{fmt(stream['eager']['mean_ms'])} / {fmt(stream['reduce_overhead']['mean_ms'])} / "
+                     f"{fmt(stream['encgraph']['mean_ms'])} ms; worst request {stream['encgraph_worst_vs_eager']:.2f}x "
+                     f"eager, {stream['encgraph_worst_vs_reduce_overhead']:.2f}x reduce-overhead",
+                     f"{fmt(warm['reduce_overhead']['seconds'])} / {fmt(warm['encgraph']['seconds'])} s"])
+    table = markdown_table(["module", "batch 1: eager / reduce-overhead / encgraph", "batch 32", "mixed stream, mean",
+                            "warm-up: reduce-overhead / encgraph"], rows)
+    return (f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, bf16, random weights; "
+            f"{env['date']}; [`{path.name}`](benches/results/{path.with_suffix('.md').name})\n\n{table}")
+
+
 TRAFFIC_RUNS = ("", "_chat-fa4", "_photo", "_photo-fa4")
 """The traffic results of one GPU that ``traffic_runs`` compares (``traffic_<slug><tag>.json``): the chat and the
 photo trace, each without and with FlashAttention-4 installed."""
@@ -341,10 +369,12 @@ BLOCKS: dict[str, tuple[str, Callable[[Mapping[str, Any], str], str]]] = {
     "serving_repeats": ("serving_{slug}_server_repeats", functools.partial(serving_block, transport="server_repeats")),
     "photo_capture": ("traffic_{slug}_photo", photo_capture_block),
 }
-MULTI: dict[str, Callable[[Path, str], str]] = {"headline": headline_block, "traffic_runs": traffic_runs_block}
+MULTI: dict[str, Callable[[Path, str], str]] = {"headline": headline_block, "traffic_runs": traffic_runs_block,
+                                                "anymodule": anymodule_block}
 """Blocks rendered from several result files (each reads the ones it finds)."""
 # The blocks each document holds: the README only its headline table, the benchmarks page every table.
-DOCUMENTS: dict[Path, tuple[str, ...]] = {README: ("headline",), BENCHMARKS_PAGE: (*BLOCKS, "traffic_runs")}
+DOCUMENTS: dict[Path, tuple[str, ...]] = {README: ("headline", "anymodule"),
+                                          BENCHMARKS_PAGE: (*BLOCKS, "traffic_runs", "anymodule")}
 
 
 def render_block(name: str, results_dir: Path, slug: str) -> str:

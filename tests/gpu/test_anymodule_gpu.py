@@ -106,7 +106,7 @@ def test_lora_injected_after_capture_is_held_by_the_new_graphs():
     with torch.inference_mode():
         for _ in range(2):
             module(**make(4, gen)[1])
-    config = dict(r=8, target_modules=["query", "value"], init_lora_weights=False)
+    config = dict(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # transformers 5.25 ViT names
     torch.manual_seed(5)
     adapted = peft.get_peft_model(module, peft.LoraConfig(**config))
     torch.manual_seed(5)
