@@ -1,7 +1,8 @@
 """``encgraph serve --ray`` on a real local Ray cluster that this test starts (its own temporary directory and token,
-on 127.0.0.1): two replicas of the embedded towers behind Ray's HTTP proxy; concurrent HTTP clients; a replica killed
-mid-load (every answered request equals the tower's own embedding, the others are JSON 503s, none hangs); Ray
-replaces it; SIGTERM stops the command, and after ``serve.shutdown()`` and ``ray.shutdown()`` no process of the
+on 127.0.0.1): two replicas of the embedded towers behind Ray's HTTP proxy, with encgraph serve's paths, API key and
+error shapes; concurrent HTTP clients; a replica killed with SIGKILL mid-load while it holds requests (every answered
+request equals the tower's own embedding, the others are JSON 503s, none hangs; the counts are printed: ``-rP``);
+Ray replaces it; SIGTERM stops the command, and after ``serve.shutdown()`` and ``ray.shutdown()`` no process of the
 cluster is left.
 
 Skipped without ``ray[serve]`` (the ``[ray]`` extra: .ci/run installs it in a step of its own).
@@ -31,7 +32,10 @@ from tests.integration.conftest import API_KEY, AUTH, LIMITS, REPO, References, 
 START_TIMEOUT = 120.0
 TIMEOUT = 60.0
 CLIENTS = 16
-PER_CLIENT = 8
+PER_CLIENT = 12
+MAX_WAIT_MS = "100"
+"""Each replica's fronts wait this long for more requests: every request stays in its replica at least that long, so
+that the replica killed mid-load holds requests in flight (the retries and 503s the test counts)."""
 MODELS = ("siglip", "qwen2_5_vl")
 
 
@@ -85,6 +89,25 @@ def _replicas() -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#EncgraphReplica#" in a["name"])
 
 
+def _pid(name: str) -> int:
+    """The process id of a replica actor (run in the actor: ``__ray_call__``)."""
+    return int(ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(lambda self: os.getpid()),
+                       timeout=TIMEOUT))
+
+
+def _busy_replica(names: list[str], timeout: float = 20.0) -> tuple[str, int]:
+    """The first replica seen holding at least three requests, and how many: the one to kill, so that the kill hits
+    requests in flight. Asked through the replica actor's ``get_num_ongoing_requests``, the probe Ray's own router
+    sends (not public API: a test-only dependency on Ray 2.60's replica actor)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for name in names:
+            actor = ray.get_actor(name, namespace="serve")
+            ongoing = int(ray.get(actor.get_num_ongoing_requests.remote(), timeout=timeout))
+            if ongoing >= 3 or time.monotonic() > deadline:
+                return name, ongoing
+
+
 @pytest.fixture
 def cluster(monkeypatch):
     """A local Ray instance on 127.0.0.1 in a short temporary directory (Ray's socket paths are length-limited);
@@ -122,7 +145,7 @@ def test_two_replicas_behind_rays_proxy_survive_a_killed_replica(cluster, pool, 
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "encgraph", "serve", "--ray", "--address", address, "--replicas", "2",
-         "--port", str(port), "--threads", "1", "--graceful-timeout", "5", *LIMITS],
+         "--port", str(port), "--threads", "1", "--graceful-timeout", "5", "--max-wait-ms", MAX_WAIT_MS, *LIMITS],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
 
@@ -139,6 +162,7 @@ def test_two_replicas_behind_rays_proxy_survive_a_killed_replica(cluster, pool, 
         assert "2 replicas of siglip, qwen2_5_vl, on the CPU each; API key: /v1/*" in output(), output()
         first = _replicas()
         assert len(first) == 2, first
+        pids = {name: _pid(name) for name in first}
 
         # The contract of encgraph serve, through Ray's proxy: paths, API key, error shapes.
         with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
@@ -181,16 +205,18 @@ def test_two_replicas_behind_rays_proxy_survive_a_killed_replica(cluster, pool, 
             futures = [ex.submit(client_run, p) for p in plans]
             for _ in range(2 * CLIENTS):
                 assert answered.acquire(timeout=TIMEOUT)
-            victim = first[0]
-            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            victim, ongoing = _busy_replica(first)
+            os.kill(pids[victim], signal.SIGKILL)  # a crash: no goodbye to Ray
             killed_at = time.monotonic() - t0
             results = [a for f in futures for a in f.result(timeout=3 * TIMEOUT)]
         load_s = time.monotonic() - t0
 
         counts = {"requests": len(results), "answered": 0, "retried": 0, "503": 0, "wrong": 0, "other": 0}
+        by_replica: dict[str, int] = {}
         for model, images, status, headers, body in results:
             if status == 200:
                 counts["answered"] += 1
+                by_replica[headers["x-encgraph-replica"]] = by_replica.get(headers["x-encgraph-replica"], 0) + 1
                 counts["retried"] += "x-encgraph-retried" in headers
                 try:
                     refs.check(model, images, body)
@@ -201,12 +227,14 @@ def test_two_replicas_behind_rays_proxy_survive_a_killed_replica(cluster, pool, 
                 assert headers["retry-after"]
             else:
                 counts["other"] += 1
-        note = (f"start {start_s:.1f} s; {counts} in {load_s:.1f} s, replica {victim} killed at {killed_at:.1f} s")
+        note = (f"start {start_s:.1f} s; {counts} in {load_s:.1f} s; replica {victim} killed (SIGKILL) at "
+                f"{killed_at:.1f} s holding {ongoing} requests; answers by replica {by_replica}")
         print(f"\nencgraph serve --ray: {note}")
         assert counts["requests"] == CLIENTS * PER_CLIENT, note
         assert counts["wrong"] == 0 and counts["other"] == 0, note
         assert counts["answered"] + counts["503"] == counts["requests"], note
         assert counts["answered"] > 2 * CLIENTS, note  # the survivor kept answering after the kill
+        assert counts["retried"] + counts["503"] > 0, note  # the kill hit requests in flight
 
         # Ray replaces the killed replica.
         deadline = time.monotonic() + TIMEOUT
