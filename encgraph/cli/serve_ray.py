@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import signal
 import sys
 import threading
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace, server: Any) -> int:
 
     ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=False)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its start-up chatter; warnings and errors still show
+    owned = args.address is None and not os.environ.get("RAY_ADDRESS")  # ray.init started a new instance
     deployed = False
     try:
         replica_args, settings = plan(args, ray.cluster_resources().get("GPU", 0.0))
@@ -144,7 +146,8 @@ def run(args: argparse.Namespace, server: Any) -> int:
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)  # returns once every replica answers
         scaling = (f"{settings.replicas} to {settings.max_replicas} replicas (autoscaled near "
                    f"{settings.target_ongoing_requests:g} ongoing requests each)"
-                   if settings.max_replicas not in (None, settings.replicas) else f"{settings.replicas} replicas")
+                   if settings.max_replicas not in (None, settings.replicas)
+                   else f"{settings.replicas} replica{'s' if settings.replicas > 1 else ''}")
         print(f"encgraph serve: http://{args.host}:{args.port}/v1/embeddings on Ray "
               f"({ray.get_runtime_context().gcs_address}) - {scaling} of {', '.join(n for n, _ in sources)}, "
               f"{'one GPU' if settings.gpus else 'on the CPU'} each; API key: {server.auth_scope(args)}",
@@ -155,8 +158,10 @@ def run(args: argparse.Namespace, server: Any) -> int:
         # deployed on a cluster that outlives this command.
         if deployed:
             serve.delete(APP_NAME)  # the replicas drain (graceful_shutdown_timeout_s) and stop
-            if not serve.status().applications:
-                serve.shutdown()  # the proxies and the controller too, unless other applications use them
+            # The proxies and the controller too, unless other applications use them; in a Ray instance of this
+            # command's own, ray.shutdown() stops them with everything else.
+            if not owned and not serve.status().applications:
+                serve.shutdown()
         ray.shutdown()  # a Ray instance this command started stops with it
     return 0
 
