@@ -26,6 +26,7 @@ and the core never imports this module.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ __all__ = ["RaySettings", "Forwarded", "Answer", "Replica", "Gateway", "applicat
 APP_NAME = "encgraph"
 REPLICA = "EncgraphReplica"
 GATEWAY = "EncgraphGateway"
+log = logging.getLogger("encgraph.serve")
 REPLICA_HEADER = b"x-encgraph-replica"
 RETRIED_HEADER = b"x-encgraph-retried"
 
@@ -207,6 +209,8 @@ class Gateway:
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return
+        if scope["type"] != "http":
+            return  # Ray's proxy sends nothing else to an HTTP app; a websocket is not answered
         from starlette.requests import Request
 
         from encgraph.serving.protocol import ApiError, read_body
@@ -256,6 +260,9 @@ class Gateway:
             except DeploymentUnavailableError:
                 raise ApiError(503, None, "replica_unavailable", "no replica is running; retry later.",
                                retry) from None
+            except Exception:  # the replica's own failure (its app answers its errors itself): a JSON 500
+                log.exception("encgraph serve --ray: forwarding a request failed")
+                raise ApiError(500, None, "internal_error", "internal error: see the replicas' logs.") from None
 
 
 class _Asgi:

@@ -122,6 +122,12 @@ def test_rays_back_pressure_is_the_servers_overloaded_503():
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
 
 
+def test_a_replica_that_fails_otherwise_is_a_json_500():
+    pytest.importorskip("ray")
+    r = asyncio.run(_post(Gateway(_Replicas(RuntimeError("boom")), LIMITS, RaySettings()), content=b"{}"))
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+
+
 def test_the_gateway_checks_the_key_and_the_body_before_any_replica_sees_the_request():
     pytest.importorskip("ray")
     replicas = _Replicas(OK)
