@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any, TypeVar
@@ -18,6 +19,7 @@ __all__ = [
     "Parser",
     "budget_list",
     "positive_int",
+    "bounded_float",
     "add_subcommand",
     "add_output_args",
     "add_pixel_args",
@@ -44,6 +46,21 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> Any:  # type: ignore[override]
         raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
+
+
+def bounded_float(most: float, unit: str) -> Any:
+    """argparse type: a finite number from 0 to ``most`` (``inf``, ``nan`` and ``1e12`` refused)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 <= value <= most):
+            raise argparse.ArgumentTypeError(f"expected a number of {unit} from 0 to {most:g}, got {text!r}")
+        return value
+
+    return parse
 
 
 def positive_int(text: str) -> int:

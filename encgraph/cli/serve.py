@@ -7,19 +7,20 @@ processors, on the CPU): ``POST /v1/embeddings`` with ``"model": "siglip"`` (the
 Everything that can be checked without building a tower is checked first, each failure one line on stderr and exit
 2: the arguments (ranges, finite waits), the address (the listening socket is bound before the models are built
 and handed to uvicorn), the device, and each ``--model`` checkpoint (:mod:`encgraph.serving.checkpoints`).
+``--ray`` serves the same app on a Ray cluster instead (:mod:`encgraph.cli.serve_ray`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import socket
 import sys
 from typing import Any
 
-from encgraph.cli._common import UsageError, add_subcommand, budget_list, positive_int
+from encgraph.cli import serve_ray
+from encgraph.cli._common import UsageError, add_subcommand, bounded_float, budget_list, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -64,21 +65,6 @@ def _budgets(text: str) -> tuple[str | None, tuple[int, ...]]:
 
 def _model(text: str) -> tuple[str | None, str]:
     return _named(text, str)
-
-
-def _bounded_float(most: float, unit: str) -> Any:
-    """argparse type: a finite number from 0 to ``most`` (``inf``, ``nan`` and ``1e12`` refused)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and 0 <= value <= most):
-            raise argparse.ArgumentTypeError(f"expected a number of {unit} from 0 to {most:g}, got {text!r}")
-        return value
-
-    return parse
 
 
 def _port(text: str) -> int:
@@ -128,7 +114,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--budgets", action="append", type=_budgets, metavar="[NAME=]LIST",
                    help="a model's ladder, comma-separated (images for batch towers, merged tokens for Qwen-VL); "
                    "without NAME= for every model")
-    p.add_argument("--max-wait-ms", type=_bounded_float(MAX_WAIT_MS, "milliseconds"), default=1.0,
+    p.add_argument("--max-wait-ms", type=bounded_float(MAX_WAIT_MS, "milliseconds"), default=1.0,
                    help="how long a call waits for more requests after its first (default 1; 0: only what is queued; "
                    f"at most {MAX_WAIT_MS:g})")
     p.add_argument("--max-requests", type=positive_int,
@@ -155,7 +141,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="serve the towers' own forward, one request at a time (a baseline for benchmarks)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
-    p.add_argument("--graceful-timeout", type=_bounded_float(MAX_GRACEFUL_S, "seconds"), default=10.0,
+    p.add_argument("--graceful-timeout", type=bounded_float(MAX_GRACEFUL_S, "seconds"), default=10.0,
                    help="on SIGTERM or SIGINT: seconds the requests in flight may take to finish; those still running "
                    "then are answered 503 (JSON, code shutting_down) and the server exits (default 10)")
     p.add_argument("--api-key", default=None,
@@ -167,6 +153,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default warning)")
+    serve_ray.add_arguments(p)
     return p
 
 
@@ -249,6 +236,7 @@ def check_args(args: argparse.Namespace) -> None:
     if key is not None and not valid_key(key):
         where = "--api-key" if args.api_key is not None else API_KEY_ENV
         raise UsageError(f"encgraph serve: error: {where}: expected a non-empty key without spaces")
+    serve_ray.check_args(args)
     if args.api_key_everywhere and key is None:
         raise UsageError(f"encgraph serve: error: --api-key-everywhere: no key given (--api-key or {API_KEY_ENV})")
     args.resolved_api_key = key
@@ -267,6 +255,22 @@ def _sources(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return [(name, loading.inspect_checkpoint(path)) for name, path in sources]
 
 
+def check_models(args: argparse.Namespace) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
+    """The served models' sources (:func:`_sources`: every checkpoint checked) and ladders, no tower built."""
+    from encgraph.serving import loading
+
+    sources = _sources(args)
+    names = [n for n, _ in sources]
+    budgets = _per_model(args.budgets, names, "--budgets")
+    most = args.max_images * args.max_queue  # budgets in tokens were held to MAX_BUDGET when parsed
+    for name, checkpoint in sources:
+        unit = loading.FAMILIES[checkpoint.model_type if checkpoint else name].unit
+        if unit == "images" and name in budgets and budgets[name][-1] > most:
+            raise UsageError(f"encgraph serve: error: --budgets {name}=...: {budgets[name][-1]} {unit} is more than "
+                             f"one call can hold (at most {most}: --max-images x --max-queue)")
+    return sources, budgets
+
+
 def build_models(args: argparse.Namespace) -> dict[str, Any]:
     """The served models of the command line, captured and ready: every checkpoint is checked before the first
     tower is built."""
@@ -279,15 +283,7 @@ def build_models(args: argparse.Namespace) -> dict[str, Any]:
     embedded = not args.model
     device = check_device(args.device, embedded)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    sources = _sources(args)
-    names = [n for n, _ in sources]
-    budgets = _per_model(args.budgets, names, "--budgets")
-    most = args.max_images * args.max_queue  # budgets in tokens were held to MAX_BUDGET when parsed
-    for name, checkpoint in sources:
-        unit = loading.FAMILIES[checkpoint.model_type if checkpoint else name].unit
-        if unit == "images" and name in budgets and budgets[name][-1] > most:
-            raise UsageError(f"encgraph serve: error: --budgets {name}=...: {budgets[name][-1]} {unit} is more than "
-                             f"one call can hold (at most {most}: --max-images x --max-queue)")
+    sources, budgets = check_models(args)
     options = {"max_wait_ms": args.max_wait_ms, "max_queue": args.max_queue, "max_requests": args.max_requests}
     models = {}
     for name, checkpoint in sources:
@@ -307,6 +303,8 @@ def build_models(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     _require_serve_extra()
     check_args(args)
+    if args.ray:
+        return serve_ray.run(args, sys.modules[__name__])
     sock = bind(args.host, args.port)
     try:
         return _serve(args, sock)
@@ -314,26 +312,52 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
 
+def server_limits(args: argparse.Namespace) -> Any:
+    """The :class:`~encgraph.serving.app.ServerLimits` of the command line."""
+    from encgraph.serving.admission import InFlightLimits
+    from encgraph.serving.app import ServerLimits
+    from encgraph.serving.images import ImageLimits
+
+    max_body = args.max_images * (args.max_image_bytes * 4 // 3 + 1024) + 65536
+    in_flight = InFlightLimits(max_body_bytes=max(args.max_body_bytes_in_flight, max_body),
+                               max_pixels=args.max_pixels_in_flight)
+    return ServerLimits(max_images=args.max_images, image=ImageLimits(args.max_image_bytes, args.max_pixels),
+                        max_body_bytes=max_body, max_request_pixels=args.max_request_pixels, in_flight=in_flight)
+
+
+def make_app(args: argparse.Namespace, *, authenticate: bool = True) -> Any:
+    """The server's app for the (checked) command line: its models built and captured, its limits, preprocessing
+    workers and (``authenticate``) API key. ``encgraph serve --ray`` builds one in each replica (without the key:
+    its gateway checks it)."""
+    from encgraph.serving.app import create_app
+    from encgraph.serving.preprocess import default_workers
+
+    models = build_models(args)
+    workers = args.preprocess_workers
+    if workers is None:
+        workers = default_workers(m.device for m in models.values())
+    return create_app(models, server_limits(args), preprocess_workers=workers, close_timeout_s=args.graceful_timeout,
+                      api_key=args.resolved_api_key if authenticate else None, protect_all=args.api_key_everywhere)
+
+
+def describe(app: Any) -> str:
+    """The start line's middle: the models and where their images are preprocessed."""
+    listed = ", ".join(f"{n} ({m.description})" for n, m in app.state.models.items())
+    workers = app.state.preprocess.workers if app.state.preprocess is not None else 0
+    where = f"in {workers} worker processes" if workers else "in the server threads"
+    return f"models: {listed}; preprocessing {where}"
+
+
+def auth_scope(args: argparse.Namespace) -> str:
+    return "off" if args.resolved_api_key is None else ("every path" if args.api_key_everywhere else "/v1/*")
+
+
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from encgraph.serving import heap
-    from encgraph.serving.admission import InFlightLimits
-    from encgraph.serving.app import ServerLimits, create_app
-    from encgraph.serving.images import ImageLimits
-    from encgraph.serving.preprocess import default_workers
 
-    models = build_models(args)
-    max_body = args.max_images * (args.max_image_bytes * 4 // 3 + 1024) + 65536
-    in_flight = InFlightLimits(max_body_bytes=max(args.max_body_bytes_in_flight, max_body),
-                               max_pixels=args.max_pixels_in_flight)
-    limits = ServerLimits(max_images=args.max_images, image=ImageLimits(args.max_image_bytes, args.max_pixels),
-                          max_body_bytes=max_body, max_request_pixels=args.max_request_pixels, in_flight=in_flight)
-    workers = args.preprocess_workers
-    if workers is None:
-        workers = default_workers(m.device for m in models.values())
-    app = create_app(models, limits, preprocess_workers=workers, close_timeout_s=args.graceful_timeout,
-                     api_key=args.resolved_api_key, protect_all=args.api_key_everywhere)
+    app = make_app(args)
     if importlib.util.find_spec("httptools") is None:
         # uvicorn then falls back to h11 (pure Python): measured 2-4x slower per 60 KB request on a 2-core CPU.
         print("encgraph serve: httptools is not installed, so uvicorn parses HTTP in pure Python (h11), several "
@@ -341,11 +365,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     # The models are built and captured: freeze that heap, so that a full garbage collection under load does not
     # walk it (220-250 ms with every request waiting: encgraph.serving.heap).
     frozen = heap.freeze()
-    listed = ", ".join(f"{n} ({m.description})" for n, m in models.items())
-    auth = "off" if args.resolved_api_key is None else ("every path" if args.api_key_everywhere else "/v1/*")
-    print(f"encgraph serve: http://{args.host}:{args.port}/v1/embeddings - models: {listed}; preprocessing "
-          f"{f'in {workers} worker processes' if workers else 'in the server threads'}; API key: {auth}; "
-          f"{frozen} start-up objects frozen out of the garbage collector's reach", file=sys.stderr, flush=True)
+    print(f"encgraph serve: http://{args.host}:{args.port}/v1/embeddings - {describe(app)}; API key: "
+          f"{auth_scope(args)}; {frozen} start-up objects frozen out of the garbage collector's reach",
+          file=sys.stderr, flush=True)
     # uvicorn starts the app (its preprocessing workers) before it listens on the socket bound above. It stops on
     # SIGINT/SIGTERM: it stops accepting, lets the requests in flight finish (--graceful-timeout; the app answers
     # those left 503 just before), then the app's shutdown closes the fronts and the workers; the process then

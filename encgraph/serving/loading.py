@@ -201,7 +201,17 @@ def process_images(processor: Any, images: Sequence[Any]) -> dict[str, np.ndarra
 
 def _processor_class(name: str) -> Any:
     import transformers
+    from transformers.utils import is_torchvision_available
 
+    # Since transformers' image-processor refactor, ``<Model>ImageProcessor`` names the torchvision backend; without
+    # torchvision, ``getattr(transformers, name)`` falls back to ``<Model>ImageProcessorPil`` and logs a warning
+    # saying so, once per class: two warnings on every ``encgraph serve`` start (issue 57). torchvision is not a
+    # dependency (its PyPI wheels pin one torch each), so ask for the Pillow backend by its own name: the same class
+    # that fallback gives, without the warning. With torchvision installed, the named (torchvision) class is used.
+    if not is_torchvision_available():
+        pil = getattr(transformers, f"{name}Pil", None)
+        if pil is not None:
+            return pil
     cls = getattr(transformers, name, None)
     if cls is None:
         raise VersionError(f"image processor {name!r}: not in the installed transformers {transformers.__version__}.")

@@ -4,6 +4,7 @@ before any model is built (the towers' builders are replaced by ones that fail t
 from __future__ import annotations
 
 import socket
+import sys
 
 import pytest
 
@@ -55,6 +56,13 @@ BAD = [
     (["--api-key", "a b"], "--api-key: expected a non-empty key without spaces"),
     (["--api-key-everywhere"], "--api-key-everywhere: no key given"),
     (["--model", "/nonexistent/ckpt"], "--model: expected a local checkpoint directory"),
+    # Ray Serve's flags (issue 57): only with --ray, and checked before Ray is imported or a cluster joined.
+    (["--replicas", "2"], "--replicas: only with --ray"),
+    (["--address", "h:6379", "--gateways", "2"], "--address, --gateways: only with --ray"),
+    (["--ray", "--replicas", "0"], "expected a positive int, got 0"),
+    (["--ray", "--replicas", "4", "--max-replicas", "2"], "--max-replicas 2: expected at least --replicas (4)"),
+    (["--ray", "--target-ongoing-requests", "0"], "--target-ongoing-requests: expected a number above 0"),
+    (["--ray", "--target-ongoing-requests", "inf"], "expected a number of requests from 0 to 100000"),
 ]
 
 
@@ -65,6 +73,22 @@ def test_bad_arguments_are_one_line_and_exit_2_before_any_model(argv, words, cap
     assert main(["serve", *port, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("encgraph serve: error: ") and err.count("\n") == 1 and words in err, err
+
+
+def test_ray_without_the_ray_extra_is_one_line_and_exit_2(capsys, no_model_built, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where `ray[serve]` is not installed
+    assert main(["serve", "--ray", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs ray[serve]; install it with pip install 'encgraph[ray]'" in err, err
+
+
+def test_help_documents_the_ray_flags(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("--ray", "--address", "--replicas", "--max-replicas", "--target-ongoing-requests", "--gateways",
+                  "one replica per GPU", "replica_unavailable", "pip install 'encgraph[ray]'"):
+        assert words in text, words
 
 
 def test_cuda_on_a_machine_without_it_is_refused_before_any_model(capsys, no_model_built):

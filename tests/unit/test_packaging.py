@@ -44,6 +44,9 @@ def test_package_data_covers_the_files_the_package_reads() -> None:
 DISTRIBUTIONS = {"PIL": "pillow", "prometheus_client": "prometheus-client"}
 #: Skips that the ``test`` extra leaves in place on purpose: the engines (extras of their own, CUDA builds of torch).
 ENGINES = {"vllm", "sglang"}
+RAY_STEP = {"ray"}
+"""``encgraph serve --ray``'s test (tests/integration/test_ray_serve.py) needs the ``ray`` extra, installed in a step
+of its own (Ray's dependencies are many and heavy; the main step does not need them)."""
 LIBRARY_STEP = {"timm", "open_clip", "torchvision"}
 """Vision libraries whose tests run in .ci/run's step of their own (they need torchvision, whose PyPI wheels do not
 import beside the main step's CPU torch): not in the test extra, installed there."""
@@ -65,7 +68,7 @@ def test_the_test_extra_installs_what_the_cpu_tests_import_or_skip() -> None:
     for path in (ROOT / "tests").rglob("*.py"):
         for name in pattern.findall(path.read_text(encoding="utf-8")):
             top = name.split(".")[0]
-            if top not in ENGINES | LIBRARY_STEP:
+            if top not in ENGINES | LIBRARY_STEP | RAY_STEP:
                 wanted.setdefault(DISTRIBUTIONS.get(top, top).lower().replace("_", "-"), set()).add(
                     str(path.relative_to(ROOT)))
     assert "matplotlib" in wanted  # the plot tests are found
@@ -73,3 +76,8 @@ def test_the_test_extra_installs_what_the_cpu_tests_import_or_skip() -> None:
     assert not missing, f"not in the test extra: {missing}"
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert all(name.replace("_", "-") in ci or name in ci for name in LIBRARY_STEP), "a library step installs them"
+
+
+def test_the_ray_extra_installs_ray_serve_on_top_of_the_serve_extra() -> None:
+    ray = PYPROJECT["project"]["optional-dependencies"]["ray"]
+    assert "encgraph[serve]" in ray and any(r.startswith("ray[serve]") for r in ray), ray

@@ -260,3 +260,21 @@ def test_a_qwen_processor_of_another_patch_size_names_both(qwen_dir, tmp_path):
     _edit_json("preprocessor_config.json", lambda c: c.update(merge_size=3))(path)
     with pytest.raises(ConfigError, match="processor's merge_size is 3, but the tower's spatial_merge_size is 2"):
         loading.inspect_checkpoint(path)
+
+
+HIDE_TORCHVISION = "import sys; sys.modules['torchvision'] = None"
+"""A standard install has no torchvision (not a dependency): ``find_spec`` and transformers then see none."""
+
+
+def test_embedded_processors_load_without_torchvision_and_without_a_warning():
+    """Issue 57: every start printed transformers' two "requires torchvision (not installed); falling back to
+    ...Pil" warnings. Without torchvision the Pillow backends are chosen by name, silently."""
+    import subprocess
+    import sys
+
+    code = (f"{HIDE_TORCHVISION}\nfrom encgraph.serving.loading import EMBEDDED, load_processor\n"
+            "print(' '.join(type(load_processor(n)).__name__ for n in EMBEDDED))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["SiglipImageProcessorPil", "Qwen2VLImageProcessorPil"]
+    assert done.stderr == ""
