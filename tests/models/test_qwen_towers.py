@@ -12,6 +12,7 @@ import torch
 
 from encgraph.capture.records import RunMode
 import encgraph
+from tests.models.conftest import QWEN_TOWERS
 from encgraph.models import wrap
 from encgraph.models.attention import ATTENTION_NAME
 from encgraph.models.qwen2_5_vl import Qwen25VLAdapter
@@ -121,6 +122,7 @@ def test_static_forward_with_stale_buffers_matches(towers, make_grid, make_pixel
         assert rel_err(got[name], ref[name]) < RTOL
 
 
+@pytest.mark.parametrize("family", sorted(QWEN_TOWERS))  # the Omni encoders too: they share these adapters
 def test_static_forward_never_syncs_the_host(family, qwen_towers):
     # On the meta device every tensor is data-free: .item(), .tolist(), nonzero() or a data-dependent shape
     # would raise. What runs here is exactly what a CUDA graph captures.
