@@ -263,10 +263,14 @@ class GraphedForward:
 
         adapter = wrap(self.module, **self._adapter_options)
         try:
-            return Engine(adapter, EncoderGraphRunner(adapter, **self._runner_options))
+            engine = Engine(adapter, EncoderGraphRunner(adapter, **self._runner_options))
         except BaseException:
             adapter.unwrap()
             raise
+        # The module as the graphs will see it: an adapter may re-point parameters' storage (Qwen2.5-VL's padded
+        # MLP), which must not read as a change at the next call (it would rebuild the adapter, forever).
+        self._state = ModuleState.of(self.module)
+        return engine
 
     def _build_shape(self, split: Any, output: Any) -> Engine:
         return new_generic_engine(self.module, split, output, self._adapter_options, self._runner_options)

@@ -268,3 +268,19 @@ def test_hf_backbones_without_an_adapter_replay_exactly(name):
     # Three call shapes, each learned from its first call; every later item replayed (verified batch-first).
     assert stats["eager_reasons"] == {FIRST_SIGHT: 3}, stats["eager_reasons"]
     assert stats["graph_items"] == 5 + 11 + 3 + 6 and len(stats["shapes"]["live"]) == 3
+
+
+def test_an_adapter_that_repoints_parameters_is_not_rebuilt_by_unrelated_registrations():
+    """Qwen2.5-VL's adapter pads its MLP and re-points the parameters at views of the padding: the module's state is
+    taken after that, so that registrations elsewhere (any module built anywhere) are absorbed, not rebuilds."""
+    tower = tiny_qwen25().model.visual
+    wrap(tower, "qwen2_5_vl")
+    args, kwargs = tower_call("qwen2_5_vl")
+    hook = encgraph.graphs(tower)
+    with torch.no_grad():
+        tower(*args, **kwargs)
+        hook.reset()  # dropped and built again on the next call: the padding made anew
+        for _ in range(3):
+            torch.nn.Linear(2, 2)  # an unrelated registration
+            tower(*args, **kwargs)
+    assert hook.stats["rebuilds"] == {"reset() called": 1} and hook.stats["calls"] == 4
