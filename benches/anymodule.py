@@ -18,7 +18,8 @@ module, the three systems side by side in one process, each on a copy of its own
 - the per-item agreement of encgraph's outputs with the eager module's on one batch.
 
 A time budget (``--budget-s``) stops starting new modules past it; skipped modules are recorded as such. Writes
-``benches/results/anymodule_<gpu>.json``, ``.md`` and ``.png`` (and under ``$OUT/results`` when set).
+``benches/results/anymodule_<gpu>.json`` and ``.md`` (and under ``$OUT/results`` when set); ``python benches/plot.py``
+draws its ``.png``.
 """
 
 from __future__ import annotations
@@ -227,34 +228,6 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(doc: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    models = [n for n, m in doc["models"].items() if "batches" in m]
-    if not models:
-        return
-    fig, axes = plt.subplots(1, len(models), figsize=(3.2 * len(models), 3.2), squeeze=False)
-    for ax, name in zip(axes[0], models):
-        b = doc["models"][name]["batches"]
-        sizes = [int(n) for n in b]
-        for s in SYSTEMS:
-            ax.plot(sizes, [b[n][s] for n in b], marker="o", label=LABELS[s])
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("batch")
-    axes[0][0].set_ylabel("median ms")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def environment() -> dict[str, Any]:
     import datetime
     import subprocess
@@ -300,8 +273,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             d.mkdir(parents=True, exist_ok=True)
             (d / f"anymodule_{slug}.json").write_text(json.dumps(doc, indent=1, default=str))
             (d / f"anymodule_{slug}.md").write_text(render(doc))
-    for d in dirs:
-        plot(doc, d / f"anymodule_{slug}.png")
     print(render(doc))
     return doc
 

@@ -255,3 +255,24 @@ def step3p7_chart(data: Mapping[str, Any], path: Path) -> Chart:
         Panel("capture", "seconds",
               cells={"capture": {n: num(capture[k]) for n, k in systems.items() if k in capture}}),
     ), cols=2)
+
+
+ANYMODULE_SYSTEMS = {"eager": "module eager", "reduce_overhead": 'torch.compile(mode="reduce-overhead")',
+                     "encgraph": "encgraph.graphed(module)"}
+
+
+def anymodule_chart(data: Mapping[str, Any], path: Path) -> Chart:
+    """``benches/anymodule.py``: per module, median ms against batch size for each system (log-log)."""
+    panels = []
+    for name, m in data.get("models", {}).items():
+        batches = m.get("batches") or {}
+        if not batches:
+            continue
+        sizes = [int(n) for n in batches]
+        lines = {label: (sizes, [num(batches[n].get(key)) for n in batches]) for key, label in ANYMODULE_SYSTEMS.items()}
+        panels.append(Panel(name, "median ms per call", kind=Kind.LINES, lines=lines, xlabel="batch", log=True,
+                            xlog=2, markers=True))
+    skipped = [f"{n}: {m.get('skipped') or m.get('error')}" for n, m in data.get("models", {}).items()
+               if not m.get("batches")]
+    return Chart(titled("any module: graphed(module) against eager and reduce-overhead", data), tuple(panels),
+                 cols=3, note="; ".join(skipped))

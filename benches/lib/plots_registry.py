@@ -34,6 +34,7 @@ class Plot:
 
 
 REGISTRY: tuple[Plot, ...] = (
+    Plot("anymodule", plots_models.anymodule_chart),
     Plot("attention_kernels", plots_kernels.attention_chart),
     Plot("capture", plots_kernels.capture_chart),
     Plot("compile_start", plots_kernels.compile_start_chart),
