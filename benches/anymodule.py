@@ -188,7 +188,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         shapes = encgraph.graphs(systems["encgraph"]).stats.get("shapes")
         if shapes:
             out["encgraph_stats"]["graph_mib"] = round(shapes["graph_bytes"] / 2**20, 1)
-    del systems, base
+    systems.clear()  # the copies and their graphs go before the next module
+    del base
     torch.cuda.empty_cache()
     torch._dynamo.reset()
     return out
@@ -196,7 +197,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def render(doc: dict[str, Any]) -> str:
     env = doc["environment"]
-    lines = [f"# anymodule: graphed(module) against the module and torch.compile(mode=\"reduce-overhead\")", "",
+    lines = ['# anymodule: graphed(module) against the module and torch.compile(mode="reduce-overhead")', "",
              f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, bfloat16, random weights; "
              f"{env['date']}; commit {env['commit']}", ""]
     lines += ["| module | batch | eager ms | reduce-overhead ms | encgraph ms | vs eager | vs reduce-overhead |",
