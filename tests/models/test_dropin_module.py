@@ -82,6 +82,14 @@ def wrap(tower, family):
     return encgraph.graphed(tower, mode=RunMode.STATIC, **options)
 
 
+def wrapped_qwen_tower(model=None):
+    """A tiny Qwen2.5-VL model's tower, graphed (STATIC), its call's arguments, and its hook."""
+    tower = (model or tiny_qwen25()).model.visual
+    wrap(tower, "qwen2_5_vl")
+    args, kwargs = tower_call("qwen2_5_vl")
+    return tower, args, kwargs, encgraph.graphs(tower)
+
+
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_wrapping_keeps_names_checkpoints_and_save_pretrained(family, tmp_path):
     build, tower_of = MODELS[family]
@@ -115,9 +123,7 @@ def test_wrapping_keeps_names_checkpoints_and_save_pretrained(family, tmp_path):
 def test_peft_lora_targets_the_tower_by_name_and_the_graphs_hold_the_adapted_layers():
     peft = pytest.importorskip("peft")
     model, plain = tiny_qwen25(), tiny_qwen25()
-    tower = model.model.visual
-    wrap(tower, "qwen2_5_vl")
-    args, kwargs = tower_call("qwen2_5_vl")
+    tower, args, kwargs, _ = wrapped_qwen_tower(model)
     with torch.no_grad():
         tower(*args, **kwargs)
     config = dict(r=4, target_modules=["qkv", "down_proj"], init_lora_weights=False)
@@ -139,9 +145,7 @@ def test_peft_lora_targets_the_tower_by_name_and_the_graphs_hold_the_adapted_lay
 
 def test_copies_capture_their_own_graphs():
     model = tiny_qwen25()
-    tower = model.model.visual
-    wrap(tower, "qwen2_5_vl")
-    args, kwargs = tower_call("qwen2_5_vl")
+    tower, args, kwargs, _ = wrapped_qwen_tower(model)
     with torch.no_grad():
         want = tower(*args, **kwargs)
         buffer = io.BytesIO()
@@ -157,10 +161,7 @@ def test_copies_capture_their_own_graphs():
 
 
 def test_moves_modes_and_grad_are_honoured():
-    tower = tiny_qwen25().model.visual
-    wrap(tower, "qwen2_5_vl")
-    args, kwargs = tower_call("qwen2_5_vl")
-    hook = encgraph.graphs(tower)
+    tower, args, kwargs, hook = wrapped_qwen_tower()
     with torch.no_grad():
         tower(*args, **kwargs)
         tower.double()  # graphs of float32 buffers cannot hold it: dropped, built again
@@ -273,10 +274,7 @@ def test_hf_backbones_without_an_adapter_replay_exactly(name):
 def test_an_adapter_that_repoints_parameters_is_not_rebuilt_by_unrelated_registrations():
     """Qwen2.5-VL's adapter pads its MLP and re-points the parameters at views of the padding: the module's state is
     taken after that, so that registrations elsewhere (any module built anywhere) are absorbed, not rebuilds."""
-    tower = tiny_qwen25().model.visual
-    wrap(tower, "qwen2_5_vl")
-    args, kwargs = tower_call("qwen2_5_vl")
-    hook = encgraph.graphs(tower)
+    tower, args, kwargs, hook = wrapped_qwen_tower()
     with torch.no_grad():
         tower(*args, **kwargs)
         hook.reset()  # dropped and built again on the next call: the padding made anew
