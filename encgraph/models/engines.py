@@ -90,7 +90,7 @@ class ShapeFamilies:
         self.engines[split.key] = engine
         while len(self.engines) > self.max_shapes:
             _, old = self.engines.popitem(last=False)
-            self._retire(old)
+            self.retire(old)
             self.evicted += 1
             log.info("encgraph: dropped the graphs of call shape %s (least recently used of %d; max_shapes=%d).",
                      describe_key(old.key), self.max_shapes + 1, self.max_shapes)
@@ -106,16 +106,17 @@ class ShapeFamilies:
         """The shape's engine goes (its self-check failed, say); its calls are answered by the module from now on."""
         engine = self.engines.pop(key, None)
         if engine is not None:
-            self._retire(engine)
+            self.retire(engine)
         self.learned[key] = reason
 
-    def _retire(self, engine: Engine) -> None:
+    def retire(self, engine: Engine) -> None:
+        """Close ``engine`` (its adapter undoes what it changed), keeping its counters in :attr:`retired`."""
         self.retired = sum_counters([self.retired, engine.runner.stats])
         engine.close()
 
     def clear(self) -> None:
         for engine in self.engines.values():
-            self._retire(engine)
+            self.retire(engine)
         self.engines.clear()
         self.learned.clear()
 

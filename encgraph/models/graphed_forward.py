@@ -147,19 +147,16 @@ class GraphedForward:
             return self._answer_stock(TRAIN_MODE, args, kwargs)
         if autograd_requested(module, args, kwargs):
             return self._answer_stock(AUTOGRAD, args, kwargs)
-        with self._lock:
+        with self._lock:  # one acquisition a call: the state check, then the graphs' call
             self._check_state()
             passthrough = self._passthrough
-            if passthrough is not None:
-                self._stock.add_stock(passthrough)
-        if passthrough is not None:  # outside the lock: the module's forward, as concurrent as the module is
-            if passthrough not in self._logged:
-                self._log_stock(passthrough)
-            return self.original_forward(*args, **kwargs)
-        with self._lock:
-            if self._family:
-                return self._call_family(args, kwargs)
-            return self._call_shape(args, kwargs)
+            if passthrough is None:
+                return self._call_family(args, kwargs) if self._family else self._call_shape(args, kwargs)
+            self._stock.add_stock(passthrough)
+        # Outside the lock: the module's forward, as concurrent as the module is.
+        if passthrough not in self._logged:
+            self._log_stock(passthrough)
+        return self.original_forward(*args, **kwargs)
 
     def _call_family(self, args: Any, kwargs: Any) -> Any:
         engine = self._engine
@@ -243,8 +240,7 @@ class GraphedForward:
     def _close_engines(self) -> None:
         """Every engine goes (the adapters undo what they changed); their counters stay in ``stats``."""
         if self._engine is not None:
-            self._shapes.retired = sum_counters([self._shapes.retired, self._engine.runner.stats])
-            self._engine.close()
+            self._shapes.retire(self._engine)
             self._engine = None
         self._shapes.clear()
 
