@@ -136,8 +136,10 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for system in SYSTEMS:  # warm-up, one system at a time: its own peak memory and compile counters
             torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             before_mem, before = torch.cuda.memory_allocated(device), dynamo_counts()
+            before_reserved = torch.cuda.memory_reserved(device)
             t0 = time.perf_counter()
             for _ in range(3):
                 for n in BATCHES:
@@ -150,7 +152,11 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "recompiles": after["recompiles"] - before["recompiles"],
                 "peak_mib": round((torch.cuda.max_memory_allocated(device) - before_mem) / 2**20, 1),
                 "held_mib": round((torch.cuda.memory_allocated(device) - before_mem) / 2**20, 1),
+                "peak_reserved_mib": round((torch.cuda.max_memory_reserved(device) - before_reserved) / 2**20, 1),
             }
+            torch.cuda.empty_cache()
+            out["warmup"][system]["held_reserved_mib"] = round(
+                (torch.cuda.memory_reserved(device) - before_reserved) / 2**20, 1)
         x = images(8)
         want = first_tensor(call("eager", x)).float()
         got = first_tensor(call("encgraph", x)).float()
@@ -185,6 +191,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         out["encgraph_stats"] = {k: v for k, v in encgraph.graphs(systems["encgraph"]).stats.items()
                                  if k in ("calls", "stock_calls", "graph_items", "eager_items", "eager_reasons",
                                           "rebuilds")}
+        info = encgraph.graphs(systems["encgraph"]).runner.capture_info.get("compile", {})
+        out["encgraph_compile"] = {k: info.get(k) for k in ("status", "regions", "dynamo")}
         shapes = encgraph.graphs(systems["encgraph"]).stats.get("shapes")
         if shapes:
             out["encgraph_stats"]["graph_mib"] = round(shapes["graph_bytes"] / 2**20, 1)
@@ -209,15 +217,16 @@ def render(doc: dict[str, Any]) -> str:
         for n, t in m["batches"].items():
             lines.append(f"| {name} | {n} | {t['eager']} | {t['reduce_overhead']} | {t['encgraph']} | "
                          f"{t['eager'] / t['encgraph']:.2f}x | {t['reduce_overhead'] / t['encgraph']:.2f}x |")
-    lines += ["", "| module | system | warm-up s | frames compiled | recompiles | peak MiB | stream mean ms | "
-              "P50 ms | P99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| module | system | warm-up s | frames compiled | recompiles | peak MiB allocated | "
+              "peak / held MiB reserved | stream mean ms | P50 ms | P99 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in doc["models"].items():
         if "warmup" not in m:
             continue
         for s in SYSTEMS:
             w, st = m["warmup"][s], m["stream"][s]
             lines.append(f"| {name} | {LABELS[s]} | {w['seconds']} | {w['frames_compiled']} | {w['recompiles']} | "
-                         f"{w['peak_mib']} | {st['mean_ms']} | {st['p50_ms']} | {st['p99_ms']} |")
+                         f"{w['peak_mib']} | {w.get('peak_reserved_mib', '-')} / {w.get('held_reserved_mib', '-')} | "
+                         f"{st['mean_ms']} | {st['p50_ms']} | {st['p99_ms']} |")
     lines += [""]
     for name, m in doc["models"].items():
         if "stream" in m:
@@ -231,14 +240,17 @@ def render(doc: dict[str, Any]) -> str:
 
 def environment() -> dict[str, Any]:
     import datetime
+    import os
     import subprocess
 
     import torch
     import transformers
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    # BENCH_COMMIT: the commit the tree was copied from, where the tree is a copy whose git history is not its own
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.date.today().isoformat(), "commit": commit.stdout.strip() or None}
+            "date": datetime.date.today().isoformat(), "commit": commit or None}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

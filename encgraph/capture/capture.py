@@ -83,7 +83,7 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
                 regions.compile()
                 compile_info["regions"] = regions.describe()
             else:
-                forwards = {path: compile_dynamic(forwards[path]) for path in forwards}
+                forwards = {path: compile_dynamic(forwards[path], regions.dynamic) for path in forwards}
         bar = tqdm(todo, desc="encgraph: capture", unit="graph", disable=not runner.progress, leave=False)
         for path, budget in bar:
             bar.set_postfix_str(f"{path}@{budget}")

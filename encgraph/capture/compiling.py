@@ -43,6 +43,7 @@ from encgraph.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "CompileMode", "CompiledRegions", "resolve_compile", "default_cache_dir", "compile_cache", "compile_dynamic",
+    "dynamic_sizes",
     "compile_stats", "frames_traced", "no_duck_sizing", "recompile_headroom", "RECOMPILE_HEADROOM",
 ]
 
@@ -131,12 +132,23 @@ def _env_cache_dir(directory: str) -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
 
 
-def compile_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(fn, dynamic=True)`` (inductor, no cudagraphs of its own); trace it inside
-    :func:`no_duck_sizing`."""
+def compile_dynamic(fn: Callable[..., Any], dynamic: bool | None = True) -> Callable[..., Any]:
+    """``torch.compile(fn, dynamic=dynamic)`` (inductor, no cudagraphs of its own); trace it inside
+    :func:`no_duck_sizing`. ``dynamic``: an adapter's :func:`dynamic_sizes`."""
     import torch
 
-    return torch.compile(fn, dynamic=True)
+    return torch.compile(fn, dynamic=dynamic)
+
+
+def dynamic_sizes(adapter: Any) -> bool | None:
+    """How an adapter's static forward is compiled: ``True`` (the default: every size symbolic, for adapters whose
+    budgets change several sizes, token rows and metadata alike) or ``None`` (torch's automatic dynamic: sizes are
+    static until a budget changes them, so a batch ladder compiles its largest budget with static sizes, then the
+    batch dimension alone symbolic; the adapter's ``compile_dynamic`` attribute)."""
+    value = getattr(adapter, "compile_dynamic", True)
+    if value not in (True, None):
+        raise ConfigError(f"{type(adapter).__name__}.compile_dynamic: expected True or None, got {describe(value)}.")
+    return value
 
 
 @contextlib.contextmanager
@@ -171,19 +183,20 @@ def recompile_headroom() -> Iterator[None]:
 class CompiledRegions:
     """The repeated blocks an adapter names (``compile_regions()``), compiled for the duration of a capture.
 
-    ``compile()`` calls ``nn.Module.compile(dynamic=True)`` on each; ``restore()`` (idempotent) clears their
+    ``compile()`` calls ``nn.Module.compile(dynamic=...)`` on each (:func:`dynamic_sizes`); ``restore()`` (idempotent) clears their
     compiled call again, so outside the capture the tower runs exactly as before.
     """
 
     def __init__(self, adapter: Any, *, backend: str = "inductor") -> None:
         hook = getattr(adapter, "compile_regions", None)
         self.modules = list(hook()) if hook is not None else []
+        self.dynamic = dynamic_sizes(adapter)
         self.backend = backend
         self.active = False
 
     def compile(self) -> None:
         for module in self.modules:
-            module.compile(dynamic=True, backend=self.backend)
+            module.compile(dynamic=self.dynamic, backend=self.backend)
         self.active = True
 
     def restore(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,15 +149,37 @@ def _set_attention_name(config: Any, name: str) -> None:
 
 
 def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The tower's repeated layers: the longest ``nn.ModuleList`` below ``module`` whose entries are all of one
-    class (at least two), or ``[]``. What ``compile_regions()`` of an adapter names by default."""
-    best: list[torch.nn.Module] = []
+    """The tower's repeated layers: every instance of the block class that fills its ``nn.ModuleList`` /
+    ``nn.Sequential`` containers most often (at least two of one class in one container; leaf modules and
+    containers themselves do not count), outermost instances only, in module order; or ``[]``.
+
+    A container of one class is how towers hold their layers (transformers' ``ModuleList``, timm's and
+    torchvision's ``Sequential``); every instance of the class is named, so a staged tower (ConvNeXt's four stages
+    of one layer class, at four widths) has all its layers compiled, not only its longest stage's. What
+    ``compile_regions()`` of an adapter names by default."""
+    counts: dict[type, int] = {}
     for sub in module.modules():
-        if isinstance(sub, torch.nn.ModuleList) and len(sub) >= 2 and len(sub) > len(best):
-            kinds = {type(m) for m in sub}
-            if len(kinds) == 1:
-                best = list(sub)
-    return best
+        if type(sub) in _CONTAINERS or isinstance(sub, torch.nn.ModuleList):
+            kinds = Counter(type(m) for m in sub.children()
+                            if next(m.children(), None) is not None and type(m) not in _CONTAINERS)
+            for kind, n in kinds.items():
+                if n >= 2:
+                    counts[kind] = counts.get(kind, 0) + n
+    if not counts:
+        return []
+    best = max(counts, key=lambda kind: counts[kind])  # ties: the first seen, the outer class
+    blocks: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for sub in module.modules():
+        if id(sub) in inside:
+            continue
+        if type(sub) is best:
+            blocks.append(sub)
+            inside.update(id(m) for m in sub.modules())
+    return blocks
+
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList)
 
 
 def tower_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:

@@ -105,6 +105,9 @@ class GenericModuleAdapter:
     repeat the sub-batch's last item). Outputs: ``out<i>`` ``(B, ...)``, the output's tensor leaves in order.
     """
 
+    compile_dynamic: bool | None = True
+    """How ``compile="auto"`` traces the blocks (:func:`encgraph.capture.compiling.dynamic_sizes`)."""
+
     def __init__(self, module: torch.nn.Module, example: CallSplit, output: OutputSpec, *, max_batch: int = 32) -> None:
         if not isinstance(module, torch.nn.Module):
             raise InputTypeError(f"module: expected a torch.nn.Module, got {describe(module)}.")

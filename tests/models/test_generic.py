@@ -187,3 +187,45 @@ def test_take_rows_views_one_run_and_gathers_the_rest(rows):
         assert torch.equal(got, t[torch.as_tensor(rows, dtype=torch.long)])
         one_run = rows == list(range(rows[0], rows[0] + len(rows))) if rows else True
         assert (got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()) is one_run
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def test_repeated_blocks_are_every_instance_of_the_class_that_fills_containers():
+    """timm and torchvision hold their layers in ``nn.Sequential``, staged towers in one container per stage: every
+    block of the class is named (all stages, outermost instances), never leaf layers or the containers."""
+    from encgraph.models._hf import repeated_blocks
+
+    stages = torch.nn.Sequential(
+        torch.nn.Sequential(_Block(8), _Block(8)),
+        torch.nn.Linear(8, 16),
+        torch.nn.ModuleList([_Block(16), _Block(16), _Block(16)]),
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                            torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)),
+    )
+    blocks = repeated_blocks(stages)
+    assert [id(b) for b in blocks] == [id(m) for m in stages.modules() if isinstance(m, _Block)]
+    assert len(blocks) == 5
+    assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))) == []
+
+
+def test_generic_adapter_compiles_with_the_batch_alone_symbolic():
+    """A call shape fixes every size but the batch: the any-module path compiles with torch's automatic dynamic
+    (static sizes, the batch made symbolic once a second budget is traced), where adapters whose budgets change
+    several sizes keep every size symbolic."""
+    from encgraph.capture.compiling import dynamic_sizes
+    from encgraph.models.fixed import FixedResolutionAdapter
+
+    module = torch.nn.Sequential(_Block(8), _Block(8))
+    adapter = GenericModuleAdapter.of_call(module, torch.randn(3, 5, 8))
+    assert dynamic_sizes(adapter) is GenericModuleAdapter.compile_dynamic
+    assert dynamic_sizes(object()) is True
+    assert "compile_dynamic" not in FixedResolutionAdapter.__dict__

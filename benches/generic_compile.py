@@ -1,0 +1,189 @@
+"""How a batch-ladder tower is compiled before capture: which regions, and which sizes symbolic.
+
+A batch ladder (the any-module path, SigLIP, CLIP) changes one size between budgets: the batch. Four ways to
+compile it before the graphs are captured, each measured on one module in one process:
+
+- ``blocks/symbolic``: the repeated blocks (``repeated_blocks``), every size symbolic (``dynamic=True``);
+- ``blocks/automatic``: the repeated blocks, torch's automatic dynamic (``dynamic=None``): the largest budget,
+  captured first, compiles with static sizes, the next makes the batch alone symbolic, batch 1 specialises;
+- ``whole/symbolic`` and ``whole/automatic``: the adapter's whole static forward instead of its blocks.
+
+Per variant: the warm-up (every batch size of 1, 2, 4, 8, 16, 32 three times in turn; the capture happens on a
+shape's second call) in wall seconds with Dynamo's frames and graph breaks, and the median of ``--runs`` calls per
+batch size, interleaved call by call with the module's eager forward (the per-phase reference: each variant runs
+after ``torch._dynamo.reset()``, so ``torch.compile(mode="reduce-overhead")`` is measured once, first, against the
+same eager forward). Inductor's caches are off (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``), so every compile is
+cold. Writes ``benches/results/generic_compile_<gpu>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benches.anymodule import BATCHES, Timer, build, dynamo_counts, environment, first_tensor  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {"blocks/symbolic": (True, True), "blocks/automatic": (True, None), "whole/symbolic": (False, True),
+            "whole/automatic": (False, None)}
+TIMED = (1, 8, 32)
+
+
+def adapter_classes() -> list[type]:
+    from encgraph.models.fixed import FixedResolutionAdapter
+    from encgraph.models.generic import GenericModuleAdapter
+
+    return [GenericModuleAdapter, FixedResolutionAdapter]
+
+
+def set_variant(blocks: bool, dynamic: bool | None) -> list[tuple[type, str, Any]]:
+    """Patch the batch-ladder adapters' classes; returns what to put back."""
+    saved = []
+    for cls in adapter_classes():
+        for name in ("compile_dynamic", "compile_regions"):
+            saved.append((cls, name, cls.__dict__.get(name)))
+        cls.compile_dynamic = dynamic
+        if not blocks:
+            cls.compile_regions = lambda self: []
+    return saved
+
+
+def restore(saved: list[tuple[type, str, Any]]) -> None:
+    for cls, name, value in saved:
+        if value is None:
+            if name in cls.__dict__:
+                delattr(cls, name)
+        else:
+            setattr(cls, name, value)
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import encgraph
+
+    device = torch.device("cuda")
+    base, side, style = build(name, args.tiny)
+    base = base.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    timer = Timer(device)
+
+    def images(n: int) -> Any:
+        return torch.randn(n, 3, side, side, device=device, dtype=torch.bfloat16, generator=gen)
+
+    def call(module: Any, x: Any) -> Any:
+        return module(x) if style == "positional" else module(pixel_values=x)
+
+    def phase(system: Any, label: str) -> dict[str, Any]:
+        torch.cuda.synchronize(device)
+        before, t0 = dynamo_counts(), time.perf_counter()
+        for _ in range(3):
+            for n in BATCHES:
+                call(system, images(n))
+        torch.cuda.synchronize(device)
+        row: dict[str, Any] = {"warmup_s": round(time.perf_counter() - t0, 2),
+                               "frames": dynamo_counts()["frames"] - before["frames"], "batches": {}}
+        for n in TIMED:
+            own, eager = [], []
+            for _ in range(args.runs):
+                x = images(n)
+                eager.append(timer(lambda: call(base, x)))
+                own.append(timer(lambda: call(system, x)))
+            row["batches"][n] = {"eager_ms": round(statistics.median(eager), 3),
+                                 label + "_ms": round(statistics.median(own), 3)}
+        x = images(8)
+        want, got = first_tensor(call(base, x)).float(), first_tensor(call(system, x)).float()
+        row["max_item_rel_diff"] = max(float((got[i] - want[i]).norm() / want[i].norm()) for i in range(8))
+        return row
+
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        ro = torch.compile(copy.deepcopy(base), mode="reduce-overhead")
+        out["reduce_overhead"] = phase(ro, "system")
+        del ro
+        for variant in args.variants.split(","):
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+            saved = set_variant(*VARIANTS[variant])
+            try:
+                module = encgraph.graphed(copy.deepcopy(base))
+                row = phase(module, "system")
+                info = encgraph.graphs(module).runner.capture_info
+                row["compile"] = {k: info.get("compile", {}).get(k) for k in ("status", "regions", "dynamo")}
+                row["stats"] = {k: v for k, v in encgraph.graphs(module).stats.items()
+                                if k in ("graph_items", "eager_items", "eager_reasons", "stock_calls")}
+                out[variant] = row
+                del module
+            except Exception as exc:  # one variant's failure is recorded; the others still run
+                out[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            finally:
+                restore(saved)
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return out
+
+
+def render(doc: dict[str, Any]) -> str:
+    env = doc["environment"]
+    lines = ["# generic_compile: how a batch-ladder tower is compiled before capture", "",
+             f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, bfloat16, random weights, "
+             f"inductor caches off; {env['date']}; commit {env['commit']}", "",
+             "| module | system | warm-up s | frames | " + " | ".join(f"batch {n}: ms (eager ms)" for n in TIMED)
+             + " | max item rel diff |", "|---|---|---|---|" + "---|" * len(TIMED) + "---|"]
+    for name, rows in doc["models"].items():
+        for system, row in rows.items():
+            if "error" in row or "skipped" in row:
+                lines.append(f"| {name} | {system} | {row.get('error') or row.get('skipped')} | | | | | |")
+                continue
+            cells = [f"{b['system_ms']} ({b['eager_ms']})" for b in row["batches"].values()]
+            lines.append(f"| {name} | {system} | {row['warmup_s']} | {row['frames']} | " + " | ".join(cells)
+                         + f" | {row['max_item_rel_diff']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="vit_b16_timm,convnext_b,vit_b16_hf")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--runs", type=int, default=15)
+    p.add_argument("--budget-s", type=float, default=300.0, help="start no module past this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--results-dir", default=str(REPO / "benches" / "results"))
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("generic_compile.py needs CUDA.")
+    slug = "-".join("".join(c if c.isalnum() else " " for c in torch.cuda.get_device_name().lower()).split())
+    dirs = [Path(args.results_dir)] + ([Path(os.environ["OUT"]) / "results"] if os.environ.get("OUT") else [])
+    doc: dict[str, Any] = {"environment": environment(), "options": vars(args), "models": {}}
+    t0 = time.perf_counter()
+    for name in args.models.split(","):
+        if time.perf_counter() - t0 > args.budget_s:
+            doc["models"][name] = {"-": {"skipped": "time budget spent"}}
+            continue
+        print(f"[{time.perf_counter() - t0:.0f} s] {name}", flush=True)
+        doc["models"][name] = measure(name, args)
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"generic_compile_{slug}.json").write_text(json.dumps(doc, indent=1, default=str))
+            (d / f"generic_compile_{slug}.md").write_text(render(doc))
+        print(render(doc), flush=True)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
