@@ -283,6 +283,15 @@ class EncoderGraphRunner:
             return self.stats
         return self._dp.global_stats()
 
+    def call_rows(self, inputs: Any) -> dict[str, torch.Tensor] | None:
+        """Encode ``inputs`` whose every item is one row of every output (a batch ladder's images): each output
+        over the call's items in the caller's order, one tensor per output name, without the per-item results
+        :meth:`__call__` cuts and the adapter joins again. ``None`` (nothing run) for a runner of several paths
+        or a data-parallel one; call the runner then. Fresh tensors unless ``copy_outputs=False``."""
+        if self._dp is not None:
+            return None
+        return calls.call_rows(self, inputs)
+
     def _call_local(self, inputs: Any) -> list[Any]:
         return calls.call(self, inputs)
 

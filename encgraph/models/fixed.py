@@ -386,7 +386,11 @@ class FixedResolutionAdapter(BatchLadderAdapter):
     def output_for_call(self, results: list[dict[str, torch.Tensor]], inputs: PixelBatch) -> Any:
         """The tower's own output class (or its ``to_tuple()`` for ``return_dict=False``), each tensor
         concatenated over the call's images in input order."""
-        cat = {name: torch.cat([r[name] for r in results]) for name in self._signature.names}
+        return self.output_for_rows({name: torch.cat([r[name] for r in results]) for name in self._signature.names},
+                                    inputs)
+
+    def output_for_rows(self, cat: Mapping[str, torch.Tensor], inputs: PixelBatch) -> Any:
+        """The same from each output over the call's images (``runner.call_rows``)."""
         layout = inputs.request.hidden_layout
         hidden = None if layout is None else tuple(None if i is None else cat.get(f"{HIDDEN}{i}") for i in layout)
         out = self.output_class(

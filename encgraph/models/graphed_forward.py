@@ -198,6 +198,11 @@ class GraphedForward:
         reason = getattr(adapter, "stock_reason", None)
         if reason:
             return self._answer_stock(reason, args, kwargs)
+        by_rows = getattr(adapter, "output_for_rows", None)
+        if by_rows is not None:  # a batch ladder: the outputs as rows, not cut per item and joined again
+            rows = runner.call_rows(inputs)
+            if rows is not None:
+                return by_rows(rows, inputs)
         return adapter.output_for_call(runner(inputs), inputs)
 
     def _answer_stock(self, reason: str, args: Any, kwargs: Any) -> Any:

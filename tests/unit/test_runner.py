@@ -292,3 +292,65 @@ def test_a_plan_bought_during_a_call_is_built_after_the_calls_forwards():
     net.events.clear()
     graphed(x)
     assert net.events == [("forward", 64)]  # held since: dense at once
+
+
+class _SharedOutputToy(ToyAdapter):
+    """Outputs written into one persistent buffer per path, as replays write a graph's output buffer, and an
+    ``assemble`` that copies each item (``assemble_copies``): the runner hands it views, which the next sub-batch
+    overwrites, so each sub-batch must be cut into its items before the next one runs."""
+
+    assemble_copies = True
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.shared: dict[str, torch.Tensor] = {}
+
+    def forward_static(self, path, buffers, budget):
+        out = super().forward_static(path, buffers, budget)["out"]
+        held = self.shared.get(path)
+        if held is None or held.shape[0] < out.shape[0]:
+            held = self.shared[path] = torch.empty((max(out.shape[0], 1024), *out.shape[1:]), dtype=out.dtype)
+        held[: out.shape[0]].copy_(out)
+        return {"out": held[: out.shape[0]]}
+
+    def assemble(self, parts):
+        return super().assemble(parts).clone()
+
+
+def test_each_sub_batch_is_cut_into_items_before_the_next_one_runs():
+    torch.manual_seed(0)
+    adapter = _SharedOutputToy({"default": ToyTower()}, min_budget=16, max_budget=64)
+    inputs = random_inputs(np.random.default_rng(5), adapter, 9)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC)
+    assert len(runner.plan(inputs).batches) > 1
+    assert runner.call_rows(inputs) is None  # its outputs are views until its own copy: the per-item path
+    assert_same(runner(inputs), reference(adapter, inputs))
+
+
+def test_call_rows_equals_the_per_item_results_in_the_callers_order(monkeypatch):
+    """A batch ladder's call as rows: several sub-batches joined, and a plan that reorders the items put back in
+    the caller's order."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    net.requires_grad_(False)
+    fast = encgraph.graphed(net, budgets=[1, 2, 4], mode=RunMode.STATIC)
+    x = torch.randn(7, 8)
+    fast(x)  # first sight: the module's own forward
+    fast(x)  # the second builds the shape's runner
+    runner = encgraph.graphs(fast).runner
+    split = runner.adapter.inputs_from_call(x)
+    rows = runner.call_rows(split)
+    torch.testing.assert_close(rows["out0"], torch.cat([r["out0"] for r in runner(split)]), rtol=0, atol=0)
+    assert len(runner.plan(split).batches) > 1
+    plan = runner._pack
+    monkeypatch.setattr(runner, "_pack", lambda specs: _reversed(plan(specs)))
+    torch.testing.assert_close(runner.call_rows(split)["out0"], net(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast(x), net(x), rtol=1e-6, atol=1e-6)
+
+
+def _reversed(plan):
+    """The same plan with every batch's items in reverse order and the batches reversed."""
+    import attrs
+
+    batches = tuple(attrs.evolve(b, items=tuple(reversed(b.items))) for b in reversed(plan.batches))
+    return attrs.evolve(plan, batches=batches)
