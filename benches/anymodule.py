@@ -276,12 +276,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in args.models.split(","):
         if time.perf_counter() - t0 > args.budget_s:
             doc["models"][name] = {"skipped": "skipped: time budget spent"}
-            continue
-        print(f"[{time.perf_counter() - t0:.0f} s] {name}", flush=True)
-        try:
-            doc["models"][name] = measure(name, args)
-        except Exception as exc:  # one module's failure is recorded; the others still run
-            doc["models"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        else:
+            print(f"[{time.perf_counter() - t0:.0f} s] {name}", flush=True)
+            try:
+                doc["models"][name] = measure(name, args)
+            except Exception as exc:  # one module's failure is recorded; the others still run
+                doc["models"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
             (d / f"anymodule_{slug}.json").write_text(json.dumps(doc, indent=1, default=str))

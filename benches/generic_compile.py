@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in args.models.split(","):
         if time.perf_counter() - t0 > args.budget_s:
             doc["models"][name] = {"-": {"skipped": "time budget spent"}}
-            continue
-        print(f"[{time.perf_counter() - t0:.0f} s] {name}", flush=True)
-        doc["models"][name] = measure(name, args)
+        else:
+            print(f"[{time.perf_counter() - t0:.0f} s] {name}", flush=True)
+            doc["models"][name] = measure(name, args)
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
             (d / f"generic_compile_{slug}.json").write_text(json.dumps(doc, indent=1, default=str))

@@ -276,3 +276,21 @@ def anymodule_chart(data: Mapping[str, Any], path: Path) -> Chart:
                if not m.get("batches")]
     return Chart(titled("any module: graphed(module) against eager and reduce-overhead", data), tuple(panels),
                  cols=3, note="; ".join(skipped))
+
+
+def generic_compile_chart(data: Mapping[str, Any], path: Path) -> Chart:
+    """``benches/generic_compile.py``: per module, median ms against batch size for reduce-overhead and each way
+    of compiling a batch ladder (log-log)."""
+    panels = []
+    for name, rows in data.get("models", {}).items():
+        lines = {}
+        for system, row in rows.items():
+            batches = row.get("batches") or {}
+            if batches:
+                sizes = [int(n) for n in batches]
+                lines[system] = (sizes, [num(batches[n].get("system_ms")) for n in batches])
+        if lines:
+            panels.append(Panel(name, "median ms per call", kind=Kind.LINES, lines=lines, xlabel="batch", log=True,
+                                xlog=2, markers=True))
+    return Chart(titled("batch ladders: compiled blocks or the whole forward, sizes symbolic or automatic", data),
+                 tuple(panels), cols=3)

@@ -41,6 +41,7 @@ REGISTRY: tuple[Plot, ...] = (
     Plot("data_parallel", plots_models.data_parallel_chart),
     Plot("dense_buckets", plots_kernels.dense_buckets_chart),
     Plot("flex_attention", plots_kernels.flex_chart),
+    Plot("generic_compile", plots_models.generic_compile_chart),
     Plot("floor", plots_models.floor_chart),
     Plot("host_overhead", plots_host.host_overhead_chart),
     Plot("kernel_profile", plots_kernels.kernel_profile_chart),
