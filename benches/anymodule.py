@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 if __package__ in (None, ""):
@@ -203,11 +204,15 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def render(doc: dict[str, Any]) -> str:
+def heading(title: str, doc: dict[str, Any], setting: str = "") -> list[str]:
+    """A result page's title and the line naming its run's machine and versions."""
     env = doc["environment"]
-    lines = ['# anymodule: graphed(module) against the module and torch.compile(mode="reduce-overhead")', "",
-             f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, bfloat16, random weights; "
-             f"{env['date']}; commit {env['commit']}", ""]
+    return [title, "", f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, bfloat16, random "
+            f"weights{setting}; {env['date']}; commit {env['commit']}", ""]
+
+
+def render(doc: dict[str, Any]) -> str:
+    lines = heading('# anymodule: graphed(module) against the module and torch.compile(mode="reduce-overhead")', doc)
     lines += ["| module | batch | eager ms | reduce-overhead ms | encgraph ms | vs eager | vs reduce-overhead |",
               "|---|---|---|---|---|---|---|"]
     for name, m in doc["models"].items():
@@ -263,30 +268,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tiny", action="store_true", help="tiny modules (a quick check of the script)")
     p.add_argument("--results-dir", default=str(REPO / "benches" / "results"))
     args = p.parse_args(argv)
-    import os
-
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("anymodule.py needs CUDA (it times CUDA graphs and torch.compile's reduce-overhead).")
+    return run_modules("anymodule", args, measure, render, lambda kind, why: {kind: f"{kind}: {why}"})
+
+
+def run_modules(stem: str, args: argparse.Namespace, measure: Callable[[str, argparse.Namespace], Any],
+                render: Callable[[dict[str, Any]], str], entry: Callable[[str, str], Any]) -> dict[str, Any]:
+    """Each of ``args.models`` measured in turn: none started past ``args.budget_s`` and a module's failure
+    recorded (``entry("skipped" | "error", why)``), the others still run; the document is written to
+    ``<results-dir>/<stem>_<gpu>.json`` and ``.md`` (and under ``$OUT/results``) after each module."""
+    import os
+
+    import torch
+
     slug = "-".join("".join(c if c.isalnum() else " " for c in torch.cuda.get_device_name().lower()).split())
     dirs = [Path(args.results_dir)] + ([Path(os.environ["OUT"]) / "results"] if os.environ.get("OUT") else [])
     doc: dict[str, Any] = {"environment": environment(), "options": vars(args), "models": {}}
     t0 = time.perf_counter()
     for name in args.models.split(","):
         if time.perf_counter() - t0 > args.budget_s:
-            doc["models"][name] = {"skipped": "skipped: time budget spent"}
+            doc["models"][name] = entry("skipped", "time budget spent")
         else:
             print(f"[{time.perf_counter() - t0:.0f} s] {name}", flush=True)
             try:
                 doc["models"][name] = measure(name, args)
             except Exception as exc:  # one module's failure is recorded; the others still run
-                doc["models"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                doc["models"][name] = entry("error", f"{type(exc).__name__}: {str(exc)[:300]}")
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
-            (d / f"anymodule_{slug}.json").write_text(json.dumps(doc, indent=1, default=str))
-            (d / f"anymodule_{slug}.md").write_text(render(doc))
-    print(render(doc))
+            (d / f"{stem}_{slug}.json").write_text(json.dumps(doc, indent=1, default=str))
+            (d / f"{stem}_{slug}.md").write_text(render(doc))
+    print(render(doc), flush=True)
     return doc
 
 

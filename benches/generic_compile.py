@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benches.anymodule import BATCHES, Timer, build, dynamo_counts, environment, first_tensor  # noqa: E402
+from benches.anymodule import BATCHES, Timer, build, dynamo_counts, first_tensor, heading, run_modules  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"blocks/symbolic": (True, True), "blocks/automatic": (True, None), "whole/symbolic": (False, True),
@@ -136,11 +135,9 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render(doc: dict[str, Any]) -> str:
-    env = doc["environment"]
-    lines = ["# generic_compile: how a batch-ladder tower is compiled before capture", "",
-             f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, bfloat16, random weights, "
-             f"inductor caches off; {env['date']}; commit {env['commit']}", "",
-             "| module | system | warm-up s | frames | " + " | ".join(f"batch {n}: ms (eager ms)" for n in TIMED)
+    lines = heading("# generic_compile: how a batch-ladder tower is compiled before capture", doc,
+                    ", inductor caches off")
+    lines += ["| module | system | warm-up s | frames | " + " | ".join(f"batch {n}: ms (eager ms)" for n in TIMED)
              + " | max item rel diff |", "|---|---|---|---|" + "---|" * len(TIMED) + "---|"]
     for name, rows in doc["models"].items():
         for system, row in rows.items():
@@ -167,22 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         raise SystemExit("generic_compile.py needs CUDA.")
-    slug = "-".join("".join(c if c.isalnum() else " " for c in torch.cuda.get_device_name().lower()).split())
-    dirs = [Path(args.results_dir)] + ([Path(os.environ["OUT"]) / "results"] if os.environ.get("OUT") else [])
-    doc: dict[str, Any] = {"environment": environment(), "options": vars(args), "models": {}}
-    t0 = time.perf_counter()
-    for name in args.models.split(","):
-        if time.perf_counter() - t0 > args.budget_s:
-            doc["models"][name] = {"-": {"skipped": "time budget spent"}}
-        else:
-            print(f"[{time.perf_counter() - t0:.0f} s] {name}", flush=True)
-            doc["models"][name] = measure(name, args)
-        for d in dirs:
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"generic_compile_{slug}.json").write_text(json.dumps(doc, indent=1, default=str))
-            (d / f"generic_compile_{slug}.md").write_text(render(doc))
-        print(render(doc), flush=True)
-    return doc
+    return run_modules("generic_compile", args, measure, render, lambda kind, why: {"-": {kind: why}})
 
 
 if __name__ == "__main__":
