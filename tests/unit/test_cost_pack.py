@@ -175,3 +175,38 @@ def test_the_planners_own_total_is_what_plan_cost_prices(p: Problem, data: st.Da
         greedy.cost_batches = real
     expected = model.plan_cost(plan, p.items)
     assert totals == [pytest.approx(expected, rel=1e-9, abs=1e-9)]
+
+
+@given(problems(), st.data())
+def test_a_remembered_plan_is_the_plan_computed_afresh(p: Problem, data: st.DataObject) -> None:
+    """pack keeps least-cost plans by their items, ladders, limits and cost model object: the plan it finds kept
+    is the one it computes with nothing kept, and a model with equal fields but another identity plans afresh."""
+    from encgraph.packing import greedy
+
+    model = data.draw(cost_models(p.paths))
+    greedy._COSTED.clear()
+    fresh = run(p, model)
+    assert run(p, model) == fresh  # from the memo
+    twin = CostModel.from_dict(model.to_dict())
+    assert run(p, twin) == fresh
+    other = data.draw(cost_models(p.paths))
+    greedy._COSTED.clear()
+    want = run(p, other)
+    greedy._COSTED.clear()
+    run(p, model)
+    assert run(p, other) == want
+
+
+def test_the_plan_memo_is_bounded_and_answers_only_its_cost_model():
+    from encgraph.packing import greedy
+
+    memo = greedy._CostedPlans(2)
+    a, b = CostModel.linear(["default"], graph_fixed_ms=1, graph_per_budget_ms=0.1, eager_fixed_ms=2,
+                            eager_per_token_ms=0.1), CostModel.linear(["default"], graph_fixed_ms=1,
+                                                                      graph_per_budget_ms=0.1, eager_fixed_ms=2,
+                                                                      eager_per_token_ms=0.1)
+    memo.put(("k1",), a, [])
+    assert memo.get(("k1",), a) == [] and memo.get(("k1",), b) is None
+    memo.put(("k2",), a, [])
+    memo.put(("k3",), a, [])
+    assert memo.get(("k1",), a) is None and memo.get(("k3",), a) == []
