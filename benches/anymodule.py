@@ -169,6 +169,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 for system in SYSTEMS:
                     times[system].append(timer(lambda: call(system, x)))
             out["batches"][n] = {s: round(statistics.median(v), 3) for s, v in times.items()}
+        if args.profile_batches:
+            out["profile"] = profile_systems(systems, call, images, args, device)
         import random
 
         rng = random.Random(args.seed)
@@ -211,6 +213,32 @@ def heading(title: str, doc: dict[str, Any], setting: str = "") -> list[str]:
             f"weights{setting}; {env['date']}; commit {env['commit']}", ""]
 
 
+def profile_systems(systems: dict[str, Any], call: Callable[[str, Any], Any], images: Callable[[int], Any],
+                    args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    """Where each system's device time goes at each of ``--profile-batches``: ``--profile-calls`` calls under
+    ``torch.profiler`` (``benches/kernel_profile.py``'s summary: kernel time, the GPU's idle time against the
+    median latency, categories, top kernels; for graph replays, the waits inside and the work around them)."""
+    import types
+
+    from benches.kernel_profile import device_records, profile_call, replay_split, summarize
+
+    env = types.SimpleNamespace(device=device)
+    timer = Timer(device)
+    found: dict[str, Any] = {}
+    for n in (int(b) for b in args.profile_batches.split(",")):
+        x = images(n)
+        found[n] = {}
+        for system in SYSTEMS:
+            median = statistics.median(timer(lambda s=system: call(s, x)) for _ in range(args.runs))
+            trace = profile_call(lambda s=system: call(s, x), env, args.profile_calls)
+            row = summarize(device_records(trace), args.profile_calls, median)
+            replay = replay_split(trace, args.profile_calls)
+            if replay is not None:
+                row["replay"] = replay
+            found[n][system] = row
+    return found
+
+
 def render(doc: dict[str, Any]) -> str:
     lines = heading('# anymodule: graphed(module) against the module and torch.compile(mode="reduce-overhead")', doc)
     lines += ["| module | batch | eager ms | reduce-overhead ms | encgraph ms | vs eager | vs reduce-overhead |",
@@ -232,6 +260,14 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"| {name} | {LABELS[s]} | {w['seconds']} | {w['frames_compiled']} | {w['recompiles']} | "
                          f"{w['peak_mib']} | {w.get('peak_reserved_mib', '-')} / {w.get('held_reserved_mib', '-')} | "
                          f"{st['mean_ms']} | {st['p50_ms']} | {st['p99_ms']} |")
+    lines += [""]
+    for name, m in doc["models"].items():
+        for n, by_system in m.get("profile", {}).items():
+            for s, row in by_system.items():
+                cats = ", ".join(f"{c} {v['ms']}" for c, v in list(row["categories"].items())[:4])
+                lines.append(f"- {name} at batch {n}, {LABELS[s]}: median {row['median_ms']} ms, kernels "
+                             f"{row['kernel_ms']} ms ({row['kernels']} a call), GPU idle {row['idle_ms']} ms; {cats}"
+                             + (f"; replay {row['replay']}" if "replay" in row else ""))
     lines += [""]
     for name, m in doc["models"].items():
         if "stream" in m:
@@ -265,6 +301,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--stream", type=int, default=60, help="requests in the mixed stream")
     p.add_argument("--budget-s", type=float, default=480.0, help="start no module past this many seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-batches", default="8,32",
+                   help="batch sizes whose calls are profiled per system (comma-separated; empty: none)")
+    p.add_argument("--profile-calls", type=int, default=5, help="calls under the profiler per batch size and system")
     p.add_argument("--tiny", action="store_true", help="tiny modules (a quick check of the script)")
     p.add_argument("--results-dir", default=str(REPO / "benches" / "results"))
     args = p.parse_args(argv)

@@ -289,9 +289,15 @@ def test_anymodule_renders_every_system_and_the_skipped_modules():
     stream.update(encgraph_worst_vs_eager=1.5, encgraph_worst_vs_reduce_overhead=0.9, requests=3, recompiles_during=0)
     doc = {"environment": {"gpu": "GPU", "torch": "2.11", "transformers": "5.25", "date": "2026-12-06", "commit": "abc"},
            "models": {"vit_b16_hf": {"batches": batches, "warmup": dict.fromkeys(anymodule.SYSTEMS, system),
-                                     "stream": stream, "max_item_rel_diff": 1e-3, "encgraph_stats": {"calls": 3}},
+                                     "stream": stream, "max_item_rel_diff": 1e-3, "encgraph_stats": {"calls": 3},
+                                     "profile": {8: {"encgraph": {
+                                         "median_ms": 1.5, "kernel_ms": 1.2, "idle_ms": 0.3, "kernels": 90.0,
+                                         "categories": {"matmul": {"ms": 0.8, "kernels": 48.0}},
+                                         "replay": {"replays": 1.0, "replay_gap_ms": 0.05}}}}},
                       "dinov2_l14": {"skipped": "skipped: time budget spent"}}}
     table = anymodule.render(doc)
+    assert ("- vit_b16_hf at batch 8, encgraph.graphed(module): median 1.5 ms, kernels 1.2 ms (90.0 a call), GPU "
+            "idle 0.3 ms; matmul 0.8; replay") in table
     assert "| vit_b16_hf | 32 | 64.0 | 32.0 | 16.0 | 4.00x | 2.00x |" in table
     assert "dinov2_l14 | - | skipped: time budget spent" in table
     assert 'torch.compile(mode="reduce-overhead")' in table and "worst per-request ratio" in table
