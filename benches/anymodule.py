@@ -194,8 +194,11 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         out["encgraph_stats"] = {k: v for k, v in encgraph.graphs(systems["encgraph"]).stats.items()
                                  if k in ("calls", "stock_calls", "graph_items", "eager_items", "eager_reasons",
                                           "rebuilds")}
-        info = encgraph.graphs(systems["encgraph"]).runner.capture_info.get("compile", {})
+        capture_info = encgraph.graphs(systems["encgraph"]).runner.capture_info
+        info = capture_info.get("compile", {})
         out["encgraph_compile"] = {k: info.get(k) for k in ("status", "regions", "dynamo")}
+        # Per capture phase, how far it raised the peak memory (None where the library does not report it).
+        out["encgraph_memory_peak_rise_mib"] = capture_info.get("memory_peak_rise_mib")
         shapes = encgraph.graphs(systems["encgraph"]).stats.get("shapes")
         if shapes:
             out["encgraph_stats"]["graph_mib"] = round(shapes["graph_bytes"] / 2**20, 1)

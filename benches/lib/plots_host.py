@@ -73,3 +73,27 @@ def preprocess_pool_chart(data: Mapping[str, Any], path: Path) -> Chart:
     return Chart(titled(f"preprocessing pool of {opts.get('workers')} workers, {opts.get('slots')} slots, "
                         f"{opts.get('clients')} clients: waiting for a slot against the pipe", data),
                  panels, cols=3, width=13.0)
+
+
+def preprocess_exactness_chart(data: Mapping[str, Any], path: Path) -> Chart:
+    """``benches/preprocess_exactness.py``: per family, the largest difference from the Pillow processor in 8-bit
+    steps, and each backend's milliseconds per image, against the image size."""
+    fams = data.get("families", {})
+    steps = {f: {size: r.get("max_in_8bit_steps") for size, r in f_data.get("sizes", {}).items()}
+             for f, f_data in fams.items()}
+    times = {f"{f}, {backend}": {size: r.get(f"{key}_ms") for size, r in f_data.get("sizes", {}).items()}
+             for f, f_data in fams.items() for backend, key in (("Pillow", "pil"), ("torchvision", "torchvision"))}
+    panels = (Panel("largest difference from Pillow", "8-bit steps", xlabel="image", cells=_by_size(steps)),
+              Panel("time per image", "ms", xlabel="image", cells=_by_size(times), log=True))
+    device = (data.get("environment") or {}).get("device", "?")
+    return Chart(titled(f"torchvision image processors (on {device}) against Pillow", data), panels, cols=2,
+                 width=13.0)
+
+
+def _by_size(series: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{series: {size: value}}`` as cells grouped by size."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, values in series.items():
+        for size, value in values.items():
+            out.setdefault(size, {})[name] = value
+    return out

@@ -28,7 +28,8 @@ from benches.lib.towers import FAMILY_TOWERS, SMOKE_TOWERS, TOWERS  # noqa: E402
 from tests.unit._helpers import smoke_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = ("towers", "traffic", "capture", "floor", "plot", "kernel_profile", "planning", "data_parallel", "anymodule")
+SCRIPTS = ("towers", "traffic", "capture", "floor", "plot", "kernel_profile", "planning", "data_parallel", "anymodule",
+           "generic_compile", "preprocess_exactness")
 FAST = ["--cpu-smoke", "--runs", "1", "--warmup", "0"]
 
 
@@ -301,3 +302,4 @@ def test_anymodule_renders_every_system_and_the_skipped_modules():
     assert "| vit_b16_hf | 32 | 64.0 | 32.0 | 16.0 | 4.00x | 2.00x |" in table
     assert "dinov2_l14 | - | skipped: time budget spent" in table
     assert 'torch.compile(mode="reduce-overhead")' in table and "worst per-request ratio" in table
+
