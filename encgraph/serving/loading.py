@@ -143,6 +143,9 @@ class ServedModel:
             "dtype": str(self.dtype).replace("torch.", ""),
             "engine": self.engine or ("hf-eager" if self.eager else runner.get("mode", "unknown")),
             "queue_depth": self.front.queue_depth,
+            # Which backend preprocesses (Pillow without torchvision): torchvision's is 1.7-4x faster per image on
+            # a CPU (benches/results/preprocess_exactness_cpu.md), a fallback a deployment should be able to see.
+            "image_processor": type(self.processor).__name__,
         }
 
 

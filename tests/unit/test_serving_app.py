@@ -213,7 +213,9 @@ def test_health_reports_the_engine_the_model_really_runs(name):
     app = create_app({name: served})
     try:
         with TestClient(app) as client:
-            assert client.get("/health").json()["models"][name]["engine"] == "eager"  # before any request
+            health = client.get("/health").json()["models"][name]
+            assert health["engine"] == "eager"  # before any request
+            assert health["image_processor"] == type(served.processor).__name__  # the Pillow one without torchvision
             got = client.post("/v1/embeddings", json={"model": name, "input": [_png((10, 20, 30))] * 2})
             assert got.status_code == 200, got.text
             assert client.get("/health").json()["models"][name]["engine"] == "eager"
