@@ -344,8 +344,9 @@ def test_call_rows_equals_the_per_item_results_in_the_callers_order(monkeypatch)
     assert len(runner.plan(split).batches) > 1
     plan = runner._pack
     monkeypatch.setattr(runner, "_pack", lambda specs: _reversed(plan(specs)))
-    torch.testing.assert_close(runner.call_rows(split)["out0"], net(x), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fast(x), net(x), rtol=1e-6, atol=1e-6)
+    own = encgraph.graphs(fast).original_forward  # fast is net, hooked in place
+    torch.testing.assert_close(runner.call_rows(split)["out0"], own(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast(x), own(x), rtol=1e-6, atol=1e-6)
 
 
 def _reversed(plan):
@@ -354,3 +355,28 @@ def _reversed(plan):
 
     batches = tuple(attrs.evolve(b, items=tuple(reversed(b.items))) for b in reversed(plan.batches))
     return attrs.evolve(plan, batches=batches)
+
+
+@pytest.mark.parametrize("eager_ms", [0.0, 0.3, 100.0], ids=["all eager", "mixed", "all replayed"])
+def test_call_rows_with_eager_sub_batches_equals_the_module(eager_ms):
+    """Sub-batches the cost model sends eagerly (the eager forward's fresh tensors) and replayed ones (the static
+    forward's outputs) joined in one call's rows, in order, equal the module; the counters count every item once."""
+    from encgraph.packing import CostModel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    net.requires_grad_(False)
+    fast = encgraph.graphed(net, budgets=[1, 2, 4], mode=RunMode.STATIC)
+    x = torch.randn(11, 8)
+    fast(x), fast(x)
+    runner = encgraph.graphs(fast).runner
+    runner.costs = CostModel.linear(["default"], graph_fixed_ms=0.5, graph_per_budget_ms=0.01,
+                                    eager_fixed_ms=eager_ms, eager_per_token_ms=0.1 if eager_ms else 0.0)
+    before = dict(runner.stats)
+    own = encgraph.graphs(fast).original_forward  # fast is net, hooked in place
+    for n in (1, 3, 11):
+        torch.testing.assert_close(fast(x[:n]), own(x[:n]), rtol=1e-6, atol=1e-6)
+    gained = {k: runner.stats[k] - before[k] for k in ("items", "eager_items", "graph_items")}
+    assert gained["items"] == 15 and gained["eager_items"] + gained["graph_items"] == 15, gained
+    assert {0.0: gained["graph_items"] == 0, 0.3: 0 < gained["eager_items"] < 15,
+            100.0: gained["eager_items"] == 0}[eager_ms], gained
