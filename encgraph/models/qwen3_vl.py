@@ -28,11 +28,15 @@ __all__ = ["Qwen3VLAdapter", "adapter", "interpolation"]
 TAPS = 4  # bilinear: 2 per axis
 
 
-def _axis(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, ...]:
-    """Bilinear taps along one axis (``align_corners=True``): ``(tap0, tap1, weight0, weight1)``, each shaped like
-    ``index``. The same float32 operations, in the same order, as transformers' helper, so that the weights match
-    it bit for bit."""
-    src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+def _axis(index: np.ndarray, size: np.ndarray, side: int, align_corners: bool = True) -> tuple[np.ndarray, ...]:
+    """Bilinear taps along one axis: ``(tap0, tap1, weight0, weight1)``, each shaped like ``index``; the
+    ``align_corners=False`` sampling takes half-pixel centres, taps past an edge clamped to it (``F.interpolate``'s
+    border). The same float32 operations, in the same order, as transformers' helper, so that the weights match it
+    bit for bit."""
+    if align_corners:
+        src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+    else:
+        src = (index.astype(np.float32) + np.float32(0.5)) * np.float32(side) / size.astype(np.float32) - np.float32(0.5)
     floor = np.floor(src)
     low = floor.astype(np.int64)
     frac = src - floor
@@ -46,23 +50,23 @@ def _axis(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, .
     )
 
 
-def _axis_tables(lengths: np.ndarray, side: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+def _axis_tables(lengths: np.ndarray, side: int, align_corners: bool) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """:func:`_axis` of every position ``0..L-1`` of each axis length ``L``, concatenated, and the offset of each
     length's first position: the interpolation is separable, so patch rows need only gathers from these."""
     first = np.zeros(lengths.shape[0], dtype=np.int64)
     np.cumsum(lengths[:-1], out=first[1:])
     owner = np.repeat(np.arange(lengths.shape[0]), lengths)
-    return _axis(np.arange(owner.shape[0]) - first[owner], lengths[owner], side), first
+    return _axis(np.arange(owner.shape[0]) - first[owner], lengths[owner], side, align_corners), first
 
 
-def interpolation(units: UnitGrid, side: int) -> tuple[np.ndarray, np.ndarray]:
+def interpolation(units: UnitGrid, side: int, align_corners: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per patch row, the ``TAPS`` rows of the flattened ``side x side`` position table and their bilinear
     weights: ``(rows, 4)`` int64 and ``(rows, 4)`` float32 (taps ordered (h0, w0), (h0, w1), (h1, w0), (h1, w1))."""
     m = units.merge
     row, col = patch_coords(units)
     frame = np.repeat(units.frame, m * m)
-    h_axis, h_first = _axis_tables(units.height * m, side)
-    w_axis, w_first = _axis_tables(units.width * m, side)
+    h_axis, h_first = _axis_tables(units.height * m, side, align_corners)
+    w_axis, w_first = _axis_tables(units.width * m, side, align_corners)
     h0, h1, hw0, hw1 = (a.take(h_first[frame] + row) for a in h_axis)
     w0, w1, ww0, ww1 = (a.take(w_first[frame] + col) for a in w_axis)
     h0, h1 = h0 * side, h1 * side
