@@ -2,12 +2,12 @@
 
 A NaViT SigLIP: patch rows ``(rows, C, P, P)`` (the model adds a leading batch of 1: ``(1, rows, C, P, P)``) with
 ``grid_thw``, in raster order (no merge inside the tower: the model's projector merges ``2 x 2`` patches after
-it), a learned square position table resampled to each image's grid (bilinear, ``align_corners=False``), 2-D
-rotary positions, full attention per frame and a final LayerNorm. From transformers 5.15 the tower takes every
-piece of grid-derived metadata as a keyword argument (``position_ids``, ``cu_seqlens``, ``max_seqlen``,
-``interp_indices``, ``interp_weights``) and then never reads ``grid_thw``: the static forward is the tower's own.
-encgraph computes the interpolation taps on the host (:func:`encgraph.models.qwen3_vl.interpolation`, bit for bit
-as transformers' helper).
+it), a learned square position table resampled to each image's grid (bilinear; ``align_corners`` is the tower's
+own flag: ``True`` in transformers 5.15, ``False`` in 5.25), 2-D rotary positions, full attention per frame and a
+final LayerNorm. From transformers 5.15 the tower takes every piece of grid-derived metadata as a keyword argument
+(``position_ids``, ``cu_seqlens``, ``max_seqlen``, ``interp_indices``, ``interp_weights``) and then never reads
+``grid_thw``: the static forward is the tower's own. encgraph computes the interpolation taps on the host
+(:func:`encgraph.models.qwen3_vl.interpolation`, bit for bit as transformers' helper).
 
 Budgets count patch rows (the tower's own output rows: ``last_hidden_state`` ``(rows, hidden)``, ``pooler_output``
 ``None``, as the tower returns them). The default ladder, 256 to 16,384 rows, spans the pixels of Qwen-VL's (one
@@ -61,11 +61,13 @@ class PaddleOCRVLAdapter(QwenVisionAdapter):
         embeddings = module.vision_model.embeddings
         mode = getattr(embeddings, "interpolation_mode", "bilinear")
         corners = getattr(embeddings, "interpolation_align_corners", False)
-        if mode != "bilinear" or corners is not False:
+        if mode != "bilinear" or not isinstance(corners, bool):
             raise ConfigError(
-                f"module: the {self.family} adapter reproduces bilinear interpolation with align_corners=False, the "
-                f"tower uses {mode!r} with align_corners={corners!r}."
+                f"module: the {self.family} adapter reproduces bilinear interpolation, the tower uses {mode!r} with "
+                f"align_corners={corners!r}."
             )
+        # transformers 5.15-5.2x's tower resampled with align_corners=True, 5.25's with False: the tower's own flag.
+        self.align_corners = corners
         self.grid_side = int(embeddings.num_grid_per_side)
         self.with_last_hidden_state = True
 
@@ -102,7 +104,7 @@ class PaddleOCRVLAdapter(QwenVisionAdapter):
         }
 
     def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        indices, weights = interpolation(units, self.grid_side, align_corners=False)
+        indices, weights = interpolation(units, self.grid_side, align_corners=self.align_corners)
         rows = units.height * units.width
         return {"interp_indices": (indices, rows), "interp_weights": (weights, rows)}
 
