@@ -232,7 +232,7 @@ def test_generic_adapter_compiles_with_the_batch_alone_symbolic():
 
 
 def test_take_rows_of_a_plans_items_is_a_view_and_otherwise_a_gather():
-    t = torch.arange(10.0).reshape(5, 2)
+    t = torch.randn(5, 2)
     assert take_rows(t, (1, 2, 3))._base is t and take_rows(t, range(0, 5))._base is t
     assert take_rows(t, ()).shape == (0, 2)
     torch.testing.assert_close(take_rows(t, (3, 1)), t[[3, 1]])
