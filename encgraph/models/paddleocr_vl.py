@@ -16,31 +16,26 @@ Budgets count patch rows (the tower's own output rows: ``last_hidden_state`` ``(
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
 from encgraph.models.own_forward import own_forward
-from encgraph.models.protocol import BufferSpec, FillRule
-from encgraph.models.qwen3_vl import TAPS, interpolation
-from encgraph.models.qwen_grid import UnitGrid
+from encgraph.models.qwen3_vl import InterpolatedPositions
 from encgraph.models.qwen_inputs import QwenVisionInputs
 from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["PaddleOCRVLAdapter", "adapter"]
 
 
-class PaddleOCRVLAdapter(QwenVisionAdapter):
+class PaddleOCRVLAdapter(InterpolatedPositions, QwenVisionAdapter):
     """Adapter of a PaddleOCR-VL vision tower; see :class:`~encgraph.models.qwen_vl.QwenVisionAdapter` (options and
     shared buffers; budgets here count patch rows, default 256..16384). The one output, ``last_hidden_state``, is
     always returned.
 
-    Extra buffers per budget (``R`` rows): ``interp_indices`` ``(R, 4)`` int64 and ``interp_weights`` ``(R, 4)``
-    float32, both ZERO (padding rows get a zero position embedding).
+    Extra buffers: :class:`~encgraph.models.qwen3_vl.InterpolatedPositions`'s.
     """
 
     family = "PaddleOCR-VL"
@@ -94,25 +89,6 @@ class PaddleOCRVLAdapter(QwenVisionAdapter):
                 )
             pixel_values = pixel_values[0]
         return super().inputs(pixel_values, grid_thw, return_dict=return_dict)
-
-    # -- metadata
-    def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
-        rows = self._rows(budget)
-        return {
-            "interp_indices": BufferSpec((rows, TAPS), torch.int64, FillRule.ZERO),
-            "interp_weights": BufferSpec((rows, TAPS), torch.float32, FillRule.ZERO),
-        }
-
-    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        indices, weights = interpolation(units, self.grid_side, align_corners=self.align_corners)
-        rows = units.height * units.width
-        return {"interp_indices": (indices, rows), "interp_weights": (weights, rows)}
-
-    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: np.concatenate([f[name] for f in frames]) for name in ("interp_indices", "interp_weights")}
-
-    def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
-        return {"interp_indices": buffers["interp_indices"], "interp_weights": buffers["interp_weights"]}
 
     # -- forwards and results
     def _run(self, pixels: torch.Tensor, tokens: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:

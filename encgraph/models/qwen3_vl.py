@@ -23,7 +23,7 @@ from encgraph.models.protocol import BufferSpec, FillRule
 from encgraph.models.qwen_grid import UnitGrid, patch_coords
 from encgraph.models.qwen_vl import QwenVisionAdapter
 
-__all__ = ["Qwen3VLAdapter", "adapter", "interpolation"]
+__all__ = ["InterpolatedPositions", "Qwen3VLAdapter", "adapter", "interpolation"]
 
 TAPS = 4  # bilinear: 2 per axis
 
@@ -75,7 +75,37 @@ def interpolation(units: UnitGrid, side: int, align_corners: bool = True) -> tup
     return indices, weights
 
 
-class Qwen3VLAdapter(QwenVisionAdapter):
+class InterpolatedPositions:
+    """The families whose learned square position table is resampled to each frame's grid (bilinear taps computed
+    on the host): Qwen3-VL and PaddleOCR-VL. Buffers per budget (``R`` patch rows): ``interp_indices`` ``(R, 4)``
+    int64 and ``interp_weights`` ``(R, 4)`` float32, both ZERO (padding rows get a zero position embedding),
+    passed to the tower as its keyword arguments of those names. Reads the adapter's ``grid_side``, ``merge``,
+    ``align_corners`` and ``_rows``."""
+
+    grid_side: int
+    merge: int
+    align_corners: bool = True
+
+    def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
+        rows = self._rows(budget)  # type: ignore[attr-defined]
+        return {
+            "interp_indices": BufferSpec((rows, TAPS), torch.int64, FillRule.ZERO),
+            "interp_weights": BufferSpec((rows, TAPS), torch.float32, FillRule.ZERO),
+        }
+
+    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        indices, weights = interpolation(units, self.grid_side, self.align_corners)
+        rows = units.height * units.width * self.merge**2
+        return {"interp_indices": (indices, rows), "interp_weights": (weights, rows)}
+
+    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: np.concatenate([f[name] for f in frames]) for name in ("interp_indices", "interp_weights")}
+
+    def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
+        return {"interp_indices": buffers["interp_indices"], "interp_weights": buffers["interp_weights"]}
+
+
+class Qwen3VLAdapter(InterpolatedPositions, QwenVisionAdapter):
     """Adapter of a Qwen3-VL vision tower; see :class:`~encgraph.models.qwen_vl.QwenVisionAdapter`.
 
     Extra buffers per budget (``R`` patch rows): ``interp_indices`` ``(R, 4)`` int64 and ``interp_weights``
@@ -106,24 +136,6 @@ class Qwen3VLAdapter(QwenVisionAdapter):
 
     def _extra_outputs(self) -> tuple[str, ...]:
         return tuple(f"deepstack_{i}" for i in range(self.deepstack))
-
-    def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
-        rows = self._rows(budget)
-        return {
-            "interp_indices": BufferSpec((rows, TAPS), torch.int64, FillRule.ZERO),
-            "interp_weights": BufferSpec((rows, TAPS), torch.float32, FillRule.ZERO),
-        }
-
-    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        indices, weights = interpolation(units, self.grid_side)
-        rows = units.height * units.width * self.merge**2
-        return {"interp_indices": (indices, rows), "interp_weights": (weights, rows)}
-
-    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: np.concatenate([f[name] for f in frames]) for name in ("interp_indices", "interp_weights")}
-
-    def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
-        return {"interp_indices": buffers["interp_indices"], "interp_weights": buffers["interp_weights"]}
 
     def _extra_named(self, out: Any) -> dict[str, torch.Tensor]:
         return {f"deepstack_{i}": feature for i, feature in enumerate(out.deepstack_features)}
