@@ -180,3 +180,48 @@ def test_calls_wait_only_while_the_device_is_busy():
         for x, got_lone, got in zip(xs[1:], lone[1:], outs):
             ref = hf(pixel_values=x).pooler_output
             assert rel(got, ref) < HF_RTOL and rel(got_lone, ref) < HF_RTOL
+
+
+def test_device_preprocessing_beside_replays_matches_the_host_processor():
+    """``encgraph serve --preprocess-on device`` on a GPU: 32 threads each upload their request's decoded bytes and
+    run the torchvision processor on their side stream (``DeviceProcessing.on_device``) while the worker replays;
+    each request's pixels are the host processor's within a few 8-bit steps (CUDA's resampling against the CPU's,
+    then bf16), and its embedding is the tower's own forward on those pixels."""
+    pytest.importorskip("torchvision")
+    from PIL import Image
+    from transformers import SiglipImageProcessor
+
+    from encgraph.serving import loading
+    from encgraph.serving.device_preprocess import DeviceProcessing
+    from encgraph.serving.transfer import to_host
+
+    processor = SiglipImageProcessor(size={"height": 384, "width": 384}, resample=3, image_mean=[0.5] * 3,
+                                     image_std=[0.5] * 3)
+    split = DeviceProcessing(processor)
+    rng = np.random.default_rng(4)
+
+    def picture() -> Image.Image:
+        h, w = (int(v) for v in rng.integers(100, 1500, 2))
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+    requests = [[picture() for _ in range(int(n))] for n in rng.integers(1, 4, CLIENTS)]
+    hf = siglip_tower()
+    fast = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8, 16, 32])
+
+    def client(images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = split.on_device(loading.process_images(split, images), torch.device("cuda"), torch.bfloat16)
+        pixels = pixels["pixel_values"]
+        return pixels, front.submit(pixel_values=pixels).result(TIMEOUT).wait()[0]
+
+    finish = lambda out: to_host([out.pooler_output.float()])  # noqa: E731
+    with BatchingFront(fast, capture=True, max_wait_ms=20, finish=finish) as front:
+        poison(encgraph.graphs(fast).runner)
+        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
+            answers = list(ex.map(client, requests))
+    steps = 2 / 255  # one 8-bit step in SigLIP's normalised units (std 0.5)
+    with torch.inference_mode():
+        for images, (pixels, got) in zip(requests, answers):
+            host = torch.from_numpy(loading.process_images(processor, images)["pixel_values"])
+            assert (pixels.float().cpu() - host).abs().max() <= 5 * steps
+            want = hf(pixel_values=pixels).pooler_output.float().cpu()
+            assert torch.isfinite(got).all() and rel(got, want) < HF_RTOL
