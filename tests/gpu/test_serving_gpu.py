@@ -116,12 +116,30 @@ def test_siglip_graphed_front_equal_per_request():
                 assert rel(got, want) < HF_RTOL and rel(got, getattr(alone, field)) < STATIC_RTOL, field
 
 
+def pooled_by_clients(fast, prepare, requests) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
+    """``CLIENTS`` threads, one request each: ``prepare(request)`` (the pixels on the GPU, on the thread's own
+    stream), then the front's answer, its host copy started by the worker right after the call; the NaN-poisoned
+    pool under them. Returns per request ``(pixels, pooled host embedding)``, and the front's stats."""
+    from encgraph.serving.transfer import to_host
+
+    def client(request) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = prepare(request)
+        return pixels, front.submit(pixel_values=pixels).result(TIMEOUT).wait()[0]
+
+    finish = lambda out: to_host([out.pooler_output.float()])  # noqa: E731
+    with BatchingFront(fast, capture=True, max_wait_ms=20, finish=finish) as front:
+        poison(encgraph.graphs(fast).runner)
+        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
+            answers = list(ex.map(client, requests))
+        return answers, front.stats
+
+
 def test_side_stream_uploads_and_worker_host_copies_stay_exact():
     """What ``encgraph serve`` does on a GPU: 32 threads upload host pixels on their own side streams
     (``transfer.upload``) while the worker replays, and the worker starts each request's device-to-host copy
     right after its call (``finish`` + ``transfer.to_host``); every request's host embedding equals the
     per-request forward on the same pixels, and the upload is bit-identical to ``.to("cuda", bf16)``."""
-    from encgraph.serving.transfer import to_host, upload
+    from encgraph.serving.transfer import upload
 
     hf = siglip_tower()
     fast = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8, 16, 32])
@@ -129,16 +147,7 @@ def test_side_stream_uploads_and_worker_host_copies_stay_exact():
     gen = torch.Generator().manual_seed(2)
     host = [torch.randn(int(n), 3, 384, 384, generator=gen) for n in np.random.default_rng(3).integers(1, 5, CLIENTS)]
 
-    def client(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = upload(x, "cuda", torch.bfloat16)
-        return pixels, front.submit(pixel_values=pixels).result(TIMEOUT).wait()[0]
-
-    finish = lambda out: to_host([out.pooler_output.float()])  # noqa: E731
-    with BatchingFront(fast, capture=True, max_wait_ms=20, finish=finish) as front:
-        poison(encgraph.graphs(fast).runner)
-        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
-            answers = list(ex.map(client, host))
-        stats = front.stats
+    answers, stats = pooled_by_clients(fast, lambda x: upload(x, "cuda", torch.bfloat16), host)
     assert max(stats["requests_per_call"]) > 1, stats
     with torch.inference_mode():
         for x, (pixels, got) in zip(host, answers):
@@ -193,7 +202,6 @@ def test_device_preprocessing_beside_replays_matches_the_host_processor():
 
     from encgraph.serving import loading
     from encgraph.serving.device_preprocess import DeviceProcessing
-    from encgraph.serving.transfer import to_host
 
     processor = SiglipImageProcessor(size={"height": 384, "width": 384}, resample=3, image_mean=[0.5] * 3,
                                      image_std=[0.5] * 3)
@@ -208,16 +216,11 @@ def test_device_preprocessing_beside_replays_matches_the_host_processor():
     hf = siglip_tower()
     fast = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8, 16, 32])
 
-    def client(images: list) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = split.on_device(loading.process_images(split, images), torch.device("cuda"), torch.bfloat16)
-        pixels = pixels["pixel_values"]
-        return pixels, front.submit(pixel_values=pixels).result(TIMEOUT).wait()[0]
+    def prepare(images: list) -> torch.Tensor:
+        arrays = loading.process_images(split, images)
+        return split.on_device(arrays, torch.device("cuda"), torch.bfloat16)["pixel_values"]
 
-    finish = lambda out: to_host([out.pooler_output.float()])  # noqa: E731
-    with BatchingFront(fast, capture=True, max_wait_ms=20, finish=finish) as front:
-        poison(encgraph.graphs(fast).runner)
-        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
-            answers = list(ex.map(client, requests))
+    answers, _ = pooled_by_clients(fast, prepare, requests)
     steps = 2 / 255  # one 8-bit step in SigLIP's normalised units (std 0.5)
     with torch.inference_mode():
         for images, (pixels, got) in zip(requests, answers):
