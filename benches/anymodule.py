@@ -254,7 +254,7 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"| {name} | {n} | {t['eager']} | {t['reduce_overhead']} | {t['encgraph']} | "
                          f"{t['eager'] / t['encgraph']:.2f}x | {t['reduce_overhead'] / t['encgraph']:.2f}x |")
     lines += ["", "| module | system | warm-up s | frames compiled | recompiles | peak MiB allocated | "
-              "peak / held MiB reserved | stream mean ms | P50 ms | P99 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "peak / held MiB reserved | stream mean ms | P50 ms | P99 ms |", "|---" * 10 + "|"]
     for name, m in doc["models"].items():
         if "warmup" not in m:
             continue
@@ -271,7 +271,8 @@ def render(doc: dict[str, Any]) -> str:
                 lines.append(f"- {name} at batch {n}, {LABELS[s]}: median {row['median_ms']} ms, kernels "
                              f"{row['kernel_ms']} ms ({row['kernels']} a call), GPU idle {row['idle_ms']} ms; {cats}"
                              + (f"; replay {row['replay']}" if "replay" in row else ""))
-    lines += [""]
+    if lines[-1]:  # after the profile lines, where there were any
+        lines += [""]
     for name, m in doc["models"].items():
         if "stream" in m:
             s = m["stream"]
