@@ -109,7 +109,9 @@ def dynamo_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {"frames": int(counters["frames"].get("ok", 0)),
-            "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0}
+            "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+            # reduce-overhead runs a compiled frame without CUDA graphs where it skips them (logged by torch)
+            "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0))}
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -137,7 +139,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for system in SYSTEMS:  # warm-up, one system at a time: its own peak memory and compile counters
             torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
+            release_cached(device)
             torch.cuda.reset_peak_memory_stats(device)
             before_mem, before = torch.cuda.memory_allocated(device), dynamo_counts()
             before_reserved = torch.cuda.memory_reserved(device)
@@ -151,6 +153,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "seconds": round(time.perf_counter() - t0, 2),
                 "frames_compiled": after["frames"] - before["frames"],
                 "recompiles": after["recompiles"] - before["recompiles"],
+                "cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
                 "peak_mib": round((torch.cuda.max_memory_allocated(device) - before_mem) / 2**20, 1),
                 "held_mib": round((torch.cuda.memory_allocated(device) - before_mem) / 2**20, 1),
                 "peak_reserved_mib": round((torch.cuda.max_memory_reserved(device) - before_reserved) / 2**20, 1),
@@ -199,14 +202,35 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         out["encgraph_compile"] = {k: info.get(k) for k in ("status", "regions", "dynamo")}
         # Per capture phase, how far it raised the peak memory (None where the library does not report it).
         out["encgraph_memory_peak_rise_mib"] = capture_info.get("memory_peak_rise_mib")
+        out["encgraph_pool_mib"] = round(capture_info.get("pool_bytes", 0) / 2**20, 1)
         shapes = encgraph.graphs(systems["encgraph"]).stats.get("shapes")
         if shapes:
             out["encgraph_stats"]["graph_mib"] = round(shapes["graph_bytes"] / 2**20, 1)
     systems.clear()  # the copies and their graphs go before the next module
     del base
-    torch.cuda.empty_cache()
     torch._dynamo.reset()
+    release_cached(device, trees=True)
     return out
+
+
+def release_cached(device: Any, trees: bool = False) -> None:
+    """What no longer has a reference given back to the driver, so that the next system's memory figures start
+    from what is really held; ``trees``: the reduce-overhead CUDA-graph trees too (between modules only: the
+    module's own reduce-overhead system replays its tree). torch 2.11's ``torch._dynamo.reset()`` could leave a
+    previous module's tree and its pool alive, which the next module's reduce-overhead run then reused (its peak
+    read 0.3 MiB allocated) or freed midway (its held memory read negative)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if trees:
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+        gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def heading(title: str, doc: dict[str, Any], setting: str = "") -> list[str]:
@@ -254,7 +278,7 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"| {name} | {n} | {t['eager']} | {t['reduce_overhead']} | {t['encgraph']} | "
                          f"{t['eager'] / t['encgraph']:.2f}x | {t['reduce_overhead'] / t['encgraph']:.2f}x |")
     lines += ["", "| module | system | warm-up s | frames compiled | recompiles | peak MiB allocated | "
-              "peak / held MiB reserved | stream mean ms | P50 ms | P99 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "peak / held MiB reserved | stream mean ms | P50 ms | P99 ms |", "|---" * 10 + "|"]
     for name, m in doc["models"].items():
         if "warmup" not in m:
             continue
@@ -271,7 +295,8 @@ def render(doc: dict[str, Any]) -> str:
                 lines.append(f"- {name} at batch {n}, {LABELS[s]}: median {row['median_ms']} ms, kernels "
                              f"{row['kernel_ms']} ms ({row['kernels']} a call), GPU idle {row['idle_ms']} ms; {cats}"
                              + (f"; replay {row['replay']}" if "replay" in row else ""))
-    lines += [""]
+    if lines[-1]:  # after the profile lines, where there were any
+        lines += [""]
     for name, m in doc["models"].items():
         if "stream" in m:
             s = m["stream"]

@@ -183,8 +183,8 @@ def recompile_headroom() -> Iterator[None]:
 class CompiledRegions:
     """The repeated blocks an adapter names (``compile_regions()``), compiled for the duration of a capture.
 
-    ``compile()`` calls ``nn.Module.compile(dynamic=...)`` on each (:func:`dynamic_sizes`); ``restore()`` (idempotent) clears their
-    compiled call again, so outside the capture the tower runs exactly as before.
+    ``compile()`` calls ``nn.Module.compile(dynamic=...)`` on each (:func:`dynamic_sizes`); ``restore()``
+    (idempotent) clears their compiled call again, so outside the capture the tower runs exactly as before.
     """
 
     def __init__(self, adapter: Any, *, backend: str = "inductor") -> None:
