@@ -7,7 +7,8 @@ at its processor's default ``max_pixels``; issue 32). Towers: Qwen2.5-VL-7B and 
 of what is left of ``--time-budget``. Systems (``benches.lib.systems``), by
 default ``hf_sdpa`` (the HF tower's own forward), ``defaults`` (``encgraph.graphed(tower)`` with no options),
 ``hf_compile_dynamic`` (``torch.compile(hf_tower, dynamic=True)``) and ``adapter_eager``; ``--systems`` adds
-``graph``, ``graph_compile`` or ``hf_varlen``.
+``graph``, ``graph_compile``, ``hf_varlen`` or ``defaults_varlen`` (the defaults with one packed varlen kernel for
+every attention call: issue 56's measurement of what the dense-kernel machinery pays).
 
 Per tower, in order:
 
@@ -93,7 +94,7 @@ from benches.lib.outputs import max_rel_diff
 from benches.lib.request_floor import TowerShape, measure_rates, request_floor
 from benches.lib.results import Results
 from benches.lib.shape_floor import block_linears, measure_shape_rates, shape_floor
-from benches.lib.systems import GRAPH_SYSTEMS, System, TowerBench, parse_systems
+from benches.lib.systems import GRAPH_SYSTEMS, GRAPHED_SYSTEMS, System, TowerBench, parse_systems
 from benches.lib.timing import in_fresh_thread
 from benches.lib.towers import QWEN_TOWERS, TOWERS
 from benches.lib.trace import (
@@ -128,7 +129,7 @@ SMOKE_COMPILE_DYNAMIC_CAP = 5.0
 """The CPU smoke's box: dynamo alone traces a tiny tower for seconds to tens of seconds on a busy CPU."""
 OPTIONAL = (System.ADAPTER_EAGER, System.HF_VARLEN)
 """Systems dropped (last first) when the warm-up says the trace would not fit the tower's deadline."""
-CHECKED = (System.DEFAULTS, System.HF_VARLEN, System.HF_COMPILE_DYNAMIC)
+CHECKED = (System.DEFAULTS, System.DEFAULTS_VARLEN, System.HF_VARLEN, System.HF_COMPILE_DYNAMIC)
 """Systems with the tower's own output type, whose outputs are compared with ``hf_sdpa``'s on one request."""
 MIN_REQUESTS = 50
 """Requests replayed even past the deadline (fewer make no P99)."""
@@ -376,6 +377,8 @@ def capture(bench: TowerBench, system: System, args: Any, caps: Caps, doc: dict[
             doc["startup"] = {"cold": {"capture_seconds": info["wall_seconds"],
                                        "cache_bytes": startup.cache_bytes(cache), "capture_info": info}}
             log(f"{bench.spec.name}: defaults captured (cold) in {info['wall_seconds']} s")
+        elif system in GRAPHED_SYSTEMS:  # defaults_varlen: captured as defaults is, not its startup's subject
+            bench.defaults(system)
         else:
             runner = bench.runner(system)
             if args.cost_samples > 0:

@@ -15,6 +15,11 @@ Systems, all under ``torch.inference_mode()``:
   own arguments: whatever the library's defaults are when it runs (``capture()`` called first and timed); for a
   model whose features function the adapter replaces (``TowerSpec.features``: Step-3.7), that function's shim
   over ``EncoderGraphRunner(wrap(model))`` with no options (:class:`FeatureShim`);
+- ``defaults_varlen``: ``defaults`` on a copy of its own, with one packed varlen kernel for every attention call
+  (issue 56's target system): the adapter's kernel choice still measures the crossovers and picks the varlen
+  kernel (FlashAttention-4 where installed and faster, else torch's Flash), but no sequence runs dense: no dense
+  plans, no plan ledger, no piecewise replays (:func:`pin_varlen`). Side by side with ``defaults``, it measures
+  what that machinery pays on a trace. Towers whose adapter chooses no kernels: n/a;
 - ``graph``: ``EncoderGraphRunner(adapter, mode=RunMode.GRAPH)`` after ``capture()`` (``STATIC`` on the CPU);
 - ``compile``: the same runner plan and buffers in ``STATIC`` mode, with the adapter's static-shape forward passed
   through ``torch.compile(mode="reduce-overhead", dynamic=False)`` (CUDA only; one compile per budget);
@@ -47,6 +52,7 @@ class System(enum.Enum):
     HF_COMPILE_DYNAMIC = "hf_compile_dynamic"
     ADAPTER_EAGER = "adapter_eager"
     DEFAULTS = "defaults"
+    DEFAULTS_VARLEN = "defaults_varlen"
     GRAPH = "graph"
     COMPILE = "compile"
     GRAPH_COMPILE = "graph_compile"
@@ -62,6 +68,7 @@ _LABELS = {
     System.HF_COMPILE_DYNAMIC: "HF + torch.compile(dynamic=True)",
     System.ADAPTER_EAGER: "adapter eager",
     System.DEFAULTS: "encgraph defaults (graphed(tower))",
+    System.DEFAULTS_VARLEN: "encgraph defaults, varlen kernel only",
     System.GRAPH: "encgraph graphs",
     System.COMPILE: "torch.compile reduce-overhead",
     System.GRAPH_COMPILE: "encgraph graphs of compiled forward",
@@ -70,12 +77,15 @@ COMPILED = (System.COMPILE, System.GRAPH_COMPILE)
 """Systems that compile per budget (tens of seconds each) into CUDA graphs: CUDA only, on chosen cases."""
 RUNNER_SYSTEMS = (System.ADAPTER_EAGER, System.GRAPH, *COMPILED)
 """Systems that call an ``EncoderGraphRunner`` over the benchmark's own adapter."""
-GRAPH_SYSTEMS = (System.DEFAULTS, System.GRAPH, System.GRAPH_COMPILE)
+GRAPHED_SYSTEMS = (System.DEFAULTS, System.DEFAULTS_VARLEN)
+"""Systems that are ``encgraph.graphed(tower)`` on a copy of their own (captured, and timed, on first use)."""
+GRAPH_SYSTEMS = (*GRAPHED_SYSTEMS, System.GRAPH, System.GRAPH_COMPILE)
 """Systems that replay captured graphs (their padded share and eager items are reported)."""
 _COPIES: dict[str, tuple[System, ...]] = {
     "hf": (System.HF_SDPA, System.HF_COMPILE_DYNAMIC),
     "enc": (System.HF_VARLEN, *RUNNER_SYSTEMS),
     "defaults": (System.DEFAULTS,),
+    "defaults_varlen": (System.DEFAULTS_VARLEN,),
 }
 """Which copy of the tower each system runs on: ``hf`` is never wrapped, ``enc`` carries the benchmark's adapter,
 ``defaults`` is wrapped by ``graphed()`` alone (a wrapped tower must not be copied, so copies come first)."""
@@ -148,10 +158,11 @@ class TowerBench:
         del tower
         self.hf: Any = modules.get("hf")
         self.enc: Any = modules.get("enc")
-        self._defaults_tower: Any = modules.get("defaults")
+        self._graphed_towers: dict[System, Any] = {
+            System.DEFAULTS: modules.get("defaults"), System.DEFAULTS_VARLEN: modules.get("defaults_varlen")}
         self.adapter: Any = None
-        self.graphed: Any = None
-        self.graphed_handle: Any = None  # what captures and counts: encgraph.graphs(graphed), or the FeatureShim
+        self._graphed: dict[System, Any] = {}
+        self._handles: dict[System, Any] = {}  # what captures and counts: encgraph.graphs(graphed), or the FeatureShim
         self.unavailable: dict[System, str] = {}
         self.attention_switch: Any = None
         self.compile_backend = "inductor" if env.cuda else "eager"
@@ -189,21 +200,44 @@ class TowerBench:
                     self.attention_switch = use_packed_attention(self.enc)
                 except Exception as exc:
                     self.unavailable[System.HF_VARLEN] = f"unavailable: {short_error(exc)}"
-        if self._defaults_tower is not None:
-            try:
-                import encgraph
-
-                if self.spec.features:
-                    self.graphed = self.graphed_handle = FeatureShim(self._defaults_tower, **self.graphed_options)
-                else:  # no options: the library's defaults; graphed() hooks the tower itself
-                    self.graphed = encgraph.graphed(self._defaults_tower, **self.graphed_options)
-                    self.graphed_handle = encgraph.graphs(self.graphed)
-            except Exception as exc:
-                what = "the adapter's shim" if self.spec.features else "graphed()"
-                self.unavailable[System.DEFAULTS] = f"unavailable: {what} raised ({short_error(exc)})"
+        for system, tower in self._graphed_towers.items():
+            if tower is not None:
+                self._wrap_graphed(system, tower)
         if self.spec.features:
             self.unavailable[System.HF_COMPILE_DYNAMIC] = (
                 f"n/a: the benchmark calls {self.spec.features}, not a forward to compile")
+
+    def _wrap_graphed(self, system: System, tower: Any) -> None:
+        """``graphed(tower)`` (or the features shim) for ``system``; ``defaults_varlen`` pinned to one varlen
+        kernel."""
+        try:
+            import encgraph
+
+            if self.spec.features:
+                if system is System.DEFAULTS_VARLEN:
+                    self.unavailable[system] = "n/a: the adapter's features shim is measured as defaults only"
+                    return
+                self._graphed[system] = self._handles[system] = FeatureShim(tower, **self.graphed_options)
+            else:  # no options: the library's defaults; graphed() hooks the tower itself
+                self._graphed[system] = encgraph.graphed(tower, **self.graphed_options)
+                self._handles[system] = encgraph.graphs(self._graphed[system])
+            if system is System.DEFAULTS_VARLEN:
+                why = pin_varlen(self._handles[system].runner.adapter)
+                if why:
+                    self.unavailable[system] = why
+        except Exception as exc:
+            what = "the adapter's shim" if self.spec.features else "graphed()"
+            self.unavailable[system] = f"unavailable: {what} raised ({short_error(exc)})"
+
+    @property
+    def graphed(self) -> Any:
+        """The ``defaults`` module (``graphed(tower)``), or None."""
+        return self._graphed.get(System.DEFAULTS)
+
+    @property
+    def graphed_handle(self) -> Any:
+        """What captures and counts for ``defaults``: ``encgraph.graphs(graphed)``, or the FeatureShim."""
+        return self._handles.get(System.DEFAULTS)
 
     # -- inputs
     def inputs(self, visuals: Sequence[Visual], *, max_image_tokens: float = math.inf,
@@ -218,13 +252,14 @@ class TowerBench:
         info = json_ready(capture())
         self.capture_infos[system] = {"wall_seconds": round(time.perf_counter() - t0, 3), **info}
 
-    def defaults(self) -> Any:
-        """The ``graphed(tower)`` module, captured (and timed) on first use."""
-        if System.DEFAULTS in self.unavailable:
-            raise RuntimeError(self.unavailable[System.DEFAULTS])
-        if System.DEFAULTS not in self.capture_infos:
-            self._captured(System.DEFAULTS, self.graphed_handle.capture)
-        return self.graphed
+    def defaults(self, system: System = System.DEFAULTS) -> Any:
+        """The ``graphed(tower)`` module of ``system`` (``defaults`` or ``defaults_varlen``), captured (and timed)
+        on first use."""
+        if system in self.unavailable:
+            raise RuntimeError(self.unavailable[system])
+        if system not in self.capture_infos:
+            self._captured(system, self._handles[system].capture)
+        return self._graphed[system]
 
     def runner(self, system: System) -> Any:
         """The runner of an adapter system (made on first use; graph runners are captured then)."""
@@ -279,7 +314,8 @@ class TowerBench:
             raise RuntimeError(self.unavailable[system])
         args, kwargs = inputs.hf_args, inputs.hf_kwargs
         module = {System.HF_SDPA: lambda: self._entry(self.hf), System.HF_VARLEN: lambda: self._entry(self.enc),
-                  System.HF_COMPILE_DYNAMIC: self.compiled_hf, System.DEFAULTS: self.defaults}.get(system)
+                  System.HF_COMPILE_DYNAMIC: self.compiled_hf, System.DEFAULTS: self.defaults,
+                  System.DEFAULTS_VARLEN: lambda: self.defaults(System.DEFAULTS_VARLEN)}.get(system)
         if module is not None:
             fn = module()
             return lambda: fn(*args, **kwargs)
@@ -292,15 +328,15 @@ class TowerBench:
 
     def stats(self, system: System) -> dict[str, Any]:
         """The runner's counters of a graph or runner system (``runner.stats``)."""
-        if system is System.DEFAULTS:
-            self.defaults()
-            return self.graphed_handle.stats
+        if system in GRAPHED_SYSTEMS:
+            self.defaults(system)
+            return self._handles[system].stats
         return self.runner(system).stats
 
     def reset_stats(self, system: System) -> None:
-        if system is System.DEFAULTS:
-            self.defaults()
-        (self.graphed_handle.runner if system is System.DEFAULTS else self.runner(system)).reset_stats()
+        if system in GRAPHED_SYSTEMS:
+            self.defaults(system)
+        (self._handles[system].runner if system in GRAPHED_SYSTEMS else self.runner(system)).reset_stats()
 
     def plan_summary(self, inputs: BenchInputs) -> list[dict[str, Any]]:
         """The graph runner's plan for ``inputs``: per batch its items and budget per path (None: eager)."""
@@ -320,6 +356,28 @@ class TowerBench:
     def close(self) -> None:
         """Drop towers, runners and graphs, and return their memory to the device."""
         self._runners.clear()
-        self.adapter = self.hf = self.enc = self.graphed = self.graphed_handle = self._defaults_tower = None
+        self.adapter = self.hf = self.enc = None
+        self._graphed.clear()
+        self._handles.clear()
+        self._graphed_towers.clear()
         self._compiled_hf = None
         free_memory()
+
+
+def pin_varlen(adapter: Any) -> str | None:
+    """Make ``adapter`` (a graphed tower's, before capture) run one packed varlen kernel for every attention call:
+    its ``choose_kernels`` still measures (and records) the crossovers and picks the varlen kernel, then its
+    ``kernel_rows`` and ``warmed_plans`` are dropped, so that no sequence runs dense (eager forwards pass no dense
+    rows, captures find no call to split). Returns why not, for an adapter that chooses no kernels."""
+    choose = getattr(adapter, "choose_kernels", None)
+    if choose is None or not hasattr(adapter, "kernel_rows"):
+        return f"n/a: {type(adapter).__name__} chooses no attention kernels"
+
+    def choose_varlen(known: Any = None) -> Any:
+        chosen = choose(known)
+        adapter.kernel_rows = None
+        adapter.warmed_plans = None
+        return chosen
+
+    adapter.choose_kernels = choose_varlen
+    return None

@@ -126,12 +126,12 @@ def test_traffic_smoke(smoke_dir):
     hf_compile_dynamic off; plus the graph runner planned with a cost model on a small ladder."""
     traffic.main(FAST + ["--results-dir", str(smoke_dir), "--towers", "qwen2_5_vl_7b", "--requests", "5",
                          "--warmup-requests", "1", "--compile-dynamic-cap", "1",
-                         "--systems", "hf_sdpa,defaults,hf_compile_dynamic,adapter_eager,graph",
+                         "--systems", "hf_sdpa,defaults,hf_compile_dynamic,adapter_eager,graph,defaults_varlen",
                          "--budgets", "16,32,64", "--cost-samples", "2"])
     data = _load(smoke_dir, "traffic")
     doc = data["towers"]["qwen2_5_vl_7b"]
     assert doc["trace"]["completed"] == 5 and doc["baseline"] == "hf_sdpa"
-    for s in ("hf_sdpa", "defaults", "adapter_eager", "graph"):
+    for s in ("hf_sdpa", "defaults", "adapter_eager", "graph", "defaults_varlen"):
         e = doc["systems"][s]
         assert e["requests"] == 5 and e["errors"] == 0, (s, e)
         assert e["p50_ms"] <= e["p99_ms"] <= e["max_ms"]
@@ -144,7 +144,8 @@ def test_traffic_smoke(smoke_dir):
     # The cost model may send all of it eagerly.
     assert doc["graph_stats"]["graph"]["items"] == sum(doc["per_request"]["items"])
     routes = doc["per_request"]["routes"]
-    assert set(routes) == {"defaults", "graph"} and all(len(v) == 5 for v in routes.values())
+    assert set(routes) == {"defaults", "defaults_varlen", "graph"} and all(len(v) == 5 for v in routes.values())
+    assert doc["capture"]["defaults_varlen"]["kernels"] is not None  # captured as defaults are, measured alike
     for r, n in zip(routes["graph"], doc["per_request"]["items"]):  # every item replayed or eager, per request
         assert sum(r["eager"].values()) <= n and (r["replays"] or r["eager"]), r
     assert doc["costs"]["graph"]["paths"]["default"]["graph_ms"]

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from benches.lib import cases, outputs  # noqa: E402
 from benches.lib.cases import Visual  # noqa: E402
 from benches.lib.env import inference  # noqa: E402
-from benches.lib.systems import System, TowerBench  # noqa: E402
+from benches.lib.systems import System, TowerBench, pin_varlen  # noqa: E402
 from benches.lib.towers import (  # noqa: E402
     CORE_TOWERS, FAMILY_CASES, FAMILY_TOWERS, TINY_PACKED, TOWERS, Facts, Geometry, TowerKind, TowerSpec,
 )
@@ -106,3 +106,45 @@ def test_tower_copies_per_system_group():
         # On a CPU the defaults answer with the tower's own forward (no graphs to gain), counted as such.
         assert bench.stats(System.DEFAULTS)["stock_calls"] == 1 and bench.stats(System.DEFAULTS)["items"] == 0
     bench.close()
+
+
+def test_defaults_varlen_is_the_defaults_on_a_copy_of_its_own():
+    """``defaults_varlen``: graphed(tower) on a copy of its own, pinned to the varlen kernel before its capture;
+    its outputs equal the tower's own, as ``defaults``' do."""
+    env = smoke_env()
+    with inference():
+        bench = TowerBench(TOWERS["qwen2_5_vl_7b"], env, (System.HF_SDPA, System.DEFAULTS, System.DEFAULTS_VARLEN))
+        assert System.DEFAULTS_VARLEN not in bench.unavailable
+        assert bench.defaults(System.DEFAULTS_VARLEN) is not bench.defaults()
+        pinned = bench._handles[System.DEFAULTS_VARLEN].runner.adapter
+        assert pinned.choose_kernels.__name__ == "choose_varlen" and pinned.kernel_rows is None
+        x = bench.inputs([Visual(56, 84), Visual(28, 28)])
+        ref = bench.call(System.HF_SDPA, x)()
+        for system in (System.DEFAULTS, System.DEFAULTS_VARLEN):
+            got = bench.call(system, x)()
+            assert outputs.max_rel_diff([got["pooler_output"]], [ref["pooler_output"]]) < 1e-4, system
+            assert bench.stats(system)["stock_calls"] == 1  # the CPU answers with the tower's own forward
+        bench.close()
+
+
+def test_pin_varlen_keeps_the_measured_choice_and_drops_every_dense_row():
+    class Adapter:
+        kernel_rows = None
+        warmed_plans = None
+
+        def choose_kernels(self, known=None):
+            self.kernel_rows = {"16x72": "dense from 4096 rows"}
+            self.warmed_plans = {"lengths": [4096]}
+            return {"16x72": "crossover"}
+
+    adapter = Adapter()
+    assert pin_varlen(adapter) is None
+    assert adapter.choose_kernels() == {"16x72": "crossover"}
+    assert adapter.kernel_rows is None and adapter.warmed_plans is None
+
+
+def test_pin_varlen_refuses_an_adapter_without_a_kernel_choice():
+    class NoChoice:
+        pass
+
+    assert "chooses no attention kernels" in pin_varlen(NoChoice())
