@@ -49,3 +49,53 @@ def test_pixels_cast_to_the_tower_dtype():
     x = images(3)  # fp32 pixels: the tower casts them to its dtype, so does the pixel buffer
     with torch.no_grad():
         assert_outputs_match(graphed_tower(tower)(x), tower(x), tol=1e-12)
+
+
+def _cohere2_vision():
+    import transformers as tf
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8)
+    text = dict(model_type="cohere2", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    config = tf.Cohere2VisionConfig(vision_config=vision, text_config=text, downsample_factor=2,
+                                    alignment_intermediate_size=64, image_token_id=299)
+    return tf.Cohere2VisionForConditionalGeneration(config), "model.vision_tower"
+
+
+def _deepseek_vl():
+    import transformers as tf
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8)
+    text = dict(model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    config = tf.DeepseekVLConfig(vision_config=vision, text_config=text, image_token_id=299)
+    return tf.DeepseekVLForConditionalGeneration(config), "model.vision_model"
+
+
+@pytest.mark.parametrize("build", [_cohere2_vision, _deepseek_vl], ids=["cohere2_vision", "deepseek_vl"])
+def test_models_with_a_siglip_tower_get_the_same_image_features(build):
+    """Cohere2-Vision and DeepSeek-VL call their SigLIP tower as ``tower(pixel_values, return_dict=True)`` from
+    ``get_image_features``: with the tower graphed in place (the SigLIP adapter, padded batches of the ladder), every
+    image's features and every output field equal the model's own."""
+    import copy
+
+    torch.manual_seed(0)
+    model, path = build()
+    model.eval()
+    reference = copy.deepcopy(model)
+    parent_name, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    tower = getattr(parent, attr)
+    assert encgraph.graphed(tower, mode=RunMode.STATIC, budgets=[1, 2, 4]) is tower
+    assert isinstance(encgraph.graphs(tower).runner.adapter, SiglipAdapter)
+    served = 0
+    with torch.no_grad():
+        for seed, n in enumerate((3, 1, 6)):
+            pixels = images(n, seed=seed)
+            got = model.model.get_image_features(pixel_values=pixels)
+            want = reference.model.get_image_features(pixel_values=pixels)
+            assert_outputs_match(got, want)  # same class, same fields, every tensor close per image
+            served += n
+    assert encgraph.graphs(tower).stats["graph_items"] == served
