@@ -222,7 +222,9 @@ class TowerBench:
                 self._graphed[system] = encgraph.graphed(tower, **self.graphed_options)
                 self._handles[system] = encgraph.graphs(self._graphed[system])
             if system is System.DEFAULTS_VARLEN:
-                why = pin_varlen(self._handles[system].runner.adapter)
+                handle = self._handles[system]
+                why = (pin_varlen(handle.runner.adapter) if handle.family else
+                       "n/a: the any-module path chooses no attention kernels")
                 if why:
                     self.unavailable[system] = why
         except Exception as exc:

@@ -148,3 +148,10 @@ def test_pin_varlen_refuses_an_adapter_without_a_kernel_choice():
         pass
 
     assert "chooses no attention kernels" in pin_varlen(NoChoice())
+
+
+def test_defaults_varlen_is_n_a_for_a_tower_without_a_kernel_choice():
+    with inference():
+        bench = TowerBench(TOWERS["siglip_so400m_384"], smoke_env(), (System.HF_SDPA, System.DEFAULTS_VARLEN))
+        assert "chooses no attention kernels" in bench.unavailable[System.DEFAULTS_VARLEN]
+        bench.close()
