@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["peak_rise"]
+__all__ = ["peak_rise", "release_cached"]
 
 
 @contextlib.contextmanager
@@ -34,3 +34,15 @@ def _peaks(device: torch.device) -> dict[str, int]:
     stats = torch.cuda.memory_stats(device)
     return {"reserved": int(stats.get("reserved_bytes.all.peak", 0)),
             "allocated": int(stats.get("allocated_bytes.all.peak", 0))}
+
+
+def release_cached(device: torch.device) -> None:
+    """Give the driver back the caching allocator's wholly free segments (``torch.cuda.empty_cache()``; the
+    graphs' pool is the graphs' and stays), between the self-check's samples: each sample's eager forward runs at
+    another size, and the segments cached for one fit the next one's blocks only in part, so that without this
+    the reserved memory grows past any one forward's (HF ViT-B/16 on an H100: +550 MiB reserved for +217 MiB
+    allocated over the self-check). torch's own capture empties the cache the same way before each graph.
+    Capture-time only (it synchronises the device); nothing off CUDA."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # empty_cache acts on the current device
+            torch.cuda.empty_cache()
