@@ -138,8 +138,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                            "warmup": {}, "batches": {}, "stream": {}}
     with torch.inference_mode():
         for system in SYSTEMS:  # warm-up, one system at a time: its own peak memory and compile counters
-            torch.cuda.synchronize(device)
-            release_cached(device)
+            release_cached(device)  # synchronises first
             torch.cuda.reset_peak_memory_stats(device)
             before_mem, before = torch.cuda.memory_allocated(device), dynamo_counts()
             before_reserved = torch.cuda.memory_reserved(device)

@@ -10,6 +10,9 @@ import torch
 from encgraph.capture.records import RunMode
 from encgraph.models.siglip import SiglipAdapter
 from tests.models.fixtures_fixed import (
+    _VISION,
+    PATCH,
+    SIZE,
     FixedTowerTests,
     assert_outputs_match,
     check_batches,
@@ -51,26 +54,24 @@ def test_pixels_cast_to_the_tower_dtype():
         assert_outputs_match(graphed_tower(tower)(x), tower(x), tol=1e-12)
 
 
+_SIGLIP_VISION = dict(_VISION, model_type="siglip_vision_model", image_size=SIZE, patch_size=PATCH)
+_TINY_TEXT = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16)
+
+
 def _cohere2_vision():
     import transformers as tf
 
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=32, patch_size=8)
-    text = dict(model_type="cohere2", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    config = tf.Cohere2VisionConfig(vision_config=vision, text_config=text, downsample_factor=2,
-                                    alignment_intermediate_size=64, image_token_id=299)
+    config = tf.Cohere2VisionConfig(vision_config=_SIGLIP_VISION, text_config=dict(_TINY_TEXT, model_type="cohere2"),
+                                    downsample_factor=2, alignment_intermediate_size=64, image_token_id=299)
     return tf.Cohere2VisionForConditionalGeneration(config), "model.vision_tower"
 
 
 def _deepseek_vl():
     import transformers as tf
 
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=32, patch_size=8)
-    text = dict(model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    config = tf.DeepseekVLConfig(vision_config=vision, text_config=text, image_token_id=299)
+    config = tf.DeepseekVLConfig(vision_config=_SIGLIP_VISION, text_config=dict(_TINY_TEXT, model_type="llama"),
+                                 image_token_id=299)
     return tf.DeepseekVLForConditionalGeneration(config), "model.vision_model"
 
 
@@ -85,9 +86,7 @@ def test_models_with_a_siglip_tower_get_the_same_image_features(build):
     model, path = build()
     model.eval()
     reference = copy.deepcopy(model)
-    parent_name, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    tower = getattr(parent, attr)
+    tower = model.get_submodule(path)
     assert encgraph.graphed(tower, mode=RunMode.STATIC, budgets=[1, 2, 4]) is tower
     assert isinstance(encgraph.graphs(tower).runner.adapter, SiglipAdapter)
     served = 0
