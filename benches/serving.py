@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preprocess-workers", metavar="N|auto",
                    help="encgraph serve's --preprocess-workers for every server started (default: the server's own, "
                         "auto: worker processes when the tower is on a GPU)")
+    p.add_argument("--preprocess-on", choices=("host", "device"), default="host",
+                   help="encgraph serve's --preprocess-on for every server started (device: transformers' torchvision "
+                        "processor on the GPU; recorded in the options; use --tag to keep both runs)")
     p.add_argument("--start", choices=("sequential", "concurrent"), default="sequential",
                    help="the systems' servers: each started once the one before answers (default), or all at once "
                         "(faster, but their capture-time timings then share the GPU: see run_points)")

@@ -6,7 +6,7 @@ tokens a visual becomes) and ``_TENSORS`` (the random pixels and the keyword arg
 a tower kind with another layout adds one function to each. Each kind follows its family's processor at its
 default settings:
 
-- ``PACKED``, ``PATCHES`` (Qwen-VL, GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5): sides rounded to multiples of
+- ``PACKED``, ``PATCHES``, ``BATCH1`` (Qwen-VL, GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5, PaddleOCR-VL): sides rounded to multiples of
   patch x merge (``smart_resize``), so 448 px stays 448 (Qwen3.5 at factor 32 too) and 336 px becomes 320 at
   factor 32;
 - ``FIXED`` (SigLIP, InternViT, Llama 4's 336 px tiles): tiles of the tower's side (a 448 px image: 2 x 2 tiles
@@ -231,6 +231,7 @@ _SIZES: dict[TowerKind, Callable[[Sequence[Visual], Geometry, float, float], Siz
     TowerKind.PACKED: _packed_sizes,
     TowerKind.FIXED: _fixed_sizes,
     TowerKind.PATCHES: _packed_sizes,
+    TowerKind.BATCH1: _packed_sizes,
     TowerKind.STRIP: _grid_sizes(strip_grid, "MiniCPM-V"),
     TowerKind.PADDED: _grid_sizes(padded_grid, "Gemma-4"),
     TowerKind.VIEWS: _views_sizes,
@@ -279,6 +280,11 @@ def _patch_rows_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tup
     return (pixels,), {"grid_thw": torch.tensor(sizes.grids, dtype=torch.int64).to(env.device)}
 
 
+def _batch1_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    (pixels,), kwargs = _patch_rows_tensors(sizes, geom, env, gen)
+    return (pixels.unsqueeze(0),), kwargs
+
+
 def _strip_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     import torch
 
@@ -320,11 +326,13 @@ _TENSORS: dict[TowerKind, Callable[[Sizes, Geometry, Env, Any], tuple[tuple[Any,
     TowerKind.PACKED: _packed_tensors,
     TowerKind.FIXED: _fixed_tensors,
     TowerKind.PATCHES: _patch_rows_tensors,
+    TowerKind.BATCH1: _batch1_tensors,
     TowerKind.STRIP: _strip_tensors,
     TowerKind.PADDED: _padded_tensors,
     TowerKind.VIEWS: _views_tensors,
 }
-_HOST_GRIDS = {TowerKind.PACKED: "grid_thw", TowerKind.PATCHES: "grid_thw", TowerKind.STRIP: "target_sizes"}
+_HOST_GRIDS = {TowerKind.PACKED: "grid_thw", TowerKind.PATCHES: "grid_thw", TowerKind.BATCH1: "grid_thw",
+               TowerKind.STRIP: "target_sizes"}
 """The keyword of each kind's per-item sizes, which the adapter systems get on the host."""
 
 

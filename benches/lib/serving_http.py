@@ -37,6 +37,8 @@ def start_server(checkpoint: str, system: str, args: argparse.Namespace, device:
            "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags]
     if args.preprocess_workers is not None:
         cmd += ["--preprocess-workers", args.preprocess_workers]
+    if getattr(args, "preprocess_on", "host") != "host":
+        cmd += ["--preprocess-on", args.preprocess_on]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env())
     return proc, f"http://127.0.0.1:{port}", log

@@ -65,6 +65,9 @@ class TowerKind(enum.Enum):
     """SigLIP, InternViT style: ``pixel_values (tiles, C, S, S)`` at the tower's one resolution."""
     PATCHES = "patches"
     """Kimi-K2.5 style: the packed layout with one patch per row, ``(patches, C, P, P)``, + ``grid_thw``."""
+    BATCH1 = "batch1"
+    """PaddleOCR-VL style: the ``PATCHES`` rows with the model's leading batch of one, ``(1, patches, C, P, P)``,
+    + ``grid_thw`` (the processor's sides multiples of patch x merge; the tower itself merges nothing)."""
     STRIP = "strip"
     """MiniCPM-V style: one strip of patches ``(1, C, P, patches * P)`` + ``target_sizes (images, 2)``."""
     PADDED = "padded"
@@ -108,6 +111,7 @@ DEFAULT_FACTS: dict[TowerKind, Facts] = {
     TowerKind.PACKED: Facts(),
     TowerKind.FIXED: Facts(merge=1, temporal_patch=1, channels="num_channels", image_size="image_size"),
     TowerKind.PATCHES: Facts(merge="merge_kernel_size", temporal_patch=1, channels=3),
+    TowerKind.BATCH1: Facts(temporal_patch=1, channels="num_channels"),
     TowerKind.STRIP: Facts(merge="window_kernel_size", temporal_patch=1, channels="num_channels"),
     TowerKind.PADDED: Facts(merge="pooling_kernel_size", temporal_patch=1, channels=3),
     TowerKind.VIEWS: Facts(patch=f"{_STEP}patch_size", merge=1, temporal_patch=1, channels=f"{_STEP}num_channels",
@@ -296,6 +300,11 @@ _FAMILY_ROWS = (
             full=dict(num_hidden_layers=27, hidden_size=1152, num_attention_heads=16, intermediate_size=4304,
                       patch_size=14, image_size=980, insert_layer_id=6, hidden_act="gelu_pytorch_tanh"),
             tiny=dict(TINY_FIXED, insert_layer_id=0), transformers="5.24"),
+    _family("paddleocr_vl", "PaddleOCR-VL-0.9B tower", TowerKind.BATCH1, "PaddleOCRVisionModel",
+            "PaddleOCRVisionConfig",
+            full=dict(num_hidden_layers=27, hidden_size=1152, num_attention_heads=16, intermediate_size=4304,
+                      patch_size=14, image_size=384, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh"),
+            tiny=dict(TINY_FIXED, image_size=56, spatial_merge_size=2)),
     _family("llama4", "Llama 4 Scout tower", TowerKind.FIXED, "Llama4VisionModel", "Llama4VisionConfig",
             full=dict(num_hidden_layers=34, hidden_size=1408, num_attention_heads=16, intermediate_size=5632,
                       image_size=336, patch_size=14, vision_output_dim=4096, projector_input_dim=4096,

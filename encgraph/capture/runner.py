@@ -33,6 +33,7 @@ from encgraph.capture.execution import CAPTURE_FAILED, EAGER_MODE, item_specs
 from encgraph.capture.feedback import CostFeedback, event_factory
 from encgraph.capture.grad import persistent
 from encgraph.capture.kernels import choose_kernels, keep_kernels
+from encgraph.capture.memory import peak_rise
 from encgraph.capture.options import check_bool, resolve_device, resolve_ladders, resolve_limits
 from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
@@ -232,9 +233,11 @@ class EncoderGraphRunner:
             # varlen kernel is the process's from now on: encgraph.models.fa4.use); graphs captured before the
             # choice would keep the old kernel while the eager forwards ran the new one.
             kernels = choose_kernels(self)
+            memory: dict[str, dict[str, float]] = {}
             if self.mode is RunMode.GRAPH:
                 self._pool = torch.cuda.graph_pool_handle()
-                info = capture_graphs(self, self._pool)
+                with peak_rise(self.device, memory, "capture"):
+                    info = capture_graphs(self, self._pool)
             else:
                 info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
                 self.compiled_eager = CompiledEager.off(f"runner in {self.mode.value} mode: nothing is compiled")
@@ -243,7 +246,8 @@ class EncoderGraphRunner:
             try:
                 # Nothing padded runs in EAGER mode: nothing to check.
                 verify = self.verify and self.mode is not RunMode.EAGER
-                info["selfcheck"] = check_and_measure(self, verify=verify, measure=self._measure_costs)
+                with peak_rise(self.device if self.mode is RunMode.GRAPH else None, memory, "selfcheck and costs"):
+                    info["selfcheck"] = check_and_measure(self, verify=verify, measure=self._measure_costs)
             except BaseException:
                 self.captured = False
                 raise
@@ -253,6 +257,7 @@ class EncoderGraphRunner:
             info["costs"] = "cost-aware (measured at capture)" if self._measure_costs and self.costs is not None else (
                 "cost-aware (given)" if self.costs is not None else "greedy"
             )
+            info["memory_peak_rise_mib"] = memory  # per phase (encgraph.capture.memory); empty off CUDA
             info["seconds"] = round(time.perf_counter() - t0, 3)
             self.capture_info = info
             return info

@@ -31,6 +31,7 @@ import torch
 
 from encgraph.capture.capture import fill_for_timing, time_replay
 from encgraph.capture.execution import RunnerState, item_specs, run_static
+from encgraph.capture.memory import release_cached
 from encgraph.capture.protocol import BudgetUnit, FillRule
 from encgraph.capture.records import RunMode
 from encgraph.capture.timing import time_host, time_interleaved
@@ -118,6 +119,7 @@ def _check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> d
                 _check_budget(runner, path, budget, positive, verify, budget in timed, checked[path], eager[path])
             except Exception as exc:  # capture-time work never fails a call: the budget goes, with its reason
                 _drop(runner, path, budget, f"self-check: {type(exc).__name__}: {exc}", wide=False)
+            release_cached(runner.device)  # the next sample's eager forward runs at another size
         if measure:
             try:
                 eager[path].extend(_multi_item_sample(runner, path, positive))

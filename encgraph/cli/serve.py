@@ -137,6 +137,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="worker processes that decode the images and run the image processors, off the server "
                    "process's GIL (0: in the server's threads; default auto: 0 when the towers are on the CPU, whose "
                    "forward needs those cores, else half the cores, 1 to 8)")
+    p.add_argument("--preprocess-on", choices=("host", "device"), default="host",
+                   help="where the image processor resizes and normalises: host (default), or device (the host only "
+                   "decodes; transformers' torchvision processor runs on the towers' device; needs torchvision)")
     p.add_argument("--eager", action="store_true",
                    help="serve the towers' own forward, one request at a time (a baseline for benchmarks)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -295,6 +298,10 @@ def build_models(args: argparse.Namespace) -> dict[str, Any]:
             tower, description = loading.load_tower(checkpoint, device=device, dtype=dtype)
             processor = checkpoint.processor
             ladder = budgets.get(name)
+        if args.preprocess_on == "device":
+            from encgraph.serving.device_preprocess import device_processing
+
+            processor = device_processing(processor)
         models[name] = loading.build_model(name, tower, processor, description, budgets=ladder, eager=args.eager,
                                            front_options=options)
     return models
@@ -345,6 +352,8 @@ def describe(app: Any) -> str:
     listed = ", ".join(f"{n} ({m.description})" for n, m in app.state.models.items())
     workers = app.state.preprocess.workers if app.state.preprocess is not None else 0
     where = f"in {workers} worker processes" if workers else "in the server threads"
+    if any(hasattr(m.processor, "on_device") for m in app.state.models.values()):
+        where = f"decoding {where}, resizing and normalising on the device"
     return f"models: {listed}; preprocessing {where}"
 
 

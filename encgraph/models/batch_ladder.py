@@ -19,10 +19,13 @@ import torch
 from encgraph._validate import check_int, describe
 from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec
 from encgraph.errors import ConfigError, InputError, InputTypeError
+from encgraph.packing import ItemSpec
 
-__all__ = ["BatchLadderAdapter", "Signature", "concat_parts", "take_rows"]
+__all__ = ["BatchLadderAdapter", "Signature", "concat_parts", "take_rows", "ONE_ITEM"]
 
 PATH = "default"
+ONE_ITEM = ItemSpec(1)
+"""The spec of one image (or row) of a batch ladder: every item's, shared (specs are immutable)."""
 
 
 def concat_parts(parts: Sequence[Any], kind: type | tuple[type, ...]) -> list[Any]:
@@ -43,6 +46,12 @@ def take_rows(t: torch.Tensor, rows: Sequence[int] | np.ndarray) -> torch.Tensor
     pageable memory, ``torch.as_tensor(rows, device=...)``, waits for the stream's queued work: the previous
     replay). Lifetime: a view shares ``t``'s storage; the host allocator keeps the pinned index until its copy is
     done."""
+    if isinstance(rows, (tuple, list, range)):  # a plan's items: checked in Python, no arrays for the usual run
+        if not rows:
+            return t[:0]
+        start = rows[0]
+        if start >= 0 and all(b - a == 1 for a, b in zip(rows, rows[1:])):
+            return t[start : start + len(rows)]
     index = np.asarray(rows, dtype=np.int64).reshape(-1)
     n = index.size
     start = int(index[0]) if n else 0
@@ -100,12 +109,18 @@ class BatchLadderAdapter:
 
     @property
     def config(self) -> AdapterConfig:
-        names = self._signature.names if self._signature is not None else ("out",)
-        return AdapterConfig(
-            paths=PathSpec(PATH, 1, self.max_batch, outputs=names, unit=BudgetUnit.ITEMS),
-            dtype=self._dtype,
-            device=self._device,
-        )
+        # Built again only when the signature the outputs are named from changes (it is learned on a first call);
+        # every call of the runner reads it.
+        cached = self.__dict__.get("_config_of")
+        if cached is None or cached[0] is not self._signature:
+            names = self._signature.names if self._signature is not None else ("out",)
+            config = AdapterConfig(
+                paths=PathSpec(PATH, 1, self.max_batch, outputs=names, unit=BudgetUnit.ITEMS),
+                dtype=self._dtype,
+                device=self._device,
+            )
+            cached = self.__dict__["_config_of"] = (self._signature, config)
+        return cached[1]
 
     @property
     def stock_reason(self) -> str | None:

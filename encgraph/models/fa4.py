@@ -94,13 +94,17 @@ def _importable() -> bool:
 
 def available(device: torch.device) -> bool:
     """Whether FlashAttention-4 can run on the CUDA ``device``: the wheel imports, and the device is a Hopper
-    (compute capability 9.x) or a Blackwell (10.x) GPU. A failed import is logged once per device."""
+    (compute capability 9.x) or a Blackwell (10.x) GPU. A failed import is logged once per device; such a GPU
+    without the wheel logs, once per process, what it leaves and the install command (:data:`MISSING_HINT`)."""
     if device.type != "cuda":
         return False
     index = _index(device)
     if index not in _AVAILABLE:
         ok = False
-        if _importable() and torch.cuda.get_device_capability(index)[0] in (9, 10):
+        capable = torch.cuda.get_device_capability(index)[0] in (9, 10)
+        if capable and not _importable():
+            _hint_once(torch.cuda.get_device_name(index))
+        if _importable() and capable:
             try:
                 importlib.import_module(_MODULE)
                 ok = True
@@ -109,6 +113,22 @@ def available(device: torch.device) -> bool:
                             "keeps torch's Flash Attention kernel.", type(exc).__name__, exc)
         _AVAILABLE[index] = ok
     return _AVAILABLE[index]
+
+
+MISSING_HINT = (
+    "encgraph: FlashAttention-4 is not installed; on this {gpu} the packed attention runs torch's Flash Attention "
+    "kernel instead. On an H200, FlashAttention-4 ran Qwen3-VL-8B's photo trace (every size new) at 2.3x Hugging "
+    "Face's mean latency, against 1.7x without it (benches/results/traffic_nvidia-h200_photo-fa4.md). Install it "
+    "with: pip install 'encgraph[fa4]' (for a CUDA 13 torch: 'encgraph[fa4-cu13]')."
+)
+"""What a capture on a Hopper or Blackwell GPU without the wheel logs, once per process."""
+_HINTED: list[bool] = []
+
+
+def _hint_once(gpu: str) -> None:
+    if not _HINTED:
+        _HINTED.append(True)
+        log.warning(MISSING_HINT.format(gpu=gpu))
 
 
 def varlen_attn(

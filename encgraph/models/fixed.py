@@ -40,7 +40,7 @@ from encgraph.errors import ConfigError, ConfigTypeError, InputTypeError, Unsupp
 from encgraph.models.own_forward import own_forward
 from encgraph.models._hf import repeated_blocks, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
-from encgraph.models.batch_ladder import BatchLadderAdapter, Signature, concat_parts
+from encgraph.models.batch_ladder import ONE_ITEM, BatchLadderAdapter, Signature, concat_parts
 from encgraph.packing import ItemSpec
 
 __all__ = ["FixedResolutionAdapter", "PixelBatch", "CallRequest", "hidden_states_layout"]
@@ -327,7 +327,7 @@ class FixedResolutionAdapter(BatchLadderAdapter):
             floating=f"a floating-point tensor (normalized pixels, cast to the tower's {self._dtype} as the tower "
             "itself does)", dtype_fix="; run the image processor first", device=self._device, shape=image_shape,
         )
-        return [ItemSpec(1)] * pv.shape[0]
+        return [ONE_ITEM] * pv.shape[0]
 
     def select(self, inputs: PixelBatch, indices: Sequence[int]) -> PixelBatch:
         (pixels,) = super().select((inputs.pixel_values,), indices)

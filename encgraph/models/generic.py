@@ -34,7 +34,7 @@ from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.errors import InputError, InputTypeError
 from encgraph.models._hf import repeated_blocks
-from encgraph.models.batch_ladder import concat_parts, take_rows
+from encgraph.models.batch_ladder import ONE_ITEM, concat_parts, take_rows
 from encgraph.models.call_spec import CallSplit, describe_key, rebuild, split_call
 from encgraph.models.own_forward import own_forward
 from encgraph.packing import ItemSpec
@@ -131,6 +131,11 @@ class GenericModuleAdapter:
             self._seed = tuple(t[:SEEDS].detach().clone() for t in example.tensors)
         self._scales = [float(t.float().std()) if t.is_floating_point() and t.numel() > 1 else 1.0 for t in self._seed]
         self._not_batch_first: str | None = None
+        self._config = AdapterConfig(  # read on every call: built once (the output's structure is known already)
+            paths=PathSpec(PATH, 1, self.max_batch, outputs=self.output.tensor_names, unit=BudgetUnit.ITEMS),
+            dtype=self._dtype,
+            device=self._device,
+        )
 
     @classmethod
     def of_call(cls, module: torch.nn.Module, *args: Any, max_batch: int = 32, **kwargs: Any) -> GenericModuleAdapter:
@@ -154,11 +159,7 @@ class GenericModuleAdapter:
 
     @property
     def config(self) -> AdapterConfig:
-        return AdapterConfig(
-            paths=PathSpec(PATH, 1, self.max_batch, outputs=self.output.tensor_names, unit=BudgetUnit.ITEMS),
-            dtype=self._dtype,
-            device=self._device,
-        )
+        return self._config
 
     def describe(self) -> str:
         return describe_key(self.key)
@@ -187,7 +188,7 @@ class GenericModuleAdapter:
     def item_specs(self, inputs: CallSplit) -> list[ItemSpec]:
         if not isinstance(inputs, CallSplit) or inputs.key != self.key:
             raise InputTypeError(f"inputs: expected a CallSplit of shape {self.describe()}, got {describe(inputs)}.")
-        return [ItemSpec(1)] * inputs.batch
+        return [ONE_ITEM] * inputs.batch
 
     def select(self, inputs: CallSplit, indices: Sequence[int]) -> CallSplit:
         return CallSplit(inputs.key, tuple(take_rows(t, indices) for t in inputs.tensors), len(indices))

@@ -23,16 +23,20 @@ from encgraph.models.protocol import BufferSpec, FillRule
 from encgraph.models.qwen_grid import UnitGrid, patch_coords
 from encgraph.models.qwen_vl import QwenVisionAdapter
 
-__all__ = ["Qwen3VLAdapter", "adapter", "interpolation"]
+__all__ = ["InterpolatedPositions", "Qwen3VLAdapter", "adapter", "interpolation"]
 
 TAPS = 4  # bilinear: 2 per axis
 
 
-def _axis(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, ...]:
-    """Bilinear taps along one axis (``align_corners=True``): ``(tap0, tap1, weight0, weight1)``, each shaped like
-    ``index``. The same float32 operations, in the same order, as transformers' helper, so that the weights match
-    it bit for bit."""
-    src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+def _axis(index: np.ndarray, size: np.ndarray, side: int, align_corners: bool = True) -> tuple[np.ndarray, ...]:
+    """Bilinear taps along one axis: ``(tap0, tap1, weight0, weight1)``, each shaped like ``index``; the
+    ``align_corners=False`` sampling takes half-pixel centres, taps past an edge clamped to it (``F.interpolate``'s
+    border). The same float32 operations, in the same order, as transformers' helper, so that the weights match it
+    bit for bit."""
+    if align_corners:
+        src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+    else:
+        src = (index.astype(np.float32) + np.float32(0.5)) * np.float32(side) / size.astype(np.float32) - np.float32(0.5)
     floor = np.floor(src)
     low = floor.astype(np.int64)
     frac = src - floor
@@ -46,23 +50,23 @@ def _axis(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, .
     )
 
 
-def _axis_tables(lengths: np.ndarray, side: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+def _axis_tables(lengths: np.ndarray, side: int, align_corners: bool) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """:func:`_axis` of every position ``0..L-1`` of each axis length ``L``, concatenated, and the offset of each
     length's first position: the interpolation is separable, so patch rows need only gathers from these."""
     first = np.zeros(lengths.shape[0], dtype=np.int64)
     np.cumsum(lengths[:-1], out=first[1:])
     owner = np.repeat(np.arange(lengths.shape[0]), lengths)
-    return _axis(np.arange(owner.shape[0]) - first[owner], lengths[owner], side), first
+    return _axis(np.arange(owner.shape[0]) - first[owner], lengths[owner], side, align_corners), first
 
 
-def interpolation(units: UnitGrid, side: int) -> tuple[np.ndarray, np.ndarray]:
+def interpolation(units: UnitGrid, side: int, align_corners: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per patch row, the ``TAPS`` rows of the flattened ``side x side`` position table and their bilinear
     weights: ``(rows, 4)`` int64 and ``(rows, 4)`` float32 (taps ordered (h0, w0), (h0, w1), (h1, w0), (h1, w1))."""
     m = units.merge
     row, col = patch_coords(units)
     frame = np.repeat(units.frame, m * m)
-    h_axis, h_first = _axis_tables(units.height * m, side)
-    w_axis, w_first = _axis_tables(units.width * m, side)
+    h_axis, h_first = _axis_tables(units.height * m, side, align_corners)
+    w_axis, w_first = _axis_tables(units.width * m, side, align_corners)
     h0, h1, hw0, hw1 = (a.take(h_first[frame] + row) for a in h_axis)
     w0, w1, ww0, ww1 = (a.take(w_first[frame] + col) for a in w_axis)
     h0, h1 = h0 * side, h1 * side
@@ -71,7 +75,37 @@ def interpolation(units: UnitGrid, side: int) -> tuple[np.ndarray, np.ndarray]:
     return indices, weights
 
 
-class Qwen3VLAdapter(QwenVisionAdapter):
+class InterpolatedPositions:
+    """The families whose learned square position table is resampled to each frame's grid (bilinear taps computed
+    on the host): Qwen3-VL and PaddleOCR-VL. Buffers per budget (``R`` patch rows): ``interp_indices`` ``(R, 4)``
+    int64 and ``interp_weights`` ``(R, 4)`` float32, both ZERO (padding rows get a zero position embedding),
+    passed to the tower as its keyword arguments of those names. Reads the adapter's ``grid_side``, ``merge``,
+    ``align_corners`` and ``_rows``."""
+
+    grid_side: int
+    merge: int
+    align_corners: bool = True
+
+    def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
+        rows = self._rows(budget)  # type: ignore[attr-defined]
+        return {
+            "interp_indices": BufferSpec((rows, TAPS), torch.int64, FillRule.ZERO),
+            "interp_weights": BufferSpec((rows, TAPS), torch.float32, FillRule.ZERO),
+        }
+
+    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        indices, weights = interpolation(units, self.grid_side, self.align_corners)
+        rows = units.height * units.width * self.merge**2
+        return {"interp_indices": (indices, rows), "interp_weights": (weights, rows)}
+
+    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: np.concatenate([f[name] for f in frames]) for name in ("interp_indices", "interp_weights")}
+
+    def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
+        return {"interp_indices": buffers["interp_indices"], "interp_weights": buffers["interp_weights"]}
+
+
+class Qwen3VLAdapter(InterpolatedPositions, QwenVisionAdapter):
     """Adapter of a Qwen3-VL vision tower; see :class:`~encgraph.models.qwen_vl.QwenVisionAdapter`.
 
     Extra buffers per budget (``R`` patch rows): ``interp_indices`` ``(R, 4)`` int64 and ``interp_weights``
@@ -102,24 +136,6 @@ class Qwen3VLAdapter(QwenVisionAdapter):
 
     def _extra_outputs(self) -> tuple[str, ...]:
         return tuple(f"deepstack_{i}" for i in range(self.deepstack))
-
-    def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
-        rows = self._rows(budget)
-        return {
-            "interp_indices": BufferSpec((rows, TAPS), torch.int64, FillRule.ZERO),
-            "interp_weights": BufferSpec((rows, TAPS), torch.float32, FillRule.ZERO),
-        }
-
-    def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        indices, weights = interpolation(units, self.grid_side)
-        rows = units.height * units.width * self.merge**2
-        return {"interp_indices": (indices, rows), "interp_weights": (weights, rows)}
-
-    def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: np.concatenate([f[name] for f in frames]) for name in ("interp_indices", "interp_weights")}
-
-    def _static_kwargs(self, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, Any]:
-        return {"interp_indices": buffers["interp_indices"], "interp_weights": buffers["interp_weights"]}
 
     def _extra_named(self, out: Any) -> dict[str, torch.Tensor]:
         return {f"deepstack_{i}": feature for i, feature in enumerate(out.deepstack_features)}

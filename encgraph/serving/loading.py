@@ -104,11 +104,15 @@ class ServedModel:
         CPU in float32 they stay the arrays' memory), the grids as CPU int64 tensors."""
         import torch
 
-        # On a GPU through this thread's side stream: a copy on the default stream would wait for every replay
-        # the front's worker has queued there (encgraph.serving.transfer).
-        pixels = upload(torch.from_numpy(arrays["pixel_values"]), self.device, self.dtype)
+        if "decoded_sizes" in arrays:  # decoded bytes: the processor runs on the device (--preprocess-on device)
+            arrays = self.processor.on_device(arrays, self.device, self.dtype)
+            pixels = arrays["pixel_values"]
+        else:
+            # On a GPU through this thread's side stream: a copy on the default stream would wait for every replay
+            # the front's worker has queued there (encgraph.serving.transfer).
+            pixels = upload(torch.from_numpy(arrays["pixel_values"]), self.device, self.dtype)
         if "image_grid_thw" in arrays:
-            return self.adapter.inputs_from_call(pixels, grid_thw=torch.from_numpy(arrays["image_grid_thw"]))
+            return self.adapter.inputs_from_call(pixels, grid_thw=torch.as_tensor(arrays["image_grid_thw"]))
         return self.adapter.inputs_from_call(pixel_values=pixels)
 
     @property
@@ -145,7 +149,7 @@ class ServedModel:
             "queue_depth": self.front.queue_depth,
             # Which backend preprocesses (Pillow without torchvision): torchvision's is 1.7-4x faster per image on
             # a CPU (benches/results/preprocess_exactness_cpu.md), a fallback a deployment should be able to see.
-            "image_processor": type(self.processor).__name__,
+            "image_processor": getattr(self.processor, "label", type(self.processor).__name__),
         }
 
 
@@ -186,8 +190,9 @@ def _finish(per_item_tokens: bool, results: Sequence[Mapping[str, Any]]) -> Fini
     return Finished(to_host([torch.stack(pooled)]), results)
 
 
-PROCESSED = ("pixel_values", "image_grid_thw")
-"""The image processor's outputs a served tower reads (what :func:`process_images` keeps)."""
+PROCESSED = ("pixel_values", "image_grid_thw", "decoded_sizes")
+"""The image processor's outputs a served tower reads (what :func:`process_images` keeps; ``decoded_sizes``: the
+decoded images' of :class:`~encgraph.serving.device_preprocess.DeviceProcessing`)."""
 
 
 def process_images(processor: Any, images: Sequence[Any]) -> dict[str, np.ndarray]:

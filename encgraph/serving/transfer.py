@@ -19,13 +19,14 @@ On the CPU both are plain copies, and :meth:`HostCopy.wait` returns at once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 
-__all__ = ["upload", "to_host", "HostCopy"]
+__all__ = ["upload", "side_stream_work", "to_host", "HostCopy"]
 
 _LOCAL = threading.local()
 
@@ -67,6 +68,29 @@ def upload(tensor: Any, device: Any, dtype: Any = None) -> Any:
     stream.synchronize()
     out.record_stream(torch.cuda.default_stream(device))
     return out
+
+
+@contextlib.contextmanager
+def side_stream_work(device: Any) -> Iterator[Callable[[Any], Any]]:
+    """Run the block's device work on this thread's side stream of ``device`` (as :func:`upload` runs its copy),
+    then wait for that stream alone. Yields ``keep(tensor) -> tensor``: marks a result as used by the device's
+    default stream, where the front's worker replays, so that its memory is not reused while a replay may still
+    read it. Off CUDA: the block runs as it is and ``keep`` returns its argument."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield lambda tensor: tensor
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = _side_stream(device)
+    kept: list[Any] = []
+    with torch.cuda.stream(stream):
+        yield lambda tensor: kept.append(tensor) or tensor
+    stream.synchronize()
+    for tensor in kept:
+        tensor.record_stream(torch.cuda.default_stream(device))
 
 
 @attrs.frozen

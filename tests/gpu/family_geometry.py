@@ -57,5 +57,6 @@ GEOMETRY: dict[str, FamilyGeometry] = {g.name: g for g in (
     _row("ernie4_5_vl", "depth", bench="ernie4_5_vl_moe"),
     _row("kimi_k25", "num_hidden_layers"),
     _row("minicpmv4_6", "num_hidden_layers"),
+    _row("paddleocr_vl", "num_hidden_layers", tokens_per_448px=1024),  # budgets count rows: 32 x 32 patches
     _row("llama4", "num_hidden_layers", tokens_per_448px=1),
 )}

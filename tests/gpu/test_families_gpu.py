@@ -55,7 +55,7 @@ STATIC_RTOL_FOR = {("kimi_k25", "pooler_output"): 1e-2}
 """Kimi-K2.5 pools a video's frames with ``index_add_``, float32 atomics on CUDA: their order differs between any
 two runs, so a pooled value near a bf16 rounding boundary can differ by one bf16 step (up to 2^-8 relative)."""
 NEEDS_524 = {"kimi_k25", "minicpmv4_6"}
-PACKED = ("glm4v", "qwen3_5", "ernie4_5_vl", "kimi_k25", "minicpmv4_6")
+PACKED = ("glm4v", "qwen3_5", "ernie4_5_vl", "kimi_k25", "minicpmv4_6", "paddleocr_vl")
 
 
 @attrs.frozen

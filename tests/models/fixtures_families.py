@@ -44,6 +44,8 @@ ERNIE_VISION = dict(depth=2, hidden_size=HIDDEN, intermediate_size=64, num_heads
                     spatial_merge_size=2)
 KIMI_VISION = dict(patch_size=PATCH, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, num_attention_heads=2,
                    num_hidden_layers=2, hidden_size=HIDDEN, intermediate_size=64)
+PADDLE_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     image_size=8, patch_size=PATCH, spatial_merge_size=2)
 MINICPM_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                       image_size=16, patch_size=PATCH, insert_layer_id=1)
 
@@ -100,6 +102,13 @@ def minicpm_tower() -> torch.nn.Module:
     return _seeded(lambda: MiniCPMV4_6VisionModel._from_config(MiniCPMV4_6VisionConfig(**MINICPM_VISION)))
 
 
+def paddle_tower() -> torch.nn.Module:
+    from transformers.models.paddleocr_vl.configuration_paddleocr_vl import PaddleOCRVisionConfig
+    from transformers.models.paddleocr_vl.modeling_paddleocr_vl import PaddleOCRVisionModel
+
+    return _seeded(lambda: PaddleOCRVisionModel._from_config(PaddleOCRVisionConfig(**PADDLE_VISION)))
+
+
 # -- full models (a one-layer text model each: only their feature functions run)
 def glm4v_model() -> torch.nn.Module:
     import transformers as tf
@@ -151,6 +160,14 @@ def minicpm_model() -> torch.nn.Module:
         tf.MiniCPMV4_6Config(vision_config=MINICPM_VISION, text_config=text)))
 
 
+def paddle_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(_TEXT, vocab_size=300)
+    return _seeded(lambda: tf.PaddleOCRVLForConditionalGeneration(
+        tf.PaddleOCRVLConfig(vision_config=PADDLE_VISION, text_config=text)))
+
+
 # -- calling conventions
 def strip(rows: torch.Tensor) -> torch.Tensor:
     """Patch rows ``(L, C, P, P)`` as MiniCPM's packed strip ``(1, C, P, L*P)``."""
@@ -185,9 +202,12 @@ class Family:
     """False: the family's tower is another family's (GLM-4.6V's is GLM-4.1V's): only its model is tested."""
     min_transformers: str = "5.15"
     """The lowest transformers the adapter takes (the tests skip below it)."""
+    tower_merge: int = 2
+    """The spatial merge inside the tower (1: PaddleOCR-VL's merges in its projector; any h, w is an item)."""
     call_style: str = "grid"
     """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
-    ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM)."""
+    ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM); ``"batch1"``: ``tower(rows[None], grid_thw)``
+    (PaddleOCR-VL)."""
 
     def skip_if_unsupported(self, module: bool = False) -> None:
         """Skip the test (``module``: the whole test module) below the transformers the adapter needs."""
@@ -209,6 +229,8 @@ class Family:
         # Grids on the rows' device, as a model hands them over (some towers index with them on the device).
         if self.call_style == "strip":
             return module(strip(rows), target_sizes=torch.from_numpy(grid[:, 1:]).to(rows.device), **kwargs)
+        if self.call_style == "batch1":  # PaddleOCR-VL: its model hands the tower one packed batch
+            return module(rows.unsqueeze(0), torch.from_numpy(grid).to(rows.device), **kwargs)
         if self.call_style == "glm" and reference:
             grid = frames_grid(grid)
         return module(rows, torch.from_numpy(grid).to(rows.device), **kwargs)
@@ -259,6 +281,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("kimi_k25", "KimiK25Adapter", kimi_tower, (3, PATCH, PATCH), {"last_hidden_state": (0, "rows"),
            "pooler_output": (0, "frame_tokens")}, kimi_model, tower_attr="vision_tower", max_t=4,
            min_transformers="5.24"),
+    Family("paddleocr_vl", "PaddleOCRVLAdapter", paddle_tower, (3, PATCH, PATCH), {"last_hidden_state": (0, "rows")},
+           paddle_model, video_t=0, tower_merge=1, call_style="batch1"),
     Family("minicpmv4_6", "MiniCPMVAdapter", minicpm_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "tokens")},
            minicpm_model, tower_attr="vision_tower", min_transformers="5.24", call_style="strip"),
 )}

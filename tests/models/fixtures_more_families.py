@@ -108,12 +108,6 @@ def packed_grid(n: int, seed: int, row: tuple[int, ...]) -> tuple[torch.Tensor, 
     return torch.randn(int(grid.prod(-1).sum()), *row, generator=g), grid
 
 
-def paddle_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """PaddleOCR-VL: patch rows ``(rows, 3, P, P)`` (the model adds a leading 1) and ``image_grid_thw``."""
-    pixels, grid = packed_grid(n, seed, (3, 4, 4))
-    return [("get_image_features", {"pixel_values": pixels, "image_grid_thw": grid})]
-
-
 def hunyuan_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
     """HunYuan-VL: patch rows ``(rows, 3*P*P)`` and ``image_grid_thw``."""
     pixels, grid = packed_grid(n, seed, (3 * 4 * 4,))
@@ -222,12 +216,6 @@ def molmo2() -> torch.nn.Module:
     return tf.Molmo2ForConditionalGeneration(tf.Molmo2Config(vision_config=vision, text_config=T, adapter_config=adapter))
 
 
-def paddleocr_vl() -> torch.nn.Module:
-    tf = _tf()
-    return tf.PaddleOCRVLForConditionalGeneration(tf.PaddleOCRVLConfig(
-        vision_config=dict(V, image_size=16, patch_size=4), text_config=T))
-
-
 def hunyuan_vl() -> torch.nn.Module:
     tf = _tf()
     vision = dict(V, patch_size=4, max_image_size=16, out_hidden_size=32, text_hidden_size=32)
@@ -309,7 +297,6 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("molmo2", molmo2, "model.vision_tower", molmo_call),
     # Answered by the tower's own forward, each for its reason (see the test module).
     Case("mistral3", mistral3, "model.vision_tower", pixtral_call, served=NOT_BATCH_FIRST),
-    Case("paddleocr_vl", paddleocr_vl, "model.visual", paddle_call, served=DIFFERENT_DIM0),
     Case("hunyuan_vl", hunyuan_vl, "model.vision_tower", hunyuan_call, served=DIFFERENT_DIM0),
     Case("phi4_multimodal", phi4_image_embedding, "img_processor", phi4_call, served=NOT_BATCH_FIRST),
 )}

@@ -229,3 +229,11 @@ def test_generic_adapter_compiles_with_the_batch_alone_symbolic():
     assert dynamic_sizes(adapter) is GenericModuleAdapter.compile_dynamic
     assert dynamic_sizes(object()) is True
     assert "compile_dynamic" not in FixedResolutionAdapter.__dict__
+
+
+def test_take_rows_of_a_plans_items_is_a_view_and_otherwise_a_gather():
+    t = torch.randn(5, 2)
+    assert take_rows(t, (1, 2, 3))._base is t and take_rows(t, range(0, 5))._base is t
+    assert take_rows(t, ()).shape == (0, 2)
+    torch.testing.assert_close(take_rows(t, (3, 1)), t[[3, 1]])
+    torch.testing.assert_close(take_rows(t, [0, 2]), t[[0, 2]])

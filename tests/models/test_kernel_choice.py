@@ -481,3 +481,25 @@ def test_the_probe_slices_queries_keys_and_values_alike():
         assert len({t.shape for t in got}) == 1 and got[0].shape[0] % 2 == 1 and got[0].shape[0] < 300
         assert all(g.data_ptr() == t.data_ptr() for g, t in zip(got, (q, k, v)))
 
+
+
+def test_a_hopper_without_flash_attention_4_says_once_what_it_leaves(monkeypatch, caplog):
+    """Issue 56: a capture on a Hopper or Blackwell GPU without the flash-attn-4 wheel logs once the measured
+    ratio it leaves and the install command; other GPUs, and a second device, say nothing more."""
+    import logging
+
+    from encgraph.models import fa4
+
+    monkeypatch.setattr(fa4, "_AVAILABLE", {})
+    monkeypatch.setattr(fa4, "_HINTED", [])
+    monkeypatch.setattr(fa4, "_importable", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: {0: (9, 0), 1: (9, 0), 2: (8, 0)}[index])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    with caplog.at_level(logging.WARNING, logger="encgraph"):
+        assert not fa4.available(torch.device("cuda", 2))
+        assert not caplog.records  # an Ampere GPU: FlashAttention-4 does not run there
+        assert not fa4.available(torch.device("cuda", 0))
+        assert not fa4.available(torch.device("cuda", 1))
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "NVIDIA H100" in message and "2.3x" in message and "pip install 'encgraph[fa4]'" in message

@@ -278,3 +278,15 @@ def test_embedded_processors_load_without_torchvision_and_without_a_warning():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["SiglipImageProcessorPil", "Qwen2VLImageProcessorPil"]
     assert done.stderr == ""
+
+
+def test_preprocessing_on_the_device_refuses_a_pillow_processor():
+    """``--preprocess-on device`` needs transformers' torchvision processor; the Pillow one (what a standard install
+    without torchvision loads) is refused at start, naming the fix."""
+    import transformers
+
+    from encgraph.serving.device_preprocess import device_processing
+
+    pil = transformers.SiglipImageProcessorPil.from_dict(loading.load_config("siglip_processor"))
+    with pytest.raises(ConfigError, match="install torchvision matching your torch, or preprocess on the host"):
+        device_processing(pil)

@@ -1,0 +1,104 @@
+"""Image preprocessing on the tower's device (``encgraph serve --preprocess-on device``, issue 57).
+
+By default a request's images are resized, rescaled, normalised and (Qwen-VL) cut into patch rows on the host,
+by the model's transformers image processor, in the server's threads or in preprocessing worker processes; the
+float32 result is copied to the device. With :class:`DeviceProcessing` the host only decodes: each image crosses
+to the device as its 8-bit RGB pixels, and transformers' torchvision image processor (the "fast" one, which takes
+``device=``) does the rest there, with the same torch ops as on the host. The two halves:
+
+- host (:meth:`DeviceProcessing.__call__`, where the processor ran before: a request thread or a worker): decoded
+  RGB images -> ``pixel_values``: one flat ``uint8`` array of every image's ``H x W x 3`` bytes, and
+  ``decoded_sizes`` ``(images, 2)`` int64. Named as the processor's outputs are, so that the worker pool, its
+  shared-memory slots and :func:`~encgraph.serving.loading.process_images` carry them unchanged;
+- device (:meth:`DeviceProcessing.on_device`, a request thread): the bytes uploaded through the thread's side
+  stream (:mod:`encgraph.serving.transfer`), each image viewed as ``(3, H, W)``, the processor run on them on that
+  side stream, which the thread then waits for alone; the result marked used by the replay stream.
+
+How exactly the torchvision processor matches the Pillow one (what the models were trained with), and its speed on
+a CPU: ``benches/results/preprocess_exactness_cpu.md``. Whether the device path is faster behind a server is for
+``benches/serving.py`` on a GPU to say; until it has, the host path is the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from encgraph._validate import describe
+from encgraph.errors import ConfigError
+
+__all__ = ["DeviceProcessing", "device_processing"]
+
+
+def device_processing(processor: Any) -> DeviceProcessing:
+    """``processor`` (a transformers image processor) run on the tower's device: a :class:`DeviceProcessing`.
+
+    Raises:
+        ConfigError: ``processor`` is a Pillow processor (``...ImageProcessorPil``: torchvision is not installed,
+            or the processor was built as that class): it has no device to run on.
+    """
+    name = type(processor).__name__
+    if not any(k.__name__ == "TorchvisionBackend" for k in type(processor).__mro__):
+        raise ConfigError(
+            f"preprocess on device: expected transformers' torchvision image processor, got {name} (the Pillow one, "
+            "chosen where torchvision is not installed); install torchvision matching your torch, or preprocess "
+            "on the host (the default)."
+        )
+    return DeviceProcessing(processor)
+
+
+class DeviceProcessing:
+    """A transformers torchvision image processor split into a host half (decode only) and a device half.
+
+    Pickles to preprocessing workers as the processor it wraps does. ``processor``: the wrapped processor
+    (its configuration: sizes, mean and std, patching).
+    """
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __repr__(self) -> str:
+        return f"DeviceProcessing({type(self.processor).__name__})"
+
+    @property
+    def label(self) -> str:
+        """What ``/health`` names as the model's image processor."""
+        return f"{type(self.processor).__name__} (on the device)"
+
+    # -- host half: what process_images calls as it calls a processor
+    def __call__(self, images: Sequence[Any], return_tensors: str = "pt") -> dict[str, Any]:
+        """Decoded RGB images (``PIL.Image``) as ``pixel_values`` (every image's ``H x W x 3`` bytes, one flat
+        ``uint8`` tensor) and ``decoded_sizes`` (``(images, 2)`` int64 ``(H, W)``)."""
+        import torch
+
+        if return_tensors != "pt":
+            raise ConfigError(f"return_tensors: expected 'pt', got {describe(return_tensors)}.")
+        arrays = [np.asarray(image.convert("RGB") if getattr(image, "mode", "RGB") != "RGB" else image, np.uint8)
+                  for image in images]
+        sizes = np.array([a.shape[:2] for a in arrays], dtype=np.int64).reshape(-1, 2)
+        flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, np.uint8)
+        return {"pixel_values": torch.from_numpy(flat), "decoded_sizes": torch.from_numpy(sizes)}
+
+    # -- device half
+    def on_device(self, arrays: Mapping[str, np.ndarray], device: Any, dtype: Any) -> dict[str, Any]:
+        """The processor's outputs for the host half's ``arrays``, computed on ``device``: ``pixel_values`` in
+        ``dtype`` on ``device``, and (Qwen-VL) ``image_grid_thw`` as a CPU int64 tensor. Returns once they are
+        there (this thread waits for its own work only)."""
+        import torch
+
+        from encgraph.serving.transfer import side_stream_work, upload
+
+        sizes = np.asarray(arrays["decoded_sizes"], dtype=np.int64).reshape(-1, 2)
+        flat = upload(torch.from_numpy(np.asarray(arrays["pixel_values"])), device)
+        counts = (sizes[:, 0] * sizes[:, 1] * 3).tolist()
+        with side_stream_work(device) as keep:
+            images = [part.view(int(h), int(w), 3).permute(2, 0, 1)
+                      for part, (h, w) in zip(torch.split(flat, counts), sizes.tolist())]
+            out = self.processor(images=images, return_tensors="pt", device=device)
+            pixels = keep(out["pixel_values"].to(dtype))
+        result: dict[str, Any] = {"pixel_values": pixels}
+        if "image_grid_thw" in out:
+            result["image_grid_thw"] = out["image_grid_thw"].to("cpu", torch.int64)
+        return result
