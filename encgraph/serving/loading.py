@@ -265,7 +265,11 @@ def load_tower(checkpoint: Checkpoint, *, device: Any, dtype: Any) -> tuple[Any,
     family = FAMILIES[checkpoint.model_type]
     module_name, cls_name = family.tower.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    options: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    # use_kernels=False: the tower's own torch forward, what the graphs capture and the answers are checked by.
+    # transformers 5.25 otherwise kernelizes by default (layers swapped for hub kernels fetched at start) and, where
+    # the ``kernels`` package is missing or of another version, refuses to load at all ("Kernels are not
+    # available"); 5.15 takes the argument with the same meaning (its default).
+    options: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "use_kernels": False}
     if family.sub_config is not None:
         options["config"] = getattr(config, family.sub_config)
         options["key_mapping"] = dict(family.key_mapping or {})

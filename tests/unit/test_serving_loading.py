@@ -104,6 +104,18 @@ def test_checkpoint_tower_serves_the_models_own_embeddings(which, eager, request
     assert served.info()["engine"] == ("hf-eager" if eager else "eager")  # the runner's CPU default
 
 
+def test_a_checkpoint_loads_without_the_hub_kernels_package(siglip_dir, monkeypatch):
+    """transformers 5.25 kernelizes in ``from_pretrained`` by default and raises where the ``kernels`` package is
+    missing (as on a GPU image with an older one): the server loads the tower's own forward either way."""
+    import transformers.modeling_utils as modeling_utils
+
+    if hasattr(modeling_utils, "is_kernels_available"):
+        monkeypatch.setattr(modeling_utils, "is_kernels_available", lambda *a, **k: False)
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    tower, _, _ = loading.load_checkpoint(siglip_dir[0], device=torch.device("cpu"), dtype=torch.float32)
+    assert not getattr(tower, "use_kernels", False)
+
+
 def test_cli_builds_named_checkpoints_with_their_budgets(siglip_dir):
     path, _ = siglip_dir
     args = build_parser().parse_args(["serve", "--model", f"tiny={path}", "--budgets", "tiny=1,2,4",
