@@ -55,6 +55,18 @@ def _median_us(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e6, 1)
 
 
+def _in_turn(pairs: Any, x: Any) -> tuple[float, float]:
+    """Median us of each side over ``pairs`` (``(plain, wrapped)`` modules), each pair's two calls timed in turn."""
+    a: list[float] = []
+    b: list[float] = []
+    for plain, wrapped in pairs:
+        for module, times in ((plain, a), (wrapped, b)):
+            t = time.perf_counter()
+            module(pixel_values=x)
+            times.append(time.perf_counter() - t)
+    return _median_us(a), _median_us(b)
+
+
 def steady(module: Any, calls: int, warmup: int, batch: int, grad: str) -> dict[str, Any]:
     import torch
 
@@ -63,19 +75,10 @@ def steady(module: Any, calls: int, warmup: int, batch: int, grad: str) -> dict[
     plain, wrapped = copy.deepcopy(module), encgraph.graphed(copy.deepcopy(module))
     x = torch.randn(batch, 3, 32, 32)
     mode = torch.no_grad if grad == "no_grad" else torch.inference_mode
-    a: list[float] = []
-    b: list[float] = []
     with mode():
         for _ in range(warmup):
             plain(pixel_values=x), wrapped(pixel_values=x)
-        for _ in range(calls):
-            t = time.perf_counter()
-            plain(pixel_values=x)
-            a.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            wrapped(pixel_values=x)
-            b.append(time.perf_counter() - t)
-    module_us, wrapped_us = _median_us(a), _median_us(b)
+        module_us, wrapped_us = _in_turn([(plain, wrapped)] * calls, x)
     return {"module_us": module_us, "wrapped_us": wrapped_us, "over_us": round(wrapped_us - module_us, 1),
             "ratio": round(wrapped_us / module_us, 3), "target_us": round(RATIO * module_us + OVER_US, 1),
             "met": wrapped_us <= RATIO * module_us + OVER_US}
@@ -89,17 +92,7 @@ def first_call(kind: str, pairs: int) -> dict[str, Any]:
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         tiny(kind)(pixel_values=x)  # torch's and transformers' own first-use work, paid by neither side
-        a: list[float] = []
-        b: list[float] = []
-        for _ in range(pairs):
-            plain, wrapped = tiny(kind), encgraph.graphed(tiny(kind))
-            t = time.perf_counter()
-            plain(pixel_values=x)
-            a.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            wrapped(pixel_values=x)
-            b.append(time.perf_counter() - t)
-    module_us, wrapped_us = _median_us(a), _median_us(b)
+        module_us, wrapped_us = _in_turn(((tiny(kind), encgraph.graphed(tiny(kind))) for _ in range(pairs)), x)
     return {"first_module_us": module_us, "first_wrapped_us": wrapped_us,
             "first_over_us": round(wrapped_us - module_us, 1)}
 
