@@ -369,15 +369,17 @@ class TowerBench:
 def pin_varlen(adapter: Any) -> str | None:
     """Make ``adapter`` (a graphed tower's, before capture) run one packed varlen kernel for every attention call:
     its ``choose_kernels`` still measures (and records) the crossovers and picks the varlen kernel, then its
-    ``kernel_rows`` and ``warmed_plans`` are dropped, so that no sequence runs dense (eager forwards pass no dense
-    rows, captures find no call to split). Returns why not, for an adapter that chooses no kernels."""
+    ``kernel_rows`` say "never dense" for every geometry measured and its ``warmed_plans`` are dropped, so that no
+    sequence runs dense (eager forwards find no dense rows, captures no call to split). (Until 2026-12-06 this set
+    ``kernel_rows`` to ``None``, which left eager forwards on ``attention.SEGMENT_MIN_ROWS``: dense from 2,048
+    rows, a cuDNN plan per new length, no ledger.) Returns why not, for an adapter that chooses no kernels."""
     choose = getattr(adapter, "choose_kernels", None)
     if choose is None or not hasattr(adapter, "kernel_rows"):
         return f"n/a: {type(adapter).__name__} chooses no attention kernels"
 
     def choose_varlen(known: Any = None) -> Any:
         chosen = choose(known)
-        adapter.kernel_rows = None
+        adapter.kernel_rows = {geometry: None for geometry in adapter.kernel_rows or {}}
         adapter.warmed_plans = None
         return chosen
 
