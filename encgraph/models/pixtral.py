@@ -137,7 +137,7 @@ class PixtralAdapter(HiddenStatesChoice, QwenVisionAdapter):
         if self.max_side is not None and grid[:, 1:].max() > self.max_side:
             raise InputError(
                 f"image_sizes: the tower's rotary table holds {self.max_side} x {self.max_side} patches (its config's "
-                f"image_size), got an image of {grid[:, 1:].max(1).max()} patches a side; resize it as the processor does."
+                f"image_size), got an image of {grid[:, 1:].max()} patches a side; resize it as the processor does."
             )
         return PixtralInputs(self._patch_rows(pv, grid), grid, return_dict, hidden_layout)
 
