@@ -12,12 +12,12 @@ index built on the host), and runs the Qwen-VL pattern (:class:`~encgraph.models
 merge 1): one item per image of ``h*w`` rows, position ids and ``cu_seqlens`` computed on the host, packed varlen
 attention per image. The tower's forward computes positions with per-image Python loops and takes no precomputed
 metadata, so the static forward is the tower's own modules in its order (``patch_conv``, ``ln_pre``, the rotary
-embedding, the layers). Rotary ids: ``(row, col)`` pairs for the axial rotary of transformers 5.2x; ``row *
+embedding, the layers). Rotary ids: ``(row, col)`` pairs for the axial rotary of transformers 5.25; ``row *
 max_side + col`` into the frequency table of 5.15 (sides at most ``image_size / patch_size``).
 
 Budgets count patch rows; the default ladder is 256 to 16,384 (four 1024 px Pixtral-12B images at patch 16).
 Hidden states are captured as :mod:`encgraph.models.hidden_choice` says (learned from the calls before the first
-capture unless ``hidden_states`` is given); Mistral 3 on transformers 5.2x asks for the last one only, which is
+capture unless ``hidden_states`` is given); Mistral 3 on transformers 5.25 asks for the last one only, which is
 ``last_hidden_state``. ``output_attentions`` is answered by the tower's own forward.
 """
 
@@ -87,7 +87,7 @@ class PixtralAdapter(HiddenStatesChoice, QwenVisionAdapter):
         self.num_layers = len(module.transformer.layers)
         self._init_hidden(self._hidden_option)
         # transformers 5.15's rotary is a table of (image_size / patch)^2 positions indexed by row * side + col;
-        # 5.2x's axial rotary takes (row, col) pairs.
+        # 5.25's axial rotary takes (row, col) pairs.
         table = module.patch_positional_embedding.inv_freq
         self.max_side = int(module.config.image_size) // self.patch if table.dim() == 2 else None
         tower_module = importlib.import_module(type(module).__module__)
