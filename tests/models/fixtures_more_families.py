@@ -65,17 +65,10 @@ def padded_images(sizes: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor
 
 def _sizes(n: int, seed: int) -> list[tuple[int, int]]:
     """``n`` image sizes in pixels: the first ``SIDE x SIDE``, the others an even number of patches a side (the
-    2 x 2 patch mergers of Mistral 3 and the pixel shuffles need it)."""
+    pixel shuffles need it)."""
     g = _gen(seed + 1000)
     sizes = [tuple(int(s) * 2 * PATCH for s in torch.randint(1, GRID // 2 + 1, (2,), generator=g)) for _ in range(n)]
     return [(SIDE, SIDE)] + sizes[1:]
-
-
-def pixtral_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """Mistral 3: images zero-padded to the largest of the call (here all to SIDE), ``image_sizes`` alongside."""
-    sizes = _sizes(n, seed)
-    pixels, _ = padded_images(sizes, seed)
-    return [("get_image_features", {"pixel_values": pixels, "image_sizes": torch.tensor(sizes)})]
 
 
 def idefics_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
@@ -162,13 +155,6 @@ def _tf() -> Any:
     import transformers
 
     return transformers
-
-
-def mistral3() -> torch.nn.Module:
-    tf = _tf()
-    vision = dict(V, model_type="pixtral", image_size=SIDE, patch_size=PATCH, head_dim=16)
-    return tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(
-        vision_config=vision, text_config=dict(T, model_type="mistral"), spatial_merge_size=2))
 
 
 def lfm2_vl() -> torch.nn.Module:
@@ -296,7 +282,6 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("siglip2", siglip2, "vision_model", naflex_call),
     Case("molmo2", molmo2, "model.vision_tower", molmo_call),
     # Answered by the tower's own forward, each for its reason (see the test module).
-    Case("mistral3", mistral3, "model.vision_tower", pixtral_call, served=NOT_BATCH_FIRST),
     Case("hunyuan_vl", hunyuan_vl, "model.vision_tower", hunyuan_call, served=DIFFERENT_DIM0),
     Case("phi4_multimodal", phi4_image_embedding, "img_processor", phi4_call, served=NOT_BATCH_FIRST),
 )}
