@@ -67,9 +67,9 @@ def test_batch_first_towers_are_answered_by_graphs_exactly(name):
 
 @pytest.mark.parametrize("name", ANSWERED)
 def test_other_towers_are_answered_by_their_own_forward(name):
-    """Pixtral (Mistral 3) packs every image of a call into one sequence (output ``(1, patches, hidden)``); HunYuan-VL
-    takes packed patch rows beside a per-image grid (dim 0 differs; PaddleOCR-VL, which does too, has its model
-    adapter: tests/models/test_families.py); Phi-4-multimodal's tower attends
+    """Pixtral (Mistral 3) packs every image of a call into one sequence (output ``(1, patches, hidden)``; PaddleOCR-VL
+    and HunYuan-VL, which take packed patch rows beside a per-image grid, have their model adapters:
+    tests/models/test_families.py); Phi-4-multimodal's tower attends
     causally when no crop is padded and bidirectionally when one is (its attention sets ``is_causal=True``, which SDPA
     applies only without a mask), so an item's answer depends on its batch: the capture's self-check finds it. No
     split or padded batch may stand in for these towers: each call is the tower's own forward, counted.
