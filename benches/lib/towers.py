@@ -32,6 +32,12 @@ checkpoints (their defaults are those models' values) and the models' published 
   of time table, 2 x 2 temporal-merge kernel.
 - MiniCPM-V 4.6: SigLIP-so400m, 27 layers, hidden 1152, 16 heads, MLP 4304, patch 14, 980 px (70 x 70) position
   table, the window merger after layer 6.
+- HunyuanOCR (HunYuan-VL; its config docstring's checkpoint, tencent/HunyuanOCR): 27 layers, hidden 1152, 16 heads,
+  MLP 4304, GELU, patch 16, merge 2 (in the tower's merger), a 2048 px (128 x 128) position table: the vision
+  config's defaults (the processor's defaults, 512 to 2048 px, agree); the merger projects to 1024, the width of
+  HunyuanOCR's 0.5B text model as published descriptions of its merger give it (``Linear(4608, 1024)``; the model
+  config sets ``text_hidden_size`` to the text width, over the vision config's 3072). Not checked against the
+  checkpoint's ``config.json``.
 - Llama 4 Scout: 34 layers, hidden 1408, 16 heads, MLP 5632, 336 px tiles of patch 14, pixel shuffle to
   4096-wide tokens.
 - Gemma-4's vision tower: 16 layers of 768, 12 heads (as many KV heads), head 64, MLP 3072, patch 16, pooling
@@ -305,6 +311,11 @@ _FAMILY_ROWS = (
             full=dict(num_hidden_layers=27, hidden_size=1152, num_attention_heads=16, intermediate_size=4304,
                       patch_size=14, image_size=384, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh"),
             tiny=dict(TINY_FIXED, image_size=56, spatial_merge_size=2)),
+    _family("hunyuan_vl", "HunyuanOCR tower", TowerKind.PACKED, "HunYuanVLVisionTransformer", "HunYuanVLVisionConfig",
+            full={"num_hidden_layers": 27, "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
+                  "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 1, "max_image_size": 2048,
+                  "text_hidden_size": 1024, "hidden_act": "gelu", "interpolate_mode": "bilinear"},
+            tiny=dict(TINY_FIXED, text_hidden_size=48), facts=Facts(channels="num_channels")),
     _family("llama4", "Llama 4 Scout tower", TowerKind.FIXED, "Llama4VisionModel", "Llama4VisionConfig",
             full=dict(num_hidden_layers=34, hidden_size=1408, num_attention_heads=16, intermediate_size=5632,
                       image_size=336, patch_size=14, vision_output_dim=4096, projector_input_dim=4096,
