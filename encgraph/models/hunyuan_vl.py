@@ -19,7 +19,8 @@ Budgets count merge units (``h*w / m^2``: the merged tokens, before the separato
 ``m^2`` per unit). Inside the runner an image's ``pooler_output`` rows take the first of its ``m^2`` rows per unit
 (they always fit) and the rest are zero; ``output_for_call`` keeps each image's own, so the graphed tower returns
 exactly the tower's fields. The default ladder, 256 to 4096 units, spans the processor's defaults (a 512 px image
-to a 2048 px one at patch 16).
+to a 2048 px one at patch 16). An image whose ``h`` or ``w`` is not a multiple of the merge (the processor makes
+none; the tower's merger drops the odd row or column) is left to the tower's own forward.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ import torch.nn.functional as F
 
 from encgraph.errors import ConfigError, InputError
 from encgraph.models.layout import linear_patch_embed
-from encgraph.models.protocol import BufferSpec, FillRule
+from encgraph.models.protocol import BufferSpec, FillRule, StockCall
 from encgraph.models.qwen3_vl import InterpolatedPositions
-from encgraph.models.qwen_grid import UnitGrid
+from encgraph.models.qwen_grid import UnitGrid, grid_array
 from encgraph.models.qwen_inputs import QwenVisionInputs
 from encgraph.models.qwen_vl import QwenVisionAdapter
 
-__all__ = ["HunYuanVLAdapter", "adapter", "merger_layout", "pooled_rows"]
+__all__ = ["HunYuanVLAdapter", "UnmergedGrid", "adapter", "merger_layout", "pooled_rows"]
 
 LAYOUT = ("merge_index", "slot_index", "pooler_index")
 """The merger's gather indices, host-made per batch (:func:`merger_layout`)."""
@@ -48,6 +49,11 @@ SLOTS_PER_UNIT = 2
 in two per unit (``h/m <= h*w / m^2``)."""
 ZERO, BEGIN, END = 0, 1, 2
 """Rows of the final gather's source before the projected slots: a zero row (an image's spare rows), begin, end."""
+
+
+class UnmergedGrid(InputError):
+    """An image whose ``h`` or ``w`` is not a multiple of the merge: the tower's merger drops its last row or
+    column of patches, which the graphs do not model; ``graphed(tower)`` leaves such a call to the tower."""
 
 
 def pooled_rows(grid: np.ndarray, merge: int) -> np.ndarray:
@@ -149,13 +155,29 @@ class HunYuanVLAdapter(InterpolatedPositions, QwenVisionAdapter):
         return ("last_hidden_state", "pooler_output")  # the tower's field order
 
     def inputs(self, pixel_values: Any, grid_thw: Any, *, return_dict: bool = True) -> QwenVisionInputs:
-        """As the base's; items must be images (``t = 1``: the tower's merger reshapes an item to one frame)."""
-        inputs = super().inputs(pixel_values, grid_thw, return_dict=return_dict)
+        """As the base's; items must be images (``t = 1``: the tower's merger reshapes an item to one frame) of
+        ``h`` and ``w`` multiples of the merge (else :class:`UnmergedGrid`)."""
+        grid = grid_array(grid_thw)  # a device tensor is copied to the host once, here
+        odd = np.nonzero((grid[:, 1:] % self.merge).any(axis=1))[0]
+        if odd.size:
+            raise UnmergedGrid(
+                f"grid_thw: h and w must be multiples of the spatial merge size {self.merge} for the graphs; item "
+                f"{int(odd[0])} has {grid[odd[0]].tolist()} (the tower's merger drops its last row or column of "
+                "patches; graphed(tower) leaves such a call to the tower)."
+            )
+        inputs = super().inputs(pixel_values, grid, return_dict=return_dict)
         videos = np.nonzero(inputs.grid[:, 0] != 1)[0]
         if videos.size:
             raise InputError(f"grid_thw: the {self.family} tower takes images only (t = 1); item {int(videos[0])} "
                              f"has {inputs.grid[videos[0]].tolist()}.")
         return inputs
+
+    def inputs_from_call(self, *args: Any, **kwargs: Any) -> QwenVisionInputs | StockCall:
+        """As the base's; a call with an image the merger cannot take whole is the tower's own (counted)."""
+        try:
+            return super().inputs_from_call(*args, **kwargs)
+        except UnmergedGrid:
+            return StockCall("h or w not a multiple of the merge size")
 
     # -- metadata and buffers
     def _positions(self, units: UnitGrid) -> np.ndarray:

@@ -227,6 +227,9 @@ class Family:
     """The lowest transformers the adapter takes (the tests skip below it)."""
     tower_merge: int = 2
     """The spatial merge inside the tower (1: PaddleOCR-VL's merges in its projector; any h, w is an item)."""
+    odd_grids_to_tower: bool = False
+    """True: an image whose h or w is not a multiple of the merge is the tower's own call, not refused (HunYuan-VL's
+    merger drops its last row or column)."""
     call_style: str = "grid"
     """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
     ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM); ``"batch1"``: ``tower(rows[None], grid_thw)``
@@ -308,7 +311,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("paddleocr_vl", "PaddleOCRVLAdapter", paddle_tower, (3, PATCH, PATCH), {"last_hidden_state": (0, "rows")},
            paddle_model, video_t=0, tower_merge=1, call_style="batch1"),
     Family("hunyuan_vl", "HunYuanVLAdapter", hunyuan_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows"),
-           "pooler_output": (1, "framed_tokens")}, hunyuan_model, tower_attr="vision_tower", video_t=0),
+           "pooler_output": (1, "framed_tokens")}, hunyuan_model, tower_attr="vision_tower", video_t=0,
+           odd_grids_to_tower=True),
     Family("minicpmv4_6", "MiniCPMVAdapter", minicpm_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "tokens")},
            minicpm_model, tower_attr="vision_tower", min_transformers="5.24", call_style="strip"),
 )}

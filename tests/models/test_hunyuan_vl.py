@@ -59,6 +59,26 @@ def test_merger_gathers_are_well_formed():
         assert pooler.max() < 3 + 2 * units
 
 
+def test_an_odd_grid_is_the_towers_own_call():
+    """The tower's merger drops an odd last row or column of patches: graphed(tower) leaves such a call to it,
+    counted; the adapter's own inputs refuse it."""
+    import encgraph
+    from encgraph.capture.records import RunMode
+    from encgraph.models.hunyuan_vl import UnmergedGrid
+
+    tower = FAMILY.tower()
+    reference = FAMILY.tower()
+    fast = encgraph.graphed(tower, budgets=[8, 16], mode=RunMode.STATIC)
+    grid = np.array([[1, 4, 4], [1, 3, 6]])
+    rows = FAMILY.pixels(grid)
+    with torch.no_grad():
+        got, want = FAMILY.call(fast, rows, grid), FAMILY.call(reference, rows, grid)
+    assert torch.equal(got.pooler_output, want.pooler_output)
+    assert encgraph.graphs(fast).stats["eager_reasons"] == {"h or w not a multiple of the merge size": 1}
+    with pytest.raises(UnmergedGrid, match="multiples"):
+        wrap(FAMILY.tower()).inputs(rows, grid)
+
+
 def test_videos_and_other_interpolations_are_refused():
     tower = FAMILY.tower()
     adapter = wrap(tower)
