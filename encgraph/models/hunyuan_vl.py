@@ -18,7 +18,8 @@ gathers (:func:`merger_layout`): each merged token's ``m x m`` patch rows, the r
 Budgets count merge units (``h*w / m^2``: the merged tokens, before the separators and begin / end; the rows are
 ``m^2`` per unit). Inside the runner an image's ``pooler_output`` rows take the first of its ``m^2`` rows per unit
 (they always fit) and the rest are zero; ``output_for_call`` keeps each image's own, so the graphed tower returns
-exactly the tower's fields. The default ladder, 256 to 4096 units, spans the processor's defaults (a 512 px image
+the tower's fields (to float rounding: the merger's convolution runs over the batch's blocks, not image by image,
+and the table is resampled as a weighted sum of taps). The default ladder, 256 to 4096 units, spans the processor's defaults (a 512 px image
 to a 2048 px one at patch 16). An image whose ``h`` or ``w`` is not a multiple of the merge (the processor makes
 none; the tower's merger drops the odd row or column) is left to the tower's own forward.
 """
@@ -47,8 +48,8 @@ LAYOUT = ("merge_index", "slot_index", "pooler_index")
 SLOTS_PER_UNIT = 2
 """Rows before the text projection per unit: an image's ``(h/m) * (w/m + 1)`` merged tokens and separators fit
 in two per unit (``h/m <= h*w / m^2``)."""
-ZERO, BEGIN, END = 0, 1, 2
-"""Rows of the final gather's source before the projected slots: a zero row (an image's spare rows), begin, end."""
+ZERO, BEGIN, END, FIRST_SLOT = 0, 1, 2, 3
+"""Rows of the final gather's source: a zero row (an image's spare rows), begin, end, then the projected slots."""
 
 
 class UnmergedGrid(InputError):
@@ -68,8 +69,8 @@ def merger_layout(grid: np.ndarray, merge: int) -> dict[str, np.ndarray]:
     - ``merge_index`` ``(rows,)``: per unit (raster over the merged grid) its ``m x m`` patch rows, row-major,
       as the convolution reads them;
     - ``slot_index`` ``(2 * units,)``: the rows of ``cat([separator, merged tokens])`` the text projection takes:
-      image ``j``'s ``2 * units_j`` slots from ``2 * U_j`` are its merged rows, each followed by the separator
-      (row 0), then spare slots (the separator again);
+      image ``j``'s ``2 * units_j`` slots from ``2 * U_j`` are its merged tokens row by row, each row followed by
+      the separator (row 0), then spare slots (the separator again);
     - ``pooler_index`` ``(rows,)``: the rows of ``cat([zero, begin, end, projected slots])`` the output takes:
       image ``j``'s ``m^2 * units_j`` rows are begin, its projected slots, end, then zero rows.
     """
@@ -98,7 +99,7 @@ def merger_layout(grid: np.ndarray, merge: int) -> dict[str, np.ndarray]:
 
     item, q = owner(m * m * units, m * m)
     length = (h * (w + 1))[item]
-    slot = 3 + SLOTS_PER_UNIT * first[item] + q - 1
+    slot = FIRST_SLOT + SLOTS_PER_UNIT * first[item] + q - 1
     pooler_index = np.where(q == 0, BEGIN, np.where(q <= length, slot, np.where(q == length + 1, END, ZERO)))
     return {"merge_index": merge_index, "slot_index": slot_index, "pooler_index": pooler_index}
 
