@@ -34,6 +34,12 @@ checkpoints (their defaults are those models' values) and the models' published 
   table, the window merger after layer 6.
 - Pixtral-12B (Mistral-Small-3.1's tower has the same shape): 24 layers, hidden 1024, 16 heads, MLP 4096, patch
   16, images of at most 1024 px a side, rotary theta 10000, SiLU.
+- HunyuanOCR (HunYuan-VL; its config docstring's checkpoint, tencent/HunyuanOCR): 27 layers, hidden 1152, 16 heads,
+  MLP 4304, GELU, patch 16, merge 2 (in the tower's merger), a 2048 px (128 x 128) position table: the vision
+  config's defaults (the processor's defaults, 512 to 2048 px, agree); the merger projects to 1024, the width of
+  HunyuanOCR's 0.5B text model as published descriptions of its merger give it (``Linear(4608, 1024)``; the model
+  config sets ``text_hidden_size`` to the text width, over the vision config's 3072). Not checked against the
+  checkpoint's ``config.json``.
 - Llama 4 Scout: 34 layers, hidden 1408, 16 heads, MLP 5632, 336 px tiles of patch 14, pixel shuffle to
   4096-wide tokens.
 - Gemma-4's vision tower: 16 layers of 768, 12 heads (as many KV heads), head 64, MLP 3072, patch 16, pooling
@@ -315,6 +321,11 @@ _FAMILY_ROWS = (
             full={"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096,
                   "patch_size": 16, "image_size": 1024, "rope_theta": 10000.0, "hidden_act": "silu"},
             tiny=TINY_FIXED),
+    _family("hunyuan_vl", "HunyuanOCR tower", TowerKind.PACKED, "HunYuanVLVisionTransformer", "HunYuanVLVisionConfig",
+            full={"num_hidden_layers": 27, "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
+                  "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 1, "max_image_size": 2048,
+                  "text_hidden_size": 1024, "hidden_act": "gelu", "interpolate_mode": "bilinear"},
+            tiny=dict(TINY_FIXED, text_hidden_size=48), facts=Facts(channels="num_channels")),
     _family("llama4", "Llama 4 Scout tower", TowerKind.FIXED, "Llama4VisionModel", "Llama4VisionConfig",
             full=dict(num_hidden_layers=34, hidden_size=1408, num_attention_heads=16, intermediate_size=5632,
                       image_size=336, patch_size=14, vision_output_dim=4096, projector_input_dim=4096,

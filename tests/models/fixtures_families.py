@@ -1,12 +1,12 @@
 """Tiny random-weight towers and full models of the packed-grid families added after the seed (GLM-4V and
 GLM-4.5V, Qwen3.5 and Qwen3.5-MoE, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V 4.6, PaddleOCR-VL, Pixtral in Mistral 3 and
-LLaVA), built locally (no downloads), and
+LLaVA, HunYuan-VL), built locally (no downloads), and
 one table :data:`FAMILIES` of what their tests need to know about each: how to call the tower, how its output
 fields split into items, whether it has video. Plain functions and records: the test files import them.
 
 Geometry: patch 2, merge 2 (so an item of ``h x w`` patches is ``h*w / 4`` tokens; PaddleOCR-VL and Pixtral merge
 outside the tower: ``h*w`` rows), hidden 32, 2 heads, 2-3
-layers, fp32, eval mode; learned position tables of 4 x 4 (GLM-4V, Qwen3.5, Kimi) or 8 x 8 (MiniCPM), filled with
+layers, fp32, eval mode; learned position tables of 4 x 4 (GLM-4V, Qwen3.5, Kimi, PaddleOCR-VL, HunYuan-VL) or 8 x 8 (MiniCPM), filled with
 random values so that resampling them matters.
 """
 
@@ -50,6 +50,8 @@ PADDLE_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers
                      image_size=8, patch_size=PATCH, spatial_merge_size=2)
 PIXTRAL_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "image_size": 32, "patch_size": PATCH}  # image_size: 16 x 16 patches (5.15's rotary table)
+HUNYUAN_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "patch_size": PATCH, "max_image_size": 8, "spatial_merge_size": 2, "text_hidden_size": 24}
 MINICPM_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                       image_size=16, patch_size=PATCH, insert_layer_id=1)
 
@@ -118,6 +120,17 @@ def pixtral_tower() -> torch.nn.Module:
     from transformers.models.pixtral.modeling_pixtral import PixtralVisionModel
 
     return _seeded(lambda: PixtralVisionModel._from_config(PixtralVisionConfig(**PIXTRAL_VISION)))
+
+
+def hunyuan_tower() -> torch.nn.Module:
+    from transformers.models.hunyuan_vl.configuration_hunyuan_vl import (
+        HunYuanVLVisionConfig,
+    )
+    from transformers.models.hunyuan_vl.modeling_hunyuan_vl import (
+        HunYuanVLVisionTransformer,
+    )
+
+    return _seeded(lambda: HunYuanVLVisionTransformer._from_config(HunYuanVLVisionConfig(**HUNYUAN_VISION)))
 
 
 # -- full models (a one-layer text model each: only their feature functions run)
@@ -197,6 +210,14 @@ def llava_pixtral_model() -> torch.nn.Module:
     return _seeded(lambda: tf.LlavaForConditionalGeneration(config))
 
 
+def hunyuan_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(_TEXT, vocab_size=300)  # the model's config gives the tower the text width (24)
+    return _seeded(lambda: tf.HunYuanVLForConditionalGeneration(
+        tf.HunYuanVLConfig(vision_config=HUNYUAN_VISION, text_config=text)))
+
+
 # -- calling conventions
 def strip(rows: torch.Tensor) -> torch.Tensor:
     """Patch rows ``(L, C, P, P)`` as MiniCPM's packed strip ``(1, C, P, L*P)``."""
@@ -224,7 +245,8 @@ class Family:
     """What the family tests need to know about one family.
 
     ``fields``: per output field, the dim that counts items and what an item has there: ``"rows"`` (``t*h*w``),
-    ``"tokens"`` (``t*h*w / 4``) or ``"frame_tokens"`` (``h*w / 4``: Kimi's pooled output).
+    ``"tokens"`` (``t*h*w / 4``), ``"frame_tokens"`` (``h*w / 4``: Kimi's pooled output) or ``"framed_tokens"``
+    (``h/2 * (w/2 + 1) + 2``: HunYuan-VL's merged tokens with a separator after each row, begin and end).
     """
 
     name: str
@@ -244,6 +266,9 @@ class Family:
     """The lowest transformers the adapter takes (the tests skip below it)."""
     tower_merge: int = 2
     """The spatial merge inside the tower (1: PaddleOCR-VL's merges in its projector; any h, w is an item)."""
+    odd_grids_to_tower: bool = False
+    """True: an image whose h or w is not a multiple of the merge is the tower's own call, not refused (HunYuan-VL's
+    merger drops its last row or column)."""
     call_style: str = "grid"
     """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
     ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM); ``"batch1"``: ``tower(rows[None], grid_thw)``
@@ -303,7 +328,8 @@ class Family:
 
     def counts(self, grid: np.ndarray, kind: str) -> list[int]:
         t, hw = grid[:, 0], grid[:, 1] * grid[:, 2]
-        return {"rows": t * hw, "tokens": t * hw // 4, "frame_tokens": hw // 4}[kind].tolist()
+        framed = (grid[:, 1] // 2) * (grid[:, 2] // 2 + 1) + 2
+        return {"rows": t * hw, "tokens": t * hw // 4, "frame_tokens": hw // 4, "framed_tokens": framed}[kind].tolist()
 
     def split(self, out: Any, grid: np.ndarray) -> list[dict[str, torch.Tensor]]:
         """Per item, every field of ``out`` (which must be exactly :attr:`fields`)."""
@@ -337,6 +363,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("pixtral_llava", "PixtralAdapter", pixtral_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "rows")},
            llava_pixtral_model, tower_attr="vision_tower", video_t=0, tower_merge=1, call_style="padded",
            holds_hidden=True, tower_tests=False),
+    Family("hunyuan_vl", "HunYuanVLAdapter", hunyuan_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows"),
+           "pooler_output": (1, "framed_tokens")}, hunyuan_model, tower_attr="vision_tower", video_t=0,
+           odd_grids_to_tower=True),
     Family("minicpmv4_6", "MiniCPMVAdapter", minicpm_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "tokens")},
            minicpm_model, tower_attr="vision_tower", min_transformers="5.24", call_style="strip"),
 )}

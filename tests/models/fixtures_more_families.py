@@ -3,7 +3,7 @@ their feature functions run), built locally, and one table :data:`CASES` of how 
 
 Each :class:`Case` holds the tiny model, the tower's attribute path in it, and the model's own feature calls (its
 ``get_image_features`` / ``get_video_features``, with inputs shaped as its processor hands them over: padded images
-and their masks, packed patch rows and their grids, crops and pooling indices), so that a test runs exactly what the
+and their masks, crops and pooling indices), so that a test runs exactly what the
 model runs, once with its tower as it is and once with the tower graphed in place. ``served`` says how the
 any-module path answers the tower's calls: ``"graphs"`` (batch-first: split, padded and replayed) or the reason its
 own forward answers them (named in ``graphs(tower).stats["eager_reasons"]``).
@@ -28,7 +28,6 @@ PATCH = 8
 GRID = SIDE // PATCH  # patches per side
 
 # How the any-module path answers a call shape it cannot batch (encgraph.models.call_spec and generic).
-DIFFERENT_DIM0 = "tensor arguments differ in dim 0"
 NOT_BATCH_FIRST = "not batch-first"  # in the learned reason and in the self-check's verdict
 
 
@@ -92,19 +91,6 @@ def naflex_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
         mask[i, :h * w] = 1
     pixels = torch.randn(n, GRID * GRID, 3 * 4 * 4, generator=g) * mask[..., None]
     return [("get_image_features", {"pixel_values": pixels, "spatial_shapes": shapes, "pixel_attention_mask": mask})]
-
-
-def packed_grid(n: int, seed: int, row: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` images packed as patch rows (``row`` each) and their ``(1, h, w)`` grids (even h, w)."""
-    g = _gen(seed)
-    grid = torch.cat([torch.ones(n, 1, dtype=torch.long), torch.randint(1, 3, (n, 2), generator=g) * 2], 1)
-    return torch.randn(int(grid.prod(-1).sum()), *row, generator=g), grid
-
-
-def hunyuan_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """HunYuan-VL: patch rows ``(rows, 3*P*P)`` and ``image_grid_thw``."""
-    pixels, grid = packed_grid(n, seed, (3 * 4 * 4,))
-    return [("get_image_features", {"pixel_values": pixels, "image_grid_thw": grid})]
 
 
 def _pooling(items: list[tuple[int, int]], seed: int) -> torch.Tensor:
@@ -202,12 +188,6 @@ def molmo2() -> torch.nn.Module:
     return tf.Molmo2ForConditionalGeneration(tf.Molmo2Config(vision_config=vision, text_config=T, adapter_config=adapter))
 
 
-def hunyuan_vl() -> torch.nn.Module:
-    tf = _tf()
-    vision = dict(V, patch_size=4, max_image_size=16, out_hidden_size=32, text_hidden_size=32)
-    return tf.HunYuanVLForConditionalGeneration(tf.HunYuanVLConfig(vision_config=vision, text_config=T))
-
-
 def janus() -> torch.nn.Module:
     tf = _tf()
     vq = dict(embed_dim=8, num_embeddings=16, base_channels=32, channel_multiplier=[1], num_res_blocks=1,
@@ -282,7 +262,6 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("siglip2", siglip2, "vision_model", naflex_call),
     Case("molmo2", molmo2, "model.vision_tower", molmo_call),
     # Answered by the tower's own forward, each for its reason (see the test module).
-    Case("hunyuan_vl", hunyuan_vl, "model.vision_tower", hunyuan_call, served=DIFFERENT_DIM0),
     Case("phi4_multimodal", phi4_image_embedding, "img_processor", phi4_call, served=NOT_BATCH_FIRST),
 )}
 

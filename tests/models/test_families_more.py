@@ -67,13 +67,11 @@ def test_batch_first_towers_are_answered_by_graphs_exactly(name):
 
 @pytest.mark.parametrize("name", ANSWERED)
 def test_other_towers_are_answered_by_their_own_forward(name):
-    """HunYuan-VL takes packed patch rows beside a per-image grid (dim 0 differs; PaddleOCR-VL, which does too, and
-    Pixtral, which packs every image of a call into one sequence, have their model adapters:
-    tests/models/test_families.py); Phi-4-multimodal's tower attends
-    causally when no crop is padded and bidirectionally when one is (its attention sets ``is_causal=True``, which SDPA
-    applies only without a mask), so an item's answer depends on its batch: the capture's self-check finds it. No
-    split or padded batch may stand in for these towers: each call is the tower's own forward, counted.
-"""
+    """Phi-4-multimodal's tower attends causally when no crop is padded and bidirectionally when one is (its
+    attention sets ``is_causal=True``, which SDPA applies only without a mask), so an item's answer depends on its
+    batch: the capture's self-check finds it. No split or padded batch may stand in for it: each call is the
+    tower's own forward, counted. (Pixtral, PaddleOCR-VL and HunYuan-VL have model adapters:
+    tests/models/test_families.py.)"""
     stats = run_model_calls(name).stats
     reasons = set(stats["eager_reasons"]) - {FIRST_SIGHT}
     assert reasons and all(CASES[name].served in r for r in reasons), stats["eager_reasons"]
