@@ -97,3 +97,14 @@ def _by_size(series: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any
         for size, value in values.items():
             out.setdefault(size, {})[name] = value
     return out
+
+
+def wrap_cost_chart(data: Mapping[str, Any], path: Path) -> Chart:
+    """``benches/wrap_cost.py``: per tiny tower, the module's and the graphed module's median time per CPU call."""
+    rows = data.get("results", [])
+    columns = {"the module": "module_us", "graphed(module)": "wrapped_us"}
+    panels = tuple(Panel(f"tiny {tower}", "median us per call", xlabel="batch, grad mode",
+                         cells=wide([r for r in rows if r.get("tower") == tower],
+                                    lambda r: f"{r.get('batch')}, {r.get('grad')}", columns))
+                   for tower in dict.fromkeys(r.get("tower") for r in rows))
+    return Chart(titled("graphed(module) on the CPU against the module", data), panels, cols=2, width=13.0)

@@ -52,6 +52,7 @@ REGISTRY: tuple[Plot, ...] = (
     Plot("planning", plots_models.planning_chart),
     Plot("preprocess_exactness", plots_host.preprocess_exactness_chart),
     Plot("preprocess_pool", plots_host.preprocess_pool_chart),
+    Plot("wrap_cost", plots_host.wrap_cost_chart),
     # The untagged serving runs' plots kept their names of before this table (readme.py embeds them by name).
     Plot("serving", plots_models.serving_chart, tags=("", "inprocess", "server"), png="{stem}_images_per_s.png"),
     Plot("serving", plots_models.serving_chart),

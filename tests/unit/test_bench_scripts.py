@@ -29,7 +29,7 @@ from tests.unit._helpers import smoke_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ("towers", "traffic", "capture", "floor", "plot", "kernel_profile", "planning", "data_parallel", "anymodule",
-           "generic_compile", "preprocess_exactness")
+           "generic_compile", "preprocess_exactness", "wrap_cost")
 FAST = ["--cpu-smoke", "--runs", "1", "--warmup", "0"]
 
 
@@ -304,3 +304,20 @@ def test_anymodule_renders_every_system_and_the_skipped_modules():
     assert "dinov2_l14 | - | skipped: time budget spent" in table
     assert 'torch.compile(mode="reduce-overhead")' in table and "worst per-request ratio" in table
 
+
+
+def test_wrap_cost_measures_both_sides_of_every_case(tmp_path):
+    """``benches/wrap_cost.py`` on a few calls: every tower, batch and grad mode, both sides timed, the target
+    judged from the measured medians (not written in), and the first call of each tower."""
+    from benches import wrap_cost
+
+    report = wrap_cost.main(["--calls", "3", "--warmup", "1", "--first", "1", "--batches", "1",
+                             "--out", str(tmp_path / "wrap_cost_cpu.json")])
+    rows = report["results"]
+    assert [(r["tower"], r["grad"]) for r in rows] == [
+        ("siglip", "no_grad"), ("siglip", "inference_mode"), ("clip", "no_grad"), ("clip", "inference_mode")]
+    for r in rows:
+        assert r["module_us"] > 0 and r["wrapped_us"] > 0
+        assert r["met"] == (r["wrapped_us"] <= 1.1 * r["module_us"] + 50)
+    assert all("first_wrapped_us" in r for r in rows if r["grad"] == "inference_mode")
+    assert (tmp_path / "wrap_cost_cpu.md").exists()
