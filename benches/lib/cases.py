@@ -11,6 +11,9 @@ default settings:
   factor 32;
 - ``FIXED`` (SigLIP, InternViT, Llama 4's 336 px tiles): tiles of the tower's side (a 448 px image: 2 x 2 tiles
   plus a thumbnail, as Llama 4's processor makes it: 5 tiles);
+- ``IMAGES`` (Pixtral): an image scaled down to at most ``PIXTRAL_LONGEST_EDGE`` a side (aspect kept), sides
+  rounded up to multiples of the patch: 448 and 336 px stay as they are; the call's images zero-padded to the
+  largest; videos are refused;
 - ``STRIP`` (MiniCPM-V 4.6): an image of at most 448 x 448 px is resized to about that area (up or down), sides
   multiples of 4 patches, and not sliced: 448 and 336 px both become 32 x 32 patches (256 tokens after the
   tower's window merger); a larger image (the processor slices it) or a video is refused;
@@ -152,6 +155,18 @@ def _images_only(visuals: Sequence[Visual], layout: str) -> None:
         raise CaseError(f"a {layout} tower's benchmark inputs are images only, got a video")
 
 
+PIXTRAL_LONGEST_EDGE = 1024
+"""Pixtral-12B's image processor default (``size={"longest_edge": 1024}``): the longest side an image keeps."""
+
+
+def pixtral_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
+    """``(1, h, w)`` in patches of an image as Pixtral's processor resizes it (``get_resize_output_image_size``):
+    scaled down to fit ``PIXTRAL_LONGEST_EDGE`` (floored), then each side rounded up to whole patches."""
+    ratio = max(visual.height, visual.width) / PIXTRAL_LONGEST_EDGE
+    h, w = ((math.floor(x / ratio) if ratio > 1 else x) for x in (visual.height, visual.width))
+    return 1, -(-h // geom.patch), -(-w // geom.patch)
+
+
 def strip_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
     """``(1, h, w)`` in patches of an image as MiniCPM-V's processor resizes it (``find_best_resize`` with
     upscaling, no slices); refuses an image over ``MINICPM_SCALE`` squared, which the processor slices."""
@@ -232,6 +247,7 @@ _SIZES: dict[TowerKind, Callable[[Sequence[Visual], Geometry, float, float], Siz
     TowerKind.FIXED: _fixed_sizes,
     TowerKind.PATCHES: _packed_sizes,
     TowerKind.BATCH1: _packed_sizes,
+    TowerKind.IMAGES: _grid_sizes(pixtral_grid, "Pixtral"),
     TowerKind.STRIP: _grid_sizes(strip_grid, "MiniCPM-V"),
     TowerKind.PADDED: _grid_sizes(padded_grid, "Gemma-4"),
     TowerKind.VIEWS: _views_sizes,
@@ -285,6 +301,16 @@ def _batch1_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[t
     return (pixels.unsqueeze(0),), kwargs
 
 
+def _images_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    sides = torch.tensor([(h * geom.patch, w * geom.patch) for _, h, w in sizes.grids], dtype=torch.int64)
+    pixels = torch.zeros(sizes.items, geom.channels, *sides.max(0).values.tolist(), device=env.device, dtype=env.dtype)
+    for image, (h, w) in zip(pixels, sides.tolist()):
+        image[:, :h, :w] = torch.randn(geom.channels, h, w, device=env.device, generator=gen).to(env.dtype)
+    return (pixels,), {"image_sizes": sides.to(env.device)}
+
+
 def _strip_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     import torch
 
@@ -327,12 +353,13 @@ _TENSORS: dict[TowerKind, Callable[[Sizes, Geometry, Env, Any], tuple[tuple[Any,
     TowerKind.FIXED: _fixed_tensors,
     TowerKind.PATCHES: _patch_rows_tensors,
     TowerKind.BATCH1: _batch1_tensors,
+    TowerKind.IMAGES: _images_tensors,
     TowerKind.STRIP: _strip_tensors,
     TowerKind.PADDED: _padded_tensors,
     TowerKind.VIEWS: _views_tensors,
 }
 _HOST_GRIDS = {TowerKind.PACKED: "grid_thw", TowerKind.PATCHES: "grid_thw", TowerKind.BATCH1: "grid_thw",
-               TowerKind.STRIP: "target_sizes"}
+               TowerKind.IMAGES: "image_sizes", TowerKind.STRIP: "target_sizes"}
 """The keyword of each kind's per-item sizes, which the adapter systems get on the host."""
 
 

@@ -32,6 +32,14 @@ checkpoints (their defaults are those models' values) and the models' published 
   of time table, 2 x 2 temporal-merge kernel.
 - MiniCPM-V 4.6: SigLIP-so400m, 27 layers, hidden 1152, 16 heads, MLP 4304, patch 14, 980 px (70 x 70) position
   table, the window merger after layer 6.
+- Pixtral-12B (Mistral-Small-3.1's tower has the same shape): 24 layers, hidden 1024, 16 heads, MLP 4096, patch
+  16, images of at most 1024 px a side, rotary theta 10000, SiLU.
+- HunyuanOCR (HunYuan-VL; its config docstring's checkpoint, tencent/HunyuanOCR): 27 layers, hidden 1152, 16 heads,
+  MLP 4304, GELU, patch 16, merge 2 (in the tower's merger), a 2048 px (128 x 128) position table: the vision
+  config's defaults (the processor's defaults, 512 to 2048 px, agree); the merger projects to 1024, the width of
+  HunyuanOCR's 0.5B text model as published descriptions of its merger give it (``Linear(4608, 1024)``; the model
+  config sets ``text_hidden_size`` to the text width, over the vision config's 3072). Not checked against the
+  checkpoint's ``config.json``.
 - Llama 4 Scout: 34 layers, hidden 1408, 16 heads, MLP 5632, 336 px tiles of patch 14, pixel shuffle to
   4096-wide tokens.
 - Gemma-4's vision tower: 16 layers of 768, 12 heads (as many KV heads), head 64, MLP 3072, patch 16, pooling
@@ -68,6 +76,9 @@ class TowerKind(enum.Enum):
     BATCH1 = "batch1"
     """PaddleOCR-VL style: the ``PATCHES`` rows with the model's leading batch of one, ``(1, patches, C, P, P)``,
     + ``grid_thw`` (the processor's sides multiples of patch x merge; the tower itself merges nothing)."""
+    IMAGES = "images"
+    """Pixtral style: zero-padded images ``(images, C, maxH, maxW)`` + ``image_sizes (images, 2)`` in pixels (sides
+    multiples of the patch; the tower merges nothing)."""
     STRIP = "strip"
     """MiniCPM-V style: one strip of patches ``(1, C, P, patches * P)`` + ``target_sizes (images, 2)``."""
     PADDED = "padded"
@@ -112,6 +123,7 @@ DEFAULT_FACTS: dict[TowerKind, Facts] = {
     TowerKind.FIXED: Facts(merge=1, temporal_patch=1, channels="num_channels", image_size="image_size"),
     TowerKind.PATCHES: Facts(merge="merge_kernel_size", temporal_patch=1, channels=3),
     TowerKind.BATCH1: Facts(temporal_patch=1, channels="num_channels"),
+    TowerKind.IMAGES: Facts(merge=1, temporal_patch=1, channels="num_channels"),
     TowerKind.STRIP: Facts(merge="window_kernel_size", temporal_patch=1, channels="num_channels"),
     TowerKind.PADDED: Facts(merge="pooling_kernel_size", temporal_patch=1, channels=3),
     TowerKind.VIEWS: Facts(patch=f"{_STEP}patch_size", merge=1, temporal_patch=1, channels=f"{_STEP}num_channels",
@@ -305,6 +317,15 @@ _FAMILY_ROWS = (
             full=dict(num_hidden_layers=27, hidden_size=1152, num_attention_heads=16, intermediate_size=4304,
                       patch_size=14, image_size=384, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh"),
             tiny=dict(TINY_FIXED, image_size=56, spatial_merge_size=2)),
+    _family("pixtral", "Pixtral-12B tower", TowerKind.IMAGES, "PixtralVisionModel", "PixtralVisionConfig",
+            full={"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096,
+                  "patch_size": 16, "image_size": 1024, "rope_theta": 10000.0, "hidden_act": "silu"},
+            tiny=TINY_FIXED),
+    _family("hunyuan_vl", "HunyuanOCR tower", TowerKind.PACKED, "HunYuanVLVisionTransformer", "HunYuanVLVisionConfig",
+            full={"num_hidden_layers": 27, "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
+                  "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 1, "max_image_size": 2048,
+                  "text_hidden_size": 1024, "hidden_act": "gelu", "interpolate_mode": "bilinear"},
+            tiny=dict(TINY_FIXED, text_hidden_size=48), facts=Facts(channels="num_channels")),
     _family("llama4", "Llama 4 Scout tower", TowerKind.FIXED, "Llama4VisionModel", "Llama4VisionConfig",
             full=dict(num_hidden_layers=34, hidden_size=1408, num_attention_heads=16, intermediate_size=5632,
                       image_size=336, patch_size=14, vision_output_dim=4096, projector_input_dim=4096,

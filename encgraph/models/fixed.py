@@ -41,13 +41,10 @@ from encgraph.models.own_forward import own_forward
 from encgraph.models._hf import repeated_blocks, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
 from encgraph.models.batch_ladder import ONE_ITEM, BatchLadderAdapter, Signature, concat_parts
+from encgraph.models.hidden_choice import HIDDEN, HiddenStatesChoice, _selects_full_indices, hidden_states_layout
 from encgraph.packing import ItemSpec
 
 __all__ = ["FixedResolutionAdapter", "PixelBatch", "CallRequest", "hidden_states_layout"]
-
-HIDDEN = "hidden_states."
-"""Prefix of the named outputs that hold entries of the tower's ``hidden_states`` tuple."""
-
 
 @attrs.frozen
 class CallRequest:
@@ -71,53 +68,6 @@ class PixelBatch:
     request: CallRequest = CallRequest()
 
 
-def _selects_full_indices() -> bool:
-    # transformers changed what an index list in `output_hidden_states` means: 5.15 and 5.16 read it as a flag
-    # (every hidden state), 5.17 as layer outputs (no initial embedding state, one slot per layer); later versions
-    # (5.24 has it) as indices into the full tuple, negative ones allowed, resolved by this helper.
-    from transformers.utils import output_capturing
-
-    return hasattr(output_capturing, "resolve_hidden_states_indices")
-
-
-def _selects_layer_outputs() -> bool:
-    # 5.17 and later read an index list as layer outputs (measured: 5.15.1 and 5.16.1 return every hidden state
-    # for output_hidden_states=[1], as for True).
-    from encgraph.models._hf import _parse, transformers_version
-
-    return _parse(transformers_version() or "0") >= (5, 17)
-
-
-def hidden_states_layout(value: Any, num_layers: int) -> tuple[int | None, ...] | None:
-    """The ``hidden_states`` tuple the installed transformers returns for ``output_hidden_states=value``, as
-    indices into the full tuple (``num_layers + 1`` entries: embeddings, then each layer's output), ``None`` in
-    slots it leaves ``None``; ``None`` when it returns no ``hidden_states`` at all.
-
-    >>> hidden_states_layout(True, 2)
-    (0, 1, 2)
-    >>> hidden_states_layout(False, 2) is None
-    True
-    """
-    if not value:
-        return None
-    full = num_layers + 1
-    if isinstance(value, bool):
-        return tuple(range(full))
-    as_list = isinstance(value, (list, tuple, set, frozenset))
-    chosen = list(value) if as_list else [value]
-    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in chosen):
-        raise InputTypeError(
-            f"output_hidden_states: expected True, False, an int or a list of ints (hidden-state indices), got "
-            f"{describe(value)}."
-        )
-    if _selects_full_indices():
-        picked = {int(i) % full for i in chosen if -full <= i < full}
-        return tuple(i if i in picked else None for i in range(full))
-    if as_list and _selects_layer_outputs():
-        return tuple(j + 1 if j in set(chosen) else None for j in range(num_layers))
-    return tuple(range(full))  # 5.17 reads a lone int as a flag; 5.15 and 5.16 read any truthy value as one
-
-
 def _pair(name: str, value: Any) -> tuple[int, int]:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value), int(value)
@@ -126,7 +76,7 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
     raise ConfigTypeError(f"{name}: expected an int or a (height, width) pair of ints, got {describe(value)}.")
 
 
-class FixedResolutionAdapter(BatchLadderAdapter):
+class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
     """Adapter for a fixed-resolution Hugging Face vision tower; families set the class attributes below.
 
     Builds on :class:`~encgraph.models.batch_ladder.BatchLadderAdapter` (a batch ladder, one zero-filled input
@@ -196,9 +146,7 @@ class FixedResolutionAdapter(BatchLadderAdapter):
         self.resized = self.image_size != self.config_size
         self.output_class = getattr(importlib.import_module(tower_class.__module__), self.output_class_name)
         self.has_pooler = self._has_pooler()
-        self.learn_hidden = hidden_states is None
-        self.hidden: tuple[int, ...] = () if hidden_states is None else self._resolve_hidden(hidden_states)
-        self.frozen = False
+        self._init_hidden(hidden_states)
         self._signature = Signature(
             ((self.channels, *self.image_size),), (self._dtype,), "dict", self._output_names()
         )
@@ -212,27 +160,9 @@ class FixedResolutionAdapter(BatchLadderAdapter):
         return True
 
     # -- configuration
-    def _resolve_hidden(self, value: Any) -> tuple[int, ...]:
-        full = self.num_layers + 1
-        if value == "all":
-            return tuple(range(full))
-        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-            raise ConfigTypeError(
-                f"hidden_states: expected None, 'all' or a list of hidden-state indices, got {describe(value)}."
-            )
-        out = set()
-        for i in value:
-            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -full <= i < full:
-                raise ConfigError(
-                    f"hidden_states: expected indices in [-{full}, {full - 1}] (the tower returns {full} hidden "
-                    f"states: embeddings and {self.num_layers} layers), got {describe(i)}."
-                )
-            out.add(int(i) % full)
-        return tuple(sorted(out))
-
     def _output_names(self) -> tuple[str, ...]:
         names = ["last_hidden_state"] + (["pooler_output"] if self.has_pooler else [])
-        return tuple(names + [f"{HIDDEN}{i}" for i in self.hidden])
+        return tuple(names) + self._hidden_names()
 
     # -- inputs
     def inputs_from_call(self, *args: Any, **kwargs: Any) -> PixelBatch | StockCall:
@@ -290,19 +220,8 @@ class FixedResolutionAdapter(BatchLadderAdapter):
             return "pixel_values on another device"
         return None
 
-    def _take_hidden(self, layout: tuple[int | None, ...] | None) -> bool:
-        """Whether the graphs can answer ``layout``; learns it while the outputs may still grow."""
-        if layout is None:
-            return True
-        asked = {i for i in layout if i is not None}
-        missing = asked - set(self.hidden)
-        if not missing or (not self.learn_hidden and layout == tuple(range(self.num_layers + 1))):
-            return True  # an explicit choice answers "all" with None in the slots it left out
-        if self.learn_hidden and not self.frozen:
-            self.hidden = tuple(sorted(set(self.hidden) | missing))
-            self._signature = attrs.evolve(self._signature, names=self._output_names())
-            return True
-        return False
+    def _hidden_changed(self) -> None:
+        self._signature = attrs.evolve(self._signature, names=self._output_names())
 
     def item_specs(self, inputs: PixelBatch) -> list[ItemSpec]:
         """One spec (one item) per image; checks the images against the tower."""
@@ -369,9 +288,9 @@ class FixedResolutionAdapter(BatchLadderAdapter):
 
     def _run(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
         kwargs: dict[str, Any] = {"return_dict": True, "output_attentions": False, "output_hidden_states": False}
-        if self.hidden:
+        if self.held_hidden:
             # Where transformers takes full-tuple indices, ask only for those (the rest is never kept alive).
-            kwargs["output_hidden_states"] = list(self.hidden) if _selects_full_indices() else True
+            kwargs["output_hidden_states"] = list(self.held_hidden) if _selects_full_indices() else True
         if self.resized and self.interpolate_kwarg:
             kwargs[self.interpolate_kwarg] = True
         with torch.no_grad():
@@ -379,7 +298,7 @@ class FixedResolutionAdapter(BatchLadderAdapter):
         named = {"last_hidden_state": out.last_hidden_state}
         if self.has_pooler:
             named["pooler_output"] = out.pooler_output
-        for i in self.hidden:
+        for i in self.held_hidden:
             named[f"{HIDDEN}{i}"] = out.hidden_states[i]
         return named
 
@@ -391,8 +310,7 @@ class FixedResolutionAdapter(BatchLadderAdapter):
 
     def output_for_rows(self, cat: Mapping[str, torch.Tensor], inputs: PixelBatch) -> Any:
         """The same from each output over the call's images (``runner.call_rows``)."""
-        layout = inputs.request.hidden_layout
-        hidden = None if layout is None else tuple(None if i is None else cat.get(f"{HIDDEN}{i}") for i in layout)
+        hidden = self._hidden_tuple(cat, inputs.request.hidden_layout)
         out = self.output_class(
             last_hidden_state=cat["last_hidden_state"], pooler_output=cat.get("pooler_output"), hidden_states=hidden
         )

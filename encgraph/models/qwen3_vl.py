@@ -20,7 +20,7 @@ import torch
 
 from encgraph.errors import ConfigError
 from encgraph.models.protocol import BufferSpec, FillRule
-from encgraph.models.qwen_grid import UnitGrid, patch_coords
+from encgraph.models.qwen_grid import UnitGrid, patch_coords, unit_grid
 from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["InterpolatedPositions", "Qwen3VLAdapter", "adapter", "interpolation"]
@@ -85,6 +85,10 @@ class InterpolatedPositions:
     grid_side: int
     merge: int
     align_corners: bool = True
+    raster_rows: bool = False
+    """Patch rows come in raster order within a frame although the tower merges (HunYuan-VL, whose merger takes
+    ``merge x merge`` blocks itself), not in merge-block order; a tower of merge 1 (PaddleOCR-VL) is raster
+    either way."""
 
     def _extra_buffer_specs(self, budget: int, max_frames: int) -> dict[str, BufferSpec]:
         rows = self._rows(budget)  # type: ignore[attr-defined]
@@ -94,8 +98,10 @@ class InterpolatedPositions:
         }
 
     def _frame_tables(self, units: UnitGrid) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        indices, weights = interpolation(units, self.grid_side, self.align_corners)
         rows = units.height * units.width * self.merge**2
+        if self.raster_rows and units.merge > 1:  # the same frames in patches: patch_coords then is raster order
+            units = unit_grid(np.stack((np.ones_like(rows), units.height * units.merge, units.width * units.merge), 1), 1)
+        indices, weights = interpolation(units, self.grid_side, self.align_corners)
         return {"interp_indices": (indices, rows), "interp_weights": (weights, rows)}
 
     def _assemble(self, frames: list[dict[str, np.ndarray]], cu: np.ndarray) -> dict[str, np.ndarray]:

@@ -1,10 +1,12 @@
 """Tiny random-weight towers and full models of the packed-grid families added after the seed (GLM-4V and
-GLM-4.5V, Qwen3.5 and Qwen3.5-MoE, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V 4.6), built locally (no downloads), and
+GLM-4.5V, Qwen3.5 and Qwen3.5-MoE, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V 4.6, PaddleOCR-VL, Pixtral in Mistral 3 and
+LLaVA, HunYuan-VL), built locally (no downloads), and
 one table :data:`FAMILIES` of what their tests need to know about each: how to call the tower, how its output
 fields split into items, whether it has video. Plain functions and records: the test files import them.
 
-Geometry: patch 2, merge 2 (so an item of ``h x w`` patches is ``h*w / 4`` tokens), hidden 32, 2 heads, 2-3
-layers, fp32, eval mode; learned position tables of 4 x 4 (GLM-4V, Qwen3.5, Kimi) or 8 x 8 (MiniCPM), filled with
+Geometry: patch 2, merge 2 (so an item of ``h x w`` patches is ``h*w / 4`` tokens; PaddleOCR-VL and Pixtral merge
+outside the tower: ``h*w`` rows), hidden 32, 2 heads, 2-3
+layers, fp32, eval mode; learned position tables of 4 x 4 (GLM-4V, Qwen3.5, Kimi, PaddleOCR-VL, HunYuan-VL) or 8 x 8 (MiniCPM), filled with
 random values so that resampling them matters.
 """
 
@@ -46,6 +48,10 @@ KIMI_VISION = dict(patch_size=PATCH, pos_emb_height=4, pos_emb_width=4, pos_emb_
                    num_hidden_layers=2, hidden_size=HIDDEN, intermediate_size=64)
 PADDLE_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                      image_size=8, patch_size=PATCH, spatial_merge_size=2)
+PIXTRAL_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "image_size": 32, "patch_size": PATCH}  # image_size: 16 x 16 patches (5.15's rotary table)
+HUNYUAN_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "patch_size": PATCH, "max_image_size": 8, "spatial_merge_size": 2, "text_hidden_size": 24}
 MINICPM_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                       image_size=16, patch_size=PATCH, insert_layer_id=1)
 
@@ -109,6 +115,24 @@ def paddle_tower() -> torch.nn.Module:
     return _seeded(lambda: PaddleOCRVisionModel._from_config(PaddleOCRVisionConfig(**PADDLE_VISION)))
 
 
+def pixtral_tower() -> torch.nn.Module:
+    from transformers.models.pixtral.configuration_pixtral import PixtralVisionConfig
+    from transformers.models.pixtral.modeling_pixtral import PixtralVisionModel
+
+    return _seeded(lambda: PixtralVisionModel._from_config(PixtralVisionConfig(**PIXTRAL_VISION)))
+
+
+def hunyuan_tower() -> torch.nn.Module:
+    from transformers.models.hunyuan_vl.configuration_hunyuan_vl import (
+        HunYuanVLVisionConfig,
+    )
+    from transformers.models.hunyuan_vl.modeling_hunyuan_vl import (
+        HunYuanVLVisionTransformer,
+    )
+
+    return _seeded(lambda: HunYuanVLVisionTransformer._from_config(HunYuanVLVisionConfig(**HUNYUAN_VISION)))
+
+
 # -- full models (a one-layer text model each: only their feature functions run)
 def glm4v_model() -> torch.nn.Module:
     import transformers as tf
@@ -168,10 +192,47 @@ def paddle_model() -> torch.nn.Module:
         tf.PaddleOCRVLConfig(vision_config=PADDLE_VISION, text_config=text)))
 
 
+def mistral3_model() -> torch.nn.Module:
+    import transformers as tf
+
+    vision = dict(PIXTRAL_VISION, model_type="pixtral")
+    return _seeded(lambda: tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(
+        vision_config=vision, text_config=dict(_TEXT, model_type="mistral"), spatial_merge_size=2)))
+
+
+def llava_pixtral_model() -> torch.nn.Module:
+    """Pixtral-12B's layout: LLaVA with a Pixtral tower."""
+    import transformers as tf
+
+    vision = dict(PIXTRAL_VISION, model_type="pixtral")
+    config = tf.LlavaConfig(vision_config=vision, text_config=dict(_TEXT, model_type="mistral"),
+                            vision_feature_select_strategy="full")  # Pixtral-12B's: every patch
+    return _seeded(lambda: tf.LlavaForConditionalGeneration(config))
+
+
+def hunyuan_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(_TEXT, vocab_size=300)  # the model's config gives the tower the text width (24)
+    return _seeded(lambda: tf.HunYuanVLForConditionalGeneration(
+        tf.HunYuanVLConfig(vision_config=HUNYUAN_VISION, text_config=text)))
+
+
 # -- calling conventions
 def strip(rows: torch.Tensor) -> torch.Tensor:
     """Patch rows ``(L, C, P, P)`` as MiniCPM's packed strip ``(1, C, P, L*P)``."""
     return rows.permute(1, 2, 0, 3).reshape(1, rows.shape[1], rows.shape[2], -1)
+
+
+def padded(rows: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patch rows ``(L, C, P, P)`` of images ``grid`` as Pixtral's zero-padded images ``(n, C, maxH, maxW)`` and
+    their ``image_sizes`` in pixels."""
+    c, p = rows.shape[1], rows.shape[-1]
+    sizes = grid[:, 1:] * p
+    images = rows.new_zeros(grid.shape[0], c, *sizes.max(0).tolist())
+    for i, (image, (h, w)) in enumerate(zip(torch.split(rows, grid.prod(1).tolist()), grid[:, 1:].tolist())):
+        images[i, :, : h * p, : w * p] = image.reshape(h, w, c, p, p).permute(2, 0, 3, 1, 4).reshape(c, h * p, w * p)
+    return images, torch.from_numpy(sizes)
 
 
 def frames_grid(grid: np.ndarray) -> np.ndarray:
@@ -184,7 +245,8 @@ class Family:
     """What the family tests need to know about one family.
 
     ``fields``: per output field, the dim that counts items and what an item has there: ``"rows"`` (``t*h*w``),
-    ``"tokens"`` (``t*h*w / 4``) or ``"frame_tokens"`` (``h*w / 4``: Kimi's pooled output).
+    ``"tokens"`` (``t*h*w / 4``), ``"frame_tokens"`` (``h*w / 4``: Kimi's pooled output) or ``"framed_tokens"``
+    (``h/2 * (w/2 + 1) + 2``: HunYuan-VL's merged tokens with a separator after each row, begin and end).
     """
 
     name: str
@@ -204,10 +266,15 @@ class Family:
     """The lowest transformers the adapter takes (the tests skip below it)."""
     tower_merge: int = 2
     """The spatial merge inside the tower (1: PaddleOCR-VL's merges in its projector; any h, w is an item)."""
+    odd_grids_to_tower: bool = False
+    """True: an image whose h or w is not a multiple of the merge is the tower's own call, not refused (HunYuan-VL's
+    merger drops its last row or column)."""
     call_style: str = "grid"
     """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
     ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM); ``"batch1"``: ``tower(rows[None], grid_thw)``
-    (PaddleOCR-VL)."""
+    (PaddleOCR-VL); ``"padded"``: ``tower(images, image_sizes=...)`` (Pixtral: :func:`padded`)."""
+    holds_hidden: bool = False
+    """The adapter answers ``output_hidden_states`` from its graphs (Pixtral: its models always ask)."""
 
     def skip_if_unsupported(self, module: bool = False) -> None:
         """Skip the test (``module``: the whole test module) below the transformers the adapter needs."""
@@ -229,24 +296,30 @@ class Family:
         # Grids on the rows' device, as a model hands them over (some towers index with them on the device).
         if self.call_style == "strip":
             return module(strip(rows), target_sizes=torch.from_numpy(grid[:, 1:]).to(rows.device), **kwargs)
+        if self.call_style == "padded":
+            images, sizes = padded(rows, grid)
+            return module(images, image_sizes=sizes.to(rows.device), **kwargs)
         if self.call_style == "batch1":  # PaddleOCR-VL: its model hands the tower one packed batch
             return module(rows.unsqueeze(0), torch.from_numpy(grid).to(rows.device), **kwargs)
         if self.call_style == "glm" and reference:
             grid = frames_grid(grid)
         return module(rows, torch.from_numpy(grid).to(rows.device), **kwargs)
 
-    def feature_calls(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """``(name, args)`` of the full model's feature functions to test: four images (one over the test
-        ladder's largest budget) and, where the family has video, two videos (MiniCPM: one video of 2 frames,
-        in its video processor's layout ``(frames, C, P, h*w*P)``)."""
+    def feature_calls(self) -> list[tuple[str, Any]]:
+        """``(name, args)`` (a tuple, or a dict of keywords) of the full model's feature functions to test: four
+        images (one over the test ladder's largest budget) and, where the family has video, two videos (MiniCPM:
+        one video of 2 frames, in its video processor's layout ``(frames, C, P, h*w*P)``)."""
         images = np.array([[1, 4, 8], [1, 12, 12], [1, 4, 4], [1, 8, 4]])  # MiniCPM's merger: multiples of 4
-        calls: list[tuple[str, tuple[Any, ...]]] = []
+        calls: list[tuple[str, Any]] = []
         if self.call_style == "strip":
             calls.append(("get_image_features", (strip(self.pixels(images)), torch.from_numpy(images[:, 1:]))))
             video = np.array([[1, 4, 8]] * self.video_t)
             frames = self.pixels(video, seed=1).reshape(self.video_t, 32, *self.row_shape)
             calls.append(("get_video_features", (torch.cat([strip(f) for f in frames]), torch.from_numpy(video[:1, 1:]))))
             return calls
+        if self.call_style == "padded":  # by keyword: LLaVA's second parameter is vision_feature_layer
+            pixels, sizes = padded(self.pixels(images), images)
+            return [("get_image_features", {"pixel_values": pixels, "image_sizes": sizes})]
         calls.append(("get_image_features", (self.pixels(images), torch.from_numpy(images))))
         if self.video_t:
             videos = np.array([[self.video_t, 4, 4], [self.video_t, 2, 4]])
@@ -255,7 +328,8 @@ class Family:
 
     def counts(self, grid: np.ndarray, kind: str) -> list[int]:
         t, hw = grid[:, 0], grid[:, 1] * grid[:, 2]
-        return {"rows": t * hw, "tokens": t * hw // 4, "frame_tokens": hw // 4}[kind].tolist()
+        framed = (grid[:, 1] // 2) * (grid[:, 2] // 2 + 1) + 2
+        return {"rows": t * hw, "tokens": t * hw // 4, "frame_tokens": hw // 4, "framed_tokens": framed}[kind].tolist()
 
     def split(self, out: Any, grid: np.ndarray) -> list[dict[str, torch.Tensor]]:
         """Per item, every field of ``out`` (which must be exactly :attr:`fields`)."""
@@ -283,6 +357,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            min_transformers="5.24"),
     Family("paddleocr_vl", "PaddleOCRVLAdapter", paddle_tower, (3, PATCH, PATCH), {"last_hidden_state": (0, "rows")},
            paddle_model, video_t=0, tower_merge=1, call_style="batch1"),
+    Family("pixtral", "PixtralAdapter", pixtral_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "rows")},
+           mistral3_model, tower_attr="vision_tower", video_t=0, tower_merge=1, call_style="padded",
+           holds_hidden=True),
+    Family("pixtral_llava", "PixtralAdapter", pixtral_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "rows")},
+           llava_pixtral_model, tower_attr="vision_tower", video_t=0, tower_merge=1, call_style="padded",
+           holds_hidden=True, tower_tests=False),
+    Family("hunyuan_vl", "HunYuanVLAdapter", hunyuan_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows"),
+           "pooler_output": (1, "framed_tokens")}, hunyuan_model, tower_attr="vision_tower", video_t=0,
+           odd_grids_to_tower=True),
     Family("minicpmv4_6", "MiniCPMVAdapter", minicpm_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "tokens")},
            minicpm_model, tower_attr="vision_tower", min_transformers="5.24", call_style="strip"),
 )}

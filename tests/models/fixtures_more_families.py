@@ -3,7 +3,7 @@ their feature functions run), built locally, and one table :data:`CASES` of how 
 
 Each :class:`Case` holds the tiny model, the tower's attribute path in it, and the model's own feature calls (its
 ``get_image_features`` / ``get_video_features``, with inputs shaped as its processor hands them over: padded images
-and their masks, packed patch rows and their grids, crops and pooling indices), so that a test runs exactly what the
+and their masks, crops and pooling indices), so that a test runs exactly what the
 model runs, once with its tower as it is and once with the tower graphed in place. ``served`` says how the
 any-module path answers the tower's calls: ``"graphs"`` (batch-first: split, padded and replayed) or the reason its
 own forward answers them (named in ``graphs(tower).stats["eager_reasons"]``).
@@ -28,7 +28,6 @@ PATCH = 8
 GRID = SIDE // PATCH  # patches per side
 
 # How the any-module path answers a call shape it cannot batch (encgraph.models.call_spec and generic).
-DIFFERENT_DIM0 = "tensor arguments differ in dim 0"
 NOT_BATCH_FIRST = "not batch-first"  # in the learned reason and in the self-check's verdict
 
 
@@ -65,17 +64,10 @@ def padded_images(sizes: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor
 
 def _sizes(n: int, seed: int) -> list[tuple[int, int]]:
     """``n`` image sizes in pixels: the first ``SIDE x SIDE``, the others an even number of patches a side (the
-    2 x 2 patch mergers of Mistral 3 and the pixel shuffles need it)."""
+    pixel shuffles need it)."""
     g = _gen(seed + 1000)
     sizes = [tuple(int(s) * 2 * PATCH for s in torch.randint(1, GRID // 2 + 1, (2,), generator=g)) for _ in range(n)]
     return [(SIDE, SIDE)] + sizes[1:]
-
-
-def pixtral_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """Mistral 3: images zero-padded to the largest of the call (here all to SIDE), ``image_sizes`` alongside."""
-    sizes = _sizes(n, seed)
-    pixels, _ = padded_images(sizes, seed)
-    return [("get_image_features", {"pixel_values": pixels, "image_sizes": torch.tensor(sizes)})]
 
 
 def idefics_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
@@ -99,19 +91,6 @@ def naflex_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
         mask[i, :h * w] = 1
     pixels = torch.randn(n, GRID * GRID, 3 * 4 * 4, generator=g) * mask[..., None]
     return [("get_image_features", {"pixel_values": pixels, "spatial_shapes": shapes, "pixel_attention_mask": mask})]
-
-
-def packed_grid(n: int, seed: int, row: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` images packed as patch rows (``row`` each) and their ``(1, h, w)`` grids (even h, w)."""
-    g = _gen(seed)
-    grid = torch.cat([torch.ones(n, 1, dtype=torch.long), torch.randint(1, 3, (n, 2), generator=g) * 2], 1)
-    return torch.randn(int(grid.prod(-1).sum()), *row, generator=g), grid
-
-
-def hunyuan_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """HunYuan-VL: patch rows ``(rows, 3*P*P)`` and ``image_grid_thw``."""
-    pixels, grid = packed_grid(n, seed, (3 * 4 * 4,))
-    return [("get_image_features", {"pixel_values": pixels, "image_grid_thw": grid})]
 
 
 def _pooling(items: list[tuple[int, int]], seed: int) -> torch.Tensor:
@@ -164,13 +143,6 @@ def _tf() -> Any:
     return transformers
 
 
-def mistral3() -> torch.nn.Module:
-    tf = _tf()
-    vision = dict(V, model_type="pixtral", image_size=SIDE, patch_size=PATCH, head_dim=16)
-    return tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(
-        vision_config=vision, text_config=dict(T, model_type="mistral"), spatial_merge_size=2))
-
-
 def lfm2_vl() -> torch.nn.Module:
     tf = _tf()
     vision = dict(V, model_type="siglip2_vision_model", patch_size=4, num_patches=GRID * GRID)
@@ -214,12 +186,6 @@ def molmo2() -> torch.nn.Module:
     adapter = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                    text_hidden_size=32, vision_feature_layer=[-1, -2])
     return tf.Molmo2ForConditionalGeneration(tf.Molmo2Config(vision_config=vision, text_config=T, adapter_config=adapter))
-
-
-def hunyuan_vl() -> torch.nn.Module:
-    tf = _tf()
-    vision = dict(V, patch_size=4, max_image_size=16, out_hidden_size=32, text_hidden_size=32)
-    return tf.HunYuanVLForConditionalGeneration(tf.HunYuanVLConfig(vision_config=vision, text_config=T))
 
 
 def janus() -> torch.nn.Module:
@@ -296,8 +262,6 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("siglip2", siglip2, "vision_model", naflex_call),
     Case("molmo2", molmo2, "model.vision_tower", molmo_call),
     # Answered by the tower's own forward, each for its reason (see the test module).
-    Case("mistral3", mistral3, "model.vision_tower", pixtral_call, served=NOT_BATCH_FIRST),
-    Case("hunyuan_vl", hunyuan_vl, "model.vision_tower", hunyuan_call, served=DIFFERENT_DIM0),
     Case("phi4_multimodal", phi4_image_embedding, "img_processor", phi4_call, served=NOT_BATCH_FIRST),
 )}
 

@@ -67,13 +67,11 @@ def test_batch_first_towers_are_answered_by_graphs_exactly(name):
 
 @pytest.mark.parametrize("name", ANSWERED)
 def test_other_towers_are_answered_by_their_own_forward(name):
-    """Pixtral (Mistral 3) packs every image of a call into one sequence (output ``(1, patches, hidden)``); HunYuan-VL
-    takes packed patch rows beside a per-image grid (dim 0 differs; PaddleOCR-VL, which does too, has its model
-    adapter: tests/models/test_families.py); Phi-4-multimodal's tower attends
-    causally when no crop is padded and bidirectionally when one is (its attention sets ``is_causal=True``, which SDPA
-    applies only without a mask), so an item's answer depends on its batch: the capture's self-check finds it. No
-    split or padded batch may stand in for these towers: each call is the tower's own forward, counted.
-"""
+    """Phi-4-multimodal's tower attends causally when no crop is padded and bidirectionally when one is (its
+    attention sets ``is_causal=True``, which SDPA applies only without a mask), so an item's answer depends on its
+    batch: the capture's self-check finds it. No split or padded batch may stand in for it: each call is the
+    tower's own forward, counted. (Pixtral, PaddleOCR-VL and HunYuan-VL have model adapters:
+    tests/models/test_families.py.)"""
     stats = run_model_calls(name).stats
     reasons = set(stats["eager_reasons"]) - {FIRST_SIGHT}
     assert reasons and all(CASES[name].served in r for r in reasons), stats["eager_reasons"]
@@ -81,11 +79,15 @@ def test_other_towers_are_answered_by_their_own_forward(name):
 
 
 @pytest.mark.parametrize("first", ["one image", "two images"])
-def test_pixtral_first_seen_with_one_image_is_still_the_towers_own(first):
-    """A call shape first seen with one image looks batch-first (Pixtral's output, one sequence of every image's
-    patches, has dim 0 = 1); the capture's self-check then finds budgets whose output has another row count, and
-    the shape goes to the tower's own forward as a whole, not split per image at the budgets that passed."""
+def test_pixtral_first_seen_with_one_image_is_still_the_towers_own(first, monkeypatch):
+    """On the any-module path (its model adapter unregistered here), a call shape first seen with one image looks
+    batch-first (Pixtral's output, one sequence of every image's patches, has dim 0 = 1); the capture's self-check
+    then finds budgets whose output has another row count, and the shape goes to the tower's own forward as a
+    whole, not split per image at the budgets that passed."""
     tf = pytest.importorskip("transformers")
+    from encgraph.models import registry
+
+    monkeypatch.delitem(registry._REGISTRY, "PixtralVisionConfig")
     torch.manual_seed(0)
     tower = tf.PixtralVisionModel(tf.PixtralVisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                          intermediate_size=64, image_size=32, patch_size=8)).eval()
