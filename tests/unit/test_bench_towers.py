@@ -117,7 +117,7 @@ def test_defaults_varlen_is_the_defaults_on_a_copy_of_its_own():
         assert System.DEFAULTS_VARLEN not in bench.unavailable
         assert bench.defaults(System.DEFAULTS_VARLEN) is not bench.defaults()
         pinned = bench._handles[System.DEFAULTS_VARLEN].runner.adapter
-        assert pinned.choose_kernels.__name__ == "choose_varlen" and pinned.kernel_rows is None
+        assert pinned.choose_kernels.__name__ == "choose_varlen" and not pinned.kernel_rows  # nothing measured off CUDA
         x = bench.inputs([Visual(56, 84), Visual(28, 28)])
         ref = bench.call(System.HF_SDPA, x)()
         for system in (System.DEFAULTS, System.DEFAULTS_VARLEN):
@@ -130,17 +130,16 @@ def test_defaults_varlen_is_the_defaults_on_a_copy_of_its_own():
 def test_pin_varlen_keeps_the_measured_choice_and_drops_every_dense_row():
     class Adapter:
         kernel_rows = None
-        warmed_plans = None
 
         def choose_kernels(self, known=None):
-            self.kernel_rows = {"16x72": "dense from 4096 rows"}
-            self.warmed_plans = {"lengths": [4096]}
+            self.kernel_rows = {(16, 72, "bf16"): 13000}
             return {"16x72": "crossover"}
 
     adapter = Adapter()
     assert pin_varlen(adapter) is None
     assert adapter.choose_kernels() == {"16x72": "crossover"}
-    assert adapter.kernel_rows is None and adapter.warmed_plans is None
+    # "never" per geometry: None would leave eager forwards on the default rows (attention.SEGMENT_MIN_ROWS)
+    assert adapter.kernel_rows == {(16, 72, "bf16"): None}
 
 
 def test_pin_varlen_refuses_an_adapter_without_a_kernel_choice():
