@@ -8,7 +8,7 @@ of what is left of ``--time-budget``. Systems (``benches.lib.systems``), by
 default ``hf_sdpa`` (the HF tower's own forward), ``defaults`` (``encgraph.graphed(tower)`` with no options),
 ``hf_compile_dynamic`` (``torch.compile(hf_tower, dynamic=True)``) and ``adapter_eager``; ``--systems`` adds
 ``graph``, ``graph_compile``, ``hf_varlen`` or ``defaults_varlen`` (the defaults with one packed varlen kernel for
-every attention call: issue 56's measurement of what the dense-kernel machinery pays).
+every attention call, eager forwards included: what eager forwards' dense SDPA per long sequence pays).
 
 Per tower, in order:
 

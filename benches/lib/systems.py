@@ -15,11 +15,12 @@ Systems, all under ``torch.inference_mode()``:
   own arguments: whatever the library's defaults are when it runs (``capture()`` called first and timed); for a
   model whose features function the adapter replaces (``TowerSpec.features``: Step-3.7), that function's shim
   over ``EncoderGraphRunner(wrap(model))`` with no options (:class:`FeatureShim`);
-- ``defaults_varlen``: ``defaults`` on a copy of its own, with one packed varlen kernel for every attention call
-  (issue 56's target system): the adapter's kernel choice still measures the crossovers and picks the varlen
-  kernel (FlashAttention-4 where installed and faster, else torch's Flash), but no sequence runs dense: no dense
-  plans, no plan ledger, no piecewise replays (:func:`pin_varlen`). Side by side with ``defaults``, it measures
-  what that machinery pays on a trace. Towers whose adapter chooses no kernels: n/a;
+- ``defaults_varlen``: ``defaults`` on a copy of its own, with one packed varlen kernel for every attention call,
+  eager forwards' included: the adapter's kernel choice still measures the crossovers and picks the varlen kernel
+  (FlashAttention-4 where installed and faster, else torch's Flash), but no eager sequence runs dense
+  (:func:`pin_varlen`; graphs run varlen only in ``defaults`` too). Side by side with ``defaults``, it measures
+  what eager forwards' dense SDPA per long sequence pays on a trace. Towers whose adapter chooses no kernels:
+  n/a;
 - ``graph``: ``EncoderGraphRunner(adapter, mode=RunMode.GRAPH)`` after ``capture()`` (``STATIC`` on the CPU);
 - ``compile``: the same runner plan and buffers in ``STATIC`` mode, with the adapter's static-shape forward passed
   through ``torch.compile(mode="reduce-overhead", dynamic=False)`` (CUDA only; one compile per budget);
@@ -369,10 +370,10 @@ class TowerBench:
 def pin_varlen(adapter: Any) -> str | None:
     """Make ``adapter`` (a graphed tower's, before capture) run one packed varlen kernel for every attention call:
     its ``choose_kernels`` still measures (and records) the crossovers and picks the varlen kernel, then its
-    ``kernel_rows`` say "never dense" for every geometry measured and its ``warmed_plans`` are dropped, so that no
-    sequence runs dense (eager forwards find no dense rows, captures no call to split). (Until 2026-12-06 this set
-    ``kernel_rows`` to ``None``, which left eager forwards on ``attention.SEGMENT_MIN_ROWS``: dense from 2,048
-    rows, a cuDNN plan per new length, no ledger.) Returns why not, for an adapter that chooses no kernels."""
+    ``kernel_rows`` say "never dense" for every geometry measured, so that no sequence of an eager forward runs
+    dense. (Before issue 56's retirement this dropped the rows to ``None``, which left eager forwards on the default
+    rows, ``attention.SEGMENT_MIN_ROWS``: dense from 2,048 rows, without the plan ledger.) Returns why not, for an
+    adapter that chooses no kernels."""
     choose = getattr(adapter, "choose_kernels", None)
     if choose is None or not hasattr(adapter, "kernel_rows"):
         return f"n/a: {type(adapter).__name__} chooses no attention kernels"
@@ -380,7 +381,6 @@ def pin_varlen(adapter: Any) -> str | None:
     def choose_varlen(known: Any = None) -> Any:
         chosen = choose(known)
         adapter.kernel_rows = {geometry: None for geometry in adapter.kernel_rows or {}}
-        adapter.warmed_plans = None
         return chosen
 
     adapter.choose_kernels = choose_varlen

@@ -22,12 +22,6 @@ TIME_BOXED = (System.HF_COMPILE_DYNAMIC,)
 MAX_ERRORS = 3
 """A system that fails on this many requests is dropped from the rest of the replay."""
 FLUSH_EVERY = 25
-SETTLE_CALLS = 8
-"""Untimed calls at most before a timed one under ``--sizes seen``: a graph system repeats the request while its
-last call still rented a kernel or ran at a bucket while its own length rents (``rented_calls``,
-``refining_calls`` of ``encgraph.models.sequence_bounds.LEDGER``: rent-or-buy buys the dense plan of a length
-within a few sightings), so the timed call meets settled kernels, as recurring sizes in steady traffic do, and
-as the tower's own SDPA holds their exact plans; other systems need one."""
 
 
 def _order(systems: Sequence[System], index: int) -> list[System]:
@@ -54,7 +48,6 @@ class Replay:
         self.bench, self.systems, self.box, self.floor = bench, systems, box, floor
         self.sizes, self.seen = sizes, seen if seen is not None else set()
         self.extra_tokens: dict[System, list[float]] = {s: [] for s in systems}
-        self.settle_calls: dict[System, list[int]] = {s: [] for s in systems}
         self.reused = 0  # images of "new" for which no unseen size was found (kept as drawn)
         self.floors: list[dict[str, float]] = []  # at the first system's sizes (the request's, under "new")
         self.system_floors: dict[System, list[dict[str, float]]] = {s: [] for s in systems}  # "new": each its own
@@ -86,7 +79,7 @@ class Replay:
             first = inputs[self.systems[0]].sizes
             for s in _order(self.systems, index):
                 if self.sizes == "seen":
-                    self.settle(s, inputs[s], env, index, doc)  # untimed: the timed run meets sizes it has seen
+                    self.one(s, inputs[s], env, index, doc)  # untimed: the timed run meets sizes it has seen
                 before = self.bench.stats(s) if s in self.routes else None
                 self.latencies[s].append(self.one(s, inputs[s], env, index, doc))
                 if before is not None:  # how the timed call ran (its batches' budgets, eager reasons)
@@ -106,23 +99,6 @@ class Replay:
                 self.record(doc)
                 results.flush()
         self.record(doc)
-
-    def settle(self, system: System, inputs: Any, env: Env, index: int, doc: dict[str, Any]) -> None:
-        """Untimed calls of ``system`` on ``inputs`` until its kernels are settled (:data:`SETTLE_CALLS`)."""
-        from encgraph.models.sequence_bounds import LEDGER
-
-        def renting() -> int:
-            stats = LEDGER.stats()
-            return stats["rented_calls"] + stats["refining_calls"]
-
-        calls = 0
-        while calls < (SETTLE_CALLS if system in GRAPH_SYSTEMS else 1):
-            before = renting()
-            self.one(system, inputs, env, index, doc)
-            calls += 1
-            if renting() == before:
-                break
-        self.settle_calls[system].append(calls)
 
     def variants(self, request: Any, caps: Caps) -> dict[System, Any]:
         """The copy of ``request`` each system runs: the same one, except under ``new`` (a fresh copy each, in
@@ -172,8 +148,6 @@ class Replay:
             doc["per_request"]["extra_tokens"] = {s.value: [round(x, 5) for x in v]
                                                   for s, v in self.extra_tokens.items()}
             doc["per_request"]["sizes_reused"] = self.reused
-        if self.sizes == "seen":
-            doc["per_request"]["settle_calls"] = {s.value: v for s, v in self.settle_calls.items()}
         if self.floors:
             doc["per_request"]["floor"] = self.floors
         if self.routes:

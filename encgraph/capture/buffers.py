@@ -67,9 +67,6 @@ class PathBuffers:
                     f"{sorted(names)} at budget {budgets[0]}; every budget of a path must declare the same buffers."
                 )
         self.storage: dict[str, torch.Tensor] = {}
-        # Per SEQUENCE_BOUNDS buffer, what the last fill wrote: (the buffer's host values, where its real sequences
-        # end); a piecewise replay attends by them (encgraph.capture.piecewise).
-        self.host_bounds: dict[str, tuple[np.ndarray, int]] = {}
         with persistent():  # never inference tensors: later calls in any grad mode write them (rule 12)
             self._allocate(path, budgets, names)
 
@@ -108,9 +105,7 @@ class PathBuffers:
             )
         for name, view in views.items():
             spec = self.specs[budget][name]
-            written = _fill_one(name, view, values.get(name), spec, self._arange)
-            if written is not None:
-                self.host_bounds[name] = written
+            _fill_one(name, view, values.get(name), spec, self._arange)
         return views
 
 
@@ -148,8 +143,8 @@ class PathOutputs:
 
 def _fill_one(
     name: str, view: torch.Tensor, value: torch.Tensor | None, spec: BufferSpec, arange: torch.Tensor
-) -> tuple[np.ndarray, int] | None:
-    """Fill one buffer's view; for a SEQUENCE_BOUNDS buffer return ``(its host values, the real sequences' end)``."""
+) -> None:
+    """Fill one buffer's view."""
     rows = view.shape[0]
     if spec.fill is FillRule.SEQUENCE_BOUNDS:
         host = np.zeros(0, np.int64) if value is None else np.asarray(value, dtype=np.int64).reshape(-1)
@@ -157,7 +152,7 @@ def _fill_one(
         # Non-blocking: ordered on the stream before the replay, and no host wait on the previous replay (a copy
         # from pageable memory has read its source when it returns, so the temporary may go).
         view.copy_(torch.from_numpy(full).to(view.dtype), non_blocking=True)
-        return full, int(host[-1]) if host.size else 0
+        return
     n = 0 if value is None else value.shape[0]
     if n > rows or (value is not None and tuple(value.shape[1:]) != tuple(view.shape[1:])):
         raise InputError(
@@ -167,7 +162,7 @@ def _fill_one(
     if n:
         view[:n].copy_(value, non_blocking=True)  # type: ignore[arg-type]
     if n == rows:
-        return None
+        return
     tail = view[n:]
     if spec.fill is FillRule.ZERO or (spec.fill is FillRule.REPEAT_LAST and n == 0):
         tail.zero_()
@@ -176,4 +171,3 @@ def _fill_one(
     else:  # ARANGE
         shape = (rows - n,) + (1,) * (tail.dim() - 1)
         tail.copy_(arange[n:rows].view(shape).expand_as(tail))
-    return None

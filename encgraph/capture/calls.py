@@ -20,7 +20,6 @@ from encgraph.capture.execution import check_outputs, item_specs, route, run_sta
 from encgraph.capture.records import RunMode
 from encgraph.errors import CaptureError
 from encgraph.packing import Batch, EagerReason, ItemSpec, Plan
-from encgraph.packing.kernels import LEDGER
 
 __all__ = ["call", "call_rows", "run_batch"]
 
@@ -70,10 +69,7 @@ def call_rows(runner: Any, inputs: Any) -> dict[str, torch.Tensor] | None:
 
 @contextlib.contextmanager
 def _calling(runner: Any) -> Iterator[None]:
-    # A dense attention plan bought during the call is built once the call has issued its work (the device
-    # runs it meanwhile) rather than by the attention call that buys it, with the device waiting
-    # (PlanLedger.deferring; a serving front's outer block builds them when idle instead).
-    with runner._lock, torch.no_grad(), LEDGER.deferring():
+    with runner._lock, torch.no_grad():
         yield
 
 
@@ -132,15 +128,8 @@ def run_batch(
                 eager_paths[path] = reason
                 stats.add_eager(path, reason, sum(1 for s in sub_specs if s.tokens[path]), used)
             else:
-                out = run_static(runner, path, budget, sub, used, last_on_path=path in last_on,
-                                 on_piecewise=lambda p=path, b=budget: _piecewise_ran(runner, p, b))
+                out = run_static(runner, path, budget, sub, used, last_on_path=path in last_on)
                 stats.add_replay(path, budget, used)
         outputs[path] = out
     stats.add_items(eager=sum(1 for s in sub_specs if any(s.tokens[p] for p in eager_paths)), total=len(sub_specs))
     return outputs
-
-
-def _piecewise_ran(runner: Any, path: str, budget: int) -> None:
-    # Counted, and kept out of the cost model's check of whole replays (it prices whole graphs).
-    runner._stats.add_piecewise(path, budget)
-    runner._feedback.drop()

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from encgraph.capture import piecewise
 from encgraph.capture.compiled_eager import CompiledEager
 from encgraph.capture.compiling import (
     CompiledRegions,
@@ -39,7 +38,6 @@ from encgraph.capture.compiling import (
     recompile_headroom,
 )
 from encgraph.capture.execution import RunnerState, check_outputs
-from encgraph.capture.protocol import FillRule
 from encgraph.capture.records import GraphRecord
 from encgraph.capture.timing import time_host
 from encgraph.errors import EncgraphError
@@ -70,7 +68,6 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
     forwards = {path: _plain_forward(runner, path) for path in runner.ladders}
     regions = CompiledRegions(runner.adapter)
     pools = [pool]
-    statics: dict[str, piecewise.Statics] = {}
     with contextlib.ExitStack() as stack:
         if runner.compile_mode is not CompileMode.OFF:
             compile_info["cache_dir"] = stack.enter_context(compile_cache(runner.cache_dir))
@@ -89,10 +86,8 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
             bar.set_postfix_str(f"{path}@{budget}")
             record = None
             for _attempt in range(2):
-                discovery = _discovery(runner, path, budget)
                 try:
-                    record = _capture_one(runner, pool, path, budget, stream, forwards[path], compile_info,
-                                          discovery)
+                    record = _capture_one(runner, pool, path, budget, stream, forwards[path], compile_info)
                 except _CompileFailed:
                     # compile="auto": the first compiled run failed; every path captures the plain forward.
                     regions.restore()
@@ -114,10 +109,6 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
                 break
             if record is not None:
                 runner.records[path][budget] = record
-                if discovery is not None and _capture_pieces(runner, pool, record, stream, forwards[path],
-                                                             discovery, statics):
-                    pool = torch.cuda.graph_pool_handle()  # the failed split left the pool recording
-                    pools.append(pool)
         bar.close()
         torch.cuda.synchronize(device)
         runner.compiled_eager = _keep_for_eager(runner, regions, compile_info)
@@ -135,15 +126,9 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
                     "recompile_limit, or capture fewer kinds of towers in one process)"
                 )
                 log.warning("encgraph: %s.", compile_info["reason"])
-    # The split calls' dense plans at bucket lengths, built in this thread before any replay needs one.
-    warmed = piecewise.warm_plans([r.piecewise for rs in runner.records.values() for r in rs.values()
-                                   if r.piecewise is not None], device)
     for path_records in runner.records.values():
         for record in path_records.values():
             record.replay_ms = time_replay(runner, record)
-            if record.piecewise is not None:
-                fill_for_timing(runner, record)
-                piecewise.time_piecewise(record.piecewise, record.graph, device)
     seconds = time.perf_counter() - start
     pool_held = sum(pool_bytes(device, p) for p in pools)
     graphs = [r for rs in runner.records.values() for r in rs.values()]
@@ -160,8 +145,6 @@ def capture_graphs(runner: RunnerState, pool: Any) -> dict[str, Any]:
         "largest_graph_bytes": max((r.memory_bytes for r in graphs), default=0),
         "buffer_bytes": sum(b.nbytes for b in runner.buffers.values()),
         "output_bytes": sum(o.nbytes for o in runner.outputs.values()),
-        "piecewise": {"graphs": sum(1 for r in graphs if r.piecewise is not None),
-                      "static_bytes": sum(s.nbytes for s in statics.values()), "warmed_plans": warmed},
         "failed": {p: dict(f) for p, f in runner.failed.items() if f},
         "per_graph": [r.summary() for r in sorted(graphs, key=lambda r: (r.path, r.budget))],
     }
@@ -207,7 +190,7 @@ def _plain_forward(runner: RunnerState, path: str) -> Forward:
 
 def _capture_one(
     runner: RunnerState, pool: Any, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
-    compile_info: dict[str, Any], discovery: piecewise.Splitter | None = None,
+    compile_info: dict[str, Any],
 ) -> GraphRecord:
     device = runner.device
     t0 = time.perf_counter()
@@ -242,9 +225,7 @@ def _capture_one(
         graph = torch.cuda.CUDAGraph()
         targets = runner.outputs[path].view(budget)
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream), (
-                piecewise.active(discovery) if discovery is not None else contextlib.nullcontext()
-            ):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 _forward_into(forward, views, budget, targets)
         except BaseException as exc:
             if _end_failed_capture(device, pool) and isinstance(exc, Exception) and not isinstance(exc, EncgraphError):
@@ -265,61 +246,12 @@ def _capture_one(
 
 def _forward_into(forward: Forward, views: Mapping[str, torch.Tensor], budget: int,
                   targets: Mapping[str, torch.Tensor]) -> None:
-    """The captured body of a budget (whole or split): the forward, its outputs copied into the path's shared
+    """The captured body of a budget: the forward, its outputs copied into the path's shared
     output buffers (the pool keeps no per-graph outputs)."""
     produced = forward(views, budget)
     for name, target in targets.items():
         target.copy_(produced[name])
     del produced  # its memory goes back to the pool for the next (smaller) graph
-
-
-def _bounds_views(runner: RunnerState, path: str, budget: int) -> dict[str, torch.Tensor]:
-    specs = runner.buffers[path].specs[budget]
-    views = runner.buffers[path].view(budget)
-    return {name: views[name] for name, spec in specs.items() if spec.fill is FillRule.SEQUENCE_BOUNDS}
-
-
-def _discovery(runner: RunnerState, path: str, budget: int) -> piecewise.Splitter | None:
-    """A splitter that notes, during the budget's whole capture, which attention calls would split: where the
-    adapter measured which sequences run dense (its ``kernel_rows``) and the path has bounds buffers."""
-    table = getattr(runner.adapter, "kernel_rows", None)
-    views = _bounds_views(runner, path, budget)
-    return piecewise.Splitter(views, table, discover=True) if table and views else None
-
-
-def _capture_pieces(runner: RunnerState, pool: Any, record: GraphRecord, stream: torch.cuda.Stream,
-                    forward: Forward, discovery: piecewise.Splitter, statics: dict[str, piecewise.Statics]) -> bool:
-    """Capture ``record``'s budget split at the attention calls ``discovery`` noted (:mod:`encgraph.capture.
-    piecewise`) into ``record.piecewise``, or note why not in ``record.piecewise_note``. Returns whether a failed
-    split left ``pool`` recording (the caller moves on to a fresh pool); the whole graph stays either way."""
-    if discovery.refused or not discovery.shapes:
-        record.piecewise_note = discovery.refused  # None: no call long enough to split
-        if discovery.refused:
-            log.info("encgraph: path %r at budget %d replays whole graphs only: %s.", record.path, record.budget,
-                     discovery.refused)
-        return False
-    path, budget, device = record.path, record.budget, runner.device
-    held = statics.setdefault(path, piecewise.Statics(discovery.rows, device))
-    held.reserve(discovery.shapes)
-    try:
-        made = piecewise.capture_piecewise(
-            lambda: _forward_into(forward, record.inputs, budget, record.outputs), discovery.bounds_views,
-            discovery.table, held, pool, path, budget, stream,
-        )
-    except EncgraphError:
-        raise
-    except Exception as exc:
-        torch.cuda.synchronize(device)
-        record.piecewise_note = f"capture failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-        log.warning("encgraph: the piecewise capture of path %r at budget %d failed (%s); its batches replay the "
-                    "whole graph.", path, budget, record.piecewise_note)
-        return _end_failed_capture(device, pool)
-    if isinstance(made, str):
-        record.piecewise_note = made
-        log.info("encgraph: path %r at budget %d replays whole graphs only: %s.", path, budget, made)
-    else:
-        record.piecewise = made
-    return False
 
 
 def _end_failed_capture(device: torch.device, pool: Any) -> bool:

@@ -9,17 +9,15 @@ The runner (:mod:`encgraph.capture.runner`), the capture (:mod:`encgraph.capture
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from encgraph._validate import describe
 from encgraph.capture.buffers import PathBuffers, PathOutputs
 from encgraph.capture.compiled_eager import CompiledEager
 from encgraph.capture.compiling import CompileMode
-from encgraph.capture.feedback import holding_budget, predicted_ms
 from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
 from encgraph.errors import ConfigError, InputError
@@ -72,29 +70,14 @@ def route(state: RunnerState, feedback: Any, batch: Batch, path: str, specs: Seq
           ) -> tuple[int | None, str | None]:
     """How ``path`` of a planned ``batch`` (items ``specs``) runs: ``(budget, None)`` to replay ``budget`` (the
     static forward outside GRAPH mode), or ``(budget or None, reason)`` to run eagerly, ``reason`` counted in
-    ``stats["eager_reasons"]``. A batch the cost model sends eagerly as cheaper replays instead where its eager
-    run would lose more than that to rent (the adapter's optional ``eager_surcharge_ms(path, specs)``: dense
-    attention plans not bought yet, see :class:`~encgraph.packing.kernels.PlanLedger`), and the adapter's
-    ``rent_replayed(path, specs)`` records the rent; and now and then anyway (``feedback``, a
-    :class:`~encgraph.capture.feedback.CostFeedback`: the model may be wrong)."""
+    ``stats["eager_reasons"]``. A batch the cost model sends eagerly as cheaper replays now and then anyway
+    (``feedback``, a :class:`~encgraph.capture.feedback.CostFeedback`: the model may be wrong)."""
     budget = batch.budgets[path]
     if state.mode is RunMode.EAGER:
         return budget, EAGER_MODE
     if budget is None:
         if batch.eager[path] is EagerReason.COST:
             usable = [b for b in state.planning_ladders[path] if state.mode is not RunMode.GRAPH or b in state.records[path]]
-            surcharge = getattr(state.adapter, "eager_surcharge_ms", None)
-            rent = getattr(state.adapter, "rent_replayed", None)
-            if surcharge is not None and rent is not None:
-                rerouted = feedback.reroute(state.costs, path, usable, specs, state.limits, surcharge(path, specs))
-                if rerouted is not None:
-                    # A split replay rents (or buys) lengths of its own (DenseRule.replayed): no eager rent is paid.
-                    if not _splits(state, path, rerouted, specs):
-                        rent(path, specs)  # the lengths pay their rent: each is bought once it pays the plan
-                    return rerouted, None
-            split = _piecewise_budget(state, path, usable, specs)
-            if split is not None:
-                return split, None
             explored = feedback.explore(path, usable, specs, state.limits)
             if explored is not None:
                 return explored, None
@@ -104,42 +87,8 @@ def route(state: RunnerState, feedback: Any, batch: Batch, path: str, specs: Seq
     return budget, None
 
 
-def _piecewise_budget(state: RunnerState, path: str, usable: Sequence[int], specs: Sequence[ItemSpec]) -> int | None:
-    """The budget to replay a batch the cost model sends eagerly where its piecewise replay there
-    (:mod:`encgraph.capture.piecewise`) is predicted cheaper than the eager run, both at their steady kernels: the
-    whole graph's price less what its long sequences save on the dense kernel, plus the split's measured cost.
-    Needs the adapter's ``attention_rows(path, specs)`` (each full-attention sequence's rows); else ``None``."""
-    if state.mode is not RunMode.GRAPH or state.costs is None:
-        return None
-    budget = holding_budget(path, usable, specs, state.limits)
-    gain = _split_gain(state, path, budget, specs) if budget is not None else None
-    if gain is None:
-        return None
-    pieces = state.records[path][budget].piecewise
-    whole = predicted_ms(state.costs, path, budget, specs)
-    return budget if whole - gain + pieces.overhead_ms < predicted_ms(state.costs, path, None, specs) else None
-
-
-def _split_gain(state: RunnerState, path: str, budget: int, specs: Sequence[ItemSpec]) -> float | None:
-    """What the piecewise replay of ``budget`` would save on items ``specs`` (each full-attention sequence's rows
-    from the adapter's ``attention_rows``), where it would pay (more than its overhead); else ``None``."""
-    rows_of = getattr(state.adapter, "attention_rows", None)
-    pieces = getattr(state.records[path].get(budget), "piecewise", None)
-    if pieces is None or rows_of is None:
-        return None
-    bounds = tuple(int(x) for x in np.concatenate([[0], np.cumsum(rows_of(path, specs), dtype=np.int64)]))
-    gain = pieces.gain_ms([bounds] * len(pieces.sites))
-    return gain if gain > pieces.overhead_ms else None
-
-
-def _splits(state: RunnerState, path: str, budget: int, specs: Sequence[ItemSpec]) -> bool:
-    """Whether a replay of ``specs`` at ``budget`` would run piecewise (as :func:`run_static` decides)."""
-    return _split_gain(state, path, budget, specs) is not None
-
-
 def run_static(
     state: RunnerState, path: str, budget: int, sub: Any, used: int, *, last_on_path: bool = True,
-    piecewise: bool | None = None, on_piecewise: Callable[[], None] | None = None,
 ) -> Mapping[str, torch.Tensor]:
     """Fill ``path``'s buffers of ``budget`` with the sub-batch ``sub`` and run its static forward (GRAPH mode:
     replay the captured graph); return the first ``used`` rows of each output. In GRAPH mode they are fresh
@@ -148,23 +97,12 @@ def run_static(
     them even then: every budget of a path shares one output buffer, and a zero-copy result must stay valid
     until the next call, not only until the next sub-batch. An adapter whose ``assemble`` copies each item
     (``assemble_copies``, see :mod:`encgraph.capture.protocol`) always gets the views: its copy, made before the
-    next replay, is the only one.
-
-    In GRAPH mode a budget captured piecewise too (:mod:`encgraph.capture.piecewise`) replays that way where its
-    long sequences' attention saves more than the split costs (``piecewise=None``), always (``True``: the
-    self-check) or never (``False``); ``on_piecewise`` is called when it did."""
+    next replay, is the only one."""
     values = state.adapter.replay_values(path, sub, budget)
     views = state.buffers[path].fill(budget, values)
     if state.mode is RunMode.GRAPH:
         record = state.records[path][budget]
-        pieces = record.piecewise if piecewise is not False else None
-        bounds = pieces.site_bounds(state.buffers[path].host_bounds) if pieces is not None else None
-        if pieces is not None and (piecewise or pieces.pays(bounds)):
-            pieces.replay(bounds)
-            if on_piecewise is not None:
-                on_piecewise()
-        else:
-            record.graph.replay()
+        record.graph.replay()
         outputs = record.outputs  # views of the path's shared output buffers
         if (state.copy_outputs or not last_on_path) and getattr(state.adapter, "assemble_copies", False) is not True:
             return {name: t[:used].clone() for name, t in outputs.items()}

@@ -41,7 +41,6 @@ import torch
 
 from encgraph.packing import CostModel, ItemSpec
 from encgraph.packing.attention_term import item_term
-from encgraph.packing.kernels import LEDGER
 
 __all__ = [
     "CostFeedback", "RunKind", "HostEvent", "DeviceEvent", "predicted_ms", "event_factory", "SAMPLE_EVERY",
@@ -161,15 +160,8 @@ class CostFeedback:
         self._ratios: dict[tuple[str, RunKind], list[float]] = collections.defaultdict(list)
         self.samples = 0
         self.explored = 0
-        self.first_sights = 0
-        """Samples dropped because the run rented a kernel (:data:`~encgraph.packing.kernels.LEDGER`)."""
-        self.rerouted = 0
-        """Cost-eager batches replayed because their eager run would rent a kernel (:meth:`reroute`)."""
         self.unchosen = 0
         """Eager runs not timed because the model did not choose them (``chosen=False`` in :meth:`timed`)."""
-        self.piecewise = 0
-        """Sampled replays dropped because they ran piecewise (:meth:`drop`): the model prices whole graphs."""
-        self._drop = False
         self.corrections: collections.Counter[str] = collections.Counter()
         self.scale: dict[str, dict[str, float]] = {}
 
@@ -190,23 +182,6 @@ class CostFeedback:
         if budget is not None:
             self.explored += 1
             self._forced.add(path)  # an explored replay is always timed: it is what the model lacks
-        return budget
-
-    def reroute(self, costs: CostModel | None, path: str, ladder: Sequence[int], specs: Sequence[ItemSpec],
-                limits: Any, surcharge_ms: float) -> int | None:
-        """A batch the model sends eagerly as cheaper, whose eager run would cost ``surcharge_ms`` beyond the
-        model's price (the adapter's ``eager_surcharge_ms``: its long sequences meet lengths this thread has not
-        bought a dense plan for, so they rent the varlen kernel): the smallest budget of ``ladder``
-        that holds it within ``limits`` where replaying it is predicted cheaper than that, else ``None``. Counted
-        in :attr:`rerouted`."""
-        if costs is None or surcharge_ms <= 0.0:
-            return None
-        budget = holding_budget(path, ladder, specs, limits)
-        if budget is None:
-            return None
-        if predicted_ms(costs, path, budget, specs) >= predicted_ms(costs, path, None, specs) + surcharge_ms:
-            return None
-        self.rerouted += 1
         return budget
 
     @contextlib.contextmanager
@@ -231,24 +206,8 @@ class CostFeedback:
             yield
             return
         sample = self.start(path, kind, predicted_ms(costs, path, budget, specs))
-        rented = LEDGER.rented_calls
-        self._drop = False
         yield
-        if self._drop:
-            self._drop = False
-            self.piecewise += 1
-            return
-        if LEDGER.rented_calls != rented:
-            # A long sequence at a length new to this thread ran on the rented kernel: a first sight, not what
-            # the model prices (eager at its steady kernels). Dropped, so that new sizes never price eager up.
-            self.first_sights += 1
-            return
         self.stop(sample)
-
-    def drop(self) -> None:
-        """The run being timed replayed piecewise (:mod:`encgraph.capture.piecewise`): its sample, if any, is
-        dropped (counted in :attr:`piecewise`), since the model prices whole graphs."""
-        self._drop = True
 
     def start(self, path: str, kind: RunKind, predicted_ms: float) -> _Sample:
         """Record the start event of a timed run (before its work is queued)."""
@@ -308,15 +267,12 @@ class CostFeedback:
         self.scale.clear()
 
     def as_dict(self) -> dict[str, Any]:
-        """``samples`` read, ``explored`` replays, ``first_sights`` (samples dropped: the run rented a kernel),
-        ``rerouted`` batches (:meth:`reroute`), ``unchosen`` eager runs not timed, ``piecewise`` samples dropped (the replay ran piecewise), ``corrections`` per kind, cumulative ``scale`` per path."""
+        """``samples`` read, ``explored`` replays, ``unchosen`` eager runs not timed, ``corrections`` per kind,
+        cumulative ``scale`` per path."""
         return {
             "samples": self.samples,
             "explored": self.explored,
-            "first_sights": self.first_sights,
-            "rerouted": self.rerouted,
             "unchosen": self.unchosen,
-            "piecewise": self.piecewise,
             "corrections": dict(self.corrections),
             "scale": {p: {k: round(v, 4) for k, v in e.items()} for p, e in self.scale.items()},
         }

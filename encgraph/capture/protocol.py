@@ -24,15 +24,6 @@ say so in ``stats`` / a log line where absent):
   times the eager forward on them for the default cost model, and the self-check compares forwards on them.
 - ``concat(parts) -> inputs``: one inputs object holding the items of every part in order (part 0's first);
   every part was already validated by ``item_specs``. The serving front coalesces requests with it.
-- ``eager_surcharge_ms(path, specs) -> float`` and ``rent_replayed(path, specs)``, as a pair: what
-  ``forward_eager`` of those items would lose now against the kernels the cost model priced it at (attention
-  kernels rented while a length's plan is not bought: :class:`~encgraph.packing.kernels.PlanLedger`), and the
-  record that the runner replayed them instead. A batch the model sends eagerly replays where that is cheaper
-  than eager plus the surcharge (``stats["cost_feedback"]["rerouted"]``).
-- ``attention_rows(path, specs) -> list[int]``: the rows of each full-attention sequence of those items, in order;
-  with the attribute ``kernel_rows`` (the adapter's measured table of which sequences run dense, the one its
-  attention op reads) it lets the runner capture budgets piecewise and price a piecewise replay against an eager
-  run (:mod:`encgraph.capture.piecewise`).
 
 An optional attribute, ``assemble_copies`` (default ``False``): ``True`` says that ``assemble`` returns results
 with storage of their own, never views of the rows it is given. The runner then hands it a replay's rows as views
@@ -199,7 +190,7 @@ class StockCall:
     reason: str = attrs.field(validator=lambda i, a, v: check_str("StockCall.reason", v))
 
 
-OPTIONAL_METHODS = ("sample_inputs", "concat", "eager_surcharge_ms", "rent_replayed", "attention_rows")
+OPTIONAL_METHODS = ("sample_inputs", "concat")
 """Adapter methods the runner and serving use where an adapter has them (see the module docs)."""
 
 

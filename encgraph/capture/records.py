@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import attrs
 import torch
@@ -41,10 +40,6 @@ class GraphRecord:
     memory_bytes: int
     compile_seconds: float = 0.0
     replay_ms: float | None = None
-    piecewise: Any = None
-    """The budget's :class:`~encgraph.capture.piecewise.PiecewiseRecord` (its forward split at long attention calls),
-    or ``None``; ``piecewise_note``: why there is none where one was tried."""
-    piecewise_note: str | None = None
 
     def summary(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -55,8 +50,4 @@ class GraphRecord:
             "memory_bytes": self.memory_bytes,
             "replay_ms": None if self.replay_ms is None else round(self.replay_ms, 4),
         }
-        if self.piecewise is not None:
-            out["piecewise"] = self.piecewise.summary()
-        elif self.piecewise_note is not None:
-            out["piecewise"] = self.piecewise_note
         return out

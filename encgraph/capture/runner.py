@@ -41,7 +41,6 @@ from encgraph.capture.selfcheck import check_and_measure, measure_cost_model
 from encgraph.capture.stats import RunStats
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import CostModel, ItemSpec, Plan, TunedLadder, pack
-from encgraph.packing.kernels import LEDGER
 
 __all__ = ["EncoderGraphRunner", "CAPTURE_FAILED", "EAGER_MODE"]
 
@@ -358,14 +357,9 @@ class EncoderGraphRunner:
         ``calls``, ``items``, ``graph_items`` (items whose every path ran the static forward: a replay in GRAPH
         mode), ``eager_items`` (items with at least one path run eagerly), ``eager_reasons`` (item-paths per
         reason), ``paths`` (per path: ``replays`` per budget, ``eager_runs``, ``eager_items``, ``real_tokens``,
-        ``padded_tokens``, ``piecewise_replays`` per budget: those of ``replays`` that ran piecewise,
-        :mod:`encgraph.capture.piecewise`), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
-        serving: ``samples`` read, ``explored`` replays, ``first_sights`` dropped, ``rerouted`` batches (eager
-        would rent a kernel), ``unchosen`` eager runs not timed (forced eager), ``corrections`` per kind, cumulative ``scale`` per path; kept across
-        ``reset_stats()``), ``kernel_plans`` (the process's dense attention plans: ``bought`` lengths,
-        ``rented_calls``, ``stand_in_calls``, ``warmed`` lengths built at capture, ``deferred`` purchases built
-        after their call's work was issued, ``refining_calls`` at a bucket while their own length rents;
-        :data:`~encgraph.packing.kernels.LEDGER`),
+        ``padded_tokens``), ``capture`` (the capture summary), ``cost_feedback`` (the cost model's checks while
+        serving: ``samples`` read, ``explored`` replays, ``unchosen`` eager runs not timed (forced eager),
+        ``corrections`` per kind, cumulative ``scale`` per path; kept across ``reset_stats()``),
         ``compiled_eager`` (whether eager forwards run through the blocks compiled for capture, and how often:
         :meth:`~encgraph.capture.compiled_eager.CompiledEager.as_dict`).
         ``graph_items + eager_items == items``.
@@ -375,7 +369,6 @@ class EncoderGraphRunner:
             out["data_parallel"] = self._dp.stats
         out["mode"] = self.mode.value
         out["cost_feedback"] = self._feedback.as_dict()
-        out["kernel_plans"] = LEDGER.stats()
         out["compiled_eager"] = self.compiled_eager.as_dict()
         out["capture"] = dict(self.capture_info)
         return out

@@ -37,7 +37,6 @@ from encgraph.capture.records import RunMode
 from encgraph.capture.timing import time_host, time_interleaved
 from encgraph.packing import CostModel
 from encgraph.packing.attention_term import DEFAULT_POWER, fit_power
-from encgraph.packing.kernels import LEDGER
 
 __all__ = ["check_and_measure", "measure_cost_model", "tolerance", "relative_error", "timed_budgets", "SAMPLE_SIZES"]
 
@@ -88,13 +87,7 @@ def _fill_size(ladder: Sequence[int], budget: int, unit: BudgetUnit) -> int:
 
 def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> dict[str, Any]:
     """Run the self-check (``verify``) and build the default cost model (``measure``; GRAPH mode) on sample
-    inputs; returns the summary for ``capture_info["selfcheck"]``. Sets ``runner.costs`` when measuring. Eager
-    forwards run at their steady attention kernels (:meth:`~encgraph.packing.kernels.PlanLedger.buying`)."""
-    with LEDGER.buying():
-        return _check_and_measure(runner, verify=verify, measure=measure)
-
-
-def _check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> dict[str, Any]:
+    inputs; returns the summary for ``capture_info["selfcheck"]``. Sets ``runner.costs`` when measuring."""
     adapter = runner.adapter
     info: dict[str, Any] = {"verify": verify, "costs": "measured" if measure else "not measured"}
     if not (verify or measure):
@@ -143,13 +136,7 @@ def _check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> d
 def measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int) -> CostModel:
     """The cost model of ``runner.measure_costs(samples)`` (the runner captured): graph costs are each captured
     budget's replay time (timed at capture) or, outside GRAPH mode, the static forward's time on padding; eager
-    costs are the adapter's eager forward timed on each sample input (at its steady kernels, as in
-    :func:`check_and_measure`), fitted as fixed + per token + per item."""
-    with LEDGER.buying():
-        return _measure_cost_model(runner, samples, repeats)
-
-
-def _measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int) -> CostModel:
+    costs are the adapter's eager forward timed on each sample input, fitted as fixed + per token + per item."""
     adapter = runner.adapter
     graph_ms: dict[str, dict[int, float]] = {}
     for path, ladder in runner.ladders.items():
@@ -204,34 +191,13 @@ def _check_budget(runner: RunnerState, path: str, budget: int, positive: Sequenc
         if len(times) > 1:
             record.replay_ms = min(record.replay_ms, times[1])
     if verify and budget not in runner.failed[path]:
-        static = run_static(runner, path, budget, sub, used, piecewise=False)
+        static = run_static(runner, path, budget, sub, used)
         worst = max((relative_error(static[n], reference[n]), n) for n in reference)
         checked[budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
         if not worst[0] <= tol:
             _drop(runner, path, budget, (
                 f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
                 f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"))
-        elif getattr(runner.records[path].get(budget), "piecewise", None) is not None:
-            _check_piecewise(runner, path, budget, sub, used, reference, tol)
-
-
-def _check_piecewise(runner: RunnerState, path: str, budget: int, sub: Any, used: int,
-                     reference: Mapping[str, torch.Tensor], tol: float) -> None:
-    """The budget's piecewise replay (:mod:`encgraph.capture.piecewise`) on the same sample, against the eager
-    forward; where it disagrees or raises, the budget replays whole graphs only (logged, the reason kept)."""
-    record = runner.records[path][budget]
-    try:
-        pieces = run_static(runner, path, budget, sub, used, piecewise=True)
-        worst = max((relative_error(pieces[n], reference[n]), n) for n in reference)
-        reason = None if worst[0] <= tol else (
-            f"self-check: output {worst[1]!r} differs from the eager forward by {worst[0]:.3g} (norm-relative; "
-            f"tolerance {tol:g})")
-    except Exception as exc:  # capture-time work never fails a call: the split goes, the whole graph stays
-        reason = f"self-check: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-    if reason is not None:
-        record.piecewise, record.piecewise_note = None, reason
-        log.warning("encgraph: path %r budget %d: the piecewise replay is dropped (%s); its batches replay the whole "
-                    "graph.", path, budget, reason)
 
 
 def timed_budgets(ladder: Sequence[int]) -> set[int]:

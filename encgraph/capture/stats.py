@@ -18,7 +18,6 @@ class RunStats:
         self.eager_items = 0
         self.eager_reasons: Counter[str] = Counter()
         self.replays = {p: Counter() for p in paths}  # type: dict[str, Counter[int]]
-        self.piecewise = {p: Counter() for p in paths}  # type: dict[str, Counter[int]]
         self.eager_runs = dict.fromkeys(paths, 0)
         self.path_eager_items = dict.fromkeys(paths, 0)
         self.real_tokens = dict.fromkeys(paths, 0)
@@ -36,10 +35,6 @@ class RunStats:
         self.replays[path][budget] += 1
         self.real_tokens[path] += used
         self.padded_tokens[path] += budget - used
-
-    def add_piecewise(self, path: str, budget: int) -> None:
-        """A replay counted by :meth:`add_replay` that ran piecewise (:mod:`encgraph.capture.piecewise`)."""
-        self.piecewise[path][budget] += 1
 
     def add_eager(self, path: str, reason: str, items: int, used: int) -> None:
         self.eager_runs[path] += 1
@@ -63,7 +58,6 @@ class RunStats:
             "paths": {
                 p: {
                     "replays": {int(b): n for b, n in sorted(self.replays[p].items())},
-                    "piecewise_replays": {int(b): n for b, n in sorted(self.piecewise[p].items())},
                     "eager_runs": self.eager_runs[p],
                     "eager_items": self.path_eager_items[p],
                     "real_tokens": self.real_tokens[p],

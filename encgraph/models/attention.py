@@ -14,11 +14,11 @@ at replay):
 - ``SEGMENTS``: on the CPU, ``scaled_dot_product_attention`` of each sequence on its own (exact, isolated and
   memory-bounded: :func:`~encgraph.models.exact_attention.segment_attention`);
 - an eager forward that passes its bounds from the host (:func:`host_bounds`, :mod:`encgraph.models.sequence_bounds`)
-  runs, on CUDA, each sequence of at least the measured crossover's rows (:mod:`encgraph.models.kernel_choice`;
-  :data:`SEGMENT_MIN_ROWS` where none was measured) as one dense SDPA call, which on an H200 runs cuDNN's kernel at
-  346-428 TF/s where Flash's varlen one reaches 207-258 at head dim 72-80 (``benches/attention_kernels.py``), and
-  each run of shorter sequences between them as one varlen call; a length new to the thread runs dense only once
-  the saving pays for cuDNN's plan of that shape (rent-or-buy: :class:`~encgraph.packing.kernels.DenseRule`);
+  runs, on CUDA, each sequence of at least the measured rows (:mod:`encgraph.models.kernel_choice`: where one
+  forward's saving pays cuDNN's plan of a new length; :data:`SEGMENT_MIN_ROWS` where none was measured) as one
+  dense SDPA call, as the tower's own forward does (cuDNN on an H100 or H200: 350-430 TF/s at head dim 72-80,
+  against Flash varlen's 210-260; ``benches/attention_kernels.py``), and each run of shorter sequences between
+  them as one varlen call. Captured and compiled calls never do (:func:`~encgraph.models.sequence_bounds.lookup`);
 - ``MASKED_SDPA``: on CUDA in fp32 or where varlen is missing (and on the ``meta`` device): one SDPA call under a
   block-diagonal mask built on the device (capturable; ``tokens^2`` memory and 3-21x slower than varlen on a GPU:
   a fallback, not a fast path; NaN isolated per sequence, rule 13):
@@ -40,11 +40,9 @@ import torch.nn.functional as F
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, InputError
-from encgraph.capture import piecewise
-from encgraph.models import dense_plans, piece_attention, sequence_bounds, varlen_kernel
+from encgraph.models import sequence_bounds, varlen_kernel
 from encgraph.models._hf import AttentionSwitch, require_transformers, switch_attention
-from encgraph.models.dense_sequence import dense_sequence, padded_dense
-from encgraph.models.exact_attention import masked_attention, repeat_heads, segment_attention
+from encgraph.models.exact_attention import dense_sequence, masked_attention, repeat_heads, segment_attention
 from encgraph.models.sequence_bounds import RowsTable, host_bounds
 
 __all__ = [
@@ -74,18 +72,16 @@ integer ``max_seqlen`` / ``max_window_seqlen`` among them (5.15; 5.14 still comp
 SEGMENT_MIN_ROWS = 2048
 """Rows from which a sequence of an eager forward with host bounds runs as one dense SDPA call on CUDA where no
 crossover was measured for its head geometry (:mod:`encgraph.models.kernel_choice` measures it at capture):
-measured inside graphs on an H200 at 16 heads x 72, dense cuDNN against Flash varlen per call is 0.33 vs
-0.58 ms at 1 x 5120 rows and 0.46 vs 0.73 ms at 2 x 4096, about even at 4 x 1280, and 0.19 vs 0.08 ms at
-16 x 256 (one launch per sequence)."""
+measured on an H200 at 16 heads x 72, dense cuDNN against Flash varlen per call is 0.33 vs 0.58 ms at 1 x 5120
+rows and 0.46 vs 0.73 ms at 2 x 4096, about even at 4 x 1280, and 0.19 vs 0.08 ms at 16 x 256 (one launch per
+sequence)."""
 
-def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None,
-               value: torch.Tensor | None = None, scale: float | None = None,
-               ) -> tuple[tuple[int, ...], tuple[int, ...] | None] | None:
-    """``(host bounds of cu_seqlens, per sequence the rows it runs dense at, 0 for varlen)`` when
-    :func:`host_bounds` gave the bounds and at least one sequence runs dense in this call (``None`` for the
-    flags: every sequence on its own, the CPU); else ``None`` (the backend of :func:`pick_backend`). With
-    ``key`` and ``value``, a length bought in a deferring block falls due, its plan built later
-    (:func:`~encgraph.models.dense_plans.plan_build`); without, the call at hand buys it."""
+
+def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor
+               ) -> tuple[tuple[int, ...], tuple[bool, ...] | None] | None:
+    """``(host bounds of cu_seqlens, per sequence whether it runs dense)`` when :func:`host_bounds` gave the bounds
+    and at least one sequence runs dense in this call (``None`` for the flags: every sequence on its own, the
+    CPU); else ``None`` (the backend of :func:`pick_backend`)."""
     found = sequence_bounds.lookup(cu_seqlens)
     if found is None:
         return None
@@ -94,11 +90,8 @@ def _host_plan(cu_seqlens: torch.Tensor, query: torch.Tensor, key: torch.Tensor 
         return None
     if pick_backend(query) is not AttentionBackend.VARLEN:
         return bounds, None  # the CPU (or no varlen kernel): every sequence on its own
-    rule = sequence_bounds.segment_rule(query, table, SEGMENT_MIN_ROWS)
-    if rule.min_rows is None or all(b - a < rule.min_rows for a, b in zip(bounds[:-1], bounds[1:])):
-        return None
-    builder = None if key is None or value is None else lambda: dense_plans.plan_build(query, key, value, scale)
-    flags = sequence_bounds.dense_flags(query, bounds, rule, builder)
+    rows = sequence_bounds.dense_rows(query, table, SEGMENT_MIN_ROWS)
+    flags = tuple(rows is not None and b - a >= rows for a, b in zip(bounds[:-1], bounds[1:]))
     return (bounds, flags) if any(flags) else None
 
 
@@ -127,22 +120,10 @@ def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     sequences still run on the dense kernel. Inside a CUDA graph capture the lookup finds nothing."""
     # Self-attention only: the key's bounds must be the query's (the same tensor; the op may hand a new wrapper).
     same = cu_q.data_ptr() == cu_k.data_ptr() and cu_q.numel() == cu_k.numel()
-    split = _split(query, key, value, cu_q, max_q, scale) if same else None
-    if split is not None:
-        return split
-    plan = _host_plan(cu_q, query, key, value, scale) if same else None
+    plan = _host_plan(cu_q, query) if same else None
     if plan is not None:
         return _host_planned_attention(query, key, value, cu_q, scale, *plan)
     return varlen_kernel.call_kernel(query, key, value, cu_q, cu_k, max_q, max_k, scale)
-
-
-def _split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_q: int,
-           scale: float | None) -> torch.Tensor | None:
-    """The call's output where a piecewise capture split it here (:mod:`encgraph.models.piece_attention`), else
-    ``None``; a no-op outside one (one context-variable read)."""
-    if piecewise.splitter() is None or not query.is_cuda:
-        return None
-    return piece_attention.offer(query, key, value, cu, max_q, scale, _host_planned_attention)
 
 
 def _varlen() -> tuple[Callable[..., torch.Tensor] | None, bool]:
@@ -201,7 +182,7 @@ def packed_attention(
             f"packed_attention(max_seqlen): expected a host int >= 1 fixed per layer at capture, got "
             f"{describe(max_seqlen)}; a tensor here would sync the host inside the graph."
         )
-    plan = _host_plan(cu_seqlens, query, key, value, scale) if backend is None else None
+    plan = _host_plan(cu_seqlens, query) if backend is None else None
     if plan is not None:
         return _host_planned_attention(query, key, value, cu_seqlens, scale, *plan)
     backend = pick_backend(query) if backend is None else backend
@@ -247,27 +228,23 @@ def _varlen_attention(
         if scale is not None:
             kwargs["scale"] = float(scale)
         return op(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
-    split = _split(query, key, value, cu, max_seqlen, scale) if kernel is None else None
-    if split is not None:
-        return split
     return varlen_kernel.call_kernel(query, key, value, cu, cu, max_seqlen, max_seqlen, scale, kernel)
 
 
 def _host_planned_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None,
-    bounds: Sequence[int], dense: Sequence[int] | None, out: torch.Tensor | None = None,
+    bounds: Sequence[int], dense: Sequence[bool] | None,
 ) -> torch.Tensor:
-    """Each sequence with rows in ``dense`` as one dense SDPA call at that many rows (:func:`padded_dense` where
-    they exceed its own); each run of the others (0) between them as one varlen call over its rows (its
-    ``cu_seqlens`` a slice of the device tensor minus its first value: no host-to-device copy, no sync).
-    ``dense is None``: every sequence on its own (the CPU's ``SEGMENTS``). ``out``: where to write (``query``'s
-    shape; a piecewise replay's static output), default a fresh tensor."""
+    """Each sequence flagged in ``dense`` as one dense SDPA call (:func:`dense_sequence`); each run of the others
+    between them as one varlen call over its rows (its ``cu_seqlens`` a slice of the device tensor minus its first
+    value: no host-to-device copy, no sync). ``dense is None``: every sequence on its own (the CPU's
+    ``SEGMENTS``). Returns a fresh tensor."""
     if dense is None:
         if key.shape[1] != query.shape[1]:
             key, value = repeat_heads(key, value, query.shape[1])
         return segment_attention(query, key, value, cu_seqlens, scale, bounds)
     tokens = query.shape[0]
-    out = query.new_empty(query.shape) if out is None else out
+    out = query.new_empty(query.shape)
     dense_k, dense_v = repeat_heads(key, value, query.shape[1]) if key.shape[1] != query.shape[1] else (key, value)
     run: int | None = None  # the cu index where the current run of varlen sequences starts
 
@@ -284,7 +261,7 @@ def _host_planned_attention(
             if run is not None:
                 flush(i)
                 run = None
-            out[a:b] = padded_dense(query[a:b], dense_k[a:b], dense_v[a:b], scale, dense[i])
+            out[a:b] = dense_sequence(query[a:b], dense_k[a:b], dense_v[a:b], scale)
         elif run is None:
             run = i
     if run is not None:

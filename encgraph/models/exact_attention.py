@@ -1,7 +1,9 @@
-"""The exact attention fallbacks of :func:`~encgraph.models.attention.packed_attention`, for any device and dtype:
-each packed sequence through SDPA on its own (:func:`segment_attention`: the CPU's backend, and the rows an eager
-forward leaves past ``cu[-1]``) or one SDPA call under a block-diagonal mask (:func:`masked_attention`: CUDA in
-fp32, where varlen is missing, and the ``meta`` device); and the head repeat of grouped keys both take.
+"""The exact attention of :func:`~encgraph.models.attention.packed_attention` outside the varlen kernel, for any
+device and dtype: each packed sequence through SDPA on its own (:func:`segment_attention`: the CPU's backend, and
+the rows an eager forward leaves past ``cu[-1]``), one long sequence of an eager forward through dense SDPA in the
+towers' own layout (:func:`dense_sequence`), or one SDPA call under a block-diagonal mask
+(:func:`masked_attention`: CUDA in fp32, where varlen is missing, and the ``meta`` device); and the head repeat of
+grouped keys they take.
 
 Layout as :mod:`encgraph.models.attention`'s: ``(tokens, heads, head_dim)`` packed, ``cu_seqlens`` bounding the
 sequences.
@@ -16,7 +18,15 @@ import torch.nn.functional as F
 
 from encgraph.errors import InputError
 
-__all__ = ["masked_attention", "repeat_heads", "segment_attention"]
+__all__ = ["dense_sequence", "masked_attention", "repeat_heads", "segment_attention"]
+
+
+def dense_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """One sequence ``(rows, heads, head_dim)`` through dense SDPA in the ``(1, heads, rows, head_dim)`` layout of
+    the towers' own SDPA calls (transposed views: on an H100 or H200 torch runs cuDNN's kernel for them, the layout
+    the crossover is measured in); returns ``(rows, heads, head_dim)``."""
+    four = [t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)]
+    return F.scaled_dot_product_attention(*four, scale=scale)[0].transpose(0, 1)
 
 
 def repeat_heads(key: torch.Tensor, value: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

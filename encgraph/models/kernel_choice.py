@@ -1,29 +1,19 @@
-"""Which attention kernel an eager forward runs for a long sequence: measured per device and head geometry.
+"""Which attention kernels a tower runs: measured per device and head geometry at capture.
 
-On CUDA, :func:`measure_crossover` times one sequence of each of :data:`LENGTHS` rows through the two kernels an
-eager forward with host bounds can run (:func:`encgraph.models.attention.host_bounds`): Flash varlen (one call
-for all sequences) and dense SDPA (one call per sequence, in the towers' own layout: cuDNN on an H200). Both are
-timed on the device alone, as they run where they matter (in a replay, and in an eager forward over a long
-image, where the host keeps ahead): varlen calls replayed from a CUDA graph (:func:`_graph_ms`), dense calls
-issued back to back (:func:`_queued_ms`; each builds a cuDNN plan per new shape, which a graph cannot hold). One
-call synced alone times the host at short lengths (0.14-0.17 ms for Flash, 0.17-0.37 ms for FlashAttention-4 on
-an H200, whose kernels take 0.02-0.07 ms there), and that made the faster kernel look slower. The
-:class:`~encgraph.packing.kernels.Crossover` it returns says from how many rows the dense kernel wins; the
-runner measures it at capture for the adapter's head geometries (:func:`choose`), keeps it in the cost model's
-JSON (``CostModel.kernels``) and hands the adapter its :func:`rows_table`. The dense kernel is timed a second way
-at each length, on a shorter sequence padded to it (:func:`~encgraph.models.dense_sequence.padded_dense`): where
-that costs little, dense calls run at bucket lengths (``Crossover.bucket_from``); and the same padded call replayed
-from a CUDA graph, its device time alone, as it runs between a piecewise replay's segments (where the host issues
-its copies while the segment before runs): from where that beats varlen, those calls stand in at bucket lengths
-while their own lengths rent (``Crossover.replay_stand_in_from``; eager calls from ``stand_in_from``), whose plans
-capture builds. Measured once per process and geometry (under a second on an H200: 7 lengths, each kernel a few
-calls, two new plans per length); a geometry already in a given cost model for this device is not measured
-again.
-
-Where the optional FlashAttention-4 wheel can run (:mod:`encgraph.models.fa4`: a Hopper or Blackwell GPU), its
-varlen kernel is timed at the same lengths, after its kernels are compiled (seconds, once per process and
-geometry); where it is measured faster than torch's Flash kernel (``Crossover.varlen_kernel``) the geometry's
-varlen calls run it, in graphs and eager forwards, and the dense crossover is taken against it.
+:func:`measure_crossover` times one sequence of each of :data:`LENGTHS` rows through the kernels a tower's
+attention can run: torch's Flash varlen and, where the optional FlashAttention-4 wheel can run
+(:mod:`encgraph.models.fa4`: a Hopper or Blackwell GPU; its kernels compiled first, seconds once per process and
+geometry), FlashAttention-4's varlen kernel, both replayed from a CUDA graph (:func:`_graph_ms`: the device's time,
+as in a replay; one call synced alone times the host, 0.14-0.37 ms at short lengths where the kernels take
+0.02-0.07); and dense SDPA per sequence in the towers' own layout (cuDNN on an H100 or H200), its calls issued back
+to back as an eager forward issues them (:func:`_queued_ms`), and its first call at a length new to the thread
+(:func:`probe_rows`: it builds cuDNN's plan for that shape). The
+:class:`~encgraph.packing.crossover.Crossover` it returns says which varlen kernel the geometry runs, in graphs
+and eager forwards (:func:`choose` registers it: :func:`encgraph.models.fa4.use`), and from how many rows an
+eager forward runs a sequence dense (:meth:`~encgraph.packing.crossover.Crossover.dense_from`, through
+:func:`rows_table`). The runner calls :func:`choose` through the adapter at capture and keeps the result in the
+cost model's JSON (``CostModel.kernels``); a geometry already in a given cost model for this device is not
+measured again. Under a second per geometry on an H200.
 
 Nothing here changes torch's settings: the dense kernel is the one torch's SDPA picks with its flags as found.
 """
@@ -39,23 +29,17 @@ import torch
 
 from encgraph.models import attention
 from encgraph.models import fa4 as fa4_module
-from encgraph.models.dense_plans import WARM_ROWS, warm_lengths, warm_plans
-from encgraph.models.dense_sequence import dense_sequence, padded_dense
-from encgraph.packing.kernels import Crossover, DenseRule, kernel_key
+from encgraph.models.exact_attention import dense_sequence
+from encgraph.packing.crossover import Crossover, kernel_key
 
-__all__ = ["LENGTHS", "PADDED_SHARE", "REPEATS", "WARM_ROWS", "attention_calls", "choose", "device_name",
-           "measure_crossover", "probe_rows", "probe_slices", "rows_table", "tower_geometries", "warm_lengths",
-           "warm_plans"]
+__all__ = ["LENGTHS", "REPEATS", "attention_calls", "choose", "device_name", "measure_crossover", "probe_rows",
+           "probe_slices", "rows_table", "tower_geometries"]
 
 log = logging.getLogger("encgraph")
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 """Rows of the one sequence timed (16,384: the patch rows of a 4096-token image at merge 2; Qwen's processors
 go to 16,384 tokens, 65,536 rows, where attention only grows more dominant and the dense kernel's lead holds)."""
-PADDED_SHARE = 1 / 32
-"""How much shorter than each length the padded timing's sequence is: half a bucket's width
-(:data:`~encgraph.packing.kernels.PER_OCTAVE` buckets per doubling), the mean padding (the kernel's work is the
-length's either way; the copies into the padded buffers scale with the rows)."""
 REPEATS = 3
 """Dense calls per length issued back to back and timed together (:func:`_queued_ms`), after a first call timed
 alone and kept apart (at a new length it includes the dense kernel's plan for that shape)."""
@@ -102,8 +86,7 @@ def probe_rows(rows: int) -> int:
     first call is timed (:func:`measure_crossover`). Torch keeps cuDNN's attention plans per thread and shape, and
     a thread that already ran dense SDPA at ``rows`` (the tower's own forward, a benchmark's floor: on an H200 the
     measured plan cost fell from about 65 ms to 0.15) would make a new length look free. No image has an odd length
-    in a tower that merges 2 x 2 patches, no bucket is odd (:func:`~encgraph.packing.kernels.bucket_rows`: multiples
-    of 8), and successive probes of one length cycle through 32 offsets (1-64 rows), so a later measurement in the
+    in a tower that merges 2 x 2 patches, and successive probes of one length cycle through 32 offsets (1-64 rows), so a later measurement in the
     process meets an earlier one's plan only after 32 of them.
 
     >>> a, b = probe_rows(4096), probe_rows(4096)
@@ -167,8 +150,8 @@ def _graph_ms(fn: Any, replays: int = GRAPH_REPLAYS) -> float:
 
 def _queued_ms(fn: Any, repeats: int) -> float:
     """ms per call of ``repeats`` calls issued back to back after an untimed first: the device's time where the
-    host keeps ahead of it, as in an eager forward over a long image (a padded call issues about a dozen small
-    ops, each some 25 us of host time: one call synced alone would time the host)."""
+    host keeps ahead of it, as in an eager forward over a long image (one call synced alone would time the host
+    as well)."""
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -183,19 +166,16 @@ def measure_crossover(
     heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
     lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS,
 ) -> Crossover:
-    """Time one sequence of each length through Flash varlen (replayed from a CUDA graph: :func:`_graph_ms`) and
-    dense SDPA (``repeats`` calls back to back: :func:`_queued_ms`), on random ``(rows, heads, head_dim)`` inputs
-    in ``dtype`` on the CUDA ``device`` through the exact calls of :mod:`encgraph.models.attention`; the dense
-    kernel at each length over a sequence :data:`PADDED_SHARE` shorter, padded to it
-    (:func:`~encgraph.models.dense_sequence.padded_dense`: what the padding costs, where buckets can pay; queued
-    too, and replayed from a CUDA graph: its device time, as between a piecewise replay's segments); and, where FlashAttention-4 can run (:func:`_fa4_fits`: its kernels compiled first,
-    :func:`encgraph.models.fa4.warm`), its varlen kernel, replayed like Flash. Returns the
-    :class:`~encgraph.packing.kernels.Crossover`; the dense kernel's first call just under each length, at one
-    no earlier call of this thread ran (:func:`probe_rows`), synced (it builds its plan for that shape), is kept
-    beside. Syncs the host (capture time only)."""
+    """Time one sequence of each length through Flash varlen and, where it can run (:func:`_fa4_fits`: its
+    kernels compiled first, :func:`encgraph.models.fa4.warm`), FlashAttention-4 (both replayed from a CUDA graph:
+    :func:`_graph_ms`), and through dense SDPA (``repeats`` calls back to back: :func:`_queued_ms`; its first call
+    just under each length, at one no earlier call of this thread ran, :func:`probe_rows`, synced: its plan), on
+    random ``(rows, heads, head_dim)`` inputs in ``dtype`` on the CUDA ``device``, through the exact calls of
+    :mod:`encgraph.models.attention`. Returns the :class:`~encgraph.packing.crossover.Crossover`. Syncs the host
+    (capture time only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
-    varlen_ms, dense_ms, first_ms, padded_ms, fa4_ms, replay_ms = [], [], [], [], [], []
+    varlen_ms, dense_ms, first_ms, fa4_ms = [], [], [], []
     with_fa4 = _fa4_fits(head_dim, dtype, device)
     if with_fa4:
         try:
@@ -211,23 +191,15 @@ def measure_crossover(
         for rows in lengths:
             qkv = [torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in "qkv"]
             cu = torch.tensor([0, rows], device=device, dtype=torch.int32)
-            short = [t[:max(rows - int(rows * PADDED_SHARE), 1)] for t in qkv]
             varlen_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "flash")))
             if with_fa4:
                 fa4_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "fa4")))
-            # The first call at a new length builds its plan (synced: what a new image size pays), timed at a
-            # length no earlier call of this thread ran (probe_rows); the steady time, queued, is the kernel's.
             probe = probe_slices(qkv, rows)
             first_ms.append(_first_ms(lambda: dense_sequence(*probe, None)))
             dense_ms.append(_queued_ms(lambda: dense_sequence(*qkv, None), repeats))
-            padded_ms.append(_queued_ms(lambda: padded_dense(*short, None, rows), repeats))
-            # The same call as a piecewise replay runs it between segments: the device's time alone (the host
-            # issues its dozen small ops while the segment before runs).
-            replay_ms.append(_graph_ms(lambda: padded_dense(*short, None, rows)))
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
                      [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
-                     dense_first_ms=[round(t, 5) for t in first_ms], padded_ms=[round(t, 5) for t in padded_ms],
-                     fa4_ms=[round(t, 5) for t in fa4_ms], padded_replay_ms=[round(t, 5) for t in replay_ms])
+                     dense_first_ms=[round(t, 5) for t in first_ms], fa4_ms=[round(t, 5) for t in fa4_ms])
 
 
 def _fa4_fits(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -245,8 +217,7 @@ def choose(
     no varlen kernel to choose against (every sequence runs on its own there), and where this torch has no
     varlen kernel; a failed measurement is logged and leaves that geometry on the default crossover. Each
     geometry's varlen calls then run the kernel its crossover chose (:func:`encgraph.models.fa4.use`): a cost model
-    measured without FlashAttention-4 where it can now run (or the reverse), or without the padded call's replay
-    times (``Crossover.padded_replay_ms``: a cost model saved before they were measured), is measured again."""
+    measured without FlashAttention-4 where it can now run (or the reverse) is measured again."""
     if device.type != "cuda" or attention._varlen()[0] is None or dtype not in (torch.float16, torch.bfloat16):
         return {}
     name, kind = device_name(device), str(dtype).replace("torch.", "")
@@ -256,8 +227,6 @@ def choose(
         found = (known or {}).get(key) or _MEASURED.get(key)
         if found is not None and bool(found.fa4_ms) != _fa4_fits(dim, dtype, device):
             found = None  # FlashAttention-4 installed (or removed) since: measure again, with (or without) it
-        if found is not None and not found.padded_replay_ms:
-            found = None  # a cost model of before the padded call's replay times: its split calls would not bucket
         if found is None:
             try:
                 found = _MEASURED[key] = measure_crossover(heads, dim, dtype, device)
@@ -266,7 +235,7 @@ def choose(
                             "eager forwards use the default of %d rows.", heads, dim, type(exc).__name__, exc,
                             attention.SEGMENT_MIN_ROWS)
                 continue
-            log.info("encgraph: %s, %d heads x %d %s: varlen kernel %s, dense SDPA per sequence from %s rows "
+            log.info("encgraph: %s, %d heads x %d %s: varlen kernel %s, dense SDPA faster from %s rows "
                      "(varlen ms %s, FlashAttention-4 ms %s, dense ms %s at %s rows).", name, heads, dim, kind,
                      found.varlen_kernel, found.min_rows if found.min_rows else "no length", list(found.varlen_ms),
                      list(found.fa4_ms) or "not measured", list(found.dense_ms), list(found.lengths))
@@ -277,8 +246,9 @@ def choose(
 
 def rows_table(crossovers: Iterable[Crossover], calls: Mapping[tuple[int, int], int] | None = None
                ) -> attention.RowsTable:
-    """``{(heads, head_dim, dtype): DenseRule}`` for :func:`encgraph.models.attention.host_bounds`: each crossover's
-    rows, its times (for rent-or-buy at new lengths) and ``calls[(heads, head_dim)]`` (1 where not given)."""
+    """``{(heads, head_dim, dtype): rows}`` for :func:`encgraph.models.attention.host_bounds`: from how many rows
+    an eager forward runs a sequence of each geometry dense (:meth:`Crossover.dense_from` of its
+    ``calls[(heads, head_dim)]`` attention calls per forward, 1 where not given; ``None``: never)."""
     calls = calls or {}
-    return {(c.heads, c.head_dim, getattr(torch, c.dtype)):
-            DenseRule(c.min_rows, c, calls.get((c.heads, c.head_dim), 1)) for c in crossovers}
+    return {(c.heads, c.head_dim, getattr(torch, c.dtype)): c.dense_from(calls.get((c.heads, c.head_dim), 1))
+            for c in crossovers}

@@ -47,14 +47,14 @@ from encgraph.models.qwen_grid import (
     unit_grid,
 )
 from encgraph.models.qwen_inputs import QwenInputsMixin, QwenVisionInputs
-from encgraph.models.qwen_kernels import QwenKernelsMixin
 from encgraph.packing import ItemSpec
+from encgraph.packing.crossover import Crossover
 
 __all__ = ["QwenVisionAdapter", "QwenVisionInputs"]  # QwenVisionInputs: from encgraph.models.qwen_inputs
 
 PATH = "default"
 
-class QwenVisionAdapter(QwenInputsMixin, QwenKernelsMixin):
+class QwenVisionAdapter(QwenInputsMixin):
     """The adapter of a Qwen-VL vision tower (one path, ``"default"``, budgets in output tokens).
 
     Family modules subclass it: :class:`~encgraph.models.qwen2_vl.Qwen2VLAdapter` is this class as is,
@@ -134,8 +134,6 @@ class QwenVisionAdapter(QwenInputsMixin, QwenKernelsMixin):
         self.kernel_rows: RowsTable | None = None
         """Per head geometry, the rows from which an eager forward runs a sequence on dense SDPA (set by
         :meth:`choose_kernels`; ``None``: the default crossover)."""
-        self.warmed_plans: dict[str, Any] | None = None
-        """What :meth:`choose_kernels` built ahead (``{"lengths", "seconds"}``: bucket plans), or ``None``."""
         # Last: nothing above may leave the tower changed if it raises. The rewritten weights live as long as the
         # tower: never inference tensors, whatever mode the caller wraps in.
         with persistent():
@@ -198,6 +196,17 @@ class QwenVisionAdapter(QwenInputsMixin, QwenKernelsMixin):
         (replays run no Python: they cost them nothing); outside, the tower is exactly its own."""
         with self._switch.engaged(), engaged(self._layout):
             yield
+
+    def choose_kernels(self, known: Mapping[str, Crossover] | None = None) -> dict[str, Crossover]:
+        """Measure (on CUDA; or take from ``known``) each head geometry's varlen kernel and from how many rows an
+        eager forward runs a sequence on dense SDPA, and use them from now on (:mod:`encgraph.models.kernel_choice`;
+        the runner calls it at capture, before any graph). Returns the crossovers by key."""
+        from encgraph.models.kernel_choice import attention_calls, choose, rows_table
+
+        with self._engaged():
+            chosen = choose(self._module, self._dtype, self._device, known)
+        self.kernel_rows = rows_table(chosen.values(), attention_calls(self._module)) if chosen else None
+        return chosen
 
     def compile_regions(self) -> list[torch.nn.Module]:
         """The vision blocks: what ``compile="auto"`` compiles (once for all of them and every budget)."""

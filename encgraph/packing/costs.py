@@ -51,7 +51,7 @@ from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing.attention_term import DEFAULT_POWER, coef_table, item_term, power_table, with_squares
 from encgraph.packing.eager_cost import EagerCost, eager_dict, fit_eager
 from encgraph.packing.eager_cost import checked_ms as _ms
-from encgraph.packing.kernels import Crossover, kernel_table
+from encgraph.packing.crossover import Crossover, kernel_table
 
 __all__ = ["CostModel", "Crossover", "EagerCost", "with_squares"]  # with_squares: from attention_term
 
@@ -103,7 +103,7 @@ class CostModel:
             ``graph_ms``).
         attention_power: ``{path: power}`` in ``[1.5, 2]``; a path left out has power 2.
         kernels: ``{key: Crossover}``, the attention-kernel crossovers measured at capture per device and head
-            geometry (:mod:`encgraph.packing.kernels`): which kernel the eager forwards run for long sequences,
+            geometry (:mod:`encgraph.packing.crossover`): which kernel the eager forwards run for long sequences,
             so that the eager times above hold for a model loaded again.
     """
 

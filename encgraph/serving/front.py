@@ -38,15 +38,9 @@ import attrs
 
 from encgraph._validate import check_int, check_optional_int, describe
 from encgraph.errors import ConfigError, ConfigTypeError, OverloadedError, ShutdownError
-from encgraph.packing.kernels import LEDGER
 from encgraph.serving.front_stats import FrontStats
 from encgraph.serving.targets import Parsed, make_target
-from encgraph.serving.waiting import (
-    IDLE_POLL_S,
-    WaitPolicy,
-    build_due_plans,
-    cuda_device,
-)
+from encgraph.serving.waiting import IDLE_POLL_S, WaitPolicy, cuda_device
 
 __all__ = ["BatchingFront", "FrontStats"]
 
@@ -305,8 +299,7 @@ class BatchingFront:
     def _run(self, group: list[tuple[_Request, Parsed]]) -> None:
         parsed = [p for _, p in group]
         try:
-            # Plans the call buys are built once its requests are answered (build_due_plans), not inside it.
-            with _inference_mode(), LEDGER.deferring(build=False):
+            with _inference_mode():
                 results = self._target.run(parsed)
         except Exception as exc:
             self._count_call(len(group))
@@ -329,11 +322,6 @@ class BatchingFront:
                     self._answer(one, exc=exc)
                     continue
             self._answer(one, result=result)
-        with self._cond:
-            idle = not self._queue
-        if built := build_due_plans(idle):
-            with self._cond:
-                self._stats.plans_built += built
 
     def _guarded(self, request: _Request, fn: Any) -> Any:
         try:

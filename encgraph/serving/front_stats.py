@@ -18,9 +18,7 @@ class FrontStats:
     ``cancelled`` requests; ``calls`` of the target and ``requests_per_call`` (a histogram: requests -> calls);
     ``retried_calls``: coalesced calls that raised and were run again one request at a time; ``items`` answered;
     ``waits_skipped``: calls that did not wait for more requests (the device was idle, or recent waits gathered
-    none: see the module docs); ``idle_launches``: those of them that found a CUDA target's device idle;
-    ``plans_built``: dense attention plans the calls bought, built after their requests were answered
-    (:func:`~encgraph.serving.waiting.build_due_plans`).
+    none: see the module docs); ``idle_launches``: those of them that found a CUDA target's device idle.
     """
 
     requests: int = 0
@@ -33,7 +31,6 @@ class FrontStats:
     items: int = 0
     waits_skipped: int = 0
     idle_launches: int = 0
-    plans_built: int = 0
     requests_per_call: collections.Counter = attrs.field(factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:

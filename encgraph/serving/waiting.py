@@ -21,9 +21,6 @@
 
 ``adaptive_wait=False`` waits up to ``max_wait_ms`` on every call. The policy is used from the front's worker
 thread only.
-
-Idle time also builds the dense attention plans the calls bought (:func:`build_due_plans`): cuDNN's plan of a
-new sequence length costs the host about 40 ms on an H200, which a request would otherwise wait for.
 """
 
 from __future__ import annotations
@@ -35,16 +32,9 @@ from typing import Any
 
 import attrs
 
-from encgraph.packing.kernels import LEDGER
-
-__all__ = ["DUE_CALLS", "IDLE_POLL_S", "MAX_PROBE_EVERY", "PROBE_EVERY", "USELESS_WAITS", "Wait", "WaitPolicy",
-           "build_due_plans", "cuda_device"]
+__all__ = ["IDLE_POLL_S", "MAX_PROBE_EVERY", "PROBE_EVERY", "USELESS_WAITS", "Wait", "WaitPolicy", "cuda_device"]
 
 log = logging.getLogger("encgraph")
-
-DUE_CALLS = 8
-"""Calls of the front a bought plan waits at most for an idle moment (:func:`build_due_plans`) before it is built
-with requests queued: under a queue that never empties, it is built all the same."""
 
 USELESS_WAITS = 3
 """Waits in a row that saw no new request before calls stop waiting (targets off CUDA)."""
@@ -142,11 +132,3 @@ def launch_marker(device: Any) -> Any:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
-
-
-def build_due_plans(idle: bool) -> int:
-    """After a call of the front's worker, whose requests are answered: build, in this thread (the one that runs
-    the calls: torch keeps cuDNN's plans per thread), the dense attention plans its calls bought
-    (:meth:`~encgraph.packing.kernels.PlanLedger.deferring`), all of them where no request is queued (``idle``),
-    else those that have waited :data:`DUE_CALLS` calls. Returns how many were built."""
-    return LEDGER.build_due(min_age=0 if idle else DUE_CALLS) if LEDGER.due() else 0

@@ -180,31 +180,3 @@ def test_flashinfer_kernel_plans_on_the_host_once_per_split_and_never_inside_a_c
                       ("new", 64), ("plan", [0, 4, 8]), ("run", [0, 4, 8]),
                       ("run", [0, 6, 10]), ("plan", [0, 3, 10])]
     assert kernel.describe() == {"flashinfer": "0.0-fake", "backend": "fa3"}
-
-
-def test_varlen_slots_layouts_and_smoke(tmp_path):
-    """benches/varlen_slots.py: the runner's cu_seqlens layout (one real sequence, the padding, then empty slots)
-    and the blocks torch's Flash launches for it; the CPU smoke runs each layout and the empty slots change no
-    real row."""
-    import doctest
-
-    from benches import varlen_slots
-
-    assert doctest.testmod(varlen_slots).failed == 0
-    assert varlen_slots.lengths_of(3584, 130, 0.875)[:3] == [3136, 448, 0]
-    assert sum(varlen_slots.lengths_of(1000, 5, 0.3)) == 1000 and len(varlen_slots.lengths_of(1000, 5, 0.3)) == 4
-    assert varlen_slots.blocks(3584, 130, 16) == 28 * 129 * 16  # about 58,000 a layer at budget 896
-    with pytest.raises(ValueError):
-        varlen_slots.lengths_of(64, 2, 0.5)
-    data = varlen_slots.main(["--cpu-smoke", "--runs", "1", "--warmup", "0", "--results-dir", str(tmp_path)])
-    *rows, dense, exact = data["rows"]
-    assert [r["slots"] for r in rows] == list(varlen_slots.SMOKE["slots"])
-    assert all(r["vs_fewest_slots"] < 1e-6 and r["ms"] > 0 for r in rows) and rows[0]["ratio"] == 1.0
-    # One dense call over the budget, the length read from cu_seqlens[1], and the sequence alone at its own rows
-    # (the tower's own call): the real rows as the varlen call's.
-    assert [dense["kernel"], exact["kernel"]] == [varlen_slots.DENSE, varlen_slots.HF_CALL]
-    for row in (dense, exact):
-        assert row["real"] == rows[0]["real"] and row["ms"] > 0 and row["vs_fewest_slots"] < 1e-5
-    table = (tmp_path / "varlen_slots_cpu-smoke.md").read_text()
-    assert "| cu_seqlens slots |" in table and f"| {varlen_slots.DENSE} |" in table
-    assert f"| {varlen_slots.HF_CALL} |" in table

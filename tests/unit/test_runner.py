@@ -250,50 +250,6 @@ def test_process_group_option_world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
-class _Buying(torch.nn.Module):
-    """A batch-first module whose forward, once ``consult`` is set, makes one attention call of ``rows`` rows
-    through the process's plan ledger, as an eager forward's host plan does (a builder passed), and records what
-    it ran (0: rented) and when the builds came."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 3)
-        self.consult, self.events = False, []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.consult:
-            from encgraph.packing.kernels import LEDGER, Crossover, DenseRule
-
-            rule = DenseRule(16, Crossover("gpu", 1, 8, "bfloat16", (16, 64), (1.0, 16.0), (0.5, 8.0),
-                                           dense_first_ms=(30.5, 38.0)), calls=2)  # 64 rows: due at call 3
-            self.events.append(("forward", LEDGER.run_length(("runner test", id(self)), 64, rule,
-                                                             lambda: lambda n: self.events.append(("built", n)))))
-        return self.lin(x)
-
-
-def test_a_plan_bought_during_a_call_is_built_after_the_calls_forwards():
-    """The runner's call defers the dense plans its forwards buy (``PlanLedger.deferring``): the forward that buys
-    one rents (the two before it rented), and the plan is built once, after every forward of the call and before
-    it returns."""
-    from encgraph.packing.kernels import LEDGER
-
-    net = _Buying().eval().requires_grad_(False)  # graphs answer calls that need no autograd
-    graphed = encgraph.graphed(net, budgets=[1, 2, 4], mode=RunMode.STATIC)
-    x = torch.randn(3, 4)
-    graphed(x)  # the module's own forward: the call shape is learned
-    graphed(x)  # capture (the ledger is not consulted yet)
-    net.events.clear()
-    net.consult = True
-    deferred = LEDGER.stats()["deferred"]
-    out = graphed(torch.cat([x, x, x]))  # 9 rows over budgets of 4: three forwards in one call
-    assert net.events == [("forward", 0)] * 3 + [("built", 64)]
-    assert LEDGER.stats()["deferred"] == deferred + 1 and LEDGER.due() == 0
-    torch.testing.assert_close(out, net.lin(torch.cat([x, x, x])))
-    net.events.clear()
-    graphed(x)
-    assert net.events == [("forward", 64)]  # held since: dense at once
-
-
 class _SharedOutputToy(ToyAdapter):
     """Outputs written into one persistent buffer per path, as replays write a graph's output buffer, and an
     ``assemble`` that copies each item (``assemble_copies``): the runner hands it views, which the next sub-batch

@@ -113,53 +113,6 @@ def test_a_replaced_cost_model_starts_unscaled(replace: str) -> None:
         assert runner.costs.graph_cost("default", 64) < 100
 
 
-class RentingToy(SampledToy):
-    """The toy with ``eager_surcharge_ms``: what its eager forward would pay beyond the model's price (a tower's
-    long sequences renting a kernel at new lengths); records the specs it was asked about."""
-
-    surcharge = 0.0
-
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.asked: list[int] = []
-        self.rented: list[int] = []
-
-    def eager_surcharge_ms(self, path: str, specs) -> float:
-        self.asked.append(sum(s.tokens[path] for s in specs))
-        return self.surcharge
-
-    def rent_replayed(self, path: str, specs) -> None:
-        self.rented.append(sum(s.tokens[path] for s in specs))
-
-
-def test_an_eager_run_that_would_rent_replays_instead_with_equal_outputs() -> None:
-    """Eager priced 1 ms, a replay 2 ms: every batch "eager is cheaper" until the adapter says its eager run would
-    pay 5 ms more now; then the batch replays (counted as ``rerouted``, its rent recorded with the adapter), and
-    its outputs are the eager ones. Its timed replays are checked against the model as any replay is."""
-    adapter = RentingToy({"default": ToyTower()}, min_budget=16, max_budget=128)
-    costs = CostModel.linear(["default"], graph_fixed_ms=2.0, graph_per_budget_ms=0, eager_fixed_ms=1.0,
-                             eager_per_token_ms=0)
-    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, costs=costs, budgets=[16, 32, 64, 128])
-    gen = np.random.default_rng(4)
-    inputs = random_inputs(gen, adapter, 1, max_len=40, max_frames=1)
-    runner(inputs)
-    assert runner.stats["eager_reasons"] == {"eager is cheaper": 1} and adapter.asked
-    adapter.surcharge = 5.0
-    runner.reset_stats()
-    for _ in range(6):
-        inputs = random_inputs(gen, adapter, 2, max_len=40, max_frames=1)
-        for a, b in zip(runner(inputs), reference(adapter, inputs)):
-            torch.testing.assert_close(a, b)
-    stats = runner.stats
-    assert stats["eager_items"] == 0 and stats["graph_items"] == stats["items"] > 0
-    assert stats["cost_feedback"]["rerouted"] == sum(stats["paths"]["default"]["replays"].values())
-    assert len(adapter.rented) == stats["cost_feedback"]["rerouted"]  # each rerouted batch paid its rent
-    adapter.surcharge = 0.5  # eager still cheaper with it: stays eager
-    runner.reset_stats()
-    runner(random_inputs(gen, adapter, 1, max_len=40, max_frames=1))
-    assert runner.stats["eager_items"] == 1
-
-
 def test_eager_runs_the_model_did_not_choose_never_correct_it() -> None:
     """Eager priced 10^-6 ms, far below what it takes. Items over the largest budget run eagerly whatever the price
     (``tokens over the largest budget``): they are counted as ``unchosen`` and never scale the eager curve, however
