@@ -140,6 +140,7 @@ def _splits(state: RunnerState, path: str, budget: int, specs: Sequence[ItemSpec
 def run_static(
     state: RunnerState, path: str, budget: int, sub: Any, used: int, *, last_on_path: bool = True,
     piecewise: bool | None = None, on_piecewise: Callable[[], None] | None = None,
+    values: Mapping[str, Any] | None = None,
 ) -> Mapping[str, torch.Tensor]:
     """Fill ``path``'s buffers of ``budget`` with the sub-batch ``sub`` and run its static forward (GRAPH mode:
     replay the captured graph); return the first ``used`` rows of each output. In GRAPH mode they are fresh
@@ -152,8 +153,12 @@ def run_static(
 
     In GRAPH mode a budget captured piecewise too (:mod:`encgraph.capture.piecewise`) replays that way where its
     long sequences' attention saves more than the split costs (``piecewise=None``), always (``True``: the
-    self-check) or never (``False``); ``on_piecewise`` is called when it did."""
-    values = state.adapter.replay_values(path, sub, budget)
+    self-check) or never (``False``); ``on_piecewise`` is called when it did.
+
+    ``values``: the adapter's ``replay_values`` of ``sub`` at ``budget``, computed already (the self-check's, kept
+    on the host from before the capture; ``sub`` is then unused)."""
+    if values is None:
+        values = state.adapter.replay_values(path, sub, budget)
     views = state.buffers[path].fill(budget, values)
     if state.mode is RunMode.GRAPH:
         record = state.records[path][budget]

@@ -34,6 +34,11 @@ say so in ``stats`` / a log line where absent):
   attention op reads) it lets the runner capture budgets piecewise and price a piecewise replay against an eager
   run (:mod:`encgraph.capture.piecewise`).
 
+- ``check_before_capture(tolerance)``: eager checks of the adapter's own on scratch inputs, which the runner runs
+  (with ``verify``) before it captures its first graph, beside the self-check's eager forwards, so that no eager
+  forward's activations sit beside the graphs' pool (the generic adapter's split check; its verdict is read after
+  the capture).
+
 An optional attribute, ``assemble_copies`` (default ``False``): ``True`` says that ``assemble`` returns results
 with storage of their own, never views of the rows it is given. The runner then hands it a replay's rows as views
 of the graph's output buffer (``assemble`` runs before the next replay) instead of copying them first, so that
@@ -199,7 +204,8 @@ class StockCall:
     reason: str = attrs.field(validator=lambda i, a, v: check_str("StockCall.reason", v))
 
 
-OPTIONAL_METHODS = ("sample_inputs", "concat", "eager_surcharge_ms", "rent_replayed", "attention_rows")
+OPTIONAL_METHODS = ("sample_inputs", "concat", "eager_surcharge_ms", "rent_replayed", "attention_rows",
+                    "check_before_capture")
 """Adapter methods the runner and serving use where an adapter has them (see the module docs)."""
 
 
