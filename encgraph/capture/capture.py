@@ -14,7 +14,9 @@ and under :func:`~encgraph.capture.grad.persistent`):
 4. capture - every budget, largest first, with no eager run in between: the forward, its outputs copied into the
    path's shared output buffers *inside* the graph, so the pool keeps no per-graph outputs: its memory stays that
    of the largest graph however dense the ladder is;
-5. time each replay (random floats in the buffers: zeros can run faster than real data).
+5. time each replay (random floats in the buffers: zeros can run faster than real data); budgets captured
+   piecewise too build their split calls' dense plans and time their pieces (the one eager work after the pool is
+   held: attention calls alone, no forward).
 
 Why this order (memory): every eager forward of the capture runs, and gives its cached memory back, before the
 pool holds anything, and nothing eager allocates while the pool is held. The capture's peak is then about the
