@@ -83,7 +83,7 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
     ``before_capture`` runs after every warm-up and before the first graph is captured, with the compiled blocks
     uncompiled (the plain forward) and ``runner.compiled_eager`` set; a budget it adds to ``runner.failed`` is not
     captured. ``memory``: each phase's peak rise (:func:`~encgraph.capture.memory.peak_rise`): ``"warm-up"`` and
-    ``"capture"`` (``before_capture`` records its own)."""
+    ``"capture"`` (the captures and the replay timings after them; ``before_capture`` records its own)."""
     from tqdm.auto import tqdm
 
     device = runner.device
@@ -101,6 +101,7 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
     pools = [pool]
     statics: dict[str, piecewise.Statics] = {}
     warm_seconds: dict[tuple[str, int], tuple[float, float]] = {}
+    capture_phase = contextlib.ExitStack()  # the captures' peak rise, through the replay timings after them
     with contextlib.ExitStack() as stack:
         if runner.compile_mode is not CompileMode.OFF:
             compile_info["cache_dir"] = stack.enter_context(compile_cache(runner.cache_dir))
@@ -144,31 +145,31 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
                 compile_info["counters_before"] = {k: v + after[k] - traced[k]
                                                    for k, v in compile_info["counters_before"].items()}
         release_cached(device)  # what the eager runs left cached goes back before the pool takes any
-        with peak_rise(device, memory, "capture"):
-            for path, budget in todo:
-                bar.set_postfix_str(f"capture {path}@{budget}")
-                bar.update(1)
-                if budget in runner.failed[path]:  # its warm-up or its eager check failed
-                    continue
-                discovery = _discovery(runner, path, budget)
-                try:
-                    record = _capture_one(runner, pool, path, budget, stream, forwards[path], discovery)
-                except EncgraphError:
-                    raise
-                except Exception as exc:  # OOM or a kernel that cannot be captured: drop this budget only
-                    _failed(runner, path, budget, exc.__cause__ if isinstance(exc, _PoolLeftRecording) else exc,
-                            "capture")
-                    if isinstance(exc, _PoolLeftRecording):
-                        pool = torch.cuda.graph_pool_handle()
-                        pools.append(pool)
-                    continue
-                record.capture_seconds += warm_seconds[path, budget][0]
-                record.compile_seconds = warm_seconds[path, budget][1]
-                runner.records[path][budget] = record
-                if discovery is not None and _capture_pieces(runner, pool, record, stream, forwards[path],
-                                                             discovery, statics):
-                    pool = torch.cuda.graph_pool_handle()  # the failed split left the pool recording
+        capture_phase.enter_context(peak_rise(device, memory, "capture"))
+        for path, budget in todo:
+            bar.set_postfix_str(f"capture {path}@{budget}")
+            bar.update(1)
+            if budget in runner.failed[path]:  # its warm-up or its eager check failed
+                continue
+            discovery = _discovery(runner, path, budget)
+            try:
+                record = _capture_one(runner, pool, path, budget, stream, forwards[path], discovery)
+            except EncgraphError:
+                raise
+            except Exception as exc:  # OOM or a kernel that cannot be captured: drop this budget only
+                _failed(runner, path, budget, exc.__cause__ if isinstance(exc, _PoolLeftRecording) else exc,
+                        "capture")
+                if isinstance(exc, _PoolLeftRecording):
+                    pool = torch.cuda.graph_pool_handle()
                     pools.append(pool)
+                continue
+            record.capture_seconds += warm_seconds[path, budget][0]
+            record.compile_seconds = warm_seconds[path, budget][1]
+            runner.records[path][budget] = record
+            if discovery is not None and _capture_pieces(runner, pool, record, stream, forwards[path],
+                                                         discovery, statics):
+                pool = torch.cuda.graph_pool_handle()  # the failed split left the pool recording
+                pools.append(pool)
         bar.close()
         torch.cuda.synchronize(device)
         if "counters_before" in compile_info:
@@ -194,6 +195,7 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
             if record.piecewise is not None:
                 fill_for_timing(runner, record)
                 piecewise.time_piecewise(record.piecewise, record.graph, device)
+    capture_phase.close()
     seconds = time.perf_counter() - start
     pool_held = sum(pool_bytes(device, p) for p in pools)
     graphs = [r for rs in runner.records.values() for r in rs.values()]

@@ -186,3 +186,24 @@ def test_the_generic_split_check_runs_before_the_capture_and_its_verdict_is_read
     assert ran_before > 1 and len(calls) == ran_before  # the verdict needs no forward after the capture
     assert (verdict is not None) is mixes and (adapter.stock_reason is not None) is mixes
     assert verdict is None or "batch mates" in verdict
+
+
+def test_capture_info_reports_the_peak_rise_of_each_phase_in_order(events, monkeypatch):
+    import encgraph.capture.capture
+    import encgraph.capture.selfcheck
+
+    @contextlib.contextmanager
+    def peak_rise(device: object, into: dict, phase: str) -> Iterator[None]:
+        events.append(("phase", phase))
+        yield
+        into[phase] = {"reserved": 0.0, "allocated": 0.0}
+
+    monkeypatch.setattr(encgraph.capture.capture, "peak_rise", peak_rise)
+    monkeypatch.setattr(encgraph.capture.selfcheck, "peak_rise", peak_rise)
+    info = graph_runner(SpyToy(events)).capture()
+    order = ["warm-up", "selfcheck eager", "capture", "selfcheck replays and costs"]
+    assert list(info["memory_peak_rise_mib"]) == order
+    log = ran(events)
+    assert [e[1] for e in log if e[0] == "phase"] == order
+    eager_phase, capture_phase = log.index(("phase", "selfcheck eager")), log.index(("phase", "capture"))
+    assert all(eager_phase < i < capture_phase for i, e in enumerate(log) if e[0] == "eager")
