@@ -190,6 +190,8 @@ class SelfCheck:
         runner.compiled_eager.check(adapter, path, sub, reference, relative_error, tolerance(runner.config.dtype,
                                                                                              runner.device))
         if timed:
+            # Timed alone (no replay exists yet to interleave with; the replay keeps the capture's own timing):
+            # the minimum of spaced runs is what filters contention out (see the class).
             ms = time_host(lambda: runner.compiled_eager.forward(adapter, path, sub), TIMING_ROUNDS, runner.device)
             self.eager[path].append((used, sum(1 for s in specs if s.tokens[path]), ms))
         if self.verify:
