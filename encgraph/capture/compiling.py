@@ -199,6 +199,21 @@ class CompiledRegions:
             module.compile(dynamic=self.dynamic, backend=self.backend)
         self.active = True
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The blocks run uncompiled inside the block, compiled again after it with the same compiled callables
+        (Dynamo's caches kept): the capture's eager phase runs the plain eager forward between the warm-ups and
+        the first graph (:func:`encgraph.capture.capture.capture_graphs`), and the compiled eager forward, which
+        sets and clears the same attribute per run (:mod:`encgraph.capture.compiled_eager`)."""
+        calls = [m._compiled_call_impl for m in self.modules] if self.active else []
+        for module in self.modules if self.active else ():
+            module._compiled_call_impl = None
+        try:
+            yield
+        finally:
+            for module, call in zip(self.modules, calls):
+                module._compiled_call_impl = call
+
     def restore(self) -> None:
         if not self.active:
             return

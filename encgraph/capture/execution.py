@@ -89,6 +89,7 @@ def route(state: RunnerState, feedback: Any, batch: Batch, path: str, specs: Seq
 
 def run_static(
     state: RunnerState, path: str, budget: int, sub: Any, used: int, *, last_on_path: bool = True,
+    values: Mapping[str, Any] | None = None,
 ) -> Mapping[str, torch.Tensor]:
     """Fill ``path``'s buffers of ``budget`` with the sub-batch ``sub`` and run its static forward (GRAPH mode:
     replay the captured graph); return the first ``used`` rows of each output. In GRAPH mode they are fresh
@@ -97,8 +98,12 @@ def run_static(
     them even then: every budget of a path shares one output buffer, and a zero-copy result must stay valid
     until the next call, not only until the next sub-batch. An adapter whose ``assemble`` copies each item
     (``assemble_copies``, see :mod:`encgraph.capture.protocol`) always gets the views: its copy, made before the
-    next replay, is the only one."""
-    values = state.adapter.replay_values(path, sub, budget)
+    next replay, is the only one.
+
+    ``values``: the adapter's ``replay_values`` of ``sub`` at ``budget``, computed already (the self-check's, kept
+    on the host from before the capture; ``sub`` is then unused)."""
+    if values is None:
+        values = state.adapter.replay_values(path, sub, budget)
     views = state.buffers[path].fill(budget, values)
     if state.mode is RunMode.GRAPH:
         record = state.records[path][budget]

@@ -24,6 +24,10 @@ say so in ``stats`` / a log line where absent):
   times the eager forward on them for the default cost model, and the self-check compares forwards on them.
 - ``concat(parts) -> inputs``: one inputs object holding the items of every part in order (part 0's first);
   every part was already validated by ``item_specs``. The serving front coalesces requests with it.
+- ``check_before_capture(tolerance)``: eager checks of the adapter's own on scratch inputs, which the runner runs
+  (with ``verify``) before it captures its first graph, beside the self-check's eager forwards, so that no eager
+  forward's activations sit beside the graphs' pool (the generic adapter's split check; its verdict is read after
+  the capture).
 
 An optional attribute, ``assemble_copies`` (default ``False``): ``True`` says that ``assemble`` returns results
 with storage of their own, never views of the rows it is given. The runner then hands it a replay's rows as views
@@ -190,7 +194,7 @@ class StockCall:
     reason: str = attrs.field(validator=lambda i, a, v: check_str("StockCall.reason", v))
 
 
-OPTIONAL_METHODS = ("sample_inputs", "concat")
+OPTIONAL_METHODS = ("sample_inputs", "concat", "check_before_capture")
 """Adapter methods the runner and serving use where an adapter has them (see the module docs)."""
 
 

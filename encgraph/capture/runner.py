@@ -4,8 +4,10 @@ Phases, in the order a runner lives through them:
 
 1. construction - validate the adapter and options, fix the ladders and limits (no device work);
 2. ``capture()`` - allocate each path's buffers at its largest budget, warm each budget's static forward up on
-   a side stream, capture every budget into one shared memory pool, largest first (rule 10), time each replay;
-   a budget whose capture fails is logged and dropped, the rest keep working;
+   a side stream, run the self-check's and the cost model's eager forwards, then capture every budget into one
+   shared memory pool, largest first (rule 10), with nothing eager in between, time each replay and check it
+   against the eager reference; a budget whose capture or check fails is logged and dropped, the rest keep
+   working;
 3. ``__call__`` - item specs -> ``pack`` -> per batch: select the sub-batch, fill the buffers of its budget
    (every row, by the adapter's fill rules), replay (or run eagerly where no budget fits) -> per-item results
    as fresh tensors, in the caller's order (:mod:`encgraph.capture.calls`).
@@ -33,11 +35,10 @@ from encgraph.capture.execution import CAPTURE_FAILED, EAGER_MODE, item_specs
 from encgraph.capture.feedback import CostFeedback, event_factory
 from encgraph.capture.grad import persistent
 from encgraph.capture.kernels import choose_kernels, keep_kernels
-from encgraph.capture.memory import peak_rise
 from encgraph.capture.options import check_bool, resolve_device, resolve_ladders, resolve_limits
 from encgraph.capture.protocol import AdapterConfig, EncoderAdapter
 from encgraph.capture.records import GraphRecord, RunMode
-from encgraph.capture.selfcheck import check_and_measure, measure_cost_model
+from encgraph.capture.selfcheck import SelfCheck, measure_cost_model
 from encgraph.capture.stats import RunStats
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing import CostModel, ItemSpec, Plan, TunedLadder, pack
@@ -215,9 +216,10 @@ class EncoderGraphRunner:
             self.buffers[path] = PathBuffers(path, specs, self.device)
 
     def capture(self) -> dict[str, Any]:
-        """Capture every budget of every path (GRAPH mode; other modes only allocate the buffers), then run the
+        """Capture every budget of every path (GRAPH mode; other modes only allocate the buffers), run the
         self-check and measure the default cost model on the adapter's sample inputs
-        (:mod:`encgraph.capture.selfcheck`).
+        (:class:`~encgraph.capture.selfcheck.SelfCheck`: its eager forwards after the warm-ups and before the
+        first graph, its replays after the last; :mod:`encgraph.capture.capture` says why).
 
         Returns (and keeps in ``capture_info``) a summary: graphs, seconds, pool bytes, compile status,
         failures (with the self-check's reasons), per graph, and ``selfcheck``.
@@ -233,20 +235,21 @@ class EncoderGraphRunner:
             # choice would keep the old kernel while the eager forwards ran the new one.
             kernels = choose_kernels(self)
             memory: dict[str, dict[str, float]] = {}
+            # Nothing padded runs in EAGER mode: nothing to check. The self-check's eager half runs before the
+            # first graph is captured, its replay half after (encgraph.capture.selfcheck.SelfCheck).
+            check = SelfCheck(self, verify=self.verify and self.mode is not RunMode.EAGER,
+                              measure=self._measure_costs, memory=memory)
             if self.mode is RunMode.GRAPH:
                 self._pool = torch.cuda.graph_pool_handle()
-                with peak_rise(self.device, memory, "capture"):
-                    info = capture_graphs(self, self._pool)
+                info = capture_graphs(self, self._pool, before_capture=check.run_eager, memory=memory)
             else:
                 info = {"graphs": 0, "mode": self.mode.value, "compile": {"mode": self.compile_mode.value}}
                 self.compiled_eager = CompiledEager.off(f"runner in {self.mode.value} mode: nothing is compiled")
+                check.run_eager()
             info["kernels"] = kernels
             self.captured = True
             try:
-                # Nothing padded runs in EAGER mode: nothing to check.
-                verify = self.verify and self.mode is not RunMode.EAGER
-                with peak_rise(self.device if self.mode is RunMode.GRAPH else None, memory, "selfcheck and costs"):
-                    info["selfcheck"] = check_and_measure(self, verify=verify, measure=self._measure_costs)
+                info["selfcheck"] = check.finish()
             except BaseException:
                 self.captured = False
                 raise

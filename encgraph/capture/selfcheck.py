@@ -26,19 +26,19 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
+import attrs
 import torch
 
-from encgraph.capture.capture import fill_for_timing, time_replay
+from encgraph.capture.attention_timing import attention_terms
 from encgraph.capture.execution import RunnerState, item_specs, run_static
-from encgraph.capture.memory import release_cached
-from encgraph.capture.protocol import BudgetUnit, FillRule
+from encgraph.capture.memory import peak_rise, release_cached
+from encgraph.capture.protocol import BudgetUnit
 from encgraph.capture.records import RunMode
-from encgraph.capture.timing import time_host, time_interleaved
+from encgraph.capture.timing import time_host
 from encgraph.packing import CostModel
-from encgraph.packing.attention_term import DEFAULT_POWER, fit_power
 
-__all__ = ["check_and_measure", "measure_cost_model", "tolerance", "relative_error", "timed_budgets", "SAMPLE_SIZES"]
+__all__ = ["SelfCheck", "check_and_measure", "measure_cost_model", "tolerance", "relative_error", "timed_budgets",
+           "SAMPLE_SIZES"]
 
 log = logging.getLogger("encgraph")
 
@@ -47,11 +47,7 @@ SAMPLE_SIZES = 4
 plus one by tokens: :func:`timed_budgets`), plus one sample of several items where the adapter can concatenate
 inputs (so the per-item term can be fitted)."""
 TIMING_ROUNDS = 3
-"""Rounds of the interleaved eager / replay timing of each timed budget (minimum of each)."""
-SPLIT_SEQUENCES = 16
-"""Equal sequences one graph of a path is split into, for the attention term of the cost model."""
-SPLIT_REPEATS = 3
-"""Timed replays of each of that graph's two fills."""
+"""Spaced runs of each timed budget's eager sample (their minimum)."""
 
 
 def tolerance(dtype: torch.dtype, device: torch.device) -> float:
@@ -64,11 +60,11 @@ def tolerance(dtype: torch.dtype, device: torch.device) -> float:
 
 
 def relative_error(static: torch.Tensor, eager: torch.Tensor) -> float:
-    """``||static - eager|| / ||eager||`` in float64 (``inf`` for a shape mismatch or non-finite static rows
-    where eager is finite)."""
+    """``||static - eager|| / ||eager||`` in float64, where ``eager`` lives (the self-check keeps its references on
+    the host); ``inf`` for a shape mismatch or non-finite static rows where eager is finite."""
     if static.shape != eager.shape:
         return math.inf
-    a, b = static.detach().double(), eager.detach().double()
+    a, b = static.detach().to(eager.device).double(), eager.detach().double()
     finite = torch.isfinite(b)
     if not bool(torch.isfinite(a[finite]).all()):
         return math.inf
@@ -86,51 +82,151 @@ def _fill_size(ladder: Sequence[int], budget: int, unit: BudgetUnit) -> int:
 
 
 def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> dict[str, Any]:
-    """Run the self-check (``verify``) and build the default cost model (``measure``; GRAPH mode) on sample
-    inputs; returns the summary for ``capture_info["selfcheck"]``. Sets ``runner.costs`` when measuring."""
-    adapter = runner.adapter
-    info: dict[str, Any] = {"verify": verify, "costs": "measured" if measure else "not measured"}
-    if not (verify or measure):
+    """Both phases of a :class:`SelfCheck` at once (a runner with nothing captured in between: STATIC mode);
+    returns the summary for ``capture_info["selfcheck"]``."""
+    check = SelfCheck(runner, verify=verify, measure=measure)
+    check.run_eager()
+    return check.finish()
+
+
+@attrs.define
+class _Sample:
+    """One budget's sample, run eagerly before the capture and replayed after it: the replay values of its
+    sub-batch and the eager forward's outputs (the reference), both on the host, so that neither holds device
+    memory while the graphs are captured; ``used``: its rows."""
+
+    path: str
+    budget: int
+    values: dict[str, Any]
+    used: int
+    reference: dict[str, torch.Tensor]
+
+
+class SelfCheck:
+    """The self-check (``verify``) and the default cost model (``measure``; GRAPH mode) of one capture, on the
+    adapter's sample inputs, in two phases around the graphs' capture, so that no eager forward runs while the
+    graphs' pool is held (:mod:`encgraph.capture.capture`: the capture's peak is then one eager forward's
+    activations or the pool, not both):
+
+    - :meth:`run_eager`, before the first graph is captured (``before_capture``): per budget, the plain eager
+      forward on the sample (the reference, kept on the host), the compiled eager forward's check against it, and
+      the cost model's eager timings; the allocator's free cached segments go back after each sample;
+    - :meth:`finish`, after: per budget, the padded static forward (in GRAPH mode: the graph's replay) on the
+      same sample against its reference, a budget that disagrees dropped; the attention term (replays); the fit.
+
+    Timing: an eager sample and its budget's replay are not timed in turn (interleaved, so that contention weighs
+    on both alike), since a replay exists only after the capture and an eager forward may run only before it.
+    Each side is timed alone as the minimum of spaced repeats (:mod:`encgraph.capture.timing`: a burst of
+    contention rarely covers every one): the eager sample here, before the capture (:data:`TIMING_ROUNDS`); the
+    replay by the capture's own timing (``replay_ms``, five repeats right after the capture).
+    """
+
+    def __init__(self, runner: RunnerState, *, verify: bool, measure: bool,
+                 memory: dict[str, dict[str, float]] | None = None) -> None:
+        self.runner = runner
+        self.verify, self.measure = verify, measure
+        self.info: dict[str, Any] = {"verify": verify, "costs": "measured" if measure else "not measured"}
+        self.samples: list[_Sample] = []
+        self.eager: dict[str, list[tuple[int, int, float]]] = {}
+        self.seconds = 0.0
+        self._memory = {} if memory is None else memory
+        self._device = runner.device if runner.mode is RunMode.GRAPH else None  # peaks recorded in GRAPH mode
+
+    @property
+    def skipped(self) -> bool:
+        return not (self.verify or self.measure) or "skipped" in self.info
+
+    def run_eager(self) -> None:
+        """The eager phase: references, compiled eager check, eager timings (see the class)."""
+        runner, adapter = self.runner, self.runner.adapter
+        if not (self.verify or self.measure):
+            return
+        if not hasattr(adapter, "sample_inputs"):
+            why = f"{type(adapter).__name__} has no sample_inputs(path, tokens)"
+            self.info.update(skipped=why, costs="greedy planner (no cost model)" if self.measure else self.info["costs"])
+            log.info("encgraph: self-check and default cost model skipped: %s.", why)
+            return
+        t0 = time.perf_counter()
+        with peak_rise(self._device, self._memory, "selfcheck eager"):
+            hook = getattr(adapter, "check_before_capture", None)
+            if self.verify and hook is not None:  # the adapter's own eager checks (the generic one's split check)
+                hook(tolerance(runner.config.dtype, runner.device))
+            for path, ladder in runner.ladders.items():
+                positive = [b for b in ladder if b > 0]
+                timed = timed_budgets(positive) if self.measure else set()
+                self.eager[path] = []
+                for budget in positive:
+                    if budget in runner.failed[path] and not runner.records[path].get(budget):
+                        continue
+                    try:
+                        self._eager_budget(path, budget, positive, budget in timed)
+                    except Exception as exc:  # capture-time work never fails a call: the budget goes, with its reason
+                        _drop(runner, path, budget, f"self-check: {type(exc).__name__}: {exc}", wide=False)
+                    release_cached(runner.device)  # the next sample's eager forward runs at another size
+                if self.measure:
+                    try:
+                        self.eager[path].extend(_multi_item_sample(runner, path, positive))
+                    except Exception as exc:  # one sample fewer for the fit, never a failed call
+                        log.warning("encgraph: path %r: the multi-item eager sample failed (%s: %s); fitted without "
+                                    "it.", path, type(exc).__name__, exc)
+                    release_cached(runner.device)
+        self.seconds += time.perf_counter() - t0
+
+    def _eager_budget(self, path: str, budget: int, positive: Sequence[int], timed: bool) -> None:
+        """One budget's sample (filling it in part): its reference, the compiled eager check, its eager timing."""
+        runner, adapter = self.runner, self.runner.adapter
+        sample = adapter.sample_inputs(path, _fill_size(positive, budget, runner.config.path(path).unit))
+        specs = item_specs(adapter, sample)
+        sub = adapter.select(sample, list(range(len(specs))))
+        used = sum(s.tokens[path] for s in specs)
+        if not 0 < used <= budget or len(specs) > runner.limits.max_items:
+            return
+        reference = adapter.forward_eager(path, sub)  # the plain eager forward: what every other run is checked by
+        # The compiled eager forward (what serves eager batches) checked against it on each sample: it engages only
+        # once checked, and stops at the first disagreement.
+        runner.compiled_eager.check(adapter, path, sub, reference, relative_error, tolerance(runner.config.dtype,
+                                                                                             runner.device))
+        if timed:
+            # Timed alone (no replay exists yet to interleave with; the replay keeps the capture's own timing):
+            # the minimum of spaced runs is what filters contention out (see the class).
+            ms = time_host(lambda: runner.compiled_eager.forward(adapter, path, sub), TIMING_ROUNDS, runner.device)
+            self.eager[path].append((used, sum(1 for s in specs if s.tokens[path]), ms))
+        if self.verify:
+            values = {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                      for n, v in adapter.replay_values(path, sub, budget).items()}
+            self.samples.append(_Sample(path, budget, values, used,
+                                        {n: t.detach().cpu() for n, t in reference.items()}))
+
+    def finish(self) -> dict[str, Any]:
+        """The replay phase: each kept sample's padded static forward against its reference, the attention term,
+        the cost model (set as ``runner.costs``); returns the summary for ``capture_info["selfcheck"]``."""
+        runner, info = self.runner, self.info
+        if self.skipped:
+            return info
+        t0 = time.perf_counter()
+        tol = tolerance(runner.config.dtype, runner.device)
+        checked: dict[str, dict[int, float]] = {path: {} for path in runner.ladders}
+        with peak_rise(self._device, self._memory, "selfcheck replays and costs"):
+            for sample in self.samples:
+                if sample.budget in runner.failed[sample.path]:
+                    continue  # its capture failed, or an earlier budget's disagreement dropped the path's every one
+                try:
+                    _check_budget(runner, sample, tol, checked[sample.path])
+                except Exception as exc:  # noqa: BLE001 - capture-time work never fails a call: the budget goes
+                    _drop(runner, sample.path, sample.budget, f"self-check: {type(exc).__name__}: {exc}", wide=False)
+            info["checked"] = checked
+            if self.measure:
+                attention = attention_terms(runner)
+                costs = _cost_model(runner, self.eager, {p: a for p, a in attention.items() if "coef" in a})
+                if costs is not None:
+                    runner.costs = costs
+                    info["eager_samples"] = {p: [list(s) for s in v] for p, v in self.eager.items()}
+                    info["attention"] = attention
+                else:
+                    info["costs"] = "greedy planner (too few eager samples)"
+        self.samples = []
+        info["seconds"] = round(self.seconds + time.perf_counter() - t0, 3)
         return info
-    if not hasattr(adapter, "sample_inputs"):
-        why = f"{type(adapter).__name__} has no sample_inputs(path, tokens)"
-        info.update(skipped=why, costs="greedy planner (no cost model)" if measure else info["costs"])
-        log.info("encgraph: self-check and default cost model skipped: %s.", why)
-        return info
-    t0 = time.perf_counter()
-    checked: dict[str, dict[int, float]] = {}
-    eager: dict[str, list[tuple[int, int, float]]] = {}
-    for path, ladder in runner.ladders.items():
-        checked[path] = {}
-        positive = [b for b in ladder if b > 0]
-        timed = timed_budgets(positive) if measure else set()
-        eager[path] = []
-        for budget in positive:
-            if budget in runner.failed[path] and not runner.records[path].get(budget):
-                continue
-            try:
-                _check_budget(runner, path, budget, positive, verify, budget in timed, checked[path], eager[path])
-            except Exception as exc:  # capture-time work never fails a call: the budget goes, with its reason
-                _drop(runner, path, budget, f"self-check: {type(exc).__name__}: {exc}", wide=False)
-            release_cached(runner.device)  # the next sample's eager forward runs at another size
-        if measure:
-            try:
-                eager[path].extend(_multi_item_sample(runner, path, positive))
-            except Exception as exc:  # one sample fewer for the fit, never a failed call
-                log.warning("encgraph: path %r: the multi-item eager sample failed (%s: %s); fitted without it.",
-                            path, type(exc).__name__, exc)
-    info["checked"] = checked
-    if measure:
-        attention = _attention_terms(runner)
-        costs = _cost_model(runner, eager, {p: a for p, a in attention.items() if "coef" in a})
-        if costs is not None:
-            runner.costs = costs
-            info["eager_samples"] = {p: [list(s) for s in v] for p, v in eager.items()}
-            info["attention"] = attention
-        else:
-            info["costs"] = "greedy planner (too few eager samples)"
-    info["seconds"] = round(time.perf_counter() - t0, 3)
-    return info
 
 
 def measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int) -> CostModel:
@@ -163,41 +259,16 @@ def measure_cost_model(runner: RunnerState, samples: Sequence[Any], repeats: int
     return CostModel.from_measurements(graph_ms, eager)
 
 
-def _check_budget(runner: RunnerState, path: str, budget: int, positive: Sequence[int], verify: bool, timed: bool,
-                  checked: dict[int, float], eager: list[tuple[int, int, float]]) -> None:
-    """One budget's self-check (and eager timing when ``timed``) on the adapter's sample filling it in part."""
-    adapter = runner.adapter
-    sample = adapter.sample_inputs(path, _fill_size(positive, budget, runner.config.path(path).unit))
-    specs = item_specs(adapter, sample)
-    sub = adapter.select(sample, list(range(len(specs))))
-    used = sum(s.tokens[path] for s in specs)
-    if not 0 < used <= budget or len(specs) > runner.limits.max_items:
-        return
-    reference = adapter.forward_eager(path, sub)  # the plain eager forward: what every other run is checked by
-    tol = tolerance(runner.config.dtype, runner.device)
-    # The compiled eager forward (what serves eager batches) checked against it on each sample: it engages only
-    # once checked, and stops at the first disagreement.
-    runner.compiled_eager.check(adapter, path, sub, reference, relative_error, tol)
-    if timed:
-        # The eager sample and the budget's replay (as padding: what the model prices) timed in turn, so that
-        # contention during capture weighs on both alike; the replay keeps its fastest time.
-        fns = [lambda: runner.compiled_eager.forward(adapter, path, sub)]
-        record = runner.records[path].get(budget)
-        if record is not None and record.graph is not None and record.replay_ms is not None:
-            fill_for_timing(runner, record)
-            fns.append(record.graph.replay)
-        times = time_interleaved(fns, TIMING_ROUNDS, runner.device)
-        eager.append((used, sum(1 for s in specs if s.tokens[path]), times[0]))
-        if len(times) > 1:
-            record.replay_ms = min(record.replay_ms, times[1])
-    if verify and budget not in runner.failed[path]:
-        static = run_static(runner, path, budget, sub, used)
-        worst = max((relative_error(static[n], reference[n]), n) for n in reference)
-        checked[budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
-        if not worst[0] <= tol:
-            _drop(runner, path, budget, (
-                f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
-                f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"))
+def _check_budget(runner: RunnerState, sample: _Sample, tol: float, checked: dict[int, float]) -> None:
+    """One budget's padded static forward (a replay in GRAPH mode) on its sample, against the sample's reference."""
+    path, budget, used, reference = sample.path, sample.budget, sample.used, sample.reference
+    static = run_static(runner, path, budget, None, used, values=sample.values)
+    worst = max((relative_error(static[n], reference[n]), n) for n in reference)
+    checked[budget] = round(worst[0], 6) if math.isfinite(worst[0]) else worst[0]
+    if not worst[0] <= tol:
+        _drop(runner, path, budget, (
+            f"self-check: output {worst[1]!r} of the padded static forward differs from the eager forward by "
+            f"{worst[0]:.3g} (norm-relative; tolerance {tol:g})"))
 
 
 def timed_budgets(ladder: Sequence[int]) -> set[int]:
@@ -261,63 +332,3 @@ def _cost_model(
     measured = {p: a for p, a in attention.items() if graph_ms.get(p)}
     return CostModel.from_measurements(graph_ms, eager, {p: a["coef"] for p, a in measured.items()},
                                        {p: a["power"] for p, a in measured.items()})
-
-
-def _attention_terms(runner: RunnerState) -> dict[str, dict[str, Any]]:
-    """Per path, the cost model's attention term (``CostModel.attention``, ``attention_power``) and how it was
-    measured.
-
-    The replay times of capture fill each graph's buffers as padding: one attention sequence over the whole
-    budget (in buffers whose padding is not chunked: full attention). A batch of several items attends within
-    each, which costs less where a tower attends over whole images (Qwen3-VL-8B on an H200: 29.6 ms for budget
-    1280 as one sequence, 67.6 ms for 2240; two 1100-token images would not share one replay at those prices).
-    So one graph of each token-budget path (the smallest budget of at least a quarter of the largest: a clear
-    attention share at a fraction of the largest replay's time) is timed with those buffers split into
-    :data:`SPLIT_SEQUENCES` equal sequences, right after a timing of the one-sequence fill, and so is the largest
-    graph where it is at least twice that budget. Attention over one sequence of ``n`` tokens costs about
-    ``coef * n^q``, so ``full - split = coef * budget^q * (1 - k^(1 - q))`` at both: ``q`` is fitted from the two
-    (:func:`~encgraph.packing.attention_term.fit_power`: Flash varlen gets more efficient with length, about 1.83
-    for Qwen3-VL-8B on an H200; 2 from one budget), ``coef`` the geometric mean of what each budget gives at that
-    ``q``. Paths whose budgets count items, or with
-    no unchunked sequence-bounds buffer, or too few sequence slots, get none (their entry says why); a failure is
-    logged and leaves the path without the term (replays then cost their measured times, as before)."""
-    out: dict[str, dict[str, Any]] = {}
-    for path, records in runner.records.items():
-        try:
-            out[path] = _attention_term(runner, path, records)
-        except Exception as exc:  # measurement only: the model then prices replays as measured
-            log.warning("encgraph: path %r: the attention term of the cost model was not measured (%s: %s); "
-                        "replays are priced at their measured times.", path, type(exc).__name__, exc)
-            out[path] = {"skipped": f"{type(exc).__name__}: {exc}"}
-    return out
-
-
-def _attention_term(runner: RunnerState, path: str, records: Mapping[int, Any]) -> dict[str, Any]:
-    timed = {b: r for b, r in records.items() if r.replay_ms is not None and r.graph is not None}
-    if runner.config.path(path).unit is BudgetUnit.ITEMS or not timed:
-        return {"skipped": "budgets count items" if timed else "no timed graph"}
-    budget = min(b for b in timed if 4 * b >= max(timed))
-    fitted = [budget] + ([max(timed)] if max(timed) >= 2 * budget else [])
-    bounds = {}
-    for b in fitted:
-        bounds[b] = {n: sp for n, sp in runner.buffers[path].specs[b].items()
-                     if sp.fill is FillRule.SEQUENCE_BOUNDS and sp.total and sp.chunk >= sp.total}
-    k = min([SPLIT_SEQUENCES] + [sp.shape[0] - 1 for bs in bounds.values() for sp in bs.values()])
-    if not bounds[budget] or k < 2:
-        return {"skipped": "no full-attention sequence bounds" if not bounds[budget] else "too few sequence slots"}
-    full, split = [], []
-    for b in fitted:
-        cuts = {n: np.linspace(0, sp.total, k + 1).round().astype(np.int64) for n, sp in bounds[b].items()}
-        full.append(time_replay(runner, timed[b], SPLIT_REPEATS))
-        split.append(time_replay(runner, timed[b], SPLIT_REPEATS, cuts))
-    deltas = [max(0.0, f - s) for f, s in zip(full, split)]
-    power = round(fit_power((fitted[0], fitted[-1]), (deltas[0], deltas[-1])), 4) if len(fitted) == 2 else (
-        DEFAULT_POWER)
-    share = 1.0 - float(k) ** (1.0 - power)  # of a budget's attention, what splitting it in k saves
-    coefs = [d / (float(b) ** power * share) for b, d in zip(fitted, deltas)]
-    coef = math.prod(coefs) ** (1.0 / len(coefs)) if all(coefs) else max(coefs)
-    out = {"budget": budget, "sequences": k, "full_ms": round(full[0], 4), "split_ms": round(split[0], 4),
-           "coef": coef, "power": power}
-    if len(fitted) == 2:
-        out["fit"] = {"budget": fitted[1], "full_ms": round(full[1], 4), "split_ms": round(split[1], 4)}
-    return out

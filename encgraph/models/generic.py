@@ -131,6 +131,7 @@ class GenericModuleAdapter:
             self._seed = tuple(t[:SEEDS].detach().clone() for t in example.tensors)
         self._scales = [float(t.float().std()) if t.is_floating_point() and t.numel() > 1 else 1.0 for t in self._seed]
         self._not_batch_first: str | None = None
+        self._split_verdict: tuple[str | None] | None = None  # the split check's, run before the capture
         self._config = AdapterConfig(  # read on every call: built once (the output's structure is known already)
             paths=PathSpec(PATH, 1, self.max_batch, outputs=self.output.tensor_names, unit=BudgetUnit.ITEMS),
             dtype=self._dtype,
@@ -214,11 +215,23 @@ class GenericModuleAdapter:
             tensors.append(drawn)
         return CallSplit(self.key, tuple(tensors), n)
 
+    def check_before_capture(self, tolerance: float) -> None:
+        """The runner's hook before it captures its first graph (:class:`~encgraph.capture.selfcheck.SelfCheck`):
+        the split check's eager forwards run now, while the graphs' pool holds nothing, so that their activations
+        never sit beside it; :meth:`split_check` gives the verdict after the capture, as before."""
+        self._split_verdict = (self._compare_split(tolerance),)
+
     def split_check(self, tolerance: float) -> str | None:
         """Whether each item's answer depends on its batch mates, which the padded self-check cannot see (it pads
         the same items): the module's forward on the kept items together against on each alone (scratch items,
-        ``no_grad``). Returns why the shape may not be split (then every call of it is the module's own:
-        :attr:`stock_reason`), or ``None``."""
+        ``no_grad``; run before the capture by :meth:`check_before_capture`, else now). Returns why the shape may
+        not be split (then every call of it is the module's own: :attr:`stock_reason`), or ``None``."""
+        verdict = self._split_verdict[0] if self._split_verdict is not None else self._compare_split(tolerance)
+        if verdict is not None:
+            self._not_batch_first = verdict
+        return verdict
+
+    def _compare_split(self, tolerance: float) -> str | None:
         from encgraph.capture.selfcheck import relative_error
 
         sample = self.sample_inputs(PATH, self._seed[0].shape[0])
@@ -230,9 +243,8 @@ class GenericModuleAdapter:
         for name, value in together.items():
             worst = relative_error(torch.cat([a[name] for a in alone]), value)
             if not worst <= tolerance:
-                self._not_batch_first = (f"not batch-first (an item's output depends on its batch mates: {worst:.3g} "
-                                         f"norm-relative on output {name!r})")
-                return self._not_batch_first
+                return (f"not batch-first (an item's output depends on its batch mates: {worst:.3g} norm-relative on "
+                        f"output {name!r})")
         return None
 
     # -- static buffers and forwards

@@ -1,4 +1,4 @@
-"""The attention term the runner measures at capture (``selfcheck._attention_terms``), on the CPU: a stand-in
+"""The attention term the runner measures at capture (``attention_timing.attention_terms``), on the CPU: a stand-in
 runner whose "graph" costs a fixed part plus a part per sequence length squared, read from the bounds buffer
 as a replay would, so the coefficient, the budget it is measured at, the buffers split (only unchunked bounds)
 and every reason to skip are checked without a GPU."""
@@ -15,9 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import encgraph.capture.capture
+from encgraph.capture.attention_timing import SPLIT_SEQUENCES
+from encgraph.capture.attention_timing import attention_terms as _attention_terms
 from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.protocol import BudgetUnit, BufferSpec, FillRule, PathSpec
-from encgraph.capture.selfcheck import SAMPLE_SIZES, SPLIT_SEQUENCES, _attention_terms, timed_budgets
+from encgraph.capture.selfcheck import SAMPLE_SIZES, timed_budgets
 from encgraph.packing import CostModel, EagerCost, ItemSpec, pack
 
 ROWS_PER_TOKEN = 4  # Qwen-VL: 2 x 2 patch rows per merged token

@@ -1,0 +1,164 @@
+"""The steps of one budget's capture (:func:`encgraph.capture.capture.capture_graphs` runs them in its phases):
+its warm-up in the ordinary allocator, its capture into the graphs' pool, and what ends a capture that failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from encgraph.capture.compiling import CompileMode
+from encgraph.capture.execution import RunnerState, check_outputs
+from encgraph.capture.records import GraphRecord
+from encgraph.errors import EncgraphError
+
+__all__ = ["CompileFailed", "PoolLeftRecording", "capture_one", "drop_failed", "end_failed_capture",
+           "forward_into", "pool_bytes", "warm_up"]
+
+log = logging.getLogger("encgraph")
+
+Forward = Callable[[Mapping[str, torch.Tensor], int], Mapping[str, torch.Tensor]]
+
+
+class CompileFailed(Exception):
+    """The first compiled run failed under ``compile="auto"``: the capture goes on with the plain forward."""
+
+
+class PoolLeftRecording(Exception):
+    """A capture failed (its error is the ``__cause__``) and left its pool recording: see
+    :func:`end_failed_capture`."""
+
+
+def warm_up(runner: RunnerState, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
+            compile_info: dict[str, Any]) -> tuple[float, float]:
+    """``runner.warmup`` runs of the budget's forward on padding, on ``stream`` (the one it is captured on), in
+    the ordinary allocator; the path's output buffers are allocated from the first. Returns its seconds and the
+    first compiled run's (0 when not compiling)."""
+    device = runner.device
+    t0 = time.perf_counter()
+    views = runner.buffers[path].fill(budget, None)
+    compiling = runner.compile_mode is not CompileMode.OFF and compile_info.get("status") != "failed"
+    compile_seconds = 0.0
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for i in range(runner.warmup):
+            t_run = time.perf_counter()
+            try:
+                outputs = forward(views, budget)
+            except EncgraphError:
+                raise
+            except Exception as exc:
+                if not compiling or runner.compile_mode is not CompileMode.AUTO or compile_info.get("status"):
+                    raise
+                _compile_failed(compile_info, exc)
+                raise CompileFailed() from exc
+            check_outputs(runner.adapter, path, budget, outputs, budget, "static")
+            if i == 0:
+                runner.outputs[path].ensure(outputs, runner.ladders[path])
+                if compiling:
+                    torch.cuda.synchronize(device)
+                    compile_seconds = time.perf_counter() - t_run
+                    compile_info.setdefault("status", "compiled")
+                    compile_info.setdefault("first_compile_seconds", round(compile_seconds, 3))
+            del outputs
+        torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, compile_seconds
+
+
+def capture_one(
+    runner: RunnerState, pool: Any, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
+) -> GraphRecord:
+    """Capture the budget's forward (warmed up by :func:`warm_up`) into ``pool`` on ``stream``."""
+    device = runner.device
+    t0 = time.perf_counter()
+    views = runner.buffers[path].fill(budget, None)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    torch.cuda.synchronize(device)
+    before = pool_bytes(device, pool)
+    graph = torch.cuda.CUDAGraph()
+    targets = runner.outputs[path].view(budget)
+    with torch.cuda.stream(stream):
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                forward_into(forward, views, budget, targets)
+        except BaseException as exc:
+            if end_failed_capture(device, pool) and isinstance(exc, Exception) and not isinstance(exc, EncgraphError):
+                raise PoolLeftRecording() from exc
+            raise
+    torch.cuda.synchronize(device)
+    return GraphRecord(
+        path=path,
+        budget=budget,
+        graph=graph,
+        inputs=views,
+        outputs=targets,
+        capture_seconds=time.perf_counter() - t0,
+        memory_bytes=pool_bytes(device, pool) - before,
+    )
+
+
+def drop_failed(runner: RunnerState, path: str, budget: int, exc: BaseException, phase: str) -> None:
+    """Drop ``budget`` of ``path`` whose ``phase`` raised ``exc`` (logged, the reason in ``runner.failed``)."""
+    torch.cuda.synchronize(runner.device)
+    runner.failed[path][budget] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    log.warning(
+        "encgraph: %s of path %r at budget %d failed (%s); batches planned there move to the next budget, or run "
+        "eagerly.", phase, path, budget, runner.failed[path][budget]
+    )
+
+
+def forward_into(forward: Forward, views: Mapping[str, torch.Tensor], budget: int,
+                 targets: Mapping[str, torch.Tensor]) -> None:
+    """The captured body of a budget: the forward, its outputs copied into the path's shared
+    output buffers (the pool keeps no per-graph outputs)."""
+    produced = forward(views, budget)
+    for name, target in targets.items():
+        target.copy_(produced[name])
+    del produced  # its memory goes back to the pool for the next (smaller) graph
+
+
+def end_failed_capture(device: torch.device, pool: Any) -> bool:
+    """End what a capture that raised inside ``torch.cuda.graph`` left open; whether it had left ``pool``
+    recording.
+
+    A capture that CUDA invalidated (a host sync or another call it forbids while capturing; an out-of-memory
+    whose retry synchronises) makes the context's exit raise from ``capture_end`` before the caching allocators
+    stop routing the capture's allocations into the pool (and before the context restores the stream: the
+    caller's own stream context does). The pool stays "recording", and every later ``capture_begin`` on it fails
+    ("already recording to mempool_id"): every smaller budget failed with the first. Here the device allocator's
+    routing ends, and the reference the capture took on the pool is released (no graph was made to release it),
+    so that its memory goes with the graphs. The pinned host allocator (torch 2.13 routes it per pool too) has no
+    Python call to end its routing: the caller captures the rest into a fresh pool. A capture whose body raised a
+    Python error ended normally (``False``): the routing is over, and the graph object releases its reference when
+    it goes."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+    except RuntimeError:  # "not currently recording": capture_end got that far
+        return False
+    torch._C._cuda_releasePool(device.index, pool)
+    return True
+
+
+def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:
+    reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    info["status"] = "failed"
+    info["reason"] = reason
+    log.warning(
+        "encgraph: compiling the static forward failed (%s); capturing the plain forward instead (compile='auto'; "
+        "pass compile=False to skip compiling, compile=True to make this an error).", reason
+    )
+
+
+def pool_bytes(device: torch.device, pool: Any) -> int:
+    """Bytes of the segments the caching allocator holds for the graphs' private ``pool`` on ``device``
+    (the memory the captured graphs keep; the snapshot is cheap at capture time, never on the hot path)."""
+    total = 0
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool):
+            total += int(seg["total_size"])
+    return total

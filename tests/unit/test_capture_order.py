@@ -1,0 +1,209 @@
+"""The order of a GRAPH-mode capture's phases (``encgraph.capture.capture``, ``encgraph.capture.selfcheck``), on
+the CPU: every eager forward (warm-ups, the self-check's references, the cost model's eager timings, an adapter's
+own ``check_before_capture``) runs before the first graph is captured, and nothing but replays runs after it, so
+that no eager forward's activations sit beside the graphs' pool; the replays are still checked against each
+budget's reference, and a budget that disagrees is dropped as before.
+
+CUDA is stood in for: graphs by :class:`tests.shims.cpu_graph.RecordedGraph` (the aten calls of the captured
+block, replayed on the same buffers), streams, synchronisation and memory queries by no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import pytest
+import torch
+
+from encgraph.capture import EncoderGraphRunner, RunMode
+from encgraph.errors import InputError
+from tests.shims.cpu_graph import RecordedGraph, recorded_graph
+from tests.toy_models import (
+    SequenceFirst,
+    ToyAdapter,
+    ToyInputs,
+    ToyTower,
+    random_inputs,
+    reference,
+)
+
+BUDGETS = [16, 32, 64]
+
+
+class _Stream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """What ran, in order: ``("eager", path)``, ``("static", budget, capturing)``, ``("capture", budget)``,
+    ``("replay",)``, ``("hook",)``; with CUDA's capture API stood in for on the CPU."""
+    log: list[tuple] = []
+    capturing = [False]
+
+    class Graph(RecordedGraph):
+        def replay(self) -> None:
+            log.append(("replay",))
+            super().replay()
+
+    @contextlib.contextmanager
+    def graph(g: Graph, pool: object = None, stream: object = None, **kwargs: object) -> Iterator[None]:
+        log.append(("capture",))
+        capturing[0] = True
+        try:
+            with recorded_graph(g):
+                yield
+        finally:
+            capturing[0] = False
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(cuda, "graph", graph)
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(cuda, "memory_snapshot", list)
+    monkeypatch.setattr(cuda, "Stream", lambda device=None: _Stream())
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
+    log.append(("capturing", capturing))  # the flag, for the adapter (dropped by ``ran``)
+    return log
+
+
+def ran(events: list[tuple]) -> list[tuple]:
+    return [e for e in events if e[0] != "capturing"]
+
+
+class SpyToy(ToyAdapter):
+    """The toy tower with ``sample_inputs``, logging its forwards; ``wrong_at``: a budget whose static forward
+    is off by one (as a module that is not batch-first would be at some budget); ``refuse_over``: samples over
+    that many tokens raise (the adapter's own validation)."""
+
+    def __init__(self, events: list[tuple], *, wrong_at: int | None = None, refuse_over: int = 10**9) -> None:
+        torch.manual_seed(0)
+        super().__init__({"default": ToyTower()}, min_budget=16, max_budget=64)
+        self.events, self.wrong_at, self.refuse_over = events, wrong_at, refuse_over
+        self._capturing = events[0][1]
+
+    def sample_inputs(self, path: str, tokens: int) -> ToyInputs:
+        if tokens > self.refuse_over:
+            raise InputError(f"toy: a sample of {tokens} tokens is outside what this toy accepts")
+        return ToyInputs({path: torch.randn(tokens, self.towers[path].lin1.in_features)}, {path: ((tokens,),)})
+
+    def check_before_capture(self, tolerance: float) -> None:
+        self.events.append(("hook",))
+
+    def forward_eager(self, path: str, inputs: ToyInputs) -> dict[str, torch.Tensor]:
+        self.events.append(("eager", path))
+        return super().forward_eager(path, inputs)
+
+    def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
+        self.events.append(("static", budget, self._capturing[0]))
+        out = super().forward_static(path, buffers, budget)
+        return {"out": out["out"] + 1.0} if budget == self.wrong_at else out
+
+
+def graph_runner(adapter: SpyToy, **kw: object) -> EncoderGraphRunner:
+    """A runner on the CPU set to GRAPH mode (its constructor refuses GRAPH off CUDA) that measures its costs as a
+    GRAPH-mode runner does by default."""
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, budgets=BUDGETS, **kw)
+    runner.mode = RunMode.GRAPH
+    runner._measure_costs = kw.get("costs") is None
+    return runner
+
+
+def first(events: list[tuple], kind: str) -> int:
+    return next(i for i, e in enumerate(events) if e[0] == kind)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_every_eager_forward_runs_before_the_first_capture_and_only_replays_after(events, verify):
+    adapter = SpyToy(events)
+    runner = graph_runner(adapter, verify=verify)
+    info = runner.capture()
+    log = ran(events)
+    start = first(log, "capture")
+    before, after = log[:start], log[start:]
+    # Warm-ups first, largest budget first, twice each (runner.warmup), none inside a capture.
+    warm = [e for e in before if e[0] == "static"]
+    assert warm == [("static", b, False) for b in (64, 64, 32, 32, 16, 16)]
+    assert log.index(("static", 16, False)) < first(log, "eager")  # every warm-up before the first eager run
+    assert ("hook",) in before if verify else ("hook",) not in log
+    assert any(e[0] == "eager" for e in before)
+    # After the first capture: the captures (the static forward inside each) and replays, nothing eager.
+    assert [e for e in after if e[0] == "capture"] == [("capture",)] * 3
+    assert all(e[0] in ("capture", "replay") or e == ("static", e[1], True) for e in after), after
+    assert any(e[0] == "replay" for e in after)
+    check = info["selfcheck"]
+    assert set(check["checked"]["default"]) == (set(BUDGETS) if verify else set())
+    assert all(err < 1e-5 for err in check["checked"]["default"].values())
+    assert check["costs"] == "measured" and runner.costs is not None and info["costs"].startswith("cost-aware")
+    assert len(check["eager_samples"]["default"]) >= 2 and not info["failed"]
+    # The graphs answer calls as the tower does.
+    inputs = random_inputs(np.random.default_rng(0), adapter, 3, max_len=20, max_frames=1)
+    for got, want in zip(runner(inputs), reference(adapter, inputs)):
+        torch.testing.assert_close(got, want)
+
+
+def test_each_budget_is_compared_with_its_own_reference_after_the_capture(events):
+    adapter = SpyToy(events, wrong_at=32)
+    runner = graph_runner(adapter)
+    info = runner.capture()
+    log = ran(events)
+    assert all(e[0] != "eager" for e in log[first(log, "capture"):])
+    failed = info["failed"]["default"]
+    assert list(failed) == [32] and "self-check: output 'out'" in failed[32]
+    checked = info["selfcheck"]["checked"]["default"]
+    assert set(checked) == set(BUDGETS) and checked[32] > 1e-2 and checked[16] < 1e-5 and checked[64] < 1e-5
+    assert set(runner.records["default"]) == {16, 64}  # its graph dropped; its batches move to 64 or run eagerly
+
+
+def test_a_budget_whose_eager_check_fails_is_not_captured(events):
+    adapter = SpyToy(events, refuse_over=40)  # budget 64's sample (33 to 63 tokens) may exceed it
+    runner = graph_runner(adapter, costs=False)
+    info = runner.capture()
+    failed = info["failed"]["default"]
+    assert list(failed) == [64] and "InputError" in failed[64] and "self-check" in failed[64]
+    assert sum(1 for e in ran(events) if e[0] == "capture") == 2 and set(runner.records["default"]) == {16, 32}
+    assert set(info["selfcheck"]["checked"]["default"]) == {16, 32}
+
+
+@pytest.mark.parametrize("mixes", [False, True])
+def test_the_generic_split_check_runs_before_the_capture_and_its_verdict_is_read_after(mixes):
+    from encgraph.models.generic import GenericModuleAdapter
+
+    module = (SequenceFirst() if mixes else torch.nn.Sequential(torch.nn.Linear(6, 6))).eval()
+    adapter = GenericModuleAdapter.of_call(module, torch.randn(5, 6), max_batch=8)
+    calls: list[int] = []
+    next(module.children()).register_forward_hook(lambda *args: calls.append(1))  # the module's own runs
+    adapter.check_before_capture(1e-3)
+    ran_before = len(calls)
+    verdict = adapter.split_check(1e-3)
+    assert ran_before > 1 and len(calls) == ran_before  # the verdict needs no forward after the capture
+    assert (verdict is not None) is mixes and (adapter.stock_reason is not None) is mixes
+    assert verdict is None or "batch mates" in verdict
+
+
+def test_capture_info_reports_the_peak_rise_of_each_phase_in_order(events, monkeypatch):
+    import encgraph.capture.capture
+    import encgraph.capture.selfcheck
+
+    @contextlib.contextmanager
+    def peak_rise(device: object, into: dict, phase: str) -> Iterator[None]:
+        events.append(("phase", phase))
+        yield
+        into[phase] = {"reserved": 0.0, "allocated": 0.0}
+
+    monkeypatch.setattr(encgraph.capture.capture, "peak_rise", peak_rise)
+    monkeypatch.setattr(encgraph.capture.selfcheck, "peak_rise", peak_rise)
+    info = graph_runner(SpyToy(events)).capture()
+    order = ["warm-up", "selfcheck eager", "capture", "selfcheck replays and costs"]
+    assert list(info["memory_peak_rise_mib"]) == order
+    log = ran(events)
+    assert [e[1] for e in log if e[0] == "phase"] == order
+    eager_phase, capture_phase = log.index(("phase", "selfcheck eager")), log.index(("phase", "capture"))
+    assert all(eager_phase < i < capture_phase for i, e in enumerate(log) if e[0] == "eager")
