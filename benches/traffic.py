@@ -57,15 +57,14 @@ JSON (``benches/results/traffic_<gpu>.json``)::
                     "speedup_{mean,p50,p99}_vs_<ref>", "worst_ratio_vs_<ref>", "worst_request_vs_<ref>",
                     "slower_than_<ref>", "compared_with_<ref>", "{mean,worst}_ratio_vs_{floor,shape_floor}"?}},
         "graph_stats": {"<graph system>": {"padded_share", "runner_padded_share", "eager_items", "items",
-                        "eager_reasons", "replays", "piecewise_replays", "cost_feedback"}},
+                        "eager_reasons", "replays", "cost_feedback"}},
         "output_check": {"<system>": max relative difference vs hf_sdpa},
         "targets": [{"target", "value", "op", "bound", "met"}],
         "per_request": {"items", "tokens", "latency_ms": {"<system>": [...]},
                         "floor"?: [{"floor_ms", "shape_floor_ms"?, ...}] (at the first system's sizes),
                         "system_floors"? (sizes "new": each system's own copy): {"<system>": {"floor_ms": [...],
                                           "shape_floor_ms"?: [...]}},
-                        "routes": {"<graph system>": [{"replays", "eager", "piecewise"?, "plans_bought"?, "rented_calls"?,
-                                                       "stand_in_calls"?, "rerouted"?, "explored"?}]}},
+                        "routes": {"<graph system>": [{"replays", "eager", "explored"?}]}},
         "floor"?: {"shape", "rates", "shape_rates"? | "shape_error"?},
         "unavailable", "dropped"?, "warmup_mean_ms", "seconds"}}}
 """

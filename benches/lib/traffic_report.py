@@ -92,7 +92,7 @@ def summarize(latencies: Mapping[System, Sequence[float]], errors: Mapping[Syste
     return out
 
 
-FEEDBACK_KEYS = ("samples", "explored", "rerouted", "first_sights", "unchosen", "corrections", "scale")
+FEEDBACK_KEYS = ("samples", "explored", "unchosen", "corrections", "scale")
 """The runner's ``stats["cost_feedback"]`` entries a traffic result keeps (those the runner has)."""
 
 
@@ -110,25 +110,21 @@ def graph_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
         "stock_calls": stats.get("stock_calls", 0),
         "eager_reasons": stats["eager_reasons"],
         "replays": {k: p["replays"] for k, p in paths.items()},
-        "piecewise_replays": {k: p.get("piecewise_replays", {}) for k, p in paths.items()},
         "cost_feedback": {k: v for k, v in stats.get("cost_feedback", {}).items() if k in FEEDBACK_KEYS},
     }
 
 
 def route(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
     """How a graph runner ran one request, from its ``stats`` before and after the call: ``replays`` per budget
-    (over every path), ``eager`` items per reason, ``piecewise`` replays (of those), ``plans_bought``,
-    ``rented_calls`` and ``stand_in_calls`` (of those, padded to a bucket: the dense kernel's plan ledger),
-    ``plans_deferred`` (bought plans built after the call's work was issued) and ``refining_calls`` (at a bucket
-    held while their own length rents) where there were any, and the cost feedback's ``rerouted`` and ``explored``
-    batches
-    where there were any. Read outside the timed call.
+    (over every path), ``eager`` items per reason, and the cost feedback's ``explored`` batches where there were
+    any. Read outside the timed call. (Results from before issue 56 also have the retired dense machinery's
+    counters here: piecewise replays, plans bought, calls rented.)
 
-    >>> b = {"paths": {"p": {"replays": {"64": 1}}}, "eager_reasons": {}, "cost_feedback": {"rerouted": 2}}
+    >>> b = {"paths": {"p": {"replays": {"64": 1}}}, "eager_reasons": {}, "cost_feedback": {"explored": 2}}
     >>> a = {"paths": {"p": {"replays": {"64": 1, "2688": 1}}}, "eager_reasons": {"eager is cheaper": 1},
-    ...      "cost_feedback": {"rerouted": 3}}
+    ...      "cost_feedback": {"explored": 3}}
     >>> route(b, a)
-    {'replays': {'2688': 1}, 'eager': {'eager is cheaper': 1}, 'rerouted': 1}
+    {'replays': {'2688': 1}, 'eager': {'eager is cheaper': 1}, 'explored': 1}
     """
     replays: dict[str, int] = {}
     for name, path in after["paths"].items():
@@ -139,22 +135,9 @@ def route(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]
     eager = {k: n - before["eager_reasons"].get(k, 0) for k, n in after["eager_reasons"].items()
              if n - before["eager_reasons"].get(k, 0)}
     out: dict[str, Any] = {"replays": replays, "eager": eager}
-    pieces = sum(n for p in after["paths"].values() for n in p.get("piecewise_replays", {}).values()) - sum(
-        n for p in before["paths"].values() for n in p.get("piecewise_replays", {}).values())
-    if pieces:
-        out["piecewise"] = pieces
-    for key in ("rerouted", "explored"):
-        moved = after.get("cost_feedback", {}).get(key, 0) - before.get("cost_feedback", {}).get(key, 0)
-        if moved:
-            out[key] = moved
-    # Dense attention plans bought, and calls rented, during the request (the process's ledger: a bought plan costs
-    # the request tens of ms on an H200).
-    for key, name in (("bought", "plans_bought"), ("rented_calls", "rented_calls"),
-                      ("stand_in_calls", "stand_in_calls"), ("deferred", "plans_deferred"),
-                      ("refining_calls", "refining_calls")):
-        moved = after.get("kernel_plans", {}).get(key, 0) - before.get("kernel_plans", {}).get(key, 0)
-        if moved:
-            out[name] = moved
+    moved = after.get("cost_feedback", {}).get("explored", 0) - before.get("cost_feedback", {}).get("explored", 0)
+    if moved:
+        out["explored"] = moved
     return out
 
 
