@@ -101,10 +101,10 @@ def available(device: torch.device) -> bool:
     index = _index(device)
     if index not in _AVAILABLE:
         ok = False
-        capable = torch.cuda.get_device_capability(index)[0] in (9, 10)
-        if capable and not _importable():
+        capable, importable = torch.cuda.get_device_capability(index)[0] in (9, 10), _importable()
+        if capable and not importable:
             _hint_once(torch.cuda.get_device_name(index))
-        if _importable() and capable:
+        if importable and capable:
             try:
                 importlib.import_module(_MODULE)
                 ok = True

@@ -57,16 +57,12 @@ def upload(tensor: Any, device: Any, dtype: Any = None) -> Any:
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device, dtype)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     staged = tensor if tensor.is_pinned() else tensor.pin_memory()
-    stream = _side_stream(device)
-    with torch.cuda.stream(stream):
+    with side_stream_work(device) as keep:
         out = staged.to(device, non_blocking=True)
         if dtype is not None and out.dtype != dtype:
             out = out.to(dtype)
-    stream.synchronize()
-    out.record_stream(torch.cuda.default_stream(device))
+        keep(out)
     return out
 
 
