@@ -29,7 +29,7 @@ from tests.unit._helpers import smoke_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ("towers", "traffic", "capture", "floor", "plot", "kernel_profile", "planning", "data_parallel", "anymodule",
-           "generic_compile", "preprocess_exactness", "wrap_cost")
+           "generic_compile", "preprocess_exactness", "wrap_cost", "device_preprocess")
 FAST = ["--cpu-smoke", "--runs", "1", "--warmup", "0"]
 
 
