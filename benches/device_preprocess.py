@@ -17,7 +17,6 @@ Writes ``benches/results/device_preprocess_<device>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -28,7 +27,7 @@ from typing import Any, Self
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benches.preprocess_exactness import environment, photo, processors
+from benches.preprocess_exactness import environment, photo, processors, write
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ((320, 240), (640, 480), (800, 600), (1024, 768), (1280, 960), (1600, 1200), (1920, 1080), (500, 700))
@@ -204,12 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {"environment": env,
            "families": {f: measure(f, args) for f in args.families.split(",")}}
     slug = (doc["environment"].get("gpu") or args.device).lower().replace(" ", "-")
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"device_preprocess_{slug}.json").write_text(json.dumps(doc, indent=1))
-    (out / f"device_preprocess_{slug}.md").write_text(render(doc))
-    print(render(doc))
-    return doc
+    return write(doc, f"device_preprocess_{slug}", args.results_dir, render)
 
 
 if __name__ == "__main__":

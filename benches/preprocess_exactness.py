@@ -144,10 +144,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {"environment": environment(args.device), "options": vars(args), "families": {}}
     for family in args.families.split(","):
         doc["families"][family] = compare(family, args)
-    out = Path(args.results_dir)
+    return write(doc, f"preprocess_exactness_{args.device}", args.results_dir, render)
+
+
+def write(doc: dict[str, Any], stem: str, results_dir: str, render: Any) -> dict[str, Any]:
+    """``doc`` as ``<stem>.json`` and its ``render``-ed ``<stem>.md`` in ``results_dir``; the markdown printed."""
+    out = Path(results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"preprocess_exactness_{args.device}.json").write_text(json.dumps(doc, indent=1))
-    (out / f"preprocess_exactness_{args.device}.md").write_text(render(doc))
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{stem}.md").write_text(render(doc))
     print(render(doc))
     return doc
 
