@@ -53,7 +53,7 @@ from encgraph.models.qwen_grid import UnitGrid
 from encgraph.models.qwen_inputs import RECORDING_SWITCHES, QwenVisionInputs
 from encgraph.models.qwen_vl import QwenVisionAdapter
 
-__all__ = ["Siglip2Adapter", "Siglip2Inputs", "adapter", "axis_weights", "position_weights"]
+__all__ = ["Siglip2Adapter", "Siglip2Inputs", "UnusualMask", "adapter", "axis_weights", "position_weights"]
 
 _PARAMETERS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 POSITION = ("pos_h", "pos_w")
@@ -86,6 +86,11 @@ def position_weights(grid: int, height: int, width: int) -> tuple[np.ndarray, np
     ``(h*w, grid)`` float32 each; the row's position embedding is ``outer(pos_h, pos_w).flatten() @ table``."""
     rows, cols = axis_weights(grid, height), axis_weights(grid, width)
     return np.repeat(rows, width, axis=0), np.tile(cols, (height, 1))
+
+
+class UnusualMask(InputError):
+    """A ``pixel_attention_mask`` that is not each image's first ``h*w`` rows (the processor's): the tower masks
+    other rows than the graphs would drop; ``graphed(tower)`` leaves such a call to the tower."""
 
 
 @attrs.frozen(eq=False)
@@ -150,7 +155,7 @@ class Siglip2Adapter(QwenVisionAdapter):
                return_dict: bool = True) -> Siglip2Inputs:
         """Validate the tower's own arguments into each image's real rows. ``spatial_shapes`` and the mask are read
         on the host (one copy each, as the tower's own checks read them); the mask must be each image's first
-        ``h*w`` rows (the processor's), else :class:`InputError`."""
+        ``h*w`` rows (the processor's), else :class:`UnusualMask` (an :class:`InputError`)."""
         d = self.channels
 
         def padded_shape(pv: torch.Tensor) -> str | None:
@@ -181,7 +186,7 @@ class Siglip2Adapter(QwenVisionAdapter):
         wrong = np.nonzero(((mask != 0) != want).any(1))[0]
         if wrong.size:
             i = int(wrong[0])
-            raise InputError(f"pixel_attention_mask: image {i} must be 1 on its first {rows[i]} rows (h*w of "
+            raise UnusualMask(f"pixel_attention_mask: image {i} must be 1 on its first {rows[i]} rows (h*w of "
                              f"spatial_shapes {shapes[i].tolist()}) and 0 after, as the processor makes it.")
         grid = np.concatenate((np.ones((n, 1), np.int64), shapes), axis=1)
         return Siglip2Inputs(self._real_rows(pv, rows), grid, return_dict, length)
@@ -223,10 +228,8 @@ class Siglip2Adapter(QwenVisionAdapter):
         try:
             return self.inputs(values.get("pixel_values"), values["pixel_attention_mask"],
                                values.get("spatial_shapes"), return_dict=return_dict)
-        except InputError as error:
-            if str(error).startswith("pixel_attention_mask: image"):
-                return StockCall("pixel_attention_mask not each image's first h*w rows")
-            raise
+        except UnusualMask:
+            return StockCall("pixel_attention_mask not each image's first h*w rows")
 
     # -- metadata and buffers
     def _positions(self, units: UnitGrid) -> np.ndarray:
