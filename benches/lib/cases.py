@@ -14,6 +14,9 @@ default settings:
 - ``IMAGES`` (Pixtral): an image scaled down to at most ``PIXTRAL_LONGEST_EDGE`` a side (aspect kept), sides
   rounded up to multiples of the patch: 448 and 336 px stay as they are; the call's images zero-padded to the
   largest; videos are refused;
+- ``NAFLEX`` (SigLIP2 NaFlex): an image resized, aspect kept, to the most patches ``NAFLEX_MAX_PATCHES`` allows
+  (``get_image_size_for_max_num_patches``: 448 and 336 px both become 16 x 16 patches at patch 16), its rows
+  padded to that many; videos are refused;
 - ``STRIP`` (MiniCPM-V 4.6): an image of at most 448 x 448 px is resized to about that area (up or down), sides
   multiples of 4 patches, and not sliced: 448 and 336 px both become 32 x 32 patches (256 tokens after the
   tower's window merger); a larger image (the processor slices it) or a video is refused;
@@ -167,6 +170,20 @@ def pixtral_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
     return 1, -(-h // geom.patch), -(-w // geom.patch)
 
 
+NAFLEX_MAX_PATCHES = 256
+"""SigLIP2's NaFlex image processor default (``max_num_patches=256``): the rows each image is padded to."""
+
+
+def naflex_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
+    """``(1, h, w)`` in patches of an image as SigLIP2's NaFlex processor resizes it (transformers' own helper)."""
+    from transformers.models.siglip2.image_processing_siglip2 import (
+        get_image_size_for_max_num_patches,
+    )
+
+    h, w = get_image_size_for_max_num_patches(visual.height, visual.width, geom.patch, NAFLEX_MAX_PATCHES)
+    return 1, h // geom.patch, w // geom.patch
+
+
 def strip_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
     """``(1, h, w)`` in patches of an image as MiniCPM-V's processor resizes it (``find_best_resize`` with
     upscaling, no slices); refuses an image over ``MINICPM_SCALE`` squared, which the processor slices."""
@@ -248,6 +265,7 @@ _SIZES: dict[TowerKind, Callable[[Sequence[Visual], Geometry, float, float], Siz
     TowerKind.PATCHES: _packed_sizes,
     TowerKind.BATCH1: _packed_sizes,
     TowerKind.IMAGES: _grid_sizes(pixtral_grid, "Pixtral"),
+    TowerKind.NAFLEX: _grid_sizes(naflex_grid, "SigLIP2 NaFlex"),
     TowerKind.STRIP: _grid_sizes(strip_grid, "MiniCPM-V"),
     TowerKind.PADDED: _grid_sizes(padded_grid, "Gemma-4"),
     TowerKind.VIEWS: _views_sizes,
@@ -311,6 +329,19 @@ def _images_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[t
     return (pixels,), {"image_sizes": sides.to(env.device)}
 
 
+def _naflex_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    pixels = torch.zeros(sizes.items, NAFLEX_MAX_PATCHES, geom.row_size, device=env.device, dtype=env.dtype)
+    mask = torch.zeros(sizes.items, NAFLEX_MAX_PATCHES, dtype=torch.int32)
+    for i, (_, h, w) in enumerate(sizes.grids):
+        pixels[i, : h * w] = torch.randn(h * w, geom.row_size, device=env.device, generator=gen).to(env.dtype)
+        mask[i, : h * w] = 1
+    shapes = torch.tensor([(h, w) for _, h, w in sizes.grids], dtype=torch.int64)
+    return (), {"pixel_values": pixels, "pixel_attention_mask": mask.to(env.device),
+                "spatial_shapes": shapes.to(env.device)}
+
+
 def _strip_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     import torch
 
@@ -354,12 +385,13 @@ _TENSORS: dict[TowerKind, Callable[[Sizes, Geometry, Env, Any], tuple[tuple[Any,
     TowerKind.PATCHES: _patch_rows_tensors,
     TowerKind.BATCH1: _batch1_tensors,
     TowerKind.IMAGES: _images_tensors,
+    TowerKind.NAFLEX: _naflex_tensors,
     TowerKind.STRIP: _strip_tensors,
     TowerKind.PADDED: _padded_tensors,
     TowerKind.VIEWS: _views_tensors,
 }
 _HOST_GRIDS = {TowerKind.PACKED: "grid_thw", TowerKind.PATCHES: "grid_thw", TowerKind.BATCH1: "grid_thw",
-               TowerKind.IMAGES: "image_sizes", TowerKind.STRIP: "target_sizes"}
+               TowerKind.IMAGES: "image_sizes", TowerKind.STRIP: "target_sizes", TowerKind.NAFLEX: "spatial_shapes"}
 """The keyword of each kind's per-item sizes, which the adapter systems get on the host."""
 
 

@@ -60,5 +60,6 @@ GEOMETRY: dict[str, FamilyGeometry] = {g.name: g for g in (
     _row("paddleocr_vl", "num_hidden_layers", tokens_per_448px=1024),  # budgets count rows: 32 x 32 patches
     _row("pixtral", "num_hidden_layers", tokens_per_448px=784),  # budgets count rows: 28 x 28 patches of 16 px
     _row("hunyuan_vl", "num_hidden_layers", tokens_per_448px=196),  # patch 16: 28 x 28 patches, 196 units
+    _row("siglip2", "num_hidden_layers", tokens_per_448px=256),  # rows: the processor's 16 x 16 patches at most
     _row("llama4", "num_hidden_layers", tokens_per_448px=1),
 )}

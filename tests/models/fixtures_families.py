@@ -1,6 +1,6 @@
 """Tiny random-weight towers and full models of the packed-grid families added after the seed (GLM-4V and
 GLM-4.5V, Qwen3.5 and Qwen3.5-MoE, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V 4.6, PaddleOCR-VL, Pixtral in Mistral 3 and
-LLaVA, HunYuan-VL), built locally (no downloads), and
+LLaVA, HunYuan-VL, SigLIP2 NaFlex in SigLIP2 and LFM2-VL), built locally (no downloads), and
 one table :data:`FAMILIES` of what their tests need to know about each: how to call the tower, how its output
 fields split into items, whether it has video. Plain functions and records: the test files import them.
 
@@ -52,6 +52,8 @@ PIXTRAL_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_la
                   "image_size": 32, "patch_size": PATCH}  # image_size: 16 x 16 patches (5.15's rotary table)
 HUNYUAN_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "patch_size": PATCH, "max_image_size": 8, "spatial_merge_size": 2, "text_hidden_size": 24}
+SIGLIP2_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "patch_size": PATCH, "num_patches": 16}  # a 4 x 4 position table, resized up and down
 MINICPM_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                       image_size=16, patch_size=PATCH, insert_layer_id=1)
 
@@ -131,6 +133,13 @@ def hunyuan_tower() -> torch.nn.Module:
     )
 
     return _seeded(lambda: HunYuanVLVisionTransformer._from_config(HunYuanVLVisionConfig(**HUNYUAN_VISION)))
+
+
+def siglip2_tower() -> torch.nn.Module:
+    from transformers.models.siglip2.configuration_siglip2 import Siglip2VisionConfig
+    from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionModel
+
+    return _seeded(lambda: Siglip2VisionModel._from_config(Siglip2VisionConfig(**SIGLIP2_VISION)))
 
 
 # -- full models (a one-layer text model each: only their feature functions run)
@@ -218,6 +227,22 @@ def hunyuan_model() -> torch.nn.Module:
         tf.HunYuanVLConfig(vision_config=HUNYUAN_VISION, text_config=text)))
 
 
+def siglip2_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = {"vocab_size": 64, "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    return _seeded(lambda: tf.Siglip2Model(tf.Siglip2Config(vision_config=SIGLIP2_VISION, text_config=text)))
+
+
+def lfm2_vl_model() -> torch.nn.Module:
+    import transformers as tf
+
+    vision = dict(SIGLIP2_VISION, model_type="siglip2_vision_model", vision_use_head=False)  # LFM2-VL's: no head
+    return _seeded(lambda: tf.Lfm2VlForConditionalGeneration(tf.Lfm2VlConfig(
+        vision_config=vision, text_config=dict(_TEXT, model_type="lfm2"), downsample_factor=2)))
+
+
 # -- calling conventions
 def strip(rows: torch.Tensor) -> torch.Tensor:
     """Patch rows ``(L, C, P, P)`` as MiniCPM's packed strip ``(1, C, P, L*P)``."""
@@ -233,6 +258,25 @@ def padded(rows: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, torch.Te
     for i, (image, (h, w)) in enumerate(zip(torch.split(rows, grid.prod(1).tolist()), grid[:, 1:].tolist())):
         images[i, :, : h * p, : w * p] = image.reshape(h, w, c, p, p).permute(2, 0, 3, 1, 4).reshape(c, h * p, w * p)
     return images, torch.from_numpy(sizes)
+
+
+def naflex(rows: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Patch rows ``(L, C*P*P)`` of images ``grid`` as SigLIP2 NaFlex's padded batch: ``pixel_values`` ``(n,
+    max h*w, C*P*P)`` (zero padding rows), ``pixel_attention_mask`` ``(n, max h*w)`` and ``spatial_shapes``."""
+    counts = (grid[:, 1] * grid[:, 2]).tolist()
+    pixels = rows.new_zeros(grid.shape[0], max(counts), rows.shape[1])
+    mask = torch.zeros(grid.shape[0], max(counts), dtype=torch.long)
+    for i, image in enumerate(torch.split(rows, counts)):
+        pixels[i, : counts[i]], mask[i, : counts[i]] = image, 1
+    return pixels, mask, torch.from_numpy(grid[:, 1:].copy())
+
+
+def unpad(value: Any, grid: np.ndarray) -> Any:
+    """A NaFlex output field without its padding rows: ``(n, L, hidden)`` -> each image's ``h*w`` rows, one after
+    the other (the graphed tower's padding rows are zero, the tower's are what its attention makes of them)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        return value
+    return torch.cat([value[i, : h * w] for i, (h, w) in enumerate(grid[:, 1:].tolist())])
 
 
 def frames_grid(grid: np.ndarray) -> np.ndarray:
@@ -272,7 +316,11 @@ class Family:
     call_style: str = "grid"
     """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
     ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM); ``"batch1"``: ``tower(rows[None], grid_thw)``
-    (PaddleOCR-VL); ``"padded"``: ``tower(images, image_sizes=...)`` (Pixtral: :func:`padded`)."""
+    (PaddleOCR-VL); ``"padded"``: ``tower(images, image_sizes=...)`` (Pixtral: :func:`padded`); ``"naflex"``:
+    ``tower(pixel_values, pixel_attention_mask, spatial_shapes)`` (SigLIP2 NaFlex: :func:`naflex`; fields split per
+    image, padding rows dropped)."""
+    base_attr: str = "model"
+    """Where the model's feature functions live (``""``: the model itself, SigLIP2's)."""
     holds_hidden: bool = False
     """The adapter answers ``output_hidden_states`` from its graphs (Pixtral: its models always ask)."""
 
@@ -299,6 +347,9 @@ class Family:
         if self.call_style == "padded":
             images, sizes = padded(rows, grid)
             return module(images, image_sizes=sizes.to(rows.device), **kwargs)
+        if self.call_style == "naflex":
+            pixels, mask, shapes = naflex(rows, grid)
+            return module(pixels, mask.to(rows.device), shapes.to(rows.device), **kwargs)
         if self.call_style == "batch1":  # PaddleOCR-VL: its model hands the tower one packed batch
             return module(rows.unsqueeze(0), torch.from_numpy(grid).to(rows.device), **kwargs)
         if self.call_style == "glm" and reference:
@@ -320,6 +371,10 @@ class Family:
         if self.call_style == "padded":  # by keyword: LLaVA's second parameter is vision_feature_layer
             pixels, sizes = padded(self.pixels(images), images)
             return [("get_image_features", {"pixel_values": pixels, "image_sizes": sizes})]
+        if self.call_style == "naflex":
+            pixels, mask, shapes = naflex(self.pixels(images), images)
+            return [("get_image_features", {"pixel_values": pixels, "pixel_attention_mask": mask,
+                                            "spatial_shapes": shapes})]
         calls.append(("get_image_features", (self.pixels(images), torch.from_numpy(images))))
         if self.video_t:
             videos = np.array([[self.video_t, 4, 4], [self.video_t, 2, 4]])
@@ -334,6 +389,10 @@ class Family:
     def split(self, out: Any, grid: np.ndarray) -> list[dict[str, torch.Tensor]]:
         """Per item, every field of ``out`` (which must be exactly :attr:`fields`)."""
         assert sorted(k for k, v in out.items() if v is not None) == sorted(self.fields), list(out.keys())
+        if self.call_style == "naflex":  # (n, L, hidden) and (n, hidden): image i's rows and vector
+            hw = (grid[:, 1] * grid[:, 2]).tolist()
+            return [{name: out[name][i, : hw[i]] if out[name].dim() == 3 else out[name][i] for name in self.fields}
+                    for i in range(grid.shape[0])]
         parts = {name: torch.split(out[name], self.counts(grid, kind), dim=dim)
                  for name, (dim, kind) in self.fields.items()}
         return [{name: p[i] for name, p in parts.items()} for i in range(grid.shape[0])]
@@ -366,6 +425,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("hunyuan_vl", "HunYuanVLAdapter", hunyuan_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows"),
            "pooler_output": (1, "framed_tokens")}, hunyuan_model, tower_attr="vision_tower", video_t=0,
            odd_grids_to_tower=True),
+    Family("siglip2", "Siglip2Adapter", siglip2_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows"),
+           "pooler_output": (0, "items")}, siglip2_model, tower_attr="vision_model", video_t=0, tower_merge=1,
+           call_style="naflex", base_attr=""),
+    Family("lfm2_vl", "Siglip2Adapter", siglip2_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows")},
+           lfm2_vl_model, tower_attr="vision_tower", video_t=0, tower_merge=1, call_style="naflex",
+           tower_tests=False),
     Family("minicpmv4_6", "MiniCPMVAdapter", minicpm_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "tokens")},
            minicpm_model, tower_attr="vision_tower", min_transformers="5.24", call_style="strip"),
 )}

@@ -80,19 +80,6 @@ def idefics_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
                                     "pixel_attention_mask": torch.cat([mask, torch.zeros(1, 1, SIDE, SIDE, dtype=torch.long)], 1)})]
 
 
-def naflex_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """SigLIP2 NaFlex (LFM2-VL, SigLIP2): ``(n, max_patches, 3*P*P)`` patch rows, the valid rows' mask and each
-    image's ``(h, w)`` in patches (even, for LFM2-VL's 2 x 2 downsampling)."""
-    g = _gen(seed)
-    shapes = torch.randint(1, GRID // 2 + 1, (n, 2), generator=g) * 2
-    shapes[0] = torch.tensor([GRID, GRID])
-    mask = torch.zeros(n, GRID * GRID, dtype=torch.long)
-    for i, (h, w) in enumerate(shapes.tolist()):
-        mask[i, :h * w] = 1
-    pixels = torch.randn(n, GRID * GRID, 3 * 4 * 4, generator=g) * mask[..., None]
-    return [("get_image_features", {"pixel_values": pixels, "spatial_shapes": shapes, "pixel_attention_mask": mask})]
-
-
 def _pooling(items: list[tuple[int, int]], seed: int) -> torch.Tensor:
     """Molmo2's token pooling: per item ``(tokens, patches)``, ``tokens`` rows of 4 indices into that item's own
     patches (``-1``: an empty slot; the first slot of a token never empty)."""
@@ -141,20 +128,6 @@ def _tf() -> Any:
     import transformers
 
     return transformers
-
-
-def lfm2_vl() -> torch.nn.Module:
-    tf = _tf()
-    vision = dict(V, model_type="siglip2_vision_model", patch_size=4, num_patches=GRID * GRID)
-    return tf.Lfm2VlForConditionalGeneration(tf.Lfm2VlConfig(
-        vision_config=vision, text_config=dict(T, model_type="lfm2"), downsample_factor=2))
-
-
-def siglip2() -> torch.nn.Module:
-    tf = _tf()
-    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    return tf.Siglip2Model(tf.Siglip2Config(vision_config=dict(V, patch_size=4, num_patches=GRID * GRID),
-                                            text_config=text))
 
 
 def idefics3() -> torch.nn.Module:
@@ -258,8 +231,6 @@ CASES: dict[str, Case] = {c.name: c for c in (
     # Padded variable-size towers whose every argument is batch-first (images, masks, shapes).
     Case("idefics3", idefics3, "model.vision_model", idefics_call),
     Case("smolvlm", smolvlm, "model.vision_model", idefics_call),
-    Case("lfm2_vl", lfm2_vl, "model.vision_tower", naflex_call),
-    Case("siglip2", siglip2, "vision_model", naflex_call),
     Case("molmo2", molmo2, "model.vision_tower", molmo_call),
     # Answered by the tower's own forward, each for its reason (see the test module).
     Case("phi4_multimodal", phi4_image_embedding, "img_processor", phi4_call, served=NOT_BATCH_FIRST),

@@ -21,7 +21,7 @@ from tests.unit._helpers import smoke_env  # noqa: E402
 
 GEOMETRY_OF_KIND = {  # (merge, has a fixed side) per kind: what each layout's facts must read
     TowerKind.PACKED: (2, False), TowerKind.PATCHES: (2, False), TowerKind.BATCH1: (2, False),
-    TowerKind.IMAGES: (1, False), TowerKind.STRIP: (2, False),
+    TowerKind.IMAGES: (1, False), TowerKind.NAFLEX: (1, False), TowerKind.STRIP: (2, False),
     TowerKind.FIXED: (1, True), TowerKind.PADDED: (3, False), TowerKind.VIEWS: (1, True),
 }
 
