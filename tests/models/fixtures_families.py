@@ -395,7 +395,8 @@ class Family:
                  for name, (dim, kind) in self.fields.items()}
         if any(kind == "patches" for _, kind in self.fields.values()):  # each image's real patches (top-left)
             side = grid[:, 1:].max(0).tolist()
-            parts = {name: [p[0].unflatten(0, side)[:h, :w].flatten(0, 1) for p, (h, w) in zip(ps, grid[:, 1:].tolist())]
+            hw = grid[:, 1:].tolist()
+            parts = {name: [p[0].unflatten(0, side)[:h, :w].flatten(0, 1) for p, (h, w) in zip(ps, hw)]
                      for name, ps in parts.items()}
         return [{name: p[i] for name, p in parts.items()} for i in range(grid.shape[0])]
 
