@@ -136,16 +136,18 @@ def slot_mask(cu_seqlens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.
 def pad_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                         scale: float) -> torch.Tensor:
     """Each slot's padding query ``(slots, heads, dim)`` attending to its sequence's rows of ``key``/``value``
-    (``(rows, heads, dim)``, ``mask`` from :func:`slot_mask`): one SDPA call. A non-finite key or value of one
-    sequence never reaches another's query (zeroed for the product; the queries of its own sequence are NaN, as
-    that sequence's own attention would be)."""
-    bad_k, bad_v = ~torch.isfinite(key), ~torch.isfinite(value)
+    (``(rows, heads, dim)``, ``mask`` from :func:`slot_mask`): one SDPA call. A row whose key or value holds a
+    non-finite value (its sum is not finite: also a finite row whose sum overflows) is zeroed for the product, so that
+    it never reaches another sequence's query through a masked-out weight (``0 * NaN``), and the queries of its own
+    sequence are NaN, as that sequence's own attention would make them. Two reductions and two selects over the
+    keys and values per layer: the price of that isolation (fused where the layers are compiled)."""
+    bad = ~torch.isfinite(key.sum(dim=(1, 2), dtype=torch.float32) + value.sum(dim=(1, 2), dtype=torch.float32))
     zero = torch.zeros((), dtype=key.dtype, device=key.device)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),
-        torch.where(bad_k, zero, key).transpose(0, 1).unsqueeze(0),
-        torch.where(bad_v, zero, value).transpose(0, 1).unsqueeze(0),
+        torch.where(bad[:, None, None], zero, key).transpose(0, 1).unsqueeze(0),
+        torch.where(bad[:, None, None], zero, value).transpose(0, 1).unsqueeze(0),
         attn_mask=mask, scale=scale,
     )[0].transpose(0, 1)
-    reach = (mask & (bad_k | bad_v).flatten(1).any(-1)[None, :]).any(-1)
+    reach = (mask & bad[None, :]).any(-1)
     return torch.where(reach[:, None, None], torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)

@@ -160,3 +160,26 @@ def test_output_type_follows_the_installed_tower():
         want = type(copy.deepcopy(tower)(images, patch_attention_mask=mask))
         got = type(encgraph.graphed(tower, budgets=BUDGETS, mode=RunMode.STATIC)(images, patch_attention_mask=mask))
     assert got is want
+
+
+def test_padding_queries_attend_to_their_own_sequence_only():
+    """Each slot's query against its sequence's rows alone; a non-finite value in one sequence (here an inf value
+    only) makes that sequence's query NaN and no other's; a zero-length slot stays finite."""
+    import torch.nn.functional as F
+
+    from encgraph.models.idefics3_layout import pad_query_attention, slot_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 4, generator=gen) for n in (3, 6, 6))
+    v[4, 1, 2] = float("inf")
+    cu = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    cu = torch.cat([cu, cu[-1:]])  # a zero-length slot at the end
+    q = torch.cat([q, torch.randn(1, 2, 4, generator=gen)])
+    mask, seg = slot_mask(cu, 6)
+    assert seg.tolist() == [0, 0, 0, 1, 1, 2]
+    out = pad_query_attention(q, k, v, mask, 0.5)
+    for slot, (a, b) in enumerate(((0, 3), (5, 6))):
+        want = F.scaled_dot_product_attention(q[[slot * 2]].transpose(0, 1), k[a:b].transpose(0, 1),
+                                              v[a:b].transpose(0, 1), scale=0.5).transpose(0, 1)
+        torch.testing.assert_close(out[slot * 2], want[0])
+    assert out[1].isnan().all() and out[3].isfinite().all()
