@@ -40,7 +40,7 @@ from encgraph.capture.runner import EncoderGraphRunner  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models._hf import transformers_version, _parse  # noqa: E402
 from tests.gpu.family_geometry import GEOMETRY  # noqa: E402
-from tests.models.fixtures_families import FAMILIES, naflex, padded, strip  # noqa: E402
+from tests.models.fixtures_families import FAMILIES, masked, naflex, padded, strip  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,7 +55,7 @@ STATIC_RTOL_FOR = {("kimi_k25", "pooler_output"): 1e-2}
 two runs, so a pooled value near a bf16 rounding boundary can differ by one bf16 step (up to 2^-8 relative)."""
 NEEDS_524 = {"kimi_k25", "minicpmv4_6"}
 PACKED = ("glm4v", "qwen3_5", "ernie4_5_vl", "kimi_k25", "minicpmv4_6", "paddleocr_vl", "pixtral", "hunyuan_vl",
-          "siglip2")
+          "siglip2", "smolvlm")
 
 
 @attrs.frozen
@@ -116,6 +116,9 @@ def adapter_inputs(name: str, adapter: Any, rows: torch.Tensor, grid: np.ndarray
         return adapter.inputs(*padded(rows, grid))
     if FAMILIES[name].call_style == "naflex":
         return adapter.inputs(*(t.to(rows.device) for t in naflex(rows, grid)))
+    if FAMILIES[name].call_style == "mask":
+        images, mask = masked(rows, grid)
+        return adapter.inputs(images, mask.to(rows.device))
     return adapter.inputs(rows, grid)
 
 

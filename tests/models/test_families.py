@@ -1,6 +1,5 @@
 """The packed-grid families (GLM-4V, Qwen3.5, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V 4.6, PaddleOCR-VL, Pixtral, HunYuan-VL,
-SigLIP2 NaFlex; tiny random
-towers, CPU,
+SigLIP2 NaFlex, Idefics3, SmolVLM; tiny random towers, CPU,
 fp32): ``graphed(tower)`` (the padded static forward, STATIC mode, and eager for what no budget holds) equals the
 tower's own forward per item, every field, in every grad mode; the full model's feature functions are unchanged
 with the tower replaced by ``graphed(tower)``; the static forward never reads the host (meta device).
@@ -22,6 +21,7 @@ from encgraph.errors import EncgraphError, InputError  # noqa: E402
 from encgraph.models import known_configs, wrap  # noqa: E402
 from tests.models.fixtures_families import (  # noqa: E402
     FAMILIES,
+    masked,
     naflex,
     padded,
     random_grid,
@@ -174,7 +174,7 @@ def test_sample_inputs_and_concat(family):
         assert sample.pixel_values.dtype == adapter.config.dtype and sample.pixel_values.abs().sum() > 0
     grid_a, grid_b = np.array([[1, 4, 6], [1, 2, 2]]), np.array([[1, 6, 6]])
     args = {"strip": lambda rows, g: (strip(rows), g[:, 1:]), "padded": padded,
-            "naflex": naflex}.get(family.call_style, lambda *a: a)
+            "naflex": naflex, "mask": masked}.get(family.call_style, lambda *a: a)
     parts = [adapter.inputs(*args(family.pixels(g, seed=i), g)) for i, g in enumerate((grid_a, grid_b))]
     both = adapter.concat(parts)
     assert adapter.item_specs(both) == adapter.item_specs(parts[0]) + adapter.item_specs(parts[1])
@@ -208,6 +208,9 @@ def test_bad_inputs(family):
             fast(*padded(rows, grid)[:1], image_sizes=torch.tensor([[4 * rows.shape[-1], 5 * rows.shape[-1]]]))
         elif family.call_style == "naflex":  # an image of more rows than the padded batch holds
             fast(*naflex(rows, grid)[:2], spatial_shapes=torch.tensor([[4, 5]]))
+        elif family.call_style == "mask":  # a mask of another patch grid than the images'
+            images, mask = masked(rows, grid)
+            fast(images, patch_attention_mask=mask[:, :3])
         else:
             family.call(fast, rows[:-4], grid)
     odd = np.array([[1, 3, 5]])
@@ -223,7 +226,7 @@ def test_bad_inputs(family):
     with pytest.raises(EncgraphError):
         family.call(fast, rows.to(torch.int64), grid)
     if family.call_style != "strip":
-        what = "images" if family.call_style in ("padded", "naflex") else "rows"
+        what = "images" if family.call_style in ("padded", "naflex", "mask") else "rows"
         with pytest.raises(InputError, match=rf"expected shape \({what}, "):
             fast(rows.reshape(rows.shape[0], -1)[:, :5], torch.from_numpy(grid))
     with torch.no_grad():  # a keyword the tower's **kwargs swallows is ignored, as the tower ignores it
