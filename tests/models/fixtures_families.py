@@ -305,6 +305,8 @@ def unpad(value: Any, grid: np.ndarray) -> Any:
     if not isinstance(value, torch.Tensor) or value.dim() != 3:
         return value
     return torch.cat([value[i, : h * w] for i, (h, w) in enumerate(grid[:, 1:].tolist())])
+
+
 def masked(rows: torch.Tensor, grid: np.ndarray, side: tuple[int, int] | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Patch rows ``(L, C, P, P)`` of images ``grid`` as the Idefics3 / SmolVLM tower's zero-padded images ``(n, C,
@@ -359,11 +361,10 @@ class Family:
     ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM); ``"batch1"``: ``tower(rows[None], grid_thw)``
     (PaddleOCR-VL); ``"padded"``: ``tower(images, image_sizes=...)`` (Pixtral: :func:`padded`); ``"naflex"``:
     ``tower(pixel_values, pixel_attention_mask, spatial_shapes)`` (SigLIP2 NaFlex: :func:`naflex`; fields split per
-    image, padding rows dropped)."""
+    image, padding rows dropped); ``"mask"``: ``tower(images, patch_attention_mask=...)`` (Idefics3, SmolVLM:
+    :func:`masked`)."""
     base_attr: str = "model"
     """Where the model's feature functions live (``""``: the model itself, SigLIP2's)."""
-    (PaddleOCR-VL); ``"padded"``: ``tower(images, image_sizes=...)`` (Pixtral: :func:`padded`); ``"mask"``:
-    ``tower(images, patch_attention_mask=...)`` (Idefics3, SmolVLM: :func:`masked`)."""
     holds_hidden: bool = False
     """The adapter answers ``output_hidden_states`` from its graphs (Pixtral: its models always ask)."""
 
