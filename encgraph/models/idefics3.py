@@ -45,11 +45,11 @@ import torch
 from encgraph._validate import check_pixels, describe
 from encgraph.capture.protocol import BufferSpec, FillRule, StockCall
 from encgraph.errors import InputError, InputTypeError
+from encgraph.models import call_args
 from encgraph.models.attention import packed_attention
 from encgraph.models.hidden_choice import (
     HIDDEN,
     HiddenStatesChoice,
-    hidden_states_layout,
 )
 from encgraph.models.idefics3_layout import (
     MaskedPixels,
@@ -197,31 +197,16 @@ class Idefics3Adapter(HiddenStatesChoice, QwenVisionAdapter):
         that is not a top-left rectangle, masked patches with non-zero pixels, and padded patches under a flash
         attention implementation get a :class:`StockCall` (the tower's own forward answers). Other keywords are
         ignored, as the tower's ``**kwargs`` swallows them."""
-        if len(args) > len(_PARAMETERS):
-            raise InputTypeError(f"{self.tower_class}.forward: expected (pixel_values, patch_attention_mask), got "
-                                 f"{len(args)} positional arguments.")
-        values = dict(zip(_PARAMETERS, args))
-        for name in _PARAMETERS:
-            if name in kwargs:
-                if name in values:
-                    raise InputTypeError(f"{self.tower_class}.forward: got {name!r} both positionally and by keyword.")
-                values[name] = kwargs.pop(name)
+        values = call_args.bind(f"{self.tower_class}.forward", _PARAMETERS, args, kwargs)
         config = self._module.config
-        asked = {k: getattr(config, k, False) if kwargs.get(k) is None else kwargs[k]
-                 for k in ("output_attentions", "output_hidden_states")}
-        if asked["output_attentions"]:
+        if call_args.switch(config, kwargs, "output_attentions"):
             return StockCall("output_attentions requested")
-        try:
-            layout = hidden_states_layout(asked["output_hidden_states"], self.num_layers)
-        except InputTypeError:  # a value the graphs cannot map: the tower reads it as it does
-            return StockCall("output_hidden_states of another form")
-        if not self._take_hidden(layout):
-            return StockCall("output_hidden_states not captured")
-        return_dict = kwargs.get("return_dict")
-        return_dict = getattr(config, "return_dict", True) if return_dict is None else return_dict
+        layout = self._hidden_for_layout(call_args.switch(config, kwargs, "output_hidden_states"))
+        if isinstance(layout, StockCall):
+            return layout
         try:
             inputs = self.inputs(values.get("pixel_values"), values.get("patch_attention_mask"),
-                                 return_dict=bool(return_dict), hidden_layout=layout)
+                                 return_dict=bool(call_args.return_dict(config, kwargs)), hidden_layout=layout)
         except NotRectangular:
             return StockCall("patch_attention_mask not a top-left rectangle")
         except MaskedPixels:

@@ -46,11 +46,12 @@ import torch.nn.functional as F
 
 from encgraph._validate import check_int, check_pixels, describe
 from encgraph.errors import InputError, InputTypeError
+from encgraph.models import call_args
 from encgraph.models.attention import hf_attention_forward
 from encgraph.models.layout import LayoutPatch, engaged, restore_all
 from encgraph.models.protocol import BufferSpec, FillRule, StockCall
 from encgraph.models.qwen_grid import UnitGrid
-from encgraph.models.qwen_inputs import RECORDING_SWITCHES, QwenVisionInputs
+from encgraph.models.qwen_inputs import QwenVisionInputs
 from encgraph.models.qwen_vl import QwenVisionAdapter
 
 __all__ = ["Siglip2Adapter", "Siglip2Inputs", "UnusualMask", "adapter", "axis_weights", "position_weights"]
@@ -208,23 +209,14 @@ class Siglip2Adapter(QwenVisionAdapter):
         (or the config's defaults), a missing mask or one that is not each image's first ``h*w`` rows get a
         :class:`StockCall` (the tower's own forward answers). Other keywords are ignored, as the tower's
         ``**kwargs`` swallows them."""
-        if len(args) > len(_PARAMETERS):
-            raise InputTypeError(f"{self.tower_class}.forward: expected ({', '.join(_PARAMETERS)}), got {len(args)} "
-                                 "positional arguments.")
-        values = dict(zip(_PARAMETERS, args))
-        for name in _PARAMETERS:
-            if name in kwargs:
-                if name in values:
-                    raise InputTypeError(f"{self.tower_class}.forward: got {name!r} both positionally and by keyword.")
-                values[name] = kwargs.pop(name)
+        values = call_args.bind(f"{self.tower_class}.forward", _PARAMETERS, args, kwargs)
         config = self._module.config
-        for name in RECORDING_SWITCHES:
-            if (getattr(config, name, False) if kwargs.get(name) is None else kwargs[name]):
-                return StockCall(f"{name} requested")
+        asked = call_args.recording_requested(config, kwargs)
+        if asked is not None:
+            return StockCall(f"{asked} requested")
         if values.get("pixel_attention_mask") is None:
             return StockCall("no pixel_attention_mask")
-        return_dict = kwargs.get("return_dict")
-        return_dict = bool(getattr(config, "return_dict", True)) if return_dict is None else return_dict
+        return_dict = call_args.return_dict(config, kwargs)
         try:
             return self.inputs(values.get("pixel_values"), values["pixel_attention_mask"],
                                values.get("spatial_shapes"), return_dict=return_dict)
