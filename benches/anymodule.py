@@ -202,6 +202,10 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         # Per capture phase, how far it raised the peak memory (None where the library does not report it).
         out["encgraph_memory_peak_rise_mib"] = capture_info.get("memory_peak_rise_mib")
         out["encgraph_pool_mib"] = round(capture_info.get("pool_bytes", 0) / 2**20, 1)
+        # The cost model the planner chose graphs or eager by (replay ms per budget, the eager fit): why a batch
+        # size ran eagerly ("eager is cheaper") where the table shows it.
+        costs = getattr(encgraph.graphs(systems["encgraph"]).runner, "costs", None)
+        out["encgraph_costs"] = costs.to_dict() if costs is not None else None
         shapes = encgraph.graphs(systems["encgraph"]).stats.get("shapes")
         if shapes:
             out["encgraph_stats"]["graph_mib"] = round(shapes["graph_bytes"] / 2**20, 1)
