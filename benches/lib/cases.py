@@ -179,8 +179,9 @@ NAFLEX_MAX_PATCHES = 256
 
 
 def naflex_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
-    """``(1, h, w)`` in patches of an image as SigLIP2's NaFlex processor resizes it (transformers' own helper)."""
-    from transformers.models.siglip2.image_processing_siglip2 import (
+    """``(1, h, w)`` in patches of an image as SigLIP2's NaFlex processor resizes it (transformers' own helper, from
+    its Pillow processor's module: the torchvision one's imports torchvision, which a CPU torch may lack)."""
+    from transformers.models.siglip2.image_processing_pil_siglip2 import (
         get_image_size_for_max_num_patches,
     )
 
