@@ -296,7 +296,7 @@ def _packed_attention(attention: torch.nn.Module) -> LayoutPatch:
         shape = (total, -1, attention.head_dim)
         q, k, v = (proj(x).view(shape) for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
         real = packed_attention(q[:rows], k[:rows], v[:rows], cu_seqlens, max_seqlen, scale=attention.scale)
-        pad = pad_query_attention(q[rows:], k[:rows], v[:rows], slot_mask, attention.scale)
+        pad = pad_query_attention(q[rows:], k[:rows], v[:rows], slot_mask, attention.scale, cu_seqlens, max_seqlen)
         return attention.out_proj(torch.cat([real, pad]).reshape(1, total, -1)), None
 
     return LayoutPatch(attention, "packed varlen attention per cu_seqlens", forward)

@@ -26,6 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from encgraph.errors import InputError
+from encgraph.models.attention import (
+    AttentionBackend,
+    attend_per_sequence,
+    pick_backend,
+)
 
 __all__ = ["MaskedPixels", "NotRectangular", "bucket_positions", "casts_fractions", "pad_query_attention",
            "padded_layout", "read_mask", "slot_mask", "tower_boundaries"]
@@ -134,13 +139,21 @@ def slot_mask(cu_seqlens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.
 
 
 def pad_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """Each slot's padding query ``(slots, heads, dim)`` attending to its sequence's rows of ``key``/``value``
-    (``(rows, heads, dim)``, ``mask`` from :func:`slot_mask`): one SDPA call. A row whose key or value holds a
-    non-finite value (its sum is not finite: also a finite row whose sum overflows) is zeroed for the product, so that
-    it never reaches another sequence's query through a masked-out weight (``0 * NaN``), and the queries of its own
-    sequence are NaN, as that sequence's own attention would make them. Two reductions and two selects over the
-    keys and values per layer: the price of that isolation (fused where the layers are compiled)."""
+    (``(rows, heads, dim)``, bounded by ``cu_seqlens``; ``mask`` from :func:`slot_mask`).
+
+    On CUDA in fp16/bf16: one varlen call, queries bounded ``0, 1, ..., slots`` and keys by ``cu_seqlens``
+    (:func:`~encgraph.models.attention.attend_per_sequence`): each sequence's keys read once, nothing crossing
+    sequences. Measured on an H100 at SmolVLM2's 17 tiles of 729 rows, the masked SDPA below cost 8.0 ms of cuDNN
+    and 1.3 ms of reductions a forward (27 layers) against the tiles' own attention's 8.6: a fifth of the forward.
+
+    Elsewhere (the CPU, fp32): one SDPA call under ``mask``. A row whose key or value holds a non-finite value (its
+    sum is not finite: also a finite row whose sum overflows) is zeroed for the product, so that it never reaches
+    another sequence's query through a masked-out weight (``0 * NaN``), and the queries of its own sequence are
+    NaN, as that sequence's own attention would make them."""
+    if pick_backend(query) is AttentionBackend.VARLEN:
+        return attend_per_sequence(query, key, value, cu_seqlens, max_seqlen, scale=scale)
     bad = ~torch.isfinite(key.sum(dim=(1, 2), dtype=torch.float32) + value.sum(dim=(1, 2), dtype=torch.float32))
     zero = torch.zeros((), dtype=key.dtype, device=key.device)
     out = F.scaled_dot_product_attention(

@@ -177,7 +177,7 @@ def test_padding_queries_attend_to_their_own_sequence_only():
     q = torch.cat([q, torch.randn(1, 2, 4, generator=gen)])
     mask, seg = slot_mask(cu, 6)
     assert seg.tolist() == [0, 0, 0, 1, 1, 2]
-    out = pad_query_attention(q, k, v, mask, 0.5)
+    out = pad_query_attention(q, k, v, mask, 0.5, cu, 3)
     for slot, (a, b) in enumerate(((0, 3), (5, 6))):
         want = F.scaled_dot_product_attention(q[[slot * 2]].transpose(0, 1), k[a:b].transpose(0, 1),
                                               v[a:b].transpose(0, 1), scale=0.5).transpose(0, 1)
