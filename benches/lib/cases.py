@@ -14,12 +14,19 @@ default settings:
 - ``IMAGES`` (Pixtral): an image scaled down to at most ``PIXTRAL_LONGEST_EDGE`` a side (aspect kept), sides
   rounded up to multiples of the patch: 448 and 336 px stay as they are; the call's images zero-padded to the
   largest; videos are refused;
+- ``NAFLEX`` (SigLIP2 NaFlex): an image resized, aspect kept, to the most patches ``NAFLEX_MAX_PATCHES`` allows
+  (``get_image_size_for_max_num_patches``: 448 and 336 px both become 16 x 16 patches at patch 16), its rows
+  padded to that many; videos are refused;
 - ``STRIP`` (MiniCPM-V 4.6): an image of at most 448 x 448 px is resized to about that area (up or down), sides
   multiples of 4 patches, and not sliced: 448 and 336 px both become 32 x 32 patches (256 tokens after the
   tower's window merger); a larger image (the processor slices it) or a video is refused;
 - ``PADDED`` (Gemma-4): every image resized to the patch budget of ``max_soft_tokens = 280`` (2520 patches,
   sides multiples of the 3 x 3 pooling), then padded to 2520 rows: any square image is 48 x 48 patches (256 soft
   tokens); videos are refused;
+- ``MASKED`` (Idefics3, SmolVLM): the image's longest edge resized to ``IDEFICS_TILES_PER_SIDE`` tiles (up or
+  down, aspect kept), then each side up to whole tiles, cut into tiles plus a global tile where there is more than
+  one (448 and 336 px both become 4 x 4 + 1 = 17 tiles); a full ``patch_attention_mask``, as the processor gives
+  for tiles; videos are refused (SmolVLM's frames are images of one tile: not modelled);
 - ``VIEWS`` (Step-3.7): one 728 px global view per image, plus 504 px crops where the processor cuts them
   (only images over 728 px, or elongated ones: none at 448 or 336 px; ``1x896`` has 4); videos are refused.
 """
@@ -167,6 +174,21 @@ def pixtral_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
     return 1, -(-h // geom.patch), -(-w // geom.patch)
 
 
+NAFLEX_MAX_PATCHES = 256
+"""SigLIP2's NaFlex image processor default (``max_num_patches=256``): the rows each image is padded to."""
+
+
+def naflex_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
+    """``(1, h, w)`` in patches of an image as SigLIP2's NaFlex processor resizes it (transformers' own helper, from
+    its Pillow processor's module: the torchvision one's imports torchvision, which a CPU torch may lack)."""
+    from transformers.models.siglip2.image_processing_pil_siglip2 import (
+        get_image_size_for_max_num_patches,
+    )
+
+    h, w = get_image_size_for_max_num_patches(visual.height, visual.width, geom.patch, NAFLEX_MAX_PATCHES)
+    return 1, h // geom.patch, w // geom.patch
+
+
 def strip_grid(visual: Visual, geom: Geometry) -> tuple[int, int, int]:
     """``(1, h, w)`` in patches of an image as MiniCPM-V's processor resizes it (``find_best_resize`` with
     upscaling, no slices); refuses an image over ``MINICPM_SCALE`` squared, which the processor slices."""
@@ -221,6 +243,38 @@ def view_crops(visual: Visual, geom: Geometry) -> int:
     return count(width) * count(height)
 
 
+IDEFICS_TILES_PER_SIDE = 4
+"""Idefics3's and SmolVLM's ``size["longest_edge"]`` in tiles (``max_image_size``): 4 x 364 and 4 x 384 px."""
+
+
+def idefics_tiles(visual: Visual, geom: Geometry) -> int:
+    """Tiles Idefics3's / SmolVLM's image processor cuts an image into (``resize`` to the longest edge, then
+    ``resize_for_vision_encoder`` and ``split_images``): ``rows * cols`` tiles plus the global one, or 1."""
+    side = int(geom.image_size)  # type: ignore[arg-type]
+    height, width = visual.height, visual.width
+    longest, aspect = IDEFICS_TILES_PER_SIDE * side, visual.width / visual.height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+        width = -(-width // side) * side
+        height = -(-int(width / aspect) // side) * side
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+        height = -(-height // side) * side
+        width = -(-int(height * aspect) // side) * side
+    if height <= side and width <= side:
+        return 1
+    return (height // side) * (width // side) + 1
+
+
+def _masked_sizes(visuals: Sequence[Visual], geom: Geometry, image_cap: float, frame_cap: float) -> Sizes:
+    _images_only(visuals, "Idefics3 / SmolVLM")
+    tiles = sum(idefics_tiles(v, geom) for v in visuals)
+    side = int(geom.image_size) // geom.patch  # type: ignore[arg-type]
+    return Sizes(len(visuals), tiles * side * side, tiles * side * side, ((1, side, side),) * tiles, tiles=tiles)
+
+
 def _grid_sizes(grid_of: Callable[[Visual, Geometry], tuple[int, int, int]], layout: str) -> Callable[..., Sizes]:
     def sizes(visuals: Sequence[Visual], geom: Geometry, image_cap: float, frame_cap: float) -> Sizes:
         _images_only(visuals, layout)
@@ -248,8 +302,10 @@ _SIZES: dict[TowerKind, Callable[[Sequence[Visual], Geometry, float, float], Siz
     TowerKind.PATCHES: _packed_sizes,
     TowerKind.BATCH1: _packed_sizes,
     TowerKind.IMAGES: _grid_sizes(pixtral_grid, "Pixtral"),
+    TowerKind.NAFLEX: _grid_sizes(naflex_grid, "SigLIP2 NaFlex"),
     TowerKind.STRIP: _grid_sizes(strip_grid, "MiniCPM-V"),
     TowerKind.PADDED: _grid_sizes(padded_grid, "Gemma-4"),
+    TowerKind.MASKED: _masked_sizes,
     TowerKind.VIEWS: _views_sizes,
 }
 
@@ -311,6 +367,19 @@ def _images_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[t
     return (pixels,), {"image_sizes": sides.to(env.device)}
 
 
+def _naflex_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    pixels = torch.zeros(sizes.items, NAFLEX_MAX_PATCHES, geom.row_size, device=env.device, dtype=env.dtype)
+    mask = torch.zeros(sizes.items, NAFLEX_MAX_PATCHES, dtype=torch.int32)
+    for i, (_, h, w) in enumerate(sizes.grids):
+        pixels[i, : h * w] = torch.randn(h * w, geom.row_size, device=env.device, generator=gen).to(env.dtype)
+        mask[i, : h * w] = 1
+    shapes = torch.tensor([(h, w) for _, h, w in sizes.grids], dtype=torch.int64)
+    return (), {"pixel_values": pixels, "pixel_attention_mask": mask.to(env.device),
+                "spatial_shapes": shapes.to(env.device)}
+
+
 def _strip_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     import torch
 
@@ -337,6 +406,15 @@ def _padded_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[t
     return (pixels, torch.from_numpy(positions).to(env.device)), {}
 
 
+def _masked_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    side = int(geom.image_size)  # type: ignore[arg-type]
+    pixels = torch.randn(sizes.tiles, geom.channels, side, side, device=env.device, dtype=env.dtype, generator=gen)
+    mask = torch.ones(sizes.tiles, side // geom.patch, side // geom.patch, dtype=torch.bool, device=env.device)
+    return (pixels,), {"patch_attention_mask": mask}
+
+
 def _views_tensors(sizes: Sizes, geom: Geometry, env: Env, gen: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     import torch
 
@@ -354,12 +432,15 @@ _TENSORS: dict[TowerKind, Callable[[Sizes, Geometry, Env, Any], tuple[tuple[Any,
     TowerKind.PATCHES: _patch_rows_tensors,
     TowerKind.BATCH1: _batch1_tensors,
     TowerKind.IMAGES: _images_tensors,
+    TowerKind.NAFLEX: _naflex_tensors,
     TowerKind.STRIP: _strip_tensors,
     TowerKind.PADDED: _padded_tensors,
+    TowerKind.MASKED: _masked_tensors,
     TowerKind.VIEWS: _views_tensors,
 }
 _HOST_GRIDS = {TowerKind.PACKED: "grid_thw", TowerKind.PATCHES: "grid_thw", TowerKind.BATCH1: "grid_thw",
-               TowerKind.IMAGES: "image_sizes", TowerKind.STRIP: "target_sizes"}
+               TowerKind.IMAGES: "image_sizes", TowerKind.STRIP: "target_sizes", TowerKind.NAFLEX: "spatial_shapes",
+               TowerKind.MASKED: "patch_attention_mask"}
 """The keyword of each kind's per-item sizes, which the adapter systems get on the host."""
 
 

@@ -40,6 +40,16 @@ checkpoints (their defaults are those models' values) and the models' published 
   HunyuanOCR's 0.5B text model as published descriptions of its merger give it (``Linear(4608, 1024)``; the model
   config sets ``text_hidden_size`` to the text width, over the vision config's 3072). Not checked against the
   checkpoint's ``config.json``.
+- SigLIP2-so400m NaFlex (google/siglip2-so400m-patch16-naflex; LFM2-VL-1.6B's tower is the same SigLIP2 so400m
+  NaFlex): 27 layers, hidden 1152, 16 heads, MLP 4304, patch 16, a 16 x 16 position table (256 entries), the
+  attention-pooling head, the processor's ``max_num_patches`` 256 (LFM2-VL's processor allows up to 1024 a tile,
+  and has no head). The so400m widths as SigLIP so400m's published configs give them; not checked against the
+  NaFlex checkpoint's ``config.json``.
+- SmolVLM2-2.2B (and Idefics3-8B, whose tower is the same at 364 px tiles): SigLIP-so400m, 27 layers, hidden 1152,
+  16 heads, MLP 4304, patch 14, 384 px tiles (27 x 27 patches), a 27 x 27 position table at bucketised fractional
+  positions; the processor resizes an image's longest edge to 4 tiles (1536 px) and cuts it into tiles plus a global
+  one (SmolVLM-Instruct's published ``preprocessor_config.json``: ``max_image_size`` 384, ``size`` 1536; SmolVLM2's
+  smaller checkpoints use 512 and 2048). Not checked against SmolVLM2-2.2B's own ``config.json``.
 - Llama 4 Scout: 34 layers, hidden 1408, 16 heads, MLP 5632, 336 px tiles of patch 14, pixel shuffle to
   4096-wide tokens.
 - Gemma-4's vision tower: 16 layers of 768, 12 heads (as many KV heads), head 64, MLP 3072, patch 16, pooling
@@ -79,10 +89,16 @@ class TowerKind(enum.Enum):
     IMAGES = "images"
     """Pixtral style: zero-padded images ``(images, C, maxH, maxW)`` + ``image_sizes (images, 2)`` in pixels (sides
     multiples of the patch; the tower merges nothing)."""
+    NAFLEX = "naflex"
+    """SigLIP2 NaFlex style: each image's patch rows padded to ``max_num_patches``, ``(images, rows, C*P*P)``, +
+    ``pixel_attention_mask (images, rows)`` + ``spatial_shapes (images, 2)`` in patches."""
     STRIP = "strip"
     """MiniCPM-V style: one strip of patches ``(1, C, P, patches * P)`` + ``target_sizes (images, 2)``."""
     PADDED = "padded"
     """Gemma-4 style: patches padded per image, ``(images, rows, C*P*P)``, + ``pixel_position_ids``."""
+    MASKED = "masked"
+    """Idefics3 / SmolVLM style: square tiles ``(tiles, C, S, S)`` + ``patch_attention_mask (tiles, S/P, S/P)``
+    (the tower merges nothing; the model's connector does)."""
     VIEWS = "views"
     """Step-3.7 style: the model's ``get_image_features(global views (B, C, S, S), local crops, crops per
     image)``."""
@@ -124,8 +140,10 @@ DEFAULT_FACTS: dict[TowerKind, Facts] = {
     TowerKind.PATCHES: Facts(merge="merge_kernel_size", temporal_patch=1, channels=3),
     TowerKind.BATCH1: Facts(temporal_patch=1, channels="num_channels"),
     TowerKind.IMAGES: Facts(merge=1, temporal_patch=1, channels="num_channels"),
+    TowerKind.NAFLEX: Facts(merge=1, temporal_patch=1, channels="num_channels"),
     TowerKind.STRIP: Facts(merge="window_kernel_size", temporal_patch=1, channels="num_channels"),
     TowerKind.PADDED: Facts(merge="pooling_kernel_size", temporal_patch=1, channels=3),
+    TowerKind.MASKED: Facts(merge=1, temporal_patch=1, channels="num_channels", image_size="image_size"),
     TowerKind.VIEWS: Facts(patch=f"{_STEP}patch_size", merge=1, temporal_patch=1, channels=f"{_STEP}num_channels",
                            image_size=f"{_STEP}image_size"),
 }
@@ -326,6 +344,14 @@ _FAMILY_ROWS = (
                   "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 1, "max_image_size": 2048,
                   "text_hidden_size": 1024, "hidden_act": "gelu", "interpolate_mode": "bilinear"},
             tiny=dict(TINY_FIXED, text_hidden_size=48), facts=Facts(channels="num_channels")),
+    _family("siglip2", "SigLIP2-so400m NaFlex tower", TowerKind.NAFLEX, "Siglip2VisionModel", "Siglip2VisionConfig",
+            full={"num_hidden_layers": 27, "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
+                  "patch_size": 16, "num_patches": 256, "hidden_act": "gelu_pytorch_tanh", "vision_use_head": True},
+            tiny=TINY_FIXED),
+    _family("smolvlm", "SmolVLM2-2.2B tower", TowerKind.MASKED, "SmolVLMVisionTransformer", "SmolVLMVisionConfig",
+            full={"num_hidden_layers": 27, "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
+                  "patch_size": 14, "image_size": 384, "hidden_act": "gelu_pytorch_tanh"},
+            tiny=dict(TINY_FIXED, image_size=56)),
     _family("llama4", "Llama 4 Scout tower", TowerKind.FIXED, "Llama4VisionModel", "Llama4VisionConfig",
             full=dict(num_hidden_layers=34, hidden_size=1408, num_attention_heads=16, intermediate_size=5632,
                       image_size=336, patch_size=14, vision_output_dim=4096, projector_input_dim=4096,

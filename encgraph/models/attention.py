@@ -51,6 +51,7 @@ __all__ = [
     "SEGMENT_MIN_ROWS",
     "AttentionBackend",
     "RowsTable",
+    "attend_per_sequence",
     "hf_attention_forward",
     "host_bounds",
     "packed_attention",
@@ -203,9 +204,11 @@ def _varlen_attention(
     max_seqlen: int,
     scale: float | None,
     kernel: str | None = None,
+    keys: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """One varlen call; ``kernel`` forces ``"flash"`` or ``"fa4"`` (capture's measurement), default the
-    geometry's (:func:`encgraph.models.fa4.kernel_of`)."""
+    geometry's (:func:`encgraph.models.fa4.kernel_of`). ``keys``: the keys' own ``(cu_seqlens, max_seqlen)`` where
+    they are not the queries' (:func:`attend_per_sequence`)."""
     if _varlen()[0] is None:
         raise ConfigError(
             "packed_attention(backend=VARLEN): this torch build has no torch.nn.attention.varlen (torch>=2.10); "
@@ -215,6 +218,7 @@ def _varlen_attention(
     # the attention itself at small batches).
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    cu_k, max_k = (cu, max_seqlen) if keys is None else (keys[0].to(torch.int32), keys[1])
     kwargs: dict[str, Any] = {}
     if key.shape[1] != query.shape[1]:
         key, value = repeat_heads(key, value, query.shape[1])
@@ -227,8 +231,31 @@ def _varlen_attention(
             raise ConfigError("packed_attention: register_attention() must run before torch.compile traces it.")
         if scale is not None:
             kwargs["scale"] = float(scale)
-        return op(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
-    return varlen_kernel.call_kernel(query, key, value, cu, cu, max_seqlen, max_seqlen, scale, kernel)
+        return op(query, key, value, cu, cu_k, max_seqlen, max_k, **kwargs)
+    return varlen_kernel.call_kernel(query, key, value, cu, cu_k, max_seqlen, max_k, scale, kernel)
+
+
+def attend_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_seqlen: int, *, scale: float | None = None) -> torch.Tensor:
+    """One query per ``cu_seqlens`` slot attending to its own sequence's rows: ``query`` ``(slots - 1, heads,
+    head_dim)`` (``slots`` the length of ``cu_seqlens``), ``key``/``value`` ``(tokens, heads, head_dim)``, packed as
+    in :func:`packed_attention`. One varlen call whose queries' bounds are ``0, 1, ..., slots - 1`` (made on the
+    device) and whose keys' are ``cu_seqlens``: each sequence's keys are read once, and nothing crosses sequences,
+    so a non-finite row reaches only its own sequence's query; a zero-length slot's output is zero. CUDA in
+    fp16/bf16 only (:func:`pick_backend` ``VARLEN``; callers use a masked SDPA elsewhere). Never syncs the host."""
+    if pick_backend(query) is not AttentionBackend.VARLEN:
+        raise ConfigError(
+            f"attend_per_sequence(query): expected a CUDA fp16/bf16 tensor with torch's varlen kernel present, got "
+            f"{query.dtype} on {query.device}; use a masked SDPA there (encgraph.models.idefics3_layout does)."
+        )
+    slots = cu_seqlens.shape[0]
+    if query.dim() != 3 or query.shape[0] != slots - 1:
+        raise InputError(
+            f"attend_per_sequence(query): expected ({slots - 1}, heads, head_dim), one query per sequence of "
+            f"cu_seqlens, got {tuple(query.shape)}."
+        )
+    cu_q = torch.arange(slots, dtype=torch.int32, device=query.device)
+    return _varlen_attention(query, key, value, cu_q, 1, scale, keys=(cu_seqlens, max_seqlen))
 
 
 def _host_planned_attention(

@@ -39,6 +39,9 @@ BUILTIN_ADAPTERS: dict[str, tuple[str, str | None]] = {
     "PaddleOCRVisionConfig": ("encgraph.models.paddleocr_vl:adapter", "PaddleOCR-VL"),
     "PixtralVisionConfig": ("encgraph.models.pixtral:adapter", None),  # Mistral 3, Pixtral-12B (LLaVA)
     "HunYuanVLVisionConfig": ("encgraph.models.hunyuan_vl:adapter", "HunYuan-VL"),
+    "Siglip2VisionConfig": ("encgraph.models.siglip2:adapter", "SigLIP2 NaFlex"),  # SigLIP2's and LFM2-VL's tower
+    "Idefics3VisionConfig": ("encgraph.models.idefics3:adapter", "Idefics3"),
+    "SmolVLMVisionConfig": ("encgraph.models.idefics3:adapter", "SmolVLM"),  # the same tower
     # Multi-path towers: Gemma-4's vision tower (by its vision config) and Step-3.7: the full model (its shim
     # captures the projector too) and the tower alone as the model calls it (global views, then crops).
     "Gemma4VisionConfig": ("encgraph.models.gemma4:adapter", None),

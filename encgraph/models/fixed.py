@@ -36,12 +36,27 @@ import torch
 
 from encgraph._validate import check_int, check_pixels, describe
 from encgraph.capture.protocol import BufferSpec, StockCall
-from encgraph.errors import ConfigError, ConfigTypeError, InputTypeError, UnsupportedModelError
-from encgraph.models.own_forward import own_forward
+from encgraph.errors import (
+    ConfigError,
+    ConfigTypeError,
+    InputTypeError,
+    UnsupportedModelError,
+)
 from encgraph.models._hf import repeated_blocks, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
-from encgraph.models.batch_ladder import ONE_ITEM, BatchLadderAdapter, Signature, concat_parts
-from encgraph.models.hidden_choice import HIDDEN, HiddenStatesChoice, _selects_full_indices, hidden_states_layout
+from encgraph.models.batch_ladder import (
+    ONE_ITEM,
+    BatchLadderAdapter,
+    Signature,
+    concat_parts,
+)
+from encgraph.models.hidden_choice import (
+    HIDDEN,
+    HiddenStatesChoice,
+    _selects_full_indices,
+    hidden_states_layout,
+)
+from encgraph.models.own_forward import own_forward
 from encgraph.packing import ItemSpec
 
 __all__ = ["FixedResolutionAdapter", "PixelBatch", "CallRequest", "hidden_states_layout"]
@@ -195,12 +210,9 @@ class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
         shape = self._unheld_shape(pixel_values, interpolate)
         if shape is not None:
             return StockCall(shape)
-        try:
-            layout = hidden_states_layout(want, self.num_layers)
-        except InputTypeError:  # a value the graphs cannot map: the tower reads it as it does
-            return StockCall("output_hidden_states of another form")
-        if not self._take_hidden(layout):
-            return StockCall("output_hidden_states not captured")
+        layout = self._hidden_for_layout(want)
+        if isinstance(layout, StockCall):
+            return layout
         return PixelBatch(pixel_values, CallRequest(return_dict=return_dict, hidden_layout=layout))
 
     def _unheld_shape(self, pixel_values: Any, interpolate: Any) -> str | None:

@@ -17,6 +17,7 @@ import torch
 
 from encgraph._validate import describe
 from encgraph.errors import ConfigError, ConfigTypeError, InputTypeError
+from encgraph.models.protocol import StockCall
 
 __all__ = ["HIDDEN", "HiddenStatesChoice", "hidden_states_layout"]
 
@@ -126,6 +127,18 @@ class HiddenStatesChoice:
             self._hidden_changed()
             return True
         return False
+
+    def _hidden_for_layout(self, want: Any) -> tuple[int | None, ...] | None | StockCall:
+        """A call's ``output_hidden_states`` value ``want`` as the layout the graphs answer (see
+        :func:`hidden_states_layout`; learned while the choice may still grow), or the :class:`StockCall` that hands
+        the call to the tower's own forward: a value the graphs cannot map, or hidden states not captured."""
+        try:
+            layout = hidden_states_layout(want, self.num_layers)
+        except InputTypeError:  # a value the graphs cannot map: the tower reads it as it does
+            return StockCall("output_hidden_states of another form")
+        if not self._take_hidden(layout):
+            return StockCall("output_hidden_states not captured")
+        return layout
 
     def _hidden_tuple(self, cat: Mapping[str, torch.Tensor], layout: tuple[int | None, ...] | None,
                       ) -> tuple[torch.Tensor | None, ...] | None:

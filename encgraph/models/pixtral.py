@@ -35,10 +35,10 @@ import torch
 from encgraph._validate import check_int, check_pixels, describe
 from encgraph.capture.protocol import BufferSpec, FillRule, StockCall
 from encgraph.errors import InputError, InputTypeError
+from encgraph.models import call_args
 from encgraph.models.hidden_choice import (
     HIDDEN,
     HiddenStatesChoice,
-    hidden_states_layout,
 )
 from encgraph.models.qwen_grid import UnitGrid, rotary_positions, unit_grid
 from encgraph.models.qwen_inputs import QwenVisionInputs
@@ -176,30 +176,15 @@ class PixtralAdapter(HiddenStatesChoice, QwenVisionAdapter):
         the captured ones (learned before the first capture); a call asking for hidden states not captured, or for
         ``output_attentions``, gets a :class:`StockCall` (the tower's own forward answers it). Other keywords are
         ignored, as the tower's ``**kwargs`` swallows them."""
-        if len(args) > len(_PARAMETERS):
-            raise InputTypeError(f"{self.tower_class}.forward: expected (pixel_values, image_sizes), got {len(args)} "
-                                 "positional arguments.")
-        values = dict(zip(_PARAMETERS, args))
-        for name in _PARAMETERS:
-            if name in kwargs:
-                if name in values:
-                    raise InputTypeError(f"{self.tower_class}.forward: got {name!r} both positionally and by keyword.")
-                values[name] = kwargs.pop(name)
+        values = call_args.bind(f"{self.tower_class}.forward", _PARAMETERS, args, kwargs)
         config = self._module.config
-        asked = {k: getattr(config, k, False) if kwargs.get(k) is None else kwargs[k]
-                 for k in ("output_attentions", "output_hidden_states")}
-        if asked["output_attentions"]:
+        if call_args.switch(config, kwargs, "output_attentions"):
             return StockCall("output_attentions requested")
-        try:
-            layout = hidden_states_layout(asked["output_hidden_states"], self.num_layers)
-        except InputTypeError:  # a value the graphs cannot map: the tower reads it as it does
-            return StockCall("output_hidden_states of another form")
-        if not self._take_hidden(layout):
-            return StockCall("output_hidden_states not captured")
-        return_dict = kwargs.get("return_dict")
-        return_dict = getattr(config, "return_dict", True) if return_dict is None else return_dict
-        return self.inputs(values.get("pixel_values"), values.get("image_sizes"), return_dict=bool(return_dict),
-                           hidden_layout=layout)
+        layout = self._hidden_for_layout(call_args.switch(config, kwargs, "output_hidden_states"))
+        if isinstance(layout, StockCall):
+            return layout
+        return self.inputs(values.get("pixel_values"), values.get("image_sizes"),
+                           return_dict=bool(call_args.return_dict(config, kwargs)), hidden_layout=layout)
 
     # -- buffers and forwards
     def buffer_specs(self, path: str, budget: int, max_items: int, max_frames: int) -> dict[str, BufferSpec]:

@@ -15,15 +15,13 @@ import torch
 
 from encgraph._validate import check_int, check_pixels, describe
 from encgraph.errors import InputError, InputTypeError
+from encgraph.models import call_args
+from encgraph.models.call_args import RECORDING_SWITCHES
 from encgraph.models.protocol import StockCall
 from encgraph.models.qwen_grid import grid_array as _grid_array
 from encgraph.packing import ItemSpec
 
 __all__ = ["QwenVisionInputs", "QwenInputsMixin", "RECORDING_SWITCHES"]
-
-# Output-recording switches: the graphs record nothing per layer, so a call that turns one on (or whose config
-# does) is answered by the tower's own forward (a StockCall).
-RECORDING_SWITCHES = ("output_hidden_states", "output_attentions")
 
 
 @attrs.frozen(eq=False)
@@ -137,16 +135,7 @@ class QwenInputsMixin:
         from ``grid_thw``, which encgraph computes itself).
         """
         names = self.call_names
-        if len(args) > 2:
-            raise InputTypeError(
-                f"{self.tower_class}.forward: expected ({', '.join(names)}), got {len(args)} positional arguments."
-            )
-        values = dict(zip(names, args))
-        for name in names:
-            if name in kwargs:
-                if name in values:
-                    raise InputTypeError(f"{self.tower_class}.forward: got {name!r} both positionally and by keyword.")
-                values[name] = kwargs.pop(name)
+        values = call_args.bind(f"{self.tower_class}.forward", names, args, kwargs)
         if values.get(names[0]) is None or values.get(names[1]) is None:
             raise InputTypeError(
                 f"{self.tower_class}.forward: expected {names[0]} (pixel rows) and {names[1]}, got "
@@ -154,15 +143,10 @@ class QwenInputsMixin:
                 "from grid_thw."
             )
         config = getattr(self._module, "config", None)
-        for name in RECORDING_SWITCHES:
-            asked = kwargs.get(name)
-            if asked is None:
-                asked = getattr(config, name, False)
-            if asked:
-                return StockCall(f"{name} requested")
-        return_dict = kwargs.get("return_dict")
-        if return_dict is None:
-            return_dict = bool(getattr(config, "return_dict", True))
+        asked = call_args.recording_requested(config, kwargs)
+        if asked is not None:
+            return StockCall(f"{asked} requested")
+        return_dict = call_args.return_dict(config, kwargs)
         if return_dict is False and not self.with_last_hidden_state:
             raise InputError(
                 "return_dict=False: the tower's tuple starts with last_hidden_state, which this adapter was built "

@@ -10,13 +10,16 @@ to the device as its 8-bit RGB pixels, and transformers' torchvision image proce
   RGB images -> ``pixel_values``: one flat ``uint8`` array of every image's ``H x W x 3`` bytes, and
   ``decoded_sizes`` ``(images, 2)`` int64. Named as the processor's outputs are, so that the worker pool, its
   shared-memory slots and :func:`~encgraph.serving.loading.process_images` carry them unchanged;
-- device (:meth:`DeviceProcessing.on_device`, a request thread): the bytes uploaded through the thread's side
-  stream (:mod:`encgraph.serving.transfer`), each image viewed as ``(3, H, W)``, the processor run on them on that
-  side stream, which the thread then waits for alone; the result marked used by the replay stream.
+- device (:meth:`DeviceProcessing.on_device`, a request thread): the bytes uploaded on the thread's side stream
+  (:mod:`encgraph.serving.transfer`), each image viewed as ``(3, H, W)``, the processor run on them on that side
+  stream; the replay stream is made to wait for it on the device (the thread does not wait), and the result is
+  marked used by the replay stream.
 
 How exactly the torchvision processor matches the Pillow one (what the models were trained with), and its speed on
-a CPU: ``benches/results/preprocess_exactness_cpu.md``. Whether the device path is faster behind a server is for
-``benches/serving.py`` on a GPU to say; until it has, the host path is the default.
+a CPU: ``benches/results/preprocess_exactness_cpu.md``. Behind the server on an H100, with each request thread
+waiting for its own side stream, the device path was slower than the host path (docs/serving.md); whether handing
+the work to the replay stream instead makes it faster is for ``benches/serving.py`` and
+``benches/device_preprocess.py`` on a GPU to say; until then the host path is the default.
 """
 
 from __future__ import annotations
@@ -84,16 +87,24 @@ class DeviceProcessing:
     # -- device half
     def on_device(self, arrays: Mapping[str, np.ndarray], device: Any, dtype: Any) -> dict[str, Any]:
         """The processor's outputs for the host half's ``arrays``, computed on ``device``: ``pixel_values`` in
-        ``dtype`` on ``device``, and (Qwen-VL) ``image_grid_thw`` as a CPU int64 tensor. Returns once they are
-        there (this thread waits for its own work only)."""
+        ``dtype`` on ``device``, and (Qwen-VL) ``image_grid_thw`` as a CPU int64 tensor. On CUDA it returns once
+        the work is queued on this thread's side stream, the device's default stream (where the front's worker
+        replays) made to wait for it (:attr:`~encgraph.serving.transfer.Handoff.STREAM`): this thread never
+        waits for the device, so that a few upload threads keep many requests' preprocessing in flight. Use the
+        pixels on the default stream (submit them to the front) or wait for that stream first."""
         import torch
 
-        from encgraph.serving.transfer import side_stream_work, upload
+        from encgraph.serving.transfer import Handoff, side_stream_work
 
         sizes = np.asarray(arrays["decoded_sizes"], dtype=np.int64).reshape(-1, 2)
-        flat = upload(torch.from_numpy(np.asarray(arrays["pixel_values"])), device)
+        flat = torch.from_numpy(np.asarray(arrays["pixel_values"]))
         counts = (sizes[:, 0] * sizes[:, 1] * 3).tolist()
-        with side_stream_work(device) as keep:
+        device = torch.device(device)
+        with side_stream_work(device, Handoff.STREAM) as keep:
+            if device.type == "cuda":  # pinned, so that the copy is queued on the side stream and returns at once
+                flat = (flat if flat.is_pinned() else flat.pin_memory()).to(device, non_blocking=True)
+            else:
+                flat = flat.to(device)
             images = [part.view(int(h), int(w), 3).permute(2, 0, 1)
                       for part, (h, w) in zip(torch.split(flat, counts), sizes.tolist())]
             out = self.processor(images=images, return_tensors="pt", device=device)

@@ -10,6 +10,11 @@ request, against 1.3 ms and under 1 ms of work. So:
   the thread waits for its own copy alone. The device tensor is then marked as used by the replay stream
   (``record_stream``), so the caching allocator does not hand its memory to another upload while a replay's
   copy out of it may still be queued (a request whose client went away is freed before its call runs).
+- :func:`side_stream_work` (a request thread): device work of the request's own (the device preprocessing) on the
+  same side stream; the thread either waits for it (as :func:`upload` does) or hands it over
+  (:attr:`Handoff.STREAM`): the default stream, where the worker replays, waits for it on the device, and the
+  thread goes on at once. The side streams have high priority, so that the few small kernels of a request's
+  preprocessing start between a replay's kernels instead of behind the replays queued before them.
 - :func:`to_host` (the worker, in the front's ``finish`` hook right after the call): each result tensor is
   copied into pinned host memory behind that call's own replay, and an event marks the end of the copies;
   :meth:`HostCopy.wait` (the request thread) waits for that event only, not for later replays.
@@ -20,19 +25,21 @@ On the CPU both are plain copies, and :meth:`HostCopy.wait` returns at once.
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 
-__all__ = ["upload", "side_stream_work", "to_host", "HostCopy"]
+__all__ = ["Handoff", "HostCopy", "side_stream_work", "to_host", "upload"]
 
 _LOCAL = threading.local()
 
 
 def _side_stream(device: Any) -> Any:
-    """This thread's upload stream on ``device`` (one per thread and device, made on first use)."""
+    """This thread's upload stream on ``device`` (one per thread and device, made on first use), of high priority
+    (lower numbers are higher; torch maps -1 to its high-priority streams)."""
     import torch
 
     streams = getattr(_LOCAL, "streams", None)
@@ -40,7 +47,7 @@ def _side_stream(device: Any) -> Any:
         streams = _LOCAL.streams = {}
     stream = streams.get(device)
     if stream is None:
-        stream = streams[device] = torch.cuda.Stream(device)
+        stream = streams[device] = torch.cuda.Stream(device, priority=-1)
     return stream
 
 
@@ -66,12 +73,22 @@ def upload(tensor: Any, device: Any, dtype: Any = None) -> Any:
     return out
 
 
+class Handoff(enum.Enum):
+    """How :func:`side_stream_work` hands its results to the replays on the device's default stream."""
+
+    HOST = "host"  # the calling thread waits for the side stream (its results are then ready for anyone)
+    STREAM = "stream"  # the default stream waits for it on the device; the thread goes on at once. Only work
+    #                    queued on the default stream afterwards is ordered after it: hand the results to the
+    #                    worker (or use them on this thread's default stream), not to another stream
+
+
 @contextlib.contextmanager
-def side_stream_work(device: Any) -> Iterator[Callable[[Any], Any]]:
+def side_stream_work(device: Any, handoff: Handoff = Handoff.HOST) -> Iterator[Callable[[Any], Any]]:
     """Run the block's device work on this thread's side stream of ``device`` (as :func:`upload` runs its copy),
-    then wait for that stream alone. Yields ``keep(tensor) -> tensor``: marks a result as used by the device's
-    default stream, where the front's worker replays, so that its memory is not reused while a replay may still
-    read it. Off CUDA: the block runs as it is and ``keep`` returns its argument."""
+    then hand it over per ``handoff``: wait for that stream alone (:attr:`Handoff.HOST`), or make the device's
+    default stream wait for it (:attr:`Handoff.STREAM`). Yields ``keep(tensor) -> tensor``: marks a result as
+    used by the default stream, where the front's worker replays, so that its memory is not reused while a
+    replay may still read it. Off CUDA: the block runs as it is and ``keep`` returns its argument."""
     import torch
 
     device = torch.device(device)
@@ -84,9 +101,13 @@ def side_stream_work(device: Any) -> Iterator[Callable[[Any], Any]]:
     kept: list[Any] = []
     with torch.cuda.stream(stream):
         yield lambda tensor: kept.append(tensor) or tensor
-    stream.synchronize()
+    replays = torch.cuda.default_stream(device)
+    if handoff is Handoff.STREAM:
+        replays.wait_stream(stream)  # an event recorded on the side stream, waited for by the default stream
+    else:
+        stream.synchronize()
     for tensor in kept:
-        tensor.record_stream(torch.cuda.default_stream(device))
+        tensor.record_stream(replays)
 
 
 @attrs.frozen

@@ -11,7 +11,7 @@ and the static forward runs under ``torch.cuda.set_sync_debug_mode("error")`` (a
 default runner (``compile="auto"``: the repeated layers compiled once, a measured cost model) is checked per family
 on three budgets within ``HF_RTOL`` of the uncompiled static forward and of the HF tower.
 
-GLM-4V, Qwen3.5, ERNIE-4.5-VL, PaddleOCR-VL, HunYuan-VL and Llama 4 need transformers >= 5.15 (the GPU image's 5.17 has them); Kimi-K2.5
+GLM-4V, Qwen3.5, ERNIE-4.5-VL, PaddleOCR-VL, HunYuan-VL, SigLIP2 NaFlex and Llama 4 need transformers >= 5.15 (the GPU image's 5.17 has them); Kimi-K2.5
 and MiniCPM-V 4.6 need 5.24 (their 5.17 towers pool and merge differently) and skip below it. Run with
 ``pytest -s`` for the report; ``python tests/gpu/test_families_gpu.py --cpu-smoke`` runs the same checks on the
 CPU (STATIC mode, so nothing compiled; 1 layer, small budgets) in a few minutes.
@@ -40,7 +40,7 @@ from encgraph.capture.runner import EncoderGraphRunner  # noqa: E402
 from encgraph.models import wrap  # noqa: E402
 from encgraph.models._hf import transformers_version, _parse  # noqa: E402
 from tests.gpu.family_geometry import GEOMETRY  # noqa: E402
-from tests.models.fixtures_families import FAMILIES, padded, strip  # noqa: E402
+from tests.models.fixtures_families import FAMILIES, masked, naflex, padded, strip  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -54,7 +54,8 @@ STATIC_RTOL_FOR = {("kimi_k25", "pooler_output"): 1e-2}
 """Kimi-K2.5 pools a video's frames with ``index_add_``, float32 atomics on CUDA: their order differs between any
 two runs, so a pooled value near a bf16 rounding boundary can differ by one bf16 step (up to 2^-8 relative)."""
 NEEDS_524 = {"kimi_k25", "minicpmv4_6"}
-PACKED = ("glm4v", "qwen3_5", "ernie4_5_vl", "kimi_k25", "minicpmv4_6", "paddleocr_vl", "pixtral", "hunyuan_vl")
+PACKED = ("glm4v", "qwen3_5", "ernie4_5_vl", "kimi_k25", "minicpmv4_6", "paddleocr_vl", "pixtral", "hunyuan_vl",
+          "siglip2", "smolvlm")
 
 
 @attrs.frozen
@@ -113,6 +114,11 @@ def adapter_inputs(name: str, adapter: Any, rows: torch.Tensor, grid: np.ndarray
         return adapter.inputs(strip(rows), grid[:, 1:])
     if FAMILIES[name].call_style == "padded":
         return adapter.inputs(*padded(rows, grid))
+    if FAMILIES[name].call_style == "naflex":
+        return adapter.inputs(*(t.to(rows.device) for t in naflex(rows, grid)))
+    if FAMILIES[name].call_style == "mask":
+        images, mask = masked(rows, grid)
+        return adapter.inputs(images, mask.to(rows.device))
     return adapter.inputs(rows, grid)
 
 

@@ -198,3 +198,37 @@ def test_runner_calls_above_the_ladder_equal_the_tower(monkeypatch):
         if want is not None:
             assert sorted(set(dense)) == want, dense
     assert runner.stats["eager_items"] >= 1  # the small item may join the eager batch if the cost model says so
+
+
+def test_attend_per_sequence_equals_the_masked_sdpa_per_slot():
+    """Idefics3's padding queries on CUDA: one varlen call (queries bounded 0, 1, ..., keys by cu_seqlens) against
+    the CPU path's masked SDPA and an fp32 SDPA of each slot's own rows, in a CUDA graph; a NaN key in one
+    sequence makes only that sequence's query NaN; a zero-length slot's output is zero."""
+    from encgraph.models.idefics3_layout import pad_query_attention, slot_mask
+
+    gen = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    lengths = [729, 5, 1, 729, 300]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)] + [sum(lengths)], dtype=torch.int32, device="cuda")
+    rows, slots = sum(lengths), cu.shape[0] - 1
+    q, k, v = (torch.randn(n, 16, 72, generator=gen, device="cuda", dtype=torch.bfloat16) for n in (slots, rows, rows))
+    mask, _ = slot_mask(cu, rows)
+    fast = pad_query_attention(q, k, v, mask, 72 ** -0.5, cu, max(lengths))
+    masked = pad_query_attention(q.float(), k.float(), v.float(), mask, 72 ** -0.5, cu, max(lengths))
+    for slot, (a, b) in enumerate(zip(cu[:-2].tolist(), cu[1:-1].tolist())):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[slot:slot + 1].float().transpose(0, 1), k[a:b].float().transpose(0, 1), v[a:b].float().transpose(0, 1),
+            scale=72 ** -0.5).transpose(0, 1)[0]
+        assert rel(fast[slot].float(), want) < BF16_RTOL, slot
+        assert rel(masked[slot], want) < 1e-5, slot
+    assert (fast[-1] == 0).all()  # the trailing zero-length slot
+
+    static_q, static_k = q.clone(), k.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static_out = pad_query_attention(static_q, static_k, v, mask, 72 ** -0.5, cu, max(lengths))
+    static_k[cu[3]] = float("nan")  # a row of the fourth sequence
+    graph.replay()
+    bad = static_out.isnan().flatten(1).any(-1).tolist()
+    assert bad == [False, False, False, True, False, False]
+    torch.testing.assert_close(static_out[:3], fast[:3])

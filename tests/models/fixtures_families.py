@@ -1,6 +1,6 @@
 """Tiny random-weight towers and full models of the packed-grid families added after the seed (GLM-4V and
 GLM-4.5V, Qwen3.5 and Qwen3.5-MoE, ERNIE-4.5-VL, Kimi-K2.5, MiniCPM-V 4.6, PaddleOCR-VL, Pixtral in Mistral 3 and
-LLaVA, HunYuan-VL), built locally (no downloads), and
+LLaVA, HunYuan-VL, SigLIP2 NaFlex in SigLIP2 and LFM2-VL, Idefics3 and SmolVLM), built locally (no downloads), and
 one table :data:`FAMILIES` of what their tests need to know about each: how to call the tower, how its output
 fields split into items, whether it has video. Plain functions and records: the test files import them.
 
@@ -52,6 +52,10 @@ PIXTRAL_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_la
                   "image_size": 32, "patch_size": PATCH}  # image_size: 16 x 16 patches (5.15's rotary table)
 HUNYUAN_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "patch_size": PATCH, "max_image_size": 8, "spatial_merge_size": 2, "text_hidden_size": 24}
+SIGLIP2_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "patch_size": PATCH, "num_patches": 16}  # a 4 x 4 position table, resized up and down
+IDEFICS_VISION = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "image_size": 16, "patch_size": PATCH}  # an 8 x 8 table at bucketised fractional positions
 MINICPM_VISION = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                       image_size=16, patch_size=PATCH, insert_layer_id=1)
 
@@ -131,6 +135,25 @@ def hunyuan_tower() -> torch.nn.Module:
     )
 
     return _seeded(lambda: HunYuanVLVisionTransformer._from_config(HunYuanVLVisionConfig(**HUNYUAN_VISION)))
+
+
+def siglip2_tower() -> torch.nn.Module:
+    from transformers.models.siglip2.configuration_siglip2 import Siglip2VisionConfig
+    from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionModel
+
+    return _seeded(lambda: Siglip2VisionModel._from_config(Siglip2VisionConfig(**SIGLIP2_VISION)))
+def idefics3_tower() -> torch.nn.Module:
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionTransformer
+
+    return _seeded(lambda: Idefics3VisionTransformer._from_config(Idefics3VisionConfig(**IDEFICS_VISION)))
+
+
+def smolvlm_tower() -> torch.nn.Module:
+    from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionTransformer
+
+    return _seeded(lambda: SmolVLMVisionTransformer._from_config(SmolVLMVisionConfig(**IDEFICS_VISION)))
 
 
 # -- full models (a one-layer text model each: only their feature functions run)
@@ -218,6 +241,36 @@ def hunyuan_model() -> torch.nn.Module:
         tf.HunYuanVLConfig(vision_config=HUNYUAN_VISION, text_config=text)))
 
 
+def siglip2_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = {"vocab_size": 64, "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    return _seeded(lambda: tf.Siglip2Model(tf.Siglip2Config(vision_config=SIGLIP2_VISION, text_config=text)))
+
+
+def lfm2_vl_model() -> torch.nn.Module:
+    import transformers as tf
+
+    vision = dict(SIGLIP2_VISION, model_type="siglip2_vision_model", vision_use_head=False)  # LFM2-VL's: no head
+    return _seeded(lambda: tf.Lfm2VlForConditionalGeneration(tf.Lfm2VlConfig(
+        vision_config=vision, text_config=dict(_TEXT, model_type="lfm2"), downsample_factor=2)))
+def idefics3_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(_TEXT, model_type="llama", vocab_size=300)
+    return _seeded(lambda: tf.Idefics3ForConditionalGeneration(
+        tf.Idefics3Config(vision_config=IDEFICS_VISION, text_config=text, scale_factor=2)))
+
+
+def smolvlm_model() -> torch.nn.Module:
+    import transformers as tf
+
+    text = dict(_TEXT, model_type="llama", vocab_size=300)
+    return _seeded(lambda: tf.SmolVLMForConditionalGeneration(
+        tf.SmolVLMConfig(vision_config=IDEFICS_VISION, text_config=text, scale_factor=2)))
+
+
 # -- calling conventions
 def strip(rows: torch.Tensor) -> torch.Tensor:
     """Patch rows ``(L, C, P, P)`` as MiniCPM's packed strip ``(1, C, P, L*P)``."""
@@ -233,6 +286,40 @@ def padded(rows: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, torch.Te
     for i, (image, (h, w)) in enumerate(zip(torch.split(rows, grid.prod(1).tolist()), grid[:, 1:].tolist())):
         images[i, :, : h * p, : w * p] = image.reshape(h, w, c, p, p).permute(2, 0, 3, 1, 4).reshape(c, h * p, w * p)
     return images, torch.from_numpy(sizes)
+
+
+def naflex(rows: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Patch rows ``(L, C*P*P)`` of images ``grid`` as SigLIP2 NaFlex's padded batch: ``pixel_values`` ``(n,
+    max h*w, C*P*P)`` (zero padding rows), ``pixel_attention_mask`` ``(n, max h*w)`` and ``spatial_shapes``."""
+    counts = (grid[:, 1] * grid[:, 2]).tolist()
+    pixels = rows.new_zeros(grid.shape[0], max(counts), rows.shape[1])
+    mask = torch.zeros(grid.shape[0], max(counts), dtype=torch.long)
+    for i, image in enumerate(torch.split(rows, counts)):
+        pixels[i, : counts[i]], mask[i, : counts[i]] = image, 1
+    return pixels, mask, torch.from_numpy(grid[:, 1:].copy())
+
+
+def unpad(value: Any, grid: np.ndarray) -> Any:
+    """A NaFlex output field without its padding rows: ``(n, L, hidden)`` -> each image's ``h*w`` rows, one after
+    the other (the graphed tower's padding rows are zero, the tower's are what its attention makes of them)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        return value
+    return torch.cat([value[i, : h * w] for i, (h, w) in enumerate(grid[:, 1:].tolist())])
+
+
+def masked(rows: torch.Tensor, grid: np.ndarray, side: tuple[int, int] | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patch rows ``(L, C, P, P)`` of images ``grid`` as the Idefics3 / SmolVLM tower's zero-padded images ``(n, C,
+    H, W)`` (``side``: ``(H, W)`` in patches, default the largest image's) and ``patch_attention_mask`` ``(n, H, W)``
+    (each image's real patches top-left, as the processors make it)."""
+    images, _ = padded(rows, grid)
+    rows_, cols_ = grid[:, 1:].max(0).tolist() if side is None else side
+    p = rows.shape[-1]
+    images = torch.nn.functional.pad(images, (0, cols_ * p - images.shape[-1], 0, rows_ * p - images.shape[-2]))
+    mask = torch.zeros(grid.shape[0], rows_, cols_, dtype=torch.bool)
+    for i, (h, w) in enumerate(grid[:, 1:].tolist()):
+        mask[i, :h, :w] = True
+    return images, mask
 
 
 def frames_grid(grid: np.ndarray) -> np.ndarray:
@@ -272,7 +359,12 @@ class Family:
     call_style: str = "grid"
     """``"grid"``: ``tower(rows, grid_thw=...)``; ``"glm"``: the same, frames flattened for the tower itself;
     ``"strip"``: ``tower(strip, target_sizes=...)`` (MiniCPM); ``"batch1"``: ``tower(rows[None], grid_thw)``
-    (PaddleOCR-VL); ``"padded"``: ``tower(images, image_sizes=...)`` (Pixtral: :func:`padded`)."""
+    (PaddleOCR-VL); ``"padded"``: ``tower(images, image_sizes=...)`` (Pixtral: :func:`padded`); ``"naflex"``:
+    ``tower(pixel_values, pixel_attention_mask, spatial_shapes)`` (SigLIP2 NaFlex: :func:`naflex`; fields split per
+    image, padding rows dropped); ``"mask"``: ``tower(images, patch_attention_mask=...)`` (Idefics3, SmolVLM:
+    :func:`masked`)."""
+    base_attr: str = "model"
+    """Where the model's feature functions live (``""``: the model itself, SigLIP2's)."""
     holds_hidden: bool = False
     """The adapter answers ``output_hidden_states`` from its graphs (Pixtral: its models always ask)."""
 
@@ -299,6 +391,12 @@ class Family:
         if self.call_style == "padded":
             images, sizes = padded(rows, grid)
             return module(images, image_sizes=sizes.to(rows.device), **kwargs)
+        if self.call_style == "naflex":
+            pixels, mask, shapes = naflex(rows, grid)
+            return module(pixels, mask.to(rows.device), shapes.to(rows.device), **kwargs)
+        if self.call_style == "mask":
+            images, mask = masked(rows, grid)
+            return module(images, patch_attention_mask=mask.to(rows.device), **kwargs)
         if self.call_style == "batch1":  # PaddleOCR-VL: its model hands the tower one packed batch
             return module(rows.unsqueeze(0), torch.from_numpy(grid).to(rows.device), **kwargs)
         if self.call_style == "glm" and reference:
@@ -320,6 +418,14 @@ class Family:
         if self.call_style == "padded":  # by keyword: LLaVA's second parameter is vision_feature_layer
             pixels, sizes = padded(self.pixels(images), images)
             return [("get_image_features", {"pixel_values": pixels, "image_sizes": sizes})]
+        if self.call_style == "naflex":
+            pixels, mask, shapes = naflex(self.pixels(images), images)
+            return [("get_image_features", {"pixel_values": pixels, "pixel_attention_mask": mask,
+                                            "spatial_shapes": shapes})]
+        if self.call_style == "mask":  # (batch, images, C, H, W) with an all-zero padding image, and pixel masks
+            return [("get_image_features", _pixel_masked(self.pixels(images), images, 2))] + (
+                [("get_image_features", _pixel_masked(self.pixels(np.array([[1, 4, 4]] * 4), seed=1),
+                                                      np.array([[1, 4, 4]] * 4), 2))] if self.video_t else [])
         calls.append(("get_image_features", (self.pixels(images), torch.from_numpy(images))))
         if self.video_t:
             videos = np.array([[self.video_t, 4, 4], [self.video_t, 2, 4]])
@@ -327,6 +433,8 @@ class Family:
         return calls
 
     def counts(self, grid: np.ndarray, kind: str) -> list[int]:
+        if kind == "patches":  # one padded image per item
+            return [1] * grid.shape[0]
         t, hw = grid[:, 0], grid[:, 1] * grid[:, 2]
         framed = (grid[:, 1] // 2) * (grid[:, 2] // 2 + 1) + 2
         return {"rows": t * hw, "tokens": t * hw // 4, "frame_tokens": hw // 4, "framed_tokens": framed}[kind].tolist()
@@ -334,8 +442,17 @@ class Family:
     def split(self, out: Any, grid: np.ndarray) -> list[dict[str, torch.Tensor]]:
         """Per item, every field of ``out`` (which must be exactly :attr:`fields`)."""
         assert sorted(k for k, v in out.items() if v is not None) == sorted(self.fields), list(out.keys())
+        if self.call_style == "naflex":  # (n, L, hidden) and (n, hidden): image i's rows and vector
+            hw = (grid[:, 1] * grid[:, 2]).tolist()
+            return [{name: out[name][i, : hw[i]] if out[name].dim() == 3 else out[name][i] for name in self.fields}
+                    for i in range(grid.shape[0])]
         parts = {name: torch.split(out[name], self.counts(grid, kind), dim=dim)
                  for name, (dim, kind) in self.fields.items()}
+        if any(kind == "patches" for _, kind in self.fields.values()):  # each image's real patches (top-left)
+            side = grid[:, 1:].max(0).tolist()
+            hw = grid[:, 1:].tolist()
+            parts = {name: [p[0].unflatten(0, side)[:h, :w].flatten(0, 1) for p, (h, w) in zip(ps, hw)]
+                     for name, ps in parts.items()}
         return [{name: p[i] for name, p in parts.items()} for i in range(grid.shape[0])]
 
 
@@ -366,9 +483,38 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("hunyuan_vl", "HunYuanVLAdapter", hunyuan_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows"),
            "pooler_output": (1, "framed_tokens")}, hunyuan_model, tower_attr="vision_tower", video_t=0,
            odd_grids_to_tower=True),
+    Family("siglip2", "Siglip2Adapter", siglip2_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows"),
+           "pooler_output": (0, "items")}, siglip2_model, tower_attr="vision_model", video_t=0, tower_merge=1,
+           call_style="naflex", base_attr=""),
+    Family("lfm2_vl", "Siglip2Adapter", siglip2_tower, (3 * PATCH * PATCH,), {"last_hidden_state": (1, "rows")},
+           lfm2_vl_model, tower_attr="vision_tower", video_t=0, tower_merge=1, call_style="naflex",
+           tower_tests=False),
+    Family("idefics3", "Idefics3Adapter", idefics3_tower, (3, PATCH, PATCH), {"last_hidden_state": (0, "patches")},
+           idefics3_model, tower_attr="vision_model", video_t=0, tower_merge=1, call_style="mask", holds_hidden=True),
+    # SmolVLM's video frames reach the tower as images: video_t > 0 sends a batch of frames through get_image_features.
+    Family("smolvlm", "Idefics3Adapter", smolvlm_tower, (3, PATCH, PATCH), {"last_hidden_state": (0, "patches")},
+           smolvlm_model, tower_attr="vision_model", tower_merge=1, call_style="mask", holds_hidden=True),
     Family("minicpmv4_6", "MiniCPMVAdapter", minicpm_tower, (3, PATCH, PATCH), {"last_hidden_state": (1, "tokens")},
            minicpm_model, tower_attr="vision_tower", min_transformers="5.24", call_style="strip"),
 )}
+
+
+def _pixel_masked(rows: torch.Tensor, grid: np.ndarray, samples: int) -> dict[str, torch.Tensor]:
+    """Idefics3 / SmolVLM ``get_image_features`` arguments: the images of ``grid`` zero-padded to one square side
+    (the connector's pixel shuffle needs it), split over ``samples`` rows of the batch, each row then padded with an
+    all-zero image (the model drops it), and the pixel-level ``pixel_attention_mask``."""
+    side = int(grid[:, 1:].max())
+    images, mask = masked(rows, grid, (side, side))
+    p = rows.shape[-1]
+    pixel_mask = mask.repeat_interleave(p, 1).repeat_interleave(p, 2).long()
+    per = -(-grid.shape[0] // samples)
+    chunks, masks = [], []
+    for s in range(samples):
+        part, part_mask = images[s * per:(s + 1) * per], pixel_mask[s * per:(s + 1) * per]
+        k = per + 1 - part.shape[0]  # padding slots: every sample has per + 1 images
+        chunks.append(torch.cat([part, part.new_zeros(k, *part.shape[1:])]))
+        masks.append(torch.cat([part_mask, part_mask.new_zeros(k, *part_mask.shape[1:])]))
+    return {"pixel_values": torch.stack(chunks), "pixel_attention_mask": torch.stack(masks)}
 
 
 def random_grid(gen: np.random.Generator, n: int, family: Family, max_side: int = 12) -> np.ndarray:

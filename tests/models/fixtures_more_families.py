@@ -51,46 +51,6 @@ def fixed_images(n: int, seed: int) -> dict[str, torch.Tensor]:
     return {"pixel_values": torch.randn(n, 3, SIDE, SIDE, generator=_gen(seed))}
 
 
-def padded_images(sizes: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images of ``sizes`` (pixels, multiples of PATCH) zero-padded to ``SIDE x SIDE`` and their pixel masks."""
-    g = _gen(seed)
-    pixels = torch.zeros(len(sizes), 3, SIDE, SIDE)
-    mask = torch.zeros(len(sizes), SIDE, SIDE, dtype=torch.long)
-    for i, (h, w) in enumerate(sizes):
-        pixels[i, :, :h, :w] = torch.randn(3, h, w, generator=g)
-        mask[i, :h, :w] = 1
-    return pixels, mask
-
-
-def _sizes(n: int, seed: int) -> list[tuple[int, int]]:
-    """``n`` image sizes in pixels: the first ``SIDE x SIDE``, the others an even number of patches a side (the
-    pixel shuffles need it)."""
-    g = _gen(seed + 1000)
-    sizes = [tuple(int(s) * 2 * PATCH for s in torch.randint(1, GRID // 2 + 1, (2,), generator=g)) for _ in range(n)]
-    return [(SIDE, SIDE)] + sizes[1:]
-
-
-def idefics_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """Idefics3 / SmolVLM: ``(batch, images, 3, H, W)`` with all-zero padding images (the model drops them) and
-    the pixel mask; the model turns it into the tower's ``patch_attention_mask``."""
-    pixels, mask = padded_images(_sizes(n, seed), seed)
-    pixels, mask = pixels.reshape(1, n, 3, SIDE, SIDE), mask.reshape(1, n, SIDE, SIDE)
-    pad = torch.zeros(1, 1, 3, SIDE, SIDE)  # a padding image slot
-    return [("get_image_features", {"pixel_values": torch.cat([pixels, pad], 1),
-                                    "pixel_attention_mask": torch.cat([mask, torch.zeros(1, 1, SIDE, SIDE, dtype=torch.long)], 1)})]
-
-
-def naflex_call(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """SigLIP2 NaFlex (LFM2-VL, SigLIP2): ``(n, max_patches, 3*P*P)`` patch rows, the valid rows' mask and each
-    image's ``(h, w)`` in patches (even, for LFM2-VL's 2 x 2 downsampling)."""
-    g = _gen(seed)
-    shapes = torch.randint(1, GRID // 2 + 1, (n, 2), generator=g) * 2
-    shapes[0] = torch.tensor([GRID, GRID])
-    mask = torch.zeros(n, GRID * GRID, dtype=torch.long)
-    for i, (h, w) in enumerate(shapes.tolist()):
-        mask[i, :h * w] = 1
-    pixels = torch.randn(n, GRID * GRID, 3 * 4 * 4, generator=g) * mask[..., None]
-    return [("get_image_features", {"pixel_values": pixels, "spatial_shapes": shapes, "pixel_attention_mask": mask})]
 
 
 def _pooling(items: list[tuple[int, int]], seed: int) -> torch.Tensor:
@@ -143,30 +103,6 @@ def _tf() -> Any:
     return transformers
 
 
-def lfm2_vl() -> torch.nn.Module:
-    tf = _tf()
-    vision = dict(V, model_type="siglip2_vision_model", patch_size=4, num_patches=GRID * GRID)
-    return tf.Lfm2VlForConditionalGeneration(tf.Lfm2VlConfig(
-        vision_config=vision, text_config=dict(T, model_type="lfm2"), downsample_factor=2))
-
-
-def siglip2() -> torch.nn.Module:
-    tf = _tf()
-    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    return tf.Siglip2Model(tf.Siglip2Config(vision_config=dict(V, patch_size=4, num_patches=GRID * GRID),
-                                            text_config=text))
-
-
-def idefics3() -> torch.nn.Module:
-    tf = _tf()
-    return tf.Idefics3ForConditionalGeneration(tf.Idefics3Config(
-        vision_config=dict(V, image_size=SIDE, patch_size=PATCH), text_config=dict(T, model_type="llama"), scale_factor=2))
-
-
-def smolvlm() -> torch.nn.Module:
-    tf = _tf()
-    return tf.SmolVLMForConditionalGeneration(tf.SmolVLMConfig(
-        vision_config=dict(V, image_size=SIDE, patch_size=PATCH), text_config=dict(T, model_type="llama"), scale_factor=2))
 
 
 def phi4_image_embedding() -> torch.nn.Module:
@@ -255,11 +191,6 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("aimv2", aimv2, "vision_model", fixed_call("get_image_features")),
     Case("dinov2", dinov2, "", fixed_call("__call__")),
     Case("dinov3_vit", dinov3, "", fixed_call("__call__")),
-    # Padded variable-size towers whose every argument is batch-first (images, masks, shapes).
-    Case("idefics3", idefics3, "model.vision_model", idefics_call),
-    Case("smolvlm", smolvlm, "model.vision_model", idefics_call),
-    Case("lfm2_vl", lfm2_vl, "model.vision_tower", naflex_call),
-    Case("siglip2", siglip2, "vision_model", naflex_call),
     Case("molmo2", molmo2, "model.vision_tower", molmo_call),
     # Answered by the tower's own forward, each for its reason (see the test module).
     Case("phi4_multimodal", phi4_image_embedding, "img_processor", phi4_call, served=NOT_BATCH_FIRST),

@@ -21,8 +21,8 @@ from tests.unit._helpers import smoke_env  # noqa: E402
 
 GEOMETRY_OF_KIND = {  # (merge, has a fixed side) per kind: what each layout's facts must read
     TowerKind.PACKED: (2, False), TowerKind.PATCHES: (2, False), TowerKind.BATCH1: (2, False),
-    TowerKind.IMAGES: (1, False), TowerKind.STRIP: (2, False),
-    TowerKind.FIXED: (1, True), TowerKind.PADDED: (3, False), TowerKind.VIEWS: (1, True),
+    TowerKind.IMAGES: (1, False), TowerKind.NAFLEX: (1, False), TowerKind.STRIP: (2, False),
+    TowerKind.FIXED: (1, True), TowerKind.PADDED: (3, False), TowerKind.VIEWS: (1, True), TowerKind.MASKED: (1, True),
 }
 
 
@@ -154,3 +154,19 @@ def test_defaults_varlen_is_n_a_for_a_tower_without_a_kernel_choice():
         bench = TowerBench(TOWERS["siglip_so400m_384"], smoke_env(), (System.HF_SDPA, System.DEFAULTS_VARLEN))
         assert "chooses no attention kernels" in bench.unavailable[System.DEFAULTS_VARLEN]
         bench.close()
+
+
+def test_idefics_tiles_are_the_processors():
+    """The MASKED kind's tile count is what Idefics3's image processor cuts (SmolVLM's 384 px tiles, 1536 px longest
+    edge), and its masks are full: the processor's tiles are whole."""
+    np = pytest.importorskip("numpy")
+    image = pytest.importorskip("PIL.Image")
+    import transformers
+
+    processor = transformers.Idefics3ImageProcessor(max_image_size={"longest_edge": 384}, size={"longest_edge": 1536})
+    geom = TOWERS["smolvlm"].geometry(False)
+    for h, w in ((448, 448), (1080, 1920), (300, 200), (2000, 300), (500, 1400)):
+        picture = image.fromarray(np.zeros((h, w, 3), dtype=np.uint8))
+        out = processor(images=[[picture]], return_tensors="pt")
+        assert out["pixel_values"].shape[1] == cases.idefics_tiles(Visual(h, w), geom), (h, w)
+        assert bool(out["pixel_attention_mask"].all())

@@ -21,3 +21,89 @@ def test_to_host_of_cpu_tensors_needs_no_wait():
     assert isinstance(copy, HostCopy) and copy.event is None
     assert all(a is b for a, b in zip(copy.wait(), xs))
     assert to_host([]).wait() == ()
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream: records what was asked of it."""
+
+    def __init__(self, device=None, priority=0):
+        self.device, self.priority, self.calls = device, priority, []
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+
+    def wait_stream(self, other):
+        self.calls.append(("wait_stream", other))
+
+
+class _FakeTensor:
+    def __init__(self):
+        self.recorded = []
+
+    def record_stream(self, stream):
+        self.recorded.append(stream)
+
+
+def _fake_cuda(monkeypatch):
+    import contextlib
+
+    from encgraph.serving import transfer
+
+    default = _FakeStream("default")
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default)
+    monkeypatch.setattr(transfer, "_LOCAL", __import__("threading").local())  # no side stream made before
+    return default
+
+
+def test_side_stream_handoffs_wait_on_the_host_or_on_the_default_stream(monkeypatch):
+    """HOST: the thread waits for its side stream; STREAM: the default stream waits for it instead and the thread
+    does not; either way the kept results are marked used by the default stream, and the side stream is made once
+    per thread and device, with high priority."""
+    from encgraph.serving.transfer import Handoff, _side_stream, side_stream_work
+
+    default = _fake_cuda(monkeypatch)
+    device = torch.device("cuda", 0)
+    for handoff in Handoff:
+        t = _FakeTensor()
+        with side_stream_work(device, handoff) as keep:
+            assert keep(t) is t
+        side = _side_stream(device)
+        assert side.priority < 0 and t.recorded == [default]
+        if handoff is Handoff.HOST:
+            assert side.calls == ["synchronize"] and default.calls == []
+        else:
+            assert side.calls == ["synchronize"] and default.calls == [("wait_stream", side)]  # no new host wait
+    assert _side_stream(device) is side
+
+
+def test_side_stream_work_off_cuda_runs_the_block_as_it_is():
+    from encgraph.serving.transfer import Handoff, side_stream_work
+
+    x = torch.ones(2)
+    for handoff in Handoff:
+        with side_stream_work("cpu", handoff) as keep:
+            assert keep(x) is x
+
+
+def test_device_processing_on_the_cpu_gives_the_processors_pixels():
+    """``DeviceProcessing.on_device`` on the CPU: the same pixels as the torchvision processor on the decoded
+    images (the CUDA path, with its stream handoff, is in tests/gpu/test_serving_gpu.py)."""
+    import numpy as np
+    import pytest
+
+    pytest.importorskip("torchvision")
+    from PIL import Image
+    from transformers import SiglipImageProcessor
+
+    from encgraph.serving.device_preprocess import DeviceProcessing
+
+    processor = SiglipImageProcessor(size={"height": 32, "width": 32})
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((40, 50), (17, 90))]
+    split = DeviceProcessing(processor)
+    arrays = {k: v.numpy() for k, v in split(images).items()}
+    got = split.on_device(arrays, "cpu", torch.float32)["pixel_values"]
+    want = processor(images=images, return_tensors="pt")["pixel_values"]
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
