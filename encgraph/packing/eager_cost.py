@@ -1,4 +1,5 @@
-"""The eager cost of one path: a fitted line, or the measured one-item curve plus a per-item excess.
+"""The eager cost of one path: a fitted line, or the measured one-item curve plus a per-item excess (or, where
+every sample has the same tokens per item, the curve through all samples by tokens).
 
 Part of the cost model (:mod:`encgraph.packing.costs`, which re-exports :class:`EagerCost`); times are
 milliseconds. Pure Python + numpy: importing it never imports torch.
@@ -64,7 +65,7 @@ class EagerCost:
     """The eager cost model of one path (ms), see the module docs.
 
     Without ``curve``: ``fixed_ms + per_token_ms * tokens + per_item_ms * items``.  With ``curve`` (one-item eager
-    times ``((tokens, ms), ...)``): the piecewise-linear curve through its points, made non-decreasing (an eager
+    times ``((tokens, ms), ...)``, or any samples' where tokens per item never vary, with ``per_item_ms`` 0): the piecewise-linear curve through its points, made non-decreasing (an eager
     run is never predicted cheaper than a smaller one), flat below the first point (a small run is launch-bound),
     extended past the last one with the last segment's slope; plus ``per_item_ms * (items - 1)``.  ``fixed_ms`` and
     ``per_token_ms`` are then the fitted line, kept for reports only.
@@ -185,6 +186,16 @@ def fit_eager(where: str, samples: Any) -> EagerCost:
         if n == 1:
             singles.setdefault(t, []).append(ms)
     if len(singles) < 2:
+        if len({t for t, _, _ in rows}) >= 2 and all(t * rows[0][1] == rows[0][0] * n for t, n, _ in rows):
+            # Every sample has the same tokens per item (a fixed-size tower: the budgets count images), so the
+            # per-item term cannot be told from the per-token one: the curve through the samples by tokens. A line
+            # fitted there bends with the launch-bound small batches and priced SigLIP-so400m's eager batch of 32
+            # below its 52.4 ms replay on an H100 (fixed 5.0 + 1.46 ms an image: 51.7), where it took 55.
+            by_tokens: dict[int, list[float]] = {}
+            for t, _, ms in rows:
+                by_tokens.setdefault(t, []).append(ms)
+            points = tuple((t, float(np.mean(v))) for t, v in sorted(by_tokens.items()))
+            return EagerCost(fixed, per_token, 0.0, curve=points)
         return EagerCost(fixed, per_token, per_item)
     curve = EagerCost(0.0, 0.0, curve=tuple((t, float(np.mean(v))) for t, v in sorted(singles.items())))
     # per_item_ms against the curve: least squares of the multi-item samples' excess, >= 0 (0 without any).

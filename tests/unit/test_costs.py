@@ -98,7 +98,7 @@ def test_curve_is_made_non_decreasing_and_the_array_form_matches():
 def test_json_round_trip(tmp_path):
     m = CostModel.from_measurements(
         {"global": {272: 1.5, 544: 2.5}, "local": {100: 0.5}},
-        {"global": [(256, 1, 3.0), (512, 2, 4.0)], "local": [(144, 1, 2.0), (1440, 1, 6.0)]},
+        {"global": [(256, 1, 3.0), (512, 2, 4.0), (600, 3, 4.5)], "local": [(144, 1, 2.0), (1440, 1, 6.0)]},
     )
     assert m.eager["local"].curve and not m.eager["global"].curve
     assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
@@ -217,3 +217,19 @@ def test_bad_attention_power(power, error, match) -> None:
     with pytest.raises(error, match=match):
         CostModel(graph_ms={"default": {1024: 10.0}}, eager={"default": EagerCost(1.0, 0.01)},
                   attention_power=power)
+
+
+def test_fit_runs_a_curve_through_samples_of_a_fixed_size_tower():
+    """Budgets that count images (every sample the same tokens per item): the per-item term is not identifiable,
+    and a line bent by the launch-bound small batches priced eager below the replay at 32 (SigLIP-so400m on an
+    H100: replay 52.4 ms, eager 55 ms, the line 51.7). The curve passes through every sample instead."""
+    samples = [(1, 1, 6.6), (11, 11, 19.0), (16, 16, 28.2), (24, 24, 41.5), (32, 32, 55.1)]
+    m = CostModel.from_measurements({"p": {16: 26.9, 32: 52.4}}, {"p": samples})
+    e = m.eager["p"]
+    for t, n, ms in samples:
+        assert e.cost(t, n) == pytest.approx(ms)
+    assert e.per_item_ms == 0.0 and e.cost(20, 20) == pytest.approx((28.2 + 41.5) / 2)
+    assert m.eager_cost("p", 32, 32) > 52.4 and m.eager_cost("p", 16, 16) > 26.9
+    # Samples at several tokens per item keep the line (and its per-item term).
+    mixed = CostModel.from_measurements({"p": {8: 1.0}}, {"p": [(2, 1, 3.0), (8, 2, 5.0), (12, 3, 6.5)]})
+    assert not mixed.eager["p"].curve
