@@ -51,7 +51,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -76,6 +76,9 @@ from encgraph.serving.protocol import (
     take,
 )
 
+if TYPE_CHECKING:
+    from encgraph.serving.loading import Prepared
+
 __all__ = ["create_app", "ServerLimits", "EmbeddingRequest", "Draining"]
 
 log = logging.getLogger("encgraph.serve")
@@ -89,17 +92,18 @@ def _decode_all(images: Sequence[str], limits: ImageLimits) -> list[Any]:
 
 
 def _prepare(model: Any, images: Sequence[Any]) -> Any:
-    """The model's inputs for decoded images; an image its processor (or adapter) refuses is named."""
+    """The model's prepared inputs (``ServedModel.prepare_images``) for decoded images; an image its processor (or
+    adapter) refuses is named."""
     try:
-        return name_the_refused(model.inputs, images)
+        return name_the_refused(model.prepare_images, images)
     except ImageError as exc:
         raise ApiError.of_image(exc) from None
 
 
 def _from_arrays(model: Any, arrays: Mapping[str, Any], texts: Sequence[str], limits: ImageLimits) -> Any:
-    """The model's inputs for a worker's arrays (the same second half as :func:`_prepare`'s)."""
+    """The model's prepared inputs for a worker's arrays (the same second half as :func:`_prepare`'s)."""
     try:
-        return model.inputs_from_arrays(arrays)
+        return model.prepare(arrays)
     except Exception:
         # The adapter refused the processor's arrays (rare): the in-thread path finds and names the image.
         _prepare(model, _decode_all(texts, limits))
@@ -107,9 +111,9 @@ def _from_arrays(model: Any, arrays: Mapping[str, Any], texts: Sequence[str], li
 
 
 async def _prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str], limits: ServerLimits,
-                           uploads: concurrent.futures.Executor) -> tuple[Any, float]:
-    """The model's inputs for a request's image strings, decoded and preprocessed in ``pool``'s workers (the copy
-    to the device on an ``uploads`` thread), and the workers' seconds of decoding."""
+                           uploads: concurrent.futures.Executor) -> tuple[Prepared, float]:
+    """The model's prepared inputs for a request's image strings, decoded and preprocessed in ``pool``'s workers
+    (the copy to the device on an ``uploads`` thread), and the workers' seconds of decoding."""
     try:
         prepared = await pool.prepare(model.name, texts)
     except ImageError as exc:
@@ -332,7 +336,7 @@ class _StageClock:
 async def _encode_on(model: Any, inputs: Any, limits: ServerLimits) -> list[Any]:
     retry = retry_headers(limits)
     try:
-        future = model.front.submit(inputs)
+        future = model.submit(inputs)  # a Prepared: its device work, if any, waited for by the worker
     except OverloadedError as exc:
         raise ApiError(503, None, "overloaded", f"the server is overloaded ({exc}); retry later.", retry) from None
     except ShutdownError:

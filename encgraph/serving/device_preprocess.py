@@ -10,16 +10,20 @@ to the device as its 8-bit RGB pixels, and transformers' torchvision image proce
   RGB images -> ``pixel_values``: one flat ``uint8`` array of every image's ``H x W x 3`` bytes, and
   ``decoded_sizes`` ``(images, 2)`` int64. Named as the processor's outputs are, so that the worker pool, its
   shared-memory slots and :func:`~encgraph.serving.loading.process_images` carry them unchanged;
-- device (:meth:`DeviceProcessing.on_device`, a request thread): the bytes uploaded on the thread's side stream
-  (:mod:`encgraph.serving.transfer`), each image viewed as ``(3, H, W)``, the processor run on them on that side
-  stream; the replay stream is made to wait for it on the device (the thread does not wait), and the result is
-  marked used by the replay stream.
+- device (:meth:`DeviceProcessing.on_device`, a request thread, inside ``ServedModel.prepare``'s side-stream
+  block): the bytes uploaded on the thread's side stream (:mod:`encgraph.serving.transfer`), each image viewed as
+  ``(3, H, W)``, the processor and then the adapter's input step run on them on that stream; an event recorded
+  after them travels with the request (``BatchingFront.submit_after``), and the front's worker makes its stream
+  wait for it right before the call that runs that request. The thread does not wait, and no replay waits for
+  another request's preprocessing.
 
 How exactly the torchvision processor matches the Pillow one (what the models were trained with), and its speed on
-a CPU: ``benches/results/preprocess_exactness_cpu.md``. Behind the server on an H100, with each request thread
-waiting for its own side stream, the device path was slower than the host path (docs/serving.md); whether handing
-the work to the replay stream instead makes it faster is for ``benches/serving.py`` and
-``benches/device_preprocess.py`` on a GPU to say; until then the host path is the default.
+a CPU: ``benches/results/preprocess_exactness_cpu.md``. Behind the server on an H100 (2026-12-06, 32 clients), with
+each request thread waiting for its own side stream, the device path was slower than the host path (SigLIP-so400m
+288 against 366 images/s); with the default stream made to wait for the side stream from the request thread it
+was even for SigLIP (400 against 406) and slower for Qwen2.5-VL-7B (215 against 340; docs/benchmarks.md). Whether
+the per-request event makes it faster is for ``benches/serving.py`` on a GPU to say; until then the host path is
+the default.
 """
 
 from __future__ import annotations
@@ -86,30 +90,26 @@ class DeviceProcessing:
 
     # -- device half
     def on_device(self, arrays: Mapping[str, np.ndarray], device: Any, dtype: Any) -> dict[str, Any]:
-        """The processor's outputs for the host half's ``arrays``, computed on ``device``: ``pixel_values`` in
-        ``dtype`` on ``device``, and (Qwen-VL) ``image_grid_thw`` as a CPU int64 tensor. On CUDA it returns once
-        the work is queued on this thread's side stream, the device's default stream (where the front's worker
-        replays) made to wait for it (:attr:`~encgraph.serving.transfer.Handoff.STREAM`): this thread never
-        waits for the device, so that a few upload threads keep many requests' preprocessing in flight. Use the
-        pixels on the default stream (submit them to the front) or wait for that stream first."""
+        """The processor's outputs for the host half's ``arrays``, computed on ``device`` on the calling thread's
+        current stream: ``pixel_values`` in ``dtype`` on ``device`` and (Qwen-VL) ``image_grid_thw`` as a CPU int64
+        tensor. On CUDA it returns once the work is queued (the bytes are copied from pinned memory), so call it
+        inside :func:`~encgraph.serving.transfer.side_stream_work` (``ServedModel.prepare`` does, with
+        :attr:`~encgraph.serving.transfer.Handoff.EVENT`): not on the default stream, where it would queue behind
+        the replays, and with the pixels handed over only once that stream's work is done."""
         import torch
-
-        from encgraph.serving.transfer import Handoff, side_stream_work
 
         sizes = np.asarray(arrays["decoded_sizes"], dtype=np.int64).reshape(-1, 2)
         flat = torch.from_numpy(np.asarray(arrays["pixel_values"]))
         counts = (sizes[:, 0] * sizes[:, 1] * 3).tolist()
         device = torch.device(device)
-        with side_stream_work(device, Handoff.STREAM) as keep:
-            if device.type == "cuda":  # pinned, so that the copy is queued on the side stream and returns at once
-                flat = (flat if flat.is_pinned() else flat.pin_memory()).to(device, non_blocking=True)
-            else:
-                flat = flat.to(device)
-            images = [part.view(int(h), int(w), 3).permute(2, 0, 1)
-                      for part, (h, w) in zip(torch.split(flat, counts), sizes.tolist())]
-            out = self.processor(images=images, return_tensors="pt", device=device)
-            pixels = keep(out["pixel_values"].to(dtype))
-        result: dict[str, Any] = {"pixel_values": pixels}
-        if "image_grid_thw" in out:
+        if device.type == "cuda":  # pinned, so that the copy is queued on the stream and returns at once
+            flat = (flat if flat.is_pinned() else flat.pin_memory()).to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        images = [part.view(int(h), int(w), 3).permute(2, 0, 1)
+                  for part, (h, w) in zip(torch.split(flat, counts), sizes.tolist())]
+        out = self.processor(images=images, return_tensors="pt", device=device)
+        result: dict[str, Any] = {"pixel_values": out["pixel_values"].to(dtype)}
+        if "image_grid_thw" in out:  # on the device, its copy waits for this stream's work alone
             result["image_grid_thw"] = out["image_grid_thw"].to("cpu", torch.int64)
         return result

@@ -53,6 +53,7 @@ class _Request:
     kwargs: dict[str, Any]
     future: concurrent.futures.Future
     arrived: float
+    ready: Callable[[], None] | None = None  # the worker calls it before the call that runs this request
 
 
 class BatchingFront:
@@ -146,6 +147,14 @@ class BatchingFront:
         Raises at once: :class:`~encgraph.OverloadedError` when ``max_queue`` requests are waiting,
         :class:`~encgraph.ShutdownError` after :meth:`close`.
         """
+        return self.submit_after(None, *args, **kwargs)
+
+    def submit_after(self, ready: Callable[[], None] | None, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """:meth:`submit` for a request whose inputs are still being made on the device (on another stream):
+        the worker calls ``ready()`` on its own thread before launching anything that reads them, so that
+        its stream waits for that work there, on the device, and for nothing else
+        (:class:`encgraph.serving.transfer.Ready`). It is called when the worker takes the request, before it
+        parses the inputs. ``None``: as :meth:`submit`."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._closing:
@@ -157,7 +166,7 @@ class BatchingFront:
                     f"submit: the serving queue is full ({len(self._queue)} requests waiting, max_queue="
                     f"{self.max_queue}); retry later, or raise max_queue."
                 )
-            self._queue.append(_Request(args, kwargs, future, time.monotonic()))
+            self._queue.append(_Request(args, kwargs, future, time.monotonic(), ready))
             self._stats.requests += 1
             self._cond.notify()
         return future
@@ -258,9 +267,16 @@ class BatchingFront:
                 with self._cond:
                     self._stats.cancelled += 1
                 continue
-            parsed = self._guarded(request, lambda r=request: self._target.parse(r.args, r.kwargs))
+            parsed = self._guarded(request, lambda r=request: self._parse(r))
             if parsed is not None:
                 return request, parsed
+
+    def _parse(self, request: _Request) -> Parsed:
+        """A taken request's parsed inputs; first (:meth:`submit_after`) this thread's stream made to wait for
+        the request's device work, before anything the worker launches may read its inputs."""
+        if request.ready is not None:
+            request.ready()
+        return self._target.parse(request.args, request.kwargs)
 
     def _gather(self, group: list[tuple[_Request, Parsed]]) -> None:
         wait = self._waits.wait(group[0][0].arrived)

@@ -31,9 +31,16 @@ from encgraph.embedded_towers import build_tower, load_config
 from encgraph.errors import ConfigError, UnsupportedModelError, VersionError
 from encgraph.serving import checkpoints
 from encgraph.serving.checkpoints import Checkpoint
-from encgraph.serving.transfer import HostCopy, to_host, upload
+from encgraph.serving.transfer import (
+    Handoff,
+    HostCopy,
+    Ready,
+    side_stream_work,
+    to_host,
+    upload,
+)
 
-__all__ = ["ServedModel", "Finished", "EMBEDDED", "FAMILIES", "Family", "load_processor", "process_images",
+__all__ = ["ServedModel", "Prepared", "Finished", "EMBEDDED", "FAMILIES", "Family", "load_processor", "process_images",
            "embedded_tower", "inspect_checkpoint", "load_tower", "load_checkpoint", "build_model"]
 
 EMBEDDED: dict[str, tuple[int, ...]] = {"siglip": (1, 2, 4, 8, 16), "qwen2_5_vl": (16, 32, 64, 128)}
@@ -41,6 +48,15 @@ EMBEDDED: dict[str, tuple[int, ...]] = {"siglip": (1, 2, 4, 8, 16), "qwen2_5_vl"
 resizes an image to at most 128 tokens). Small budgets: on the CPU a static forward's attention costs budget^2."""
 
 _QWEN_KEYS = {r"^(?:model\.)?visual\.": ""}
+
+
+@attrs.frozen
+class Prepared:
+    """A request's adapter inputs and, where their device work is still in flight on a side stream, its
+    :class:`~encgraph.serving.transfer.Ready` (``None``: ready for any stream)."""
+
+    inputs: Any
+    ready: Ready | None = None
 
 
 @attrs.frozen
@@ -95,25 +111,51 @@ class ServedModel:
 
     def inputs(self, images: Sequence[Any]) -> Any:
         """The adapter's inputs for decoded RGB images (the processor's tensors, on the tower's device and in its
-        dtype). Runs on a request thread."""
+        dtype), ready for any stream. Runs on a request thread."""
         return self.inputs_from_arrays(process_images(self.processor, images))
 
     def inputs_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> Any:
+        """:meth:`prepare`'s inputs, ready for any stream: where their device work is still in flight, this thread
+        waits for that work alone (not for the replays)."""
+        prepared = self.prepare(arrays)
+        if prepared.ready is not None:
+            prepared.ready.wait_host()
+        return prepared.inputs
+
+    def prepare_images(self, images: Sequence[Any]) -> Prepared:
+        """:meth:`prepare` of decoded RGB images (the processor's host half on this thread)."""
+        return self.prepare(process_images(self.processor, images))
+
+    def prepare(self, arrays: Mapping[str, np.ndarray]) -> Prepared:
         """The adapter's inputs for :func:`process_images`'s arrays, made in this process or in a preprocessing
         worker's (:mod:`encgraph.serving.preprocess`): the pixels copied to the tower's device and dtype (on the
-        CPU in float32 they stay the arrays' memory), the grids as CPU int64 tensors."""
+        CPU in float32 they stay the arrays' memory), the grids as CPU int64 tensors. Decoded bytes
+        (``--preprocess-on device``) are processed on this thread's side stream with the adapter's own step after
+        them, and left in flight: :meth:`submit` hands ``ready`` to the front's worker."""
         import torch
 
-        if "decoded_sizes" in arrays:  # decoded bytes: the processor runs on the device (--preprocess-on device)
-            arrays = self.processor.on_device(arrays, self.device, self.dtype)
-            pixels = arrays["pixel_values"]
-        else:
+        if "decoded_sizes" not in arrays:
             # On a GPU through this thread's side stream: a copy on the default stream would wait for every replay
             # the front's worker has queued there (encgraph.serving.transfer).
             pixels = upload(torch.from_numpy(arrays["pixel_values"]), self.device, self.dtype)
-        if "image_grid_thw" in arrays:
-            return self.adapter.inputs_from_call(pixels, grid_thw=torch.as_tensor(arrays["image_grid_thw"]))
+            return Prepared(self._adapter_inputs(pixels, arrays.get("image_grid_thw")))
+        with side_stream_work(self.device, Handoff.EVENT) as work:
+            done = self.processor.on_device(arrays, self.device, self.dtype)
+            pixels = work(done["pixel_values"])
+            inputs = self._adapter_inputs(pixels, done.get("image_grid_thw"))
+        return Prepared(inputs, work.ready)
+
+    def _adapter_inputs(self, pixels: Any, grid: Any) -> Any:
+        import torch
+
+        if grid is not None:
+            return self.adapter.inputs_from_call(pixels, grid_thw=torch.as_tensor(grid))
         return self.adapter.inputs_from_call(pixel_values=pixels)
+
+    def submit(self, prepared: Prepared) -> Any:
+        """Queue :meth:`prepare`'s inputs on the front (its future); the worker waits on the device for work
+        still in flight before their call."""
+        return self.front.submit_after(prepared.ready, prepared.inputs)
 
     @property
     def per_item_tokens(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,13 +119,15 @@ def test_siglip_graphed_front_equal_per_request():
 
 def pooled_by_clients(fast, prepare, requests) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
     """``CLIENTS`` threads, one request each: ``prepare(request)`` (the pixels on the GPU, on the thread's own
-    stream), then the front's answer, its host copy started by the worker right after the call; the NaN-poisoned
-    pool under them. Returns per request ``(pixels, pooled host embedding)``, and the front's stats."""
+    stream; or ``(pixels, ready)``, their work still in flight, handed to ``submit_after``), then the front's
+    answer, its host copy started by the worker right after the call; the NaN-poisoned pool under them. Returns
+    per request ``(pixels, pooled host embedding)``, and the front's stats."""
     from encgraph.serving.transfer import to_host
 
     def client(request) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = prepare(request)
-        return pixels, front.submit(pixel_values=pixels).result(TIMEOUT).wait()[0]
+        prepared = prepare(request)
+        pixels, ready = prepared if isinstance(prepared, tuple) else (prepared, None)
+        return pixels, front.submit_after(ready, pixel_values=pixels).result(TIMEOUT).wait()[0]
 
     finish = lambda out: to_host([out.pooler_output.float()])  # noqa: E731
     with BatchingFront(fast, capture=True, max_wait_ms=20, finish=finish) as front:
@@ -193,7 +196,8 @@ def test_calls_wait_only_while_the_device_is_busy():
 
 def test_device_preprocessing_beside_replays_matches_the_host_processor():
     """``encgraph serve --preprocess-on device`` on a GPU: 32 threads each upload their request's decoded bytes and
-    run the torchvision processor on their side stream (``DeviceProcessing.on_device``) while the worker replays;
+    run the torchvision processor on their side stream (``DeviceProcessing.on_device``) while the worker replays,
+    handing each request's event to the worker (``submit_after``: no thread waits for the device);
     each request's pixels are the host processor's within a few 8-bit steps (torchvision's antialiased bicubic on
     the GPU against Pillow's, then bf16: on these noise pictures, the worst case for resampling, the largest
     difference measured 0.040 = 5.1 steps on an H100), and its embedding is the tower's own forward on those pixels
@@ -204,6 +208,7 @@ def test_device_preprocessing_beside_replays_matches_the_host_processor():
 
     from encgraph.serving import loading
     from encgraph.serving.device_preprocess import DeviceProcessing
+    from encgraph.serving.transfer import Handoff, side_stream_work
 
     processor = SiglipImageProcessor(size={"height": 384, "width": 384}, resample=3, image_mean=[0.5] * 3,
                                      image_std=[0.5] * 3)
@@ -218,9 +223,11 @@ def test_device_preprocessing_beside_replays_matches_the_host_processor():
     hf = siglip_tower()
     fast = encgraph.graphed(copy.deepcopy(hf), budgets=[1, 2, 4, 8, 16, 32])
 
-    def prepare(images: list) -> torch.Tensor:
+    def prepare(images: list) -> tuple[torch.Tensor, Any]:
         arrays = loading.process_images(split, images)
-        return split.on_device(arrays, torch.device("cuda"), torch.bfloat16)["pixel_values"]
+        with side_stream_work("cuda", Handoff.EVENT) as work:  # as ServedModel.prepare: left in flight
+            pixels = work(split.on_device(arrays, torch.device("cuda"), torch.bfloat16)["pixel_values"])
+        return pixels, work.ready
 
     answers, _ = pooled_by_clients(fast, prepare, requests)
     steps = 2 / 255  # one 8-bit step in SigLIP's normalised units (std 0.5)

@@ -46,6 +46,14 @@ class _Model:
     def inputs(self, images):
         return [np.asarray(im, dtype=np.float32).mean(axis=(0, 1)) for im in images]
 
+    def prepare_images(self, images):
+        from encgraph.serving.loading import Prepared
+
+        return Prepared(self.inputs(images))
+
+    def submit(self, prepared):
+        return self.front.submit(prepared.inputs)
+
     def embeddings(self, results, tokens):
         self.answered_on.append(threading.current_thread().name)
         return [(r, None) for r in results]

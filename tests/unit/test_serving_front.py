@@ -349,3 +349,36 @@ def test_finish_runs_on_the_worker_after_the_call_and_fails_its_request_alone():
     assert stats["calls"] == 1 and stats["completed"] == 2 and stats["failed"] == 1
     with pytest.raises(ConfigTypeError, match="finish: expected a callable"):
         BatchingFront(fast, finish=3)
+
+
+def test_submit_after_calls_ready_on_the_worker_before_the_call_and_a_failing_one_fails_alone():
+    """``submit_after(ready, ...)``: the worker calls each request's ``ready`` on its own thread once it takes the
+    request, before the call that runs it (where the server's device preprocessing makes the worker's stream wait
+    for that request's side-stream work); a ``ready`` that raises fails its own request alone."""
+    net, fast = _graphed()
+    xs = [torch.randn(2, 6), torch.randn(1, 6), torch.randn(3, 6)]
+    log: list[tuple[str, str]] = []
+
+    def ready(i: int):
+        def call() -> None:
+            log.append((f"ready {i}", threading.current_thread().name))
+            if i == 1:
+                raise RuntimeError("device work failed")
+        return call
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        log.append((f"finish {out.shape[0]}", threading.current_thread().name))
+        return out
+
+    with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=2, finish=finish, name="front-r") as front:
+        futures = [front.submit_after(ready(i), x) for i, x in enumerate(xs)]
+        with pytest.raises(RuntimeError, match="device work failed"):
+            futures[1].result(TIMEOUT)
+        outs = [futures[i].result(TIMEOUT) for i in (0, 2)]
+        stats = front.stats
+    for x, out in zip((xs[0], xs[2]), outs):
+        torch.testing.assert_close(out, net(x).detach(), rtol=1e-5, atol=1e-6)
+    assert {name for _, name in log} == {"front-r"}
+    events = [e for e, _ in log]
+    assert events == ["ready 0", "ready 1", "ready 2", "finish 2", "finish 3"]  # every ready before the call
+    assert stats["calls"] == 1 and stats["completed"] == 2 and stats["failed"] == 1

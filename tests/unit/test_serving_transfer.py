@@ -57,24 +57,41 @@ def _fake_cuda(monkeypatch):
     return default
 
 
-def test_side_stream_handoffs_wait_on_the_host_or_on_the_default_stream(monkeypatch):
-    """HOST: the thread waits for its side stream; STREAM: the default stream waits for it instead and the thread
-    does not; either way the kept results are marked used by the default stream, and the side stream is made once
-    per thread and device, with high priority."""
-    from encgraph.serving.transfer import Handoff, _side_stream, side_stream_work
+class _FakeEvent:
+    def __init__(self):
+        self.recorded_on = None
+
+    def record(self, stream):
+        self.recorded_on = stream
+
+
+def test_side_stream_handoffs_wait_on_the_host_or_hand_an_event_over(monkeypatch):
+    """HOST: the thread waits for its side stream; EVENT: an event is recorded on the side stream instead, the
+    thread does not wait, and ``ready()`` makes the calling thread's current stream wait for that event (not for
+    the side stream as it is then); either way the kept results are marked used by the default stream, and the
+    side stream is made once per thread and device, with high priority."""
+    from encgraph.serving.transfer import Handoff, Ready, _side_stream, side_stream_work
 
     default = _fake_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    worker = _FakeStream("worker")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: worker)
+    worker.wait_event = lambda event: worker.calls.append(("wait_event", event))
     device = torch.device("cuda", 0)
     for handoff in Handoff:
         t = _FakeTensor()
-        with side_stream_work(device, handoff) as keep:
-            assert keep(t) is t
+        with side_stream_work(device, handoff) as work:
+            assert work(t) is t
         side = _side_stream(device)
-        assert side.priority < 0 and t.recorded == [default]
+        assert side.priority < 0 and t.recorded == [default] and default.calls == []
         if handoff is Handoff.HOST:
-            assert side.calls == ["synchronize"] and default.calls == []
+            assert side.calls == ["synchronize"] and work.ready is None
         else:
-            assert side.calls == ["synchronize"] and default.calls == [("wait_stream", side)]  # no new host wait
+            assert side.calls == ["synchronize"]  # the HOST round's, no new host wait
+            assert isinstance(work.ready, Ready) and work.ready.event.recorded_on is side
+            assert worker.calls == []
+            work.ready()  # on the worker: its stream waits for the event on the device
+            assert worker.calls == [("wait_event", work.ready.event)]
     assert _side_stream(device) is side
 
 
@@ -83,8 +100,9 @@ def test_side_stream_work_off_cuda_runs_the_block_as_it_is():
 
     x = torch.ones(2)
     for handoff in Handoff:
-        with side_stream_work("cpu", handoff) as keep:
-            assert keep(x) is x
+        with side_stream_work("cpu", handoff) as work:
+            assert work(x) is x
+        assert work.ready is None  # nothing in flight: nothing to wait for
 
 
 def test_device_processing_on_the_cpu_gives_the_processors_pixels():
