@@ -48,6 +48,7 @@ if __package__ in (None, ""):
 
 from benches import capture
 from benches.lib import traffic_report as report
+from benches.lib import plots_registry
 from benches.lib.results import REPO, RESULTS_DIR, fmt, markdown_table, median_of, ratio
 from benches.lib.systems import System
 
@@ -223,12 +224,17 @@ def headline_block(results_dir: Path, slug: str) -> str:
 
 def anymodule_block(results_dir: Path, slug: str) -> str:
     """Any module through ``graphed()`` against its eager forward and ``torch.compile(mode="reduce-overhead")``
-    (``benches/anymodule.py``), at batch 1 and 32 and over the mixed stream; from the newest ``anymodule_*.json``."""
-    found = sorted(Path(results_dir).glob("anymodule_*.json"), key=lambda p: p.stat().st_mtime)
+    (``benches/anymodule.py``), at batch 1 and 32 and over the mixed stream; from the untagged ``anymodule_<gpu>.json``
+    of the latest date (a tagged run measures a change on part of the modules; file times mean nothing in a clone)."""
+    found = []
+    for path in Path(results_dir).glob("anymodule_*.json"):
+        parsed = plots_registry.parse(path)
+        if parsed is not None and not parsed.tag:
+            data = json.loads(path.read_text())
+            found.append((data.get("environment", {}).get("date", ""), path.name, path, data))
     if not found:
-        return "No results yet: `benches/results/anymodule_*.json` is missing."
-    path = found[-1]
-    data = json.loads(path.read_text())
+        return "No results yet: `benches/results/anymodule_<gpu>.json` is missing."
+    _, _, path, data = max(found, key=lambda f: f[:2])
     env = data["environment"]
     rows = []
     for name, m in data["models"].items():

@@ -63,7 +63,16 @@ if __package__ in (None, ""):
 
 import attrs
 
-from benches.lib.cases import ALL_CASES, BenchInputs, CASE_NAMES, Case, CaseError, DEFAULT_CASE_NAMES, SMOKE_CASES
+from benches.lib.cases import (
+    ALL_CASES,
+    CASE_NAMES,
+    DEFAULT_CASE_NAMES,
+    PHOTO_CASE,
+    SMOKE_CASES,
+    BenchInputs,
+    Case,
+    CaseError,
+)
 from benches.lib.cli import base_parser, parse_names, smoke_defaults
 from benches.lib.compiled import counter_delta, dynamo_counters
 from benches.lib.env import Deadline, Env, SKIPPED_TIME, free_memory, inference, log, make_env, short_error
@@ -73,6 +82,7 @@ from benches.lib.startup import cache_env
 from benches.lib.systems import COMPILED, System, TowerBench, parse_systems
 from benches.lib.timing import floor_ms, matmul_rate, measure, time_once
 from benches.lib.towers import CORE_TOWERS, FAMILY_TOWERS, SMOKE_TOWERS, TOWERS
+from benches.lib.trace import photo_caps
 
 SCRIPT = "towers"
 PHASE1 = (System.HF_SDPA, System.HF_VARLEN, System.ADAPTER_EAGER, System.DEFAULTS, System.GRAPH)
@@ -187,7 +197,11 @@ def run_tower(name: str, cases: list[Case], systems: list[System], env: Env,
                 bench.unavailable[system] = f"error: capture failed ({short_error(exc)})"
     for case in cases:
         try:
-            inputs = bench.inputs(case.visuals, seed=CASE_NAMES.index(case.name))
+            seed = CASE_NAMES.index(case.name)
+            if case is PHOTO_CASE:  # sized by the processor's default maximum
+                inputs = photo_caps(name, bench.geom).inputs(bench, case.visuals, seed)
+            else:
+                inputs = bench.inputs(case.visuals, seed=seed)
         except CaseError as exc:
             entry["cases"][case.name] = {"skipped": f"n/a: {exc}"}
             continue

@@ -83,10 +83,14 @@ SMOKE_VIDEO = Case("video4x112", (Visual(112, 112, frames=4, kind="video"),))
 """A small video for the CPU smoke (the video path without the quadratic cost of masked attention on a CPU)."""
 FAMILY_CASES_EXTRA = (Case("1x448", (Visual(448, 448),)),)
 """Cases of the family rows beyond :data:`CASES` (their cases are ``towers.FAMILY_CASES``: 1x448 and 8x336)."""
+PHOTO_CASE = Case("photo", (Visual(3000, 4000),))
+"""One 4000 x 3000 photo, as each tower's processor sizes it at its default maximum: ``towers.py`` caps packed
+towers by ``trace.photo_caps`` (the processor's ``max_pixels``); Pixtral, SigLIP2 NaFlex and Idefics3/SmolVLM cap
+themselves here (longest edge 1024 px; 256 patches; 4 tiles a side)."""
 LARGE_CASES = (Case("1x2688", (Visual(2688, 2688),)),)
 """One photo past every default ladder's top (GLM-4.1V and Qwen: 36,864 patch rows, 9,216 tokens): where a
 forward's time goes on the images that run eagerly (``kernel_profile.py --cases 1x2688``)."""
-ALL_CASES = CASES + (SMOKE_VIDEO, *FAMILY_CASES_EXTRA, *LARGE_CASES)
+ALL_CASES = CASES + (SMOKE_VIDEO, *FAMILY_CASES_EXTRA, PHOTO_CASE, *LARGE_CASES)
 CASE_NAMES = tuple(c.name for c in ALL_CASES)
 DEFAULT_CASE_NAMES = tuple(c.name for c in CASES)
 SMOKE_CASES = ("1x224", "video4x112")

@@ -108,3 +108,19 @@ def wrap_cost_chart(data: Mapping[str, Any], path: Path) -> Chart:
                                     lambda r: f"{r.get('batch')}, {r.get('grad')}", columns))
                    for tower in dict.fromkeys(r.get("tower") for r in rows))
     return Chart(titled("graphed(module) on the CPU against the module", data), panels, cols=2, width=13.0)
+
+
+def device_preprocess_chart(data: Mapping[str, Any], path: Path) -> Chart:
+    """``benches/device_preprocess.py``: per family, how long a request's device half held its thread (median and
+    P99 ms) and images/s, on an idle GPU and behind replays, by thread count."""
+    fams = data.get("families", {})
+    columns = {"median ms held": "median_ms", "P99 ms held": "p99_ms"}
+    panels = []
+    for fam, f_data in fams.items():
+        runs = f_data.get("runs", [])
+        label = lambda r: f"{r.get('load')}, {r.get('threads')} thr"  # noqa: E731
+        panels.append(Panel(f"{fam}: thread held (host processor {f_data.get('host_torchvision_ms')} ms)", "ms",
+                            xlabel="GPU, threads", cells=wide(runs, label, columns)))
+        panels.append(Panel(f"{fam}: throughput", "images/s", xlabel="GPU, threads",
+                            cells=wide(runs, label, {"images/s": "images_per_s"})))
+    return Chart(titled("device preprocessing per request", data), tuple(panels), cols=2, width=13.0)

@@ -40,6 +40,7 @@ REGISTRY: tuple[Plot, ...] = (
     Plot("compile_start", plots_kernels.compile_start_chart),
     Plot("data_parallel", plots_models.data_parallel_chart),
     Plot("dense_buckets", plots_kernels.dense_buckets_chart),
+    Plot("device_preprocess", plots_host.device_preprocess_chart),
     Plot("flex_attention", plots_kernels.flex_chart),
     Plot("generic_compile", plots_models.generic_compile_chart),
     Plot("floor", plots_models.floor_chart),

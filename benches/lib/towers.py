@@ -291,6 +291,9 @@ _CORE_ROWS = (
 )
 FAMILY_CASES = ("1x448", "8x336")
 """The cases of the family rows (``benches.lib.cases``; each family sees them as its processor makes them)."""
+NEWER_FAMILY_CASES = ("1x448", "photo", "8x336")
+"""The cases of the families of issue 58 (PaddleOCR-VL, Pixtral, HunYuan-VL, SigLIP2 NaFlex, SmolVLM): also one
+photo at the processor's default maximum (``cases.PHOTO_CASE``)."""
 _T = "transformers.models"
 _STEP_VISION = dict(num_hidden_layers=47, hidden_size=1536, intermediate_size=8960, num_attention_heads=16,
                     image_size=728, patch_size=14)
@@ -301,8 +304,9 @@ _STEP_TEXT = dict(vocab_size=64, hidden_size=4096, num_hidden_layers=1, num_atte
 
 def _family(name: str, label: str, kind: TowerKind, model: str, config: str, **fields: Any) -> TowerSpec:
     """A family row: ``model`` and ``config`` are class names in ``transformers.models.<name>``."""
+    fields.setdefault("cases", FAMILY_CASES)
     return TowerSpec(name, label, kind, model=f"{_T}.{name}.modeling_{name}:{model}",
-                     config=f"{_T}.{name}.configuration_{name}:{config}", cases=FAMILY_CASES, **fields)
+                     config=f"{_T}.{name}.configuration_{name}:{config}", **fields)
 
 
 _FAMILY_ROWS = (
@@ -334,24 +338,24 @@ _FAMILY_ROWS = (
             "PaddleOCRVisionConfig",
             full=dict(num_hidden_layers=27, hidden_size=1152, num_attention_heads=16, intermediate_size=4304,
                       patch_size=14, image_size=384, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh"),
-            tiny=dict(TINY_FIXED, image_size=56, spatial_merge_size=2)),
+            tiny=dict(TINY_FIXED, image_size=56, spatial_merge_size=2), cases=NEWER_FAMILY_CASES),
     _family("pixtral", "Pixtral-12B tower", TowerKind.IMAGES, "PixtralVisionModel", "PixtralVisionConfig",
             full={"num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096,
                   "patch_size": 16, "image_size": 1024, "rope_theta": 10000.0, "hidden_act": "silu"},
-            tiny=TINY_FIXED),
+            tiny=TINY_FIXED, cases=NEWER_FAMILY_CASES),
     _family("hunyuan_vl", "HunyuanOCR tower", TowerKind.PACKED, "HunYuanVLVisionTransformer", "HunYuanVLVisionConfig",
             full={"num_hidden_layers": 27, "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
                   "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 1, "max_image_size": 2048,
                   "text_hidden_size": 1024, "hidden_act": "gelu", "interpolate_mode": "bilinear"},
-            tiny=dict(TINY_FIXED, text_hidden_size=48), facts=Facts(channels="num_channels")),
+            tiny=dict(TINY_FIXED, text_hidden_size=48), facts=Facts(channels="num_channels"), cases=NEWER_FAMILY_CASES),
     _family("siglip2", "SigLIP2-so400m NaFlex tower", TowerKind.NAFLEX, "Siglip2VisionModel", "Siglip2VisionConfig",
             full={"num_hidden_layers": 27, "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
                   "patch_size": 16, "num_patches": 256, "hidden_act": "gelu_pytorch_tanh", "vision_use_head": True},
-            tiny=TINY_FIXED),
+            tiny=TINY_FIXED, cases=NEWER_FAMILY_CASES),
     _family("smolvlm", "SmolVLM2-2.2B tower", TowerKind.MASKED, "SmolVLMVisionTransformer", "SmolVLMVisionConfig",
             full={"num_hidden_layers": 27, "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
                   "patch_size": 14, "image_size": 384, "hidden_act": "gelu_pytorch_tanh"},
-            tiny=dict(TINY_FIXED, image_size=56)),
+            tiny=dict(TINY_FIXED, image_size=56), cases=NEWER_FAMILY_CASES),
     _family("llama4", "Llama 4 Scout tower", TowerKind.FIXED, "Llama4VisionModel", "Llama4VisionConfig",
             full=dict(num_hidden_layers=34, hidden_size=1408, num_attention_heads=16, intermediate_size=5632,
                       image_size=336, patch_size=14, vision_output_dim=4096, projector_input_dim=4096,

@@ -54,6 +54,8 @@ PHOTO_MAX_PIXELS: dict[str, int] = {
     "qwen2_5_vl_7b": 12_845_056,  # Qwen2.5-VL-7B-Instruct's preprocessor_config.json: 16,384 x 28 x 28
     "qwen3_vl_8b": 16_777_216,  # Qwen3-VL-8B-Instruct's: size.longest_edge 16,384 x 32 x 32
     "glm4v": 11_760_000,  # transformers' Glm4vImageProcessor default: size.longest_edge 15,000 x 28 x 28
+    "paddleocr_vl": 2_359_296,  # transformers 5.25's PaddleOCRVLImageProcessor default: size.longest_edge (1536^2)
+    "hunyuan_vl": 4_194_304,  # transformers 5.25's HunYuanVLImageProcessor default: size.longest_edge (2048^2)
 }
 """Pixels at most per image under each tower's processor defaults (towers not listed: Qwen2.5-VL's)."""
 TRACE_KINDS = ("chat", "photo")

@@ -321,3 +321,27 @@ def test_wrap_cost_measures_both_sides_of_every_case(tmp_path):
         assert r["met"] == (r["wrapped_us"] <= 1.1 * r["module_us"] + 50)
     assert all("first_wrapped_us" in r for r in rows if r["grad"] == "inference_mode")
     assert (tmp_path / "wrap_cost_cpu.md").exists()
+
+
+def test_readme_anymodule_block_takes_the_latest_untagged_run(tmp_path):
+    """A tagged any-module run (a change measured on part of the modules) never replaces the README's table, and
+    of the untagged runs the latest by date wins, whatever the files' times (a clone sets them all alike)."""
+    import json
+
+    from benches import readme
+
+    def doc(date, module):
+        batch = {"eager": 2.0, "reduce_overhead": 1.0, "encgraph": 0.5}
+        stream = {s: {"mean_ms": 1.0} for s in ("eager", "reduce_overhead", "encgraph")}
+        stream.update(encgraph_worst_vs_eager=1.0, encgraph_worst_vs_reduce_overhead=1.0)
+        return {"environment": {"gpu": "G", "torch": "t", "transformers": "x", "date": date},
+                "models": {module: {"batches": {"1": batch, "32": batch}, "stream": stream,
+                                    "warmup": {"reduce_overhead": {"seconds": 1.0}, "encgraph": {"seconds": 1.0}}}}}
+
+    for name, date, module in (("anymodule_gpu-b.json", "2026-12-07", "newest_untagged"),
+                               ("anymodule_gpu-a.json", "2026-12-01", "older"),
+                               ("anymodule_gpu-b_part.json", "2026-12-09", "tagged")):
+        (tmp_path / name).write_text(json.dumps(doc(date, module)))
+    block = readme.anymodule_block(tmp_path, "gpu-b")
+    assert "newest_untagged" in block and "anymodule_gpu-b.json" in block
+    assert "tagged" not in block.replace("newest_untagged", "") and "older" not in block

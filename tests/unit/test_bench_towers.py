@@ -14,7 +14,8 @@ from benches.lib.cases import Visual  # noqa: E402
 from benches.lib.env import inference  # noqa: E402
 from benches.lib.systems import System, TowerBench, pin_varlen  # noqa: E402
 from benches.lib.towers import (  # noqa: E402
-    CORE_TOWERS, FAMILY_CASES, FAMILY_TOWERS, TINY_PACKED, TOWERS, Facts, Geometry, TowerKind, TowerSpec,
+    CORE_TOWERS, FAMILY_CASES, FAMILY_TOWERS, NEWER_FAMILY_CASES, TINY_PACKED, TOWERS, Facts, Geometry, TowerKind,
+    TowerSpec,
 )
 from tests.unit._helpers import smoke_env  # noqa: E402
 
@@ -42,7 +43,8 @@ def test_every_tower_row_builds_its_geometry(name):
 
 def test_the_table_is_the_seed_towers_and_the_families():
     assert set(CORE_TOWERS) | set(FAMILY_TOWERS) == set(TOWERS) and not set(CORE_TOWERS) & set(FAMILY_TOWERS)
-    assert all(TOWERS[n].cases == FAMILY_CASES for n in FAMILY_TOWERS)
+    newer = ("paddleocr_vl", "pixtral", "hunyuan_vl", "siglip2", "smolvlm")  # issue 58's: a photo too
+    assert all(TOWERS[n].cases == (NEWER_FAMILY_CASES if n in newer else FAMILY_CASES) for n in FAMILY_TOWERS)
     assert all(TOWERS[n].cases is None for n in CORE_TOWERS)  # the scripts' own defaults, unchanged
 
 
@@ -170,3 +172,22 @@ def test_idefics_tiles_are_the_processors():
         out = processor(images=[[picture]], return_tensors="pt")
         assert out["pixel_values"].shape[1] == cases.idefics_tiles(Visual(h, w), geom), (h, w)
         assert bool(out["pixel_attention_mask"].all())
+
+
+@pytest.mark.parametrize(("name", "patches"), [
+    ("paddleocr_vl", 11_844),  # 4000 x 3000 under max_pixels 1536^2 at factor 28: 2,961 tokens of 4 patches
+    ("hunyuan_vl", 16_060),  # under 2048^2 at factor 32
+    ("pixtral", 3_072),  # longest edge 1024 px: 64 x 48 patches of 16
+    ("siglip2", 252),  # at most 256 patches, aspect kept: 14 x 18
+    ("smolvlm", 9_477),  # longest edge 4 tiles: 4 x 3 tiles + a global one, 729 patches each
+])
+def test_the_photo_case_is_sized_at_each_processors_default_maximum(name, patches):
+    """``towers.py``'s photo case (issue 58: one photo at the processor's default maximum): packed towers capped by
+    ``trace.photo_caps``, the others by their own grids."""
+    from benches.lib.trace import photo_caps
+
+    spec = TOWERS[name]
+    if spec.missing():
+        pytest.skip(spec.missing())
+    geom = spec.geometry(False)
+    assert photo_caps(name, geom).sizes(cases.PHOTO_CASE.visuals, geom).patches == patches
