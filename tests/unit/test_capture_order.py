@@ -207,3 +207,48 @@ def test_capture_info_reports_the_peak_rise_of_each_phase_in_order(events, monke
     assert [e[1] for e in log if e[0] == "phase"] == order
     eager_phase, capture_phase = log.index(("phase", "selfcheck eager")), log.index(("phase", "capture"))
     assert all(eager_phase < i < capture_phase for i, e in enumerate(log) if e[0] == "eager")
+
+
+class _MeanMixer(torch.nn.Module):
+    """Not batch-first: every row depends on its batch mates (``y - y.mean(0)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y - y.mean(0)
+
+
+@pytest.mark.parametrize("mixes", [False, True])
+def test_the_reference_of_a_batch_ladders_top_budgets_runs_in_halves(mixes):
+    """A batch ladder's self-check runs the module's plain eager forward on each budget's sample in chunks of at
+    most the largest budget up to half the top one (``reference_chunk``: 4 of 1..8), rows joined in order, so that
+    its peak is about half a top-budget forward's; a batch-first module still passes every budget, and a module
+    that mixes rows still fails the self-check."""
+    from encgraph.capture import selfcheck
+    from encgraph.models.generic import GenericModuleAdapter
+
+    torch.manual_seed(0)
+    module = (_MeanMixer() if mixes else torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.GELU())).eval()
+    adapter = GenericModuleAdapter.of_call(module, torch.randn(5, 6), max_batch=8)
+    sizes: list[int] = []
+    forward_eager = adapter.forward_eager
+
+    def spy(path, inputs):
+        sizes.append(int(inputs.tensors[0].shape[0]))
+        return forward_eager(path, inputs)
+
+    adapter.forward_eager = spy
+    assert selfcheck.reference_chunk([1, 2, 4, 8]) == 4 and selfcheck.reference_chunk([16]) == 16
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, budgets=[1, 2, 4, 8])
+    runner.capture()
+    # After the adapter's own split check (the call's 5 items, then each alone): one reference per budget's
+    # sample (1, 2, 3 items), and budget 8's 7 items as 4 + 3.
+    assert 7 not in sizes and sizes[-5:] == [1, 2, 3, 4, 3]
+    info = runner.capture_info["selfcheck"]
+    if mixes:
+        assert adapter.stock_reason is not None  # found mixing rows: the module's own forward answers
+    else:
+        assert adapter.stock_reason is None and info["checked"]["default"] == {1: 0.0, 2: 0.0, 4: 0.0, 8: 0.0}
