@@ -22,6 +22,7 @@ __all__ = [
     "check_iterable",
     "check_mapping",
     "check_sequence",
+    "check_padded_images",
     "check_pixels",
     "describe",
 ]
@@ -107,6 +108,23 @@ def check_sequence(name: str, value: Any, *, hint: str = "") -> Sequence[Any]:
             f"{name}: expected a sequence (list or tuple), got {describe(value)}.{_tail(hint)}"
         )
     return value
+
+
+def check_padded_images(value: Any, *, channels: int, device: Any, min_side: int = 1) -> Any:
+    """:func:`check_pixels` of ``pixel_values`` as zero-padded images ``(images, channels, H, W)`` (at least one
+    image, both sides at least ``min_side`` px), the processor's normalised floating-point images: Pixtral's and
+    Idefics3's calls."""
+    least = f" of at least one {min_side} px patch a side" if min_side > 1 else ""
+
+    def padded(pv: Any) -> str | None:
+        if pv.dim() == 4 and pv.shape[1] == channels and pv.shape[0] > 0 and min(pv.shape[2:]) >= min_side:
+            return None
+        return (f"pixel_values: expected shape (images, {channels}, height, width) (zero-padded images{least}, as "
+                f"the processor gives them), got {tuple(pv.shape)}.")
+
+    return check_pixels("pixel_values", value, expected=f"a torch.Tensor (images, {channels}, H, W)",
+                        floating="a floating-point tensor (the processor's normalised images)", device=device,
+                        shape=padded)
 
 
 def check_pixels(

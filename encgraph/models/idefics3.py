@@ -42,7 +42,7 @@ import attrs
 import numpy as np
 import torch
 
-from encgraph._validate import check_pixels, describe
+from encgraph._validate import check_padded_images, describe
 from encgraph.capture.protocol import BufferSpec, FillRule, StockCall
 from encgraph.errors import InputError, InputTypeError
 from encgraph.models import call_args
@@ -152,17 +152,8 @@ class Idefics3Adapter(HiddenStatesChoice, QwenVisionAdapter):
         patch real) into patch rows.
         Raises :class:`~encgraph.models.idefics3_layout.NotRectangular` or ``MaskedPixels`` for what only the
         tower's own forward answers."""
-        channels, p = self.patch_shape[0], self.patch
-
-        def padded_shape(pv: torch.Tensor) -> str | None:
-            if pv.dim() == 4 and pv.shape[1] == channels and pv.shape[0] > 0 and min(pv.shape[2:]) >= p:
-                return None
-            return (f"pixel_values: expected shape (images, {channels}, height, width) (zero-padded images of at "
-                    f"least one {p} px patch a side, as the processor gives them), got {tuple(pv.shape)}.")
-
-        pv = check_pixels("pixel_values", pixel_values, expected=f"a torch.Tensor (images, {channels}, H, W)",
-                          floating="a floating-point tensor (the processor's normalised images)",
-                          device=self._device, shape=padded_shape)
+        p = self.patch
+        pv = check_padded_images(pixel_values, channels=self.patch_shape[0], device=self._device, min_side=p)
         n, _, height, width = pv.shape
         padded = (height // p, width // p)
         mask = patch_attention_mask

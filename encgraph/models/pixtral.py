@@ -32,7 +32,7 @@ import attrs
 import numpy as np
 import torch
 
-from encgraph._validate import check_int, check_pixels, describe
+from encgraph._validate import check_int, check_padded_images, describe
 from encgraph.capture.protocol import BufferSpec, FillRule, StockCall
 from encgraph.errors import InputError, InputTypeError
 from encgraph.models import call_args
@@ -110,17 +110,7 @@ class PixtralAdapter(HiddenStatesChoice, QwenVisionAdapter):
                hidden_layout: tuple[int | None, ...] | None = None) -> PixtralInputs:
         """Validate the tower's own arguments (``pixel_values (B, C, H, W)``, zero-padded images, and
         ``image_sizes (B, 2)`` in pixels, read on the host; ``None``: every image is ``H x W``) into patch rows."""
-        channels = self.patch_shape[0]
-
-        def padded_shape(pv: torch.Tensor) -> str | None:
-            if pv.dim() == 4 and pv.shape[1] == channels and pv.shape[0] > 0:
-                return None
-            return (f"pixel_values: expected shape (images, {channels}, height, width) (zero-padded images, as the "
-                    f"processor gives them), got {tuple(pv.shape)}.")
-
-        pv = check_pixels("pixel_values", pixel_values, expected=f"a torch.Tensor (images, {channels}, H, W)",
-                          floating="a floating-point tensor (the processor's normalised images)",
-                          device=self._device, shape=padded_shape)
+        pv = check_padded_images(pixel_values, channels=self.patch_shape[0], device=self._device)
         n, _, height, width = pv.shape
         sizes = np.tile([height, width], (n, 1)) if image_sizes is None else _sizes(image_sizes, n)
         if not isinstance(return_dict, bool):
