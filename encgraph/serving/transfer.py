@@ -101,6 +101,11 @@ class Ready:
 
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
+    def wait_host(self) -> None:
+        """Block this thread until the work is done (that side stream's work up to the event alone; GIL released):
+        for a caller that hands the results to code that may use any stream."""
+        self.event.synchronize()
+
 
 class SideWork:
     """What :func:`side_stream_work` yields: ``keep(tensor) -> tensor`` (call it as ``work(tensor)``) marks a

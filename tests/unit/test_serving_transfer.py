@@ -59,10 +59,13 @@ def _fake_cuda(monkeypatch):
 
 class _FakeEvent:
     def __init__(self):
-        self.recorded_on = None
+        self.recorded_on, self.synchronized = None, 0
 
     def record(self, stream):
         self.recorded_on = stream
+
+    def synchronize(self):
+        self.synchronized += 1
 
 
 def test_side_stream_handoffs_wait_on_the_host_or_hand_an_event_over(monkeypatch):
@@ -91,7 +94,9 @@ def test_side_stream_handoffs_wait_on_the_host_or_hand_an_event_over(monkeypatch
             assert isinstance(work.ready, Ready) and work.ready.event.recorded_on is side
             assert worker.calls == []
             work.ready()  # on the worker: its stream waits for the event on the device
-            assert worker.calls == [("wait_event", work.ready.event)]
+            assert worker.calls == [("wait_event", work.ready.event)] and work.ready.event.synchronized == 0
+            work.ready.wait_host()  # or a caller that needs the results ready for any stream waits on the host
+            assert work.ready.event.synchronized == 1
     assert _side_stream(device) is side
 
 
@@ -125,3 +130,30 @@ def test_device_processing_on_the_cpu_gives_the_processors_pixels():
     got = split.on_device(arrays, "cpu", torch.float32)["pixel_values"]
     want = processor(images=images, return_tensors="pt")["pixel_values"]
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
+def test_served_inputs_wait_on_the_host_for_work_left_in_flight():
+    """``ServedModel.inputs_from_arrays`` (inputs ready for any stream): where ``prepare`` left device work in
+    flight, it waits for that work on the host (``Ready.wait_host``) before returning the inputs; ``submit`` hands
+    ``ready`` to the front instead."""
+    from encgraph.serving.loading import Prepared, ServedModel
+
+    class Ready:
+        waited = 0
+
+        def wait_host(self):
+            Ready.waited += 1
+
+    class Front:
+        def submit_after(self, ready, *args):
+            return ("queued", ready, args)
+
+    ready = Ready()
+
+    class Served(ServedModel):
+        def prepare(self, arrays):
+            return Prepared(("inputs", arrays), ready)
+
+    served = Served("m", "", None, None, Front(), torch.device("cpu"), torch.float32)
+    assert served.inputs_from_arrays({"x": 1}) == ("inputs", {"x": 1}) and Ready.waited == 1
+    assert served.submit(Prepared("inputs", ready)) == ("queued", ready, ("inputs",)) and Ready.waited == 1
