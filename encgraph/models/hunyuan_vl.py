@@ -119,10 +119,7 @@ class HunYuanVLAdapter(InterpolatedPositions, QwenVisionAdapter):
     required_attributes = ("embeddings", "layers", "patch_merger")
     call_names = ("pixel_values", "grid_thw")
     raster_rows = True
-
-    def __init__(self, module: torch.nn.Module, *, min_budget: int = 256, max_budget: int = 4096,
-                 **options: Any) -> None:
-        super().__init__(module, min_budget=min_budget, max_budget=max_budget, **options)
+    default_budgets = (256, 4096)  # 2 x 2 patch units
 
     def _geometry(self, module: torch.nn.Module) -> tuple[int, torch.Tensor]:
         return int(module.config.spatial_merge_size), module.embeddings.patch_embedding.weight

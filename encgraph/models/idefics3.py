@@ -97,13 +97,12 @@ class Idefics3Adapter(HiddenStatesChoice, QwenVisionAdapter):
     required_attributes = ("embeddings", "encoder", "post_layernorm")
     call_names = _PARAMETERS
     flat_rows = False
+    default_budgets = (256, 16384)  # patch rows
 
-    def __init__(self, module: torch.nn.Module, *, min_budget: int = 256, max_budget: int = 16384,
-                 max_frames_per_item: int = 1, hidden_states: str | Iterable[int] | None = None,
-                 **options: Any) -> None:
+    def __init__(self, module: torch.nn.Module, *, max_frames_per_item: int = 1,
+                 hidden_states: str | Iterable[int] | None = None, **options: Any) -> None:
         self._hidden_option = hidden_states  # read by _init_family, before the tower is changed
-        super().__init__(module, min_budget=min_budget, max_budget=max_budget,
-                         max_frames_per_item=max_frames_per_item, **options)
+        super().__init__(module, max_frames_per_item=max_frames_per_item, **options)
         # Last, as the base's rewrites: packed attention in every layer, engaged only inside the adapter's forwards.
         self._attention = [_packed_attention(layer.self_attn) for layer in module.encoder.layers]
 

@@ -43,10 +43,7 @@ class PaddleOCRVLAdapter(InterpolatedPositions, QwenVisionAdapter):
     required_attributes = ("vision_model",)
     call_names = ("pixel_values", "grid_thw")
     flat_rows = False
-
-    def __init__(self, module: torch.nn.Module, *, min_budget: int = 256, max_budget: int = 16384,
-                 **options: Any) -> None:
-        super().__init__(module, min_budget=min_budget, max_budget=max_budget, **options)
+    default_budgets = (256, 16384)  # patch rows
 
     def _geometry(self, module: torch.nn.Module) -> tuple[int, torch.Tensor]:
         # Merge 1: the tower's rows are its output rows, in raster order (the projector merges after it).

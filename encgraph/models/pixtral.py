@@ -71,11 +71,12 @@ class PixtralAdapter(HiddenStatesChoice, QwenVisionAdapter):
     call_names = _PARAMETERS
     flat_rows = False
     tied_last = True
+    default_budgets = (256, 16384)  # patch rows
 
-    def __init__(self, module: torch.nn.Module, *, min_budget: int = 256, max_budget: int = 16384,
-                 hidden_states: str | Iterable[int] | None = None, **options: Any) -> None:
+    def __init__(self, module: torch.nn.Module, *, hidden_states: str | Iterable[int] | None = None,
+                 **options: Any) -> None:
         self._hidden_option = hidden_states  # read by _init_family, before the tower is changed
-        super().__init__(module, min_budget=min_budget, max_budget=max_budget, **options)
+        super().__init__(module, **options)
 
     def _geometry(self, module: torch.nn.Module) -> tuple[int, torch.Tensor]:
         # Merge 1: the tower's rows are its output rows, in raster order per image (Mistral 3 merges after it).

@@ -63,8 +63,9 @@ class QwenVisionAdapter(QwenInputsMixin):
     Args:
         module: the Hugging Face tower (e.g. ``model.model.visual``); its attention is switched to
             :data:`~encgraph.models.attention.ATTENTION_NAME` until :meth:`unwrap`.
-        min_budget, max_budget: bounds of the default ladder, in output tokens (default 64: one 224 x 224 image
-            at patch 14, merge 2; and 4096: one 896 x 896 image).
+        min_budget, max_budget: bounds of the default ladder, in output tokens (default the family's
+            :attr:`default_budgets`; here 64: one 224 x 224 image at patch 14, merge 2; and 4096: one 896 x 896
+            image).
         max_frames_per_item: frames one item is expected to bring; the default frame limit per batch is
             ``max_items * max_frames_per_item``, and it sizes the ``cu_seqlens`` buffers. Every slot costs the
             full-attention kernels ``max_seqlen / 128`` empty blocks per head, so keep it small; longer videos
@@ -94,13 +95,15 @@ class QwenVisionAdapter(QwenInputsMixin):
     """Pixel rows are ``(rows, C*T*P*P)`` (the patch weight's trailing dims flattened); else ``(rows, *dims)``."""
     clip_attention: ClassVar[bool] = False
     """The full-attention layers attend over a whole item (all its frames: one sequence), not per frame."""
+    default_budgets: ClassVar[tuple[int, int]] = (64, 4096)
+    """``(min_budget, max_budget)`` where the caller gives none (families counting patch rows start higher)."""
 
     def __init__(
         self,
         module: torch.nn.Module,
         *,
-        min_budget: int = 64,
-        max_budget: int = 4096,
+        min_budget: int | None = None,
+        max_budget: int | None = None,
         max_frames_per_item: int = 2,
         last_hidden_state: bool = True,
         fast_layout: bool = True,
@@ -118,8 +121,9 @@ class QwenVisionAdapter(QwenInputsMixin):
             if not isinstance(flag, bool):
                 raise InputTypeError(f"{name}: expected True or False, got {describe(flag)}.")
         self._module = module
-        self.min_budget = check_int("min_budget", min_budget, minimum=1)
-        self.max_budget = check_int("max_budget", max_budget, minimum=self.min_budget)
+        low, high = self.default_budgets
+        self.min_budget = check_int("min_budget", low if min_budget is None else min_budget, minimum=1)
+        self.max_budget = check_int("max_budget", high if max_budget is None else max_budget, minimum=self.min_budget)
         self.max_frames_per_item = check_int("max_frames_per_item", max_frames_per_item, minimum=1)
         self.with_last_hidden_state = last_hidden_state
         self.merge, weight = self._geometry(module)  # weight: (hidden, C, T, P, P) for the Qwen towers

@@ -114,10 +114,10 @@ class Siglip2Adapter(QwenVisionAdapter):
     required_attributes = ("embeddings", "encoder", "post_layernorm")
     call_names = ("pixel_values", "spatial_shapes")
     flat_rows = True
+    default_budgets = (256, 8192)  # patch rows
 
-    def __init__(self, module: torch.nn.Module, *, min_budget: int = 256, max_budget: int = 8192,
-                 **options: Any) -> None:
-        super().__init__(module, min_budget=min_budget, max_budget=max_budget, **options)
+    def __init__(self, module: torch.nn.Module, **options: Any) -> None:
+        super().__init__(module, **options)
         # The tower's attention drops its keyword arguments before the attention function: while the adapter's
         # forwards run, each layer's attention passes them on (cu_seqlens), its class untouched.
         self._packed = [LayoutPatch(layer.self_attn, "attention keywords passed on", _attention_forward(layer.self_attn))

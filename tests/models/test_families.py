@@ -63,6 +63,18 @@ def test_registered(family):
     assert type(encgraph.graphs(encgraph.graphed(tower, mode=RunMode.STATIC)).adapter).__name__ == family.adapter
 
 
+def test_default_budgets_are_the_familys_and_the_options_override_them(family):
+    """Each budget-ladder family's default ``(min_budget, max_budget)`` is its class's ``default_budgets`` (data, not
+    a constructor of its own), and the options still set them."""
+    adapter = wrap(family.tower())
+    if not hasattr(type(adapter), "default_budgets"):
+        pytest.skip(f"{family.adapter} has no token-budget ladder")
+    assert (adapter.min_budget, adapter.max_budget) == type(adapter).default_budgets
+    low = type(adapter).default_budgets[0]
+    adapter = wrap(family.tower(), min_budget=low * 2, max_budget=low * 8)
+    assert (adapter.min_budget, adapter.max_budget) == (low * 2, low * 8)
+
+
 def test_graphed_equals_tower_per_item(family):
     """Random mixes (videos where the family has them), more items than a batch holds and items over the largest
     budget; one call under inference_mode, then one under no_grad, then a plain one; each item against the
