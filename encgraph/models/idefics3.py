@@ -56,10 +56,12 @@ from encgraph.models.idefics3_layout import (
     NotRectangular,
     bucket_positions,
     casts_fractions,
+    needs_mask,
     pad_query_attention,
     padded_layout,
     read_mask,
     slot_mask,
+    slot_rows,
     tower_boundaries,
 )
 from encgraph.models.layout import LayoutPatch, engaged, restore_all
@@ -231,7 +233,8 @@ class Idefics3Adapter(HiddenStatesChoice, QwenVisionAdapter):
             pad = table.weight[0] if conv.bias is None else conv.bias + table.weight[0]
             slots = cu.shape[0] - 1
             x = torch.cat([x, pad.to(x.dtype).expand(slots, -1)]).unsqueeze(0)
-            mask, seg = slot_mask(cu, tokens)
+            # The masked SDPA's (slots, rows) mask only where it runs (not on CUDA's varlen path, inside the graphs).
+            mask, seg = slot_mask(cu, tokens) if needs_mask(x) else (None, slot_rows(cu, tokens))
             packed = {"cu_seqlens": cu, "max_seqlen": kwargs["max_seqlen"], "slot_mask": mask}
             seg = seg + tokens  # each row's padding query (its slot's), after the rows
             named = {f"{HIDDEN}0": x[0]} if 0 in keep else {}
@@ -279,10 +282,10 @@ def _packed_attention(attention: torch.nn.Module) -> LayoutPatch:
     ``cu_seqlens``, and each slot's padding query attending to its sequence (the trailing ``slots`` rows)."""
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                cu_seqlens: torch.Tensor, max_seqlen: int, slot_mask: torch.Tensor,
+                cu_seqlens: torch.Tensor, max_seqlen: int, slot_mask: torch.Tensor | None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
         x = hidden_states[0]
-        total, rows = x.shape[0], x.shape[0] - slot_mask.shape[0]
+        total, rows = x.shape[0], x.shape[0] - (cu_seqlens.shape[0] - 1)  # one padding query per slot, at the end
         shape = (total, -1, attention.head_dim)
         q, k, v = (proj(x).view(shape) for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
         real = packed_attention(q[:rows], k[:rows], v[:rows], cu_seqlens, max_seqlen, scale=attention.scale)

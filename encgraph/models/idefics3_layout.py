@@ -32,8 +32,19 @@ from encgraph.models.attention import (
     pick_backend,
 )
 
-__all__ = ["MaskedPixels", "NotRectangular", "bucket_positions", "casts_fractions", "pad_query_attention",
-           "padded_layout", "read_mask", "slot_mask", "tower_boundaries"]
+__all__ = [
+    "MaskedPixels",
+    "NotRectangular",
+    "bucket_positions",
+    "casts_fractions",
+    "needs_mask",
+    "pad_query_attention",
+    "padded_layout",
+    "read_mask",
+    "slot_mask",
+    "slot_rows",
+    "tower_boundaries",
+]
 
 
 class NotRectangular(InputError):
@@ -125,23 +136,38 @@ def padded_layout(grid: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return np.where(real, packed, padding).reshape(-1)
 
 
+def slot_rows(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    """``(rows,)`` int64: each packed row's ``cu_seqlens`` slot. Built on the device from the buffer: nothing read
+    back."""
+    ends = cu_seqlens[1:].to(torch.int64)
+    return torch.searchsorted(ends.contiguous(), torch.arange(rows, device=ends.device), right=True)
+
+
 def slot_mask(cu_seqlens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mask, seg)``: ``(slots, rows)`` bool, which packed rows each ``cu_seqlens`` slot's padding query attends
-    to (its own sequence's; a zero-length slot attends to row 0, so that every query has a key and stays finite),
-    and ``(rows,)`` int64, each row's slot. Built on the device from the buffer: nothing read back."""
+    to in the masked SDPA of :func:`pad_query_attention` (its own sequence's; a zero-length slot attends to row 0,
+    so that every query has a key and stays finite), and :func:`slot_rows`. Built on the device: nothing read
+    back."""
     ends = cu_seqlens[1:].to(torch.int64)
     slots = ends.shape[0]
-    seg = torch.searchsorted(ends.contiguous(), torch.arange(rows, device=ends.device), right=True)
+    seg = slot_rows(cu_seqlens, rows)
     mask = seg[None, :] == torch.arange(slots, device=ends.device)[:, None]
     empty = ends == cu_seqlens[:-1].to(torch.int64)
     first = torch.arange(rows, device=ends.device)[None, :] == 0
     return mask | (empty[:, None] & first), seg
 
 
-def pad_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+def needs_mask(query: torch.Tensor) -> bool:
+    """Whether :func:`pad_query_attention` runs its masked SDPA for ``query``'s device and dtype (off torch's varlen
+    path: the CPU, fp32), so that the caller builds :func:`slot_mask`'s mask once per forward."""
+    return pick_backend(query) is not AttentionBackend.VARLEN
+
+
+def pad_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                         scale: float, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """Each slot's padding query ``(slots, heads, dim)`` attending to its sequence's rows of ``key``/``value``
-    (``(rows, heads, dim)``, bounded by ``cu_seqlens``; ``mask`` from :func:`slot_mask`).
+    (``(rows, heads, dim)``, bounded by ``cu_seqlens``; ``mask`` from :func:`slot_mask`, needed off the varlen
+    path only: :func:`needs_mask`).
 
     On CUDA in fp16/bf16: one varlen call, queries bounded ``0, 1, ..., slots`` and keys by ``cu_seqlens``
     (:func:`~encgraph.models.attention.attend_per_sequence`): each sequence's keys read once, nothing crossing
@@ -152,8 +178,10 @@ def pad_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     sum is not finite: also a finite row whose sum overflows) is zeroed for the product, so that it never reaches
     another sequence's query through a masked-out weight (``0 * NaN``), and the queries of its own sequence are
     NaN, as that sequence's own attention would make them."""
-    if pick_backend(query) is AttentionBackend.VARLEN:
+    if not needs_mask(query):
         return attend_per_sequence(query, key, value, cu_seqlens, max_seqlen, scale=scale)
+    if mask is None:
+        raise InputError("pad_query_attention(mask): off the varlen path the masked SDPA needs slot_mask's mask.")
     bad = ~torch.isfinite(key.sum(dim=(1, 2), dtype=torch.float32) + value.sum(dim=(1, 2), dtype=torch.float32))
     zero = torch.zeros((), dtype=key.dtype, device=key.device)
     out = F.scaled_dot_product_attention(
