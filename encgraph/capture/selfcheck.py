@@ -189,6 +189,10 @@ class SelfCheck:
             log.info("encgraph: self-check and default cost model skipped: %s.", why)
             return
         t0 = time.perf_counter()
+        # The warm-ups' cached segments go back first: the eager forwards below run at other sizes (and plain
+        # where the warm-ups ran compiled), fit those segments only in part and would stack their own on top
+        # (CLIP-L on an H100: +320 MiB reserved over the warm-ups' 540).
+        release_cached(runner.device)
         with peak_rise(self._device, self._memory, "selfcheck eager"):
             hook = getattr(adapter, "check_before_capture", None)
             if self.verify and hook is not None:  # the adapter's own eager checks (the generic one's split check)
