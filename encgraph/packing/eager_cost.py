@@ -65,7 +65,8 @@ class EagerCost:
     """The eager cost model of one path (ms), see the module docs.
 
     Without ``curve``: ``fixed_ms + per_token_ms * tokens + per_item_ms * items``.  With ``curve`` (one-item eager
-    times ``((tokens, ms), ...)``, or any samples' where tokens per item never vary, with ``per_item_ms`` 0): the piecewise-linear curve through its points, made non-decreasing (an eager
+    times ``((tokens, ms), ...)``, or any samples' where tokens per item never vary, with ``per_item_ms`` 0): the
+    piecewise-linear curve through its points, made non-decreasing (an eager
     run is never predicted cheaper than a smaller one), flat below the first point (a small run is launch-bound),
     extended past the last one with the last segment's slope; plus ``per_item_ms * (items - 1)``.  ``fixed_ms`` and
     ``per_token_ms`` are then the fitted line, kept for reports only.
