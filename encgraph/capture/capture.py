@@ -9,8 +9,9 @@ and under :func:`~encgraph.capture.grad.persistent`):
 2. warm-up - every budget, largest first: fill its input views with padding and run the forward on a side
    stream (the compile runs here), in the ordinary allocator;
 3. the caller's eager work (``before_capture``: the self-check's eager references and the cost model's eager
-   timings, :class:`~encgraph.capture.selfcheck.SelfCheck`), with the blocks uncompiled, then the allocator's
-   free cached segments are given back (:func:`~encgraph.capture.memory.release_cached`);
+   timings, :class:`~encgraph.capture.selfcheck.SelfCheck`, which first gives back what the warm-ups left cached),
+   with the blocks uncompiled, then the allocator's free cached segments are given back
+   (:func:`~encgraph.capture.memory.release_cached`);
 4. capture - every budget, largest first, with no eager run in between: the forward, its outputs copied into the
    path's shared output buffers *inside* the graph, so the pool keeps no per-graph outputs: its memory stays that
    of the largest graph however dense the ladder is;
