@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from benches import serving  # noqa: E402
-from benches.lib.load import Run  # noqa: E402
+from benches.lib.load import Run, closed_loop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = ["--cpu-smoke", "--concurrency", "2", "--duration", "0.2", "--warmup", "0.05"]
@@ -57,6 +57,17 @@ def test_the_window_times_requests_sent_in_it_and_counts_those_answered_in_it():
     assert w["p99_ms"] == pytest.approx(1000.0) and w["p50_ms"] == pytest.approx(100.0)
     assert w["mean_ms"] == pytest.approx(400.0) and w["errors"] == 0 and "runs" not in w
     assert serving.window([Run(((0.0, 0.5),), start=1.0)]) == {"requests": 0, "images_per_s": 0.0, "errors": 0}
+
+
+def test_every_client_times_a_request_even_when_requests_outlast_the_window():
+    # Each request (0.15 s) outlasts warm-up + window (0.02 + 0.05 s): without the rule every client's only request
+    # is sent in the warm-up and the point has no latency; with it each client sends one more, in the window.
+    import time
+
+    run = closed_loop(lambda k: time.sleep(0.15), concurrency=3, warmup=0.02, duration=0.05)
+    timed = [(t0, t1) for t0, t1 in run.spans if t0 >= run.start]
+    assert len(timed) == 3 and len(run.spans) == 6 and not run.errors
+    assert serving.window([run])["requests"] == 3
 
 
 def test_a_points_runs_pool_their_latencies_answers_and_seconds():
