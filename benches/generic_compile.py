@@ -6,7 +6,12 @@ compile it before the graphs are captured, each measured on one module in one pr
 - ``blocks/symbolic``: the repeated blocks (``repeated_blocks``), every size symbolic (``dynamic=True``);
 - ``blocks/automatic``: the repeated blocks, torch's automatic dynamic (``dynamic=None``): the largest budget,
   captured first, compiles with static sizes, the next makes the batch alone symbolic, batch 1 specialises;
-- ``whole/symbolic`` and ``whole/automatic``: the adapter's whole static forward instead of its blocks.
+- ``whole/symbolic`` and ``whole/automatic``: the adapter's whole static forward instead of its blocks;
+- ``stack/automatic``: one region, the outermost submodule that holds every repeated block (SigLIP's and CLIP's
+  ``encoder`` in transformers 5 and ConvNeXt's and DINOv2's, timm's ``blocks``; the blocks where no such submodule is
+  one with a forward), so that Inductor fuses across the blocks' edges as reduce-overhead does: a block's last
+  residual add into the next block's LayerNorm (SigLIP-so400m at 32 images: 2.1 ms of 52 that reduce-overhead
+  saves, ``docs/benchmarks.md``), without the hook's bound method that broke the whole forward's graph.
 
 Per variant: the warm-up (every batch size of 1, 2, 4, 8, 16, 32 three times in turn; the capture happens on a
 shape's second call) in wall seconds with Dynamo's frames and graph breaks, and the median of ``--runs`` calls per
@@ -35,8 +40,8 @@ if __package__ in (None, ""):
 from benches.anymodule import BATCHES, Timer, build, dynamo_counts, first_tensor, heading, run_modules  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = {"blocks/symbolic": (True, True), "blocks/automatic": (True, None), "whole/symbolic": (False, True),
-            "whole/automatic": (False, None)}
+VARIANTS = {"blocks/symbolic": ("blocks", True), "blocks/automatic": ("blocks", None),
+            "whole/symbolic": ("whole", True), "whole/automatic": ("whole", None), "stack/automatic": ("stack", None)}
 TIMED = (1, 8, 32)
 
 
@@ -47,15 +52,34 @@ def adapter_classes() -> list[type]:
     return [GenericModuleAdapter, FixedResolutionAdapter]
 
 
-def set_variant(blocks: bool, dynamic: bool | None) -> list[tuple[type, str, Any]]:
-    """Patch the batch-ladder adapters' classes; returns what to put back."""
+def stack_of(module: Any) -> list[Any]:
+    """The outermost submodule of ``module`` (never ``module`` itself, whose forward the wrapper hooks) that holds
+    every repeated block, as a one-region list; the blocks themselves where the submodule holding them all is a
+    ``ModuleList`` (no forward of its own) or ``module`` alone holds them."""
+    import torch
+
+    from encgraph.models._hf import repeated_blocks
+
+    blocks = repeated_blocks(module)
+    for child in module.children() if blocks else ():
+        inside = {id(m) for m in child.modules()}
+        if all(id(b) in inside for b in blocks):
+            return blocks if isinstance(child, torch.nn.ModuleList) else [child]
+    return blocks
+
+
+def set_variant(regions: str, dynamic: bool | None) -> list[tuple[type, str, Any]]:
+    """Patch the batch-ladder adapters' classes (``regions``: "blocks", "whole" or "stack"); returns what to put
+    back."""
     saved = []
     for cls in adapter_classes():
         for name in ("compile_dynamic", "compile_regions"):
             saved.append((cls, name, cls.__dict__.get(name)))
         cls.compile_dynamic = dynamic
-        if not blocks:
+        if regions == "whole":
             cls.compile_regions = lambda self: []
+        elif regions == "stack":
+            cls.compile_regions = lambda self: stack_of(self._module)
     return saved
 
 
@@ -87,13 +111,20 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     def phase(system: Any, label: str) -> dict[str, Any]:
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         before, t0 = dynamo_counts(), time.perf_counter()
         for _ in range(3):
             for n in BATCHES:
                 call(system, images(n))
         torch.cuda.synchronize(device)
         row: dict[str, Any] = {"warmup_s": round(time.perf_counter() - t0, 2),
-                               "frames": dynamo_counts()["frames"] - before["frames"], "batches": {}}
+                               "frames": dynamo_counts()["frames"] - before["frames"], "batches": {},
+                               # the warm-up's peaks over what was held before it (capture included), MiB
+                               "peak_mib": round((torch.cuda.max_memory_allocated(device) - allocated) / 2**20, 1),
+                               "peak_reserved_mib": round((torch.cuda.max_memory_reserved(device) - reserved) / 2**20,
+                                                          1)}
         for n in TIMED:
             own, eager = [], []
             for _ in range(args.runs):
@@ -137,16 +168,18 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def render(doc: dict[str, Any]) -> str:
     lines = heading("# generic_compile: how a batch-ladder tower is compiled before capture", doc,
                     ", inductor caches off")
-    lines += ["| module | system | warm-up s | frames | " + " | ".join(f"batch {n}: ms (eager ms)" for n in TIMED)
-             + " | max item rel diff |", "|---|---|---|---|" + "---|" * len(TIMED) + "---|"]
+    lines += ["| module | system | warm-up s | frames | peak MiB allocated / reserved | "
+              + " | ".join(f"batch {n}: ms (eager ms)" for n in TIMED) + " | max item rel diff |",
+              "|---|---|---|---|---|" + "---|" * len(TIMED) + "---|"]
     for name, rows in doc["models"].items():
         for system, row in rows.items():
             if "error" in row or "skipped" in row:
-                lines.append(f"| {name} | {system} | {row.get('error') or row.get('skipped')} | | | | | |")
+                lines.append(f"| {name} | {system} | {row.get('error') or row.get('skipped')} | | | | | | |")
                 continue
             cells = [f"{b['system_ms']} ({b['eager_ms']})" for b in row["batches"].values()]
-            lines.append(f"| {name} | {system} | {row['warmup_s']} | {row['frames']} | " + " | ".join(cells)
-                         + f" | {row['max_item_rel_diff']:.1e} |")
+            peaks = f"{row.get('peak_mib', '-')} / {row.get('peak_reserved_mib', '-')}"  # older runs have none
+            lines.append(f"| {name} | {system} | {row['warmup_s']} | {row['frames']} | {peaks} | "
+                         + " | ".join(cells) + f" | {row['max_item_rel_diff']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
