@@ -50,6 +50,7 @@ if __package__ in (None, ""):
 from benches.lib.load import Run, closed_loop, http_closed_loop, summarize, window  # noqa: E402, F401
 from benches.lib.plots_registry import parse  # noqa: E402
 from benches.lib.results import git_commit, result_dirs  # noqa: E402
+from benches.lib.server_profile import GilProfile  # noqa: E402
 from benches.lib.serving_http import (  # noqa: E402, F401
     counter_delta, counter_summary, delta_summary, run_server, server_bodies, server_counters, server_missing,
     start_server, stop_servers, wait_server,
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start", choices=("sequential", "concurrent"), default="sequential",
                    help="the systems' servers: each started once the one before answers (default), or all at once "
                         "(faster, but their capture-time timings then share the GPU: see run_points)")
+    p.add_argument("--profile", choices=SYSTEMS, default=None,
+                   help="sample this system's server with py-spy (--gil) during its first run at the largest "
+                        "concurrency: where the server process's Python time goes (benches/lib/server_profile.py; "
+                        "py-spy on PATH)")
     p.add_argument("--time-budget", type=float, default=540.0, help="start no point past this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", type=Path, default=REPO / "benches" / "results")
@@ -246,6 +251,7 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
     with tempfile.TemporaryDirectory() as checkpoint:
         servers: dict[str, tuple[Any, str, Any]] = {}
         bodies: list[bytes] = []
+        profiles: dict[tuple[str, int], dict[str, Any]] = {}
         try:
             if transport == "server":
                 bench.save(checkpoint)
@@ -281,11 +287,17 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
                         else:
                             url = servers[system][1]
                             before = server_counters(url)
+                            profile = (GilProfile(servers[system][0].pid, args.duration, delay=args.warmup)
+                                       if system == args.profile and c == max(args.concurrency) and r == 0 else None)
                             run = http_closed_loop(url, "/v1/embeddings", bodies, c, args.warmup, args.duration)
                             extra = counter_delta(before, server_counters(url))
+                            if profile is not None:
+                                profiles[(system, c)] = profile.result()
                         runs[system].append(run)
                         extras[system].append(extra)
                         points[system][str(c)] = _point(runs[system], extras[system], transport)
+                        if (system, c) in profiles:
+                            points[system][str(c)]["gil_profile"] = profiles[(system, c)]
                         flush()
         finally:
             stop_servers([proc for proc, _, _ in servers.values()])

@@ -79,6 +79,8 @@ def render(data: dict[str, Any]) -> str:
             if eager:
                 lines += ["", "Items that a graphed system ran eagerly (the tower's own forward): " + "; ".join(eager)
                           + "."]
+            lines += [_profile_line(system, c, p["gil_profile"]) for system, by_c in result["points"].items()
+                      for c, p in by_c.items() if p.get("gil_profile")]
             t = result.get("targets", {})
             if len(t) > 1:
                 ratio = ("hf_eager not in this run" if "coalesce_vs_hf_eager_images_per_s" not in t else
@@ -94,6 +96,17 @@ def render(data: dict[str, Any]) -> str:
                               f"worse than graphed_per_request: {t.get('defaults_p99_not_worse_than_per_request')}."]
             lines.append("")
     return "\n".join(lines)
+
+
+def _profile_line(system: str, clients: str, profile: dict[str, Any]) -> str:
+    """One sentence of a point's py-spy GIL profile (``benches.lib.server_profile``)."""
+    if "skipped" in profile:
+        return f"\nGIL profile of {system}'s server at {clients} clients: not taken ({profile['skipped']})."
+    groups = ", ".join(f"{name} {100 * share:.0f}%" for name, share in profile["groups"].items() if share >= 0.02)
+    return (f"\nGIL profile of {system}'s server at {clients} clients ({profile['samples']} samples at "
+            f"{profile['rate_hz']} Hz over {profile['seconds']} s): a thread of the server process held its GIL "
+            f"at least {100 * profile['gil_held_share']:.0f}% of the time (its preprocessing workers together: "
+            f"{profile['workers_gil_share'] or 0:.2f} GILs busy on average); of those samples: {groups}.")
 
 
 def _reasons(counts: dict[str, int] | None) -> str:
