@@ -105,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the systems' servers: each started once the one before answers (default), or all at once "
                         "(faster, but their capture-time timings then share the GPU: see run_points)")
     p.add_argument("--profile", choices=SYSTEMS, default=None,
-                   help="sample this system's server with py-spy (--gil) during its first run at the largest "
-                        "concurrency: where the server process's Python time goes (benches/lib/server_profile.py; "
-                        "py-spy on PATH)")
+                   help="with --transports server: sample this system's server with py-spy (--gil) during its "
+                        "first run at the largest concurrency, where the server process's Python time goes "
+                        "(benches/lib/server_profile.py; py-spy on PATH)")
     p.add_argument("--time-budget", type=float, default=540.0, help="start no point past this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", type=Path, default=REPO / "benches" / "results")
@@ -173,7 +173,11 @@ def slug(env: dict[str, Any], smoke: bool) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.profile and "server" not in args.transports:
+        parser.error(f"--profile {args.profile}: profiles a server; add server to --transports (got "
+                     f"{','.join(args.transports)})")
     if args.cpu_smoke:
         args.concurrency = (1, 4) if args.concurrency == (1, 8, 32, 128) else args.concurrency
         args.duration, args.warmup = min(args.duration, 0.3), min(args.warmup, 0.1)

@@ -63,3 +63,13 @@ def test_the_serving_table_says_what_held_the_gil_or_why_no_profile_was_taken():
     assert "at least 80% of the time" in line and "1.50 GILs busy on average" in line
     assert "base64 50%, JSON 49%" in line and "metrics" not in line  # groups under 2% left out
     assert "not taken (py-spy is not on PATH" in _profile_line("defaults", "32", {"skipped": "py-spy is not on PATH"})
+
+
+def test_profiling_without_a_server_transport_is_refused(capsys):
+    import pytest
+
+    from benches.serving import main
+
+    with pytest.raises(SystemExit):
+        main(["--cpu-smoke", "--transports", "inprocess", "--profile", "defaults"])
+    assert "--profile defaults: profiles a server; add server to --transports (got inprocess)" in capsys.readouterr().err
