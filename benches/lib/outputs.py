@@ -37,3 +37,22 @@ def max_rel_diff(results: Sequence[Any], reference: Sequence[Any]) -> float:
             diff = float((a.float() - b32).abs().max()) if b32.numel() else 0.0
             worst = max(worst, diff / scale if scale else diff)
     return worst
+
+
+def without_padding_rows(value: Any, mask: Any) -> Any:
+    """``value`` with every tensor laid out ``(images, rows, ...)`` like ``mask`` ``(images, rows)`` zeroed where
+    the mask is 0 (a copy; other tensors as they are): what a padded call's outputs are compared on where the
+    padding rows are not data (SigLIP2 NaFlex: encgraph writes zeros there, the tower what its attention makes of
+    padding queries; docs in ``encgraph/models/siglip2.py``)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and tuple(value.shape[:2]) == tuple(mask.shape):
+            keep = mask.to(value.device).bool().reshape(*mask.shape, *([1] * (value.dim() - 2)))
+            return torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device))
+        return value
+    if isinstance(value, Mapping):
+        return {k: without_padding_rows(v, mask) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_padding_rows(v, mask) for v in value]
+    return value
