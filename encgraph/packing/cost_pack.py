@@ -7,9 +7,9 @@ Algorithm (deterministic, ``O(n * L)`` for ``n`` items and runs of at most ``L``
 1. Items are sorted ascending by total tokens, ties in input order (the greedy planner's order).  An item over
    some path's largest budget, or with more frames than ``max_frames``, sits alone as in the greedy planner.
 2. The other items keep that order; every contiguous run of them that fits ``max_items``, ``max_frames`` and
-   every path's largest budget is a candidate batch.  Its cost is, per path, the cheaper of the graph of the
-   smallest budget that holds its tokens and an eager run (:attr:`EagerReason.COST` when eager is strictly
-   cheaper); 0 on a path with no tokens.  Where the model has an attention coefficient for the path, the
+   every path's largest budget is a candidate batch.  Its cost is, per path, that of the graph of the
+   smallest budget that holds its tokens or of an eager run (:attr:`EagerReason.COST` when eager's expected time
+   times :data:`EAGER_MARGIN` is under the graph's); 0 on a path with no tokens.  Where the model has an attention coefficient for the path, the
    graph's cost follows the run's content (:func:`~encgraph.packing.attention_term.with_squares`: the items'
    ``frames * (tokens / frames)^q`` and the padding's ``(budget - tokens)^q`` at the path's power ``q``, 2 unless
    measured), so that several large images may share one
@@ -36,7 +36,15 @@ from encgraph.packing.attention_term import item_term, with_squares
 from encgraph.packing.costs import CostModel, EagerCost
 from encgraph.packing.plan import Batch, EagerReason, _fast_batch
 
-__all__ = ["check_costs", "cost_batches"]
+__all__ = ["EAGER_MARGIN", "check_costs", "cost_batches"]
+
+EAGER_MARGIN = 1.10
+"""An eager run is chosen over a replay only when its expected time times this is under the replay's: an eager
+forward's time moves with the host (launches, the GIL, the allocator) where a replay's does not, and measured at
+capture it read low. SigLIP-so400m's compiled eager forward of 16 images was predicted 26.3 ms against the replay's
+26.8 and took 28.5 in calls on an H200 (1.083x; an H100 at 32: 50.05 predicted, 52.8 taken): with no margin the
+planner sent every such batch eagerly, 0.89x torch.compile's reduce-overhead at 32 images. A replay's padding
+within the dense ladder (budgets about 1.2x apart) still loses to eager where it costs more than this."""
 
 _COST = EagerReason.COST
 _TOKENS = EagerReason.TOKENS
@@ -102,7 +110,7 @@ def _choose(tab: _PathTable, t: int, items: int, sq: float) -> tuple[int | None,
     k = bisect_left(tab.ladder, t)
     g = _graph(tab, k, t, sq)
     e = tab.eager.cost(t, items)  # EagerCost.cost_array in _best_runs: the same sums in the same order
-    return (None, e) if e < g else (tab.ladder[k], g)
+    return (None, e) if e * EAGER_MARGIN < g else (tab.ladder[k], g)
 
 
 def _lone(
@@ -126,7 +134,7 @@ def _lone(
             continue
         k = bisect_left(tab.ladder, t)
         g = _graph(tab, k, t, item_term(t, f, tab.power))
-        if e < g:
+        if e * EAGER_MARGIN < g:
             budgets[path] = None
             eager[path] = _COST
             total += e
@@ -211,7 +219,7 @@ def cost_batches(
                 continue
             k = bisect_left(tab.ladder, t)
             g = tab.graph[k] if cum_sq is None else _graph(tab, k, t, cum_sq[hi][p] - cum_sq[lo][p])
-            if tab.eager.cost(t, n_run) < g:
+            if tab.eager.cost(t, n_run) * EAGER_MARGIN < g:
                 budgets[path] = None
                 eager[path] = _COST
                 padded[path] = 0
@@ -285,9 +293,9 @@ def _best_runs(
             b2 = tab.ladder_sq_np[idx]
             sq = (cum_sq[ends, p] - cum_sq[starts, p]) + np.maximum(b - t, 0).astype(np.float64) ** tab.power  # b < t: past the cap, masked
             g = np.maximum(tab.graph_np[idx] - tab.att * (b2 - np.clip(sq, 0.0, b2)), 0.0)
-            np.minimum(g, c, out=c)
         else:
-            np.minimum(tab.graph_np[idx], c, out=c)
+            g = tab.graph_np[idx]
+        c = np.where(c * EAGER_MARGIN < g, c, g)  # _choose's rule, elementwise
         c[t == 0] = 0.0
         if cost is None:
             cost = c

@@ -108,6 +108,37 @@ def test_small_item_in_a_huge_budget_goes_eager_by_cost():
     assert plan.batches[0].eager == {"default": EagerReason.COST}
 
 
+@pytest.mark.parametrize("eager_over_graph", [0.85, 0.95, 1.0])
+@pytest.mark.parametrize("shape", ["one item", "a run", "lone on another path"])
+def test_eager_must_beat_the_replay_by_the_margin(eager_over_graph: float, shape: str) -> None:
+    """A replay predicted within EAGER_MARGIN of eager is taken (eager's calls read slower than its capture
+    timing); eager only where it is clearly cheaper, on every planner route: one item, a run the dynamic
+    programme prices, an item alone because it is over another path's largest budget."""
+    from encgraph.packing.cost_pack import EAGER_MARGIN
+
+    graph = 20.0
+    eager = EagerCost(graph * eager_over_graph, 0.0)  # every run the same expected time
+    paths = ["a", "b"] if shape == "lone on another path" else ["a"]
+    model = CostModel(graph_ms={p: {64: graph, 128: graph} for p in paths}, eager={p: eager for p in paths})
+    if shape == "one item":
+        items = [ItemSpec({"a": 50})]
+    elif shape == "a run":
+        items = [ItemSpec({"a": 30}), ItemSpec({"a": 40}), ItemSpec({"a": 50})]
+    else:
+        items = [ItemSpec({"a": 50, "b": 500})]  # over b's 128: alone, b eager by tokens
+    plan = pack(items, {p: (64, 128) for p in paths}, max_items=4, costs=model)
+    want_eager = eager_over_graph * EAGER_MARGIN < 1.0
+    assert eager_over_graph == 0.85 and want_eager or eager_over_graph >= 0.95 and not want_eager
+    assert sorted(i for b in plan.batches for i in b.items) == list(range(len(items)))
+    for b in plan.batches:
+        assert (b.budgets["a"] is None) == want_eager
+        assert b.eager.get("a") == (EagerReason.COST if want_eager else None)
+    # The planner's own total is what the plan costs under the model, whichever side the margin chose.
+    assert model.plan_cost(plan) == pytest.approx(sum(
+        (graph * eager_over_graph if want_eager else graph) + (graph * eager_over_graph if len(paths) == 2 else 0)
+        for _ in plan.batches))
+
+
 def test_splits_where_padding_a_shared_budget_costs_more():
     items = [ItemSpec(200), ItemSpec(200), ItemSpec(300)]
     model = CostModel(graph_ms={"default": {256: 1.0, 512: 1.5, 1024: 8.0}}, eager={"default": EagerCost(50, 0)})
