@@ -115,6 +115,19 @@ def test_summary_and_targets():
          "towers": {"siglip_so400m_384": {"server": {"points": {}, "targets": t}}}})
 
 
+
+def test_a_run_of_hf_eager_and_defaults_only_states_only_what_it_measured():
+    """A run of hf_eager and defaults alone (a profile run): no line about graphed_coalesce, no P99 comparison
+    with a system not in the run."""
+    point = lambda ips, p99: {"requests": 10, "images_per_s": ips, "p99_ms": p99}  # noqa: E731
+    t = serving.targets({"hf_eager": {"32": point(10, 400)}, "defaults": {"32": point(55, 170)}})
+    text = serving.render(
+        {"environment": {"gpu": "x", "torch": "t", "transformers": "f"},
+         "options": {"duration": 1, "warmup": 0, "max_wait_ms": 2.0},
+         "towers": {"siglip_so400m_384": {"server": {"points": {}, "targets": t}}}})
+    assert "defaults (no options) / hf_eager images/s = 5.5." in text
+    assert "None" not in text and "graphed_coalesce /" not in text and "graphed_per_request" not in text
+
 def test_a_servers_eager_items_are_read_and_flagged(monkeypatch):
     """A graphed server that ran items eagerly (its cost model said the tower's own forward was faster) measured
     the wrong thing: the point says how many items, by reason, and the table says which point."""
