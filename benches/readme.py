@@ -144,6 +144,32 @@ def _short(label: str) -> str:
     return label.removesuffix(" tower").removesuffix(" vision")
 
 
+_FAMILY_CASES = {"1x448": "one 448 px image", "photo": "one photo at the processor's default maximum"}
+
+
+def _family_rows(data: Mapping[str, Any], what: str, stem: str) -> list[list[str]]:
+    """One headline row per case of ``_FAMILY_CASES`` that a family run measured: the range over its towers of HF
+    sdpa and the defaults (median latency), their speedups, and the towers slower than HF by name."""
+    rows = []
+    for case, words in _FAMILY_CASES.items():
+        pairs = [(t["label"], median_of(c["systems"].get(System.HF_SDPA.value)),
+                  median_of(c["systems"].get(System.DEFAULTS.value)))
+                 for t in data.get("towers", {}).values() for name, c in t.get("cases", {}).items()
+                 if name == case and "systems" in c]
+        pairs = [(label, hf, d) for label, hf, d in pairs if hf is not None and d is not None]
+        if not pairs:
+            continue
+        hfs, ds = [p[1] for p in pairs], [p[2] for p in pairs]
+        xs = [hf / d for _, hf, d in pairs]
+        slower = [f"{_short(label)} {hf / d:.2f}x" for label, hf, d in pairs if hf < d]
+        rows.append([f"{len(pairs)} {what} ({', '.join(_short(p[0]) for p in pairs)}): {words}, median latency"
+                     + (f"; slower than HF: {', '.join(slower)}" if slower else ""),
+                     f"{fmt(min(hfs))}-{fmt(max(hfs))} ms", f"{fmt(min(ds))}-{fmt(max(ds))} ms",
+                     f"**{min(xs):.{2 if min(xs) < 1 else 1}f}-{max(xs):.1f}x**",
+                     f"[families](benches/results/{stem}.md)"])
+    return rows
+
+
 def headline_block(results_dir: Path, slug: str) -> str:
     """The README's table: encgraph with no options against the tower's own forward, one row per workload, each
     linking the result file it comes from; then the conditions shared by every row."""
@@ -172,20 +198,12 @@ def headline_block(results_dir: Path, slug: str) -> str:
                 rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}{sizes}, mean "
                              f"latency{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms",
                              f"**{x:.1f}x**", f"[traffic](benches/results/{stem}.md)"])
-    families = _load(results_dir, f"towers_{slug}_families")
-    if families:
-        envs.append(families["environment"])
-        pairs = [(t["label"], median_of(c["systems"].get(System.HF_SDPA.value)),
-                  median_of(c["systems"].get(System.DEFAULTS.value)))
-                 for t in families.get("towers", {}).values() for name, c in t.get("cases", {}).items()
-                 if name == "1x448" and "systems" in c]
-        pairs = [(label, hf, d) for label, hf, d in pairs if hf is not None and d is not None]
-        if pairs:
-            hfs, ds = [p[1] for p in pairs], [p[2] for p in pairs]
-            xs = [hf / d for _, hf, d in pairs]
-            rows.append([f"{len(pairs)} more towers ({', '.join(_short(p[0]) for p in pairs)}): one 448 px "
-                         "image, median latency", f"{fmt(min(hfs))}-{fmt(max(hfs))} ms", f"{fmt(min(ds))}-{fmt(max(ds))} ms",
-                         f"**{min(xs):.1f}-{max(xs):.1f}x**", f"[families](benches/results/towers_{slug}_families.md)"])
+    for stem, what in ((f"towers_{slug}_families", "more towers"),
+                       (f"towers_{slug}_families-photo", "newer towers, no FlashAttention-4")):
+        families = _load(results_dir, stem)
+        if families:
+            envs.append(families["environment"])
+            rows += _family_rows(families, what, stem)
     serving = _load(results_dir, f"serving_{slug}_server_repeats")
     if serving:
         from benches import serving as serving_bench
