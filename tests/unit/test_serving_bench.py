@@ -119,7 +119,7 @@ def test_summary_and_targets():
 def test_a_run_of_hf_eager_and_defaults_only_states_only_what_it_measured():
     """A run of hf_eager and defaults alone (a profile run): no line about graphed_coalesce, no P99 comparison
     with a system not in the run."""
-    point = lambda ips, p99: {"requests": 10, "images_per_s": ips, "p99_ms": p99}  # noqa: E731
+    point = lambda ips, p99: {"requests": 10, "images_per_s": ips, "p99_ms": p99}
     t = serving.targets({"hf_eager": {"32": point(10, 400)}, "defaults": {"32": point(55, 170)}})
     text = serving.render(
         {"environment": {"gpu": "x", "torch": "t", "transformers": "f"},
