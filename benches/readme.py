@@ -6,8 +6,9 @@ date and file of their numbers; commits, command lines and run notes stay in the
 
 README.md:
 
-- ``headline``: encgraph with no options against the tower's own forward, one row per workload (the traffic
-  trace per tower, the families at one 448 px image, the server at 32 clients), each row linking its result file.
+- ``headline`` (:mod:`benches.lib.headline`): encgraph with no options against the tower's own forward, one row
+  per workload (the traffic trace per tower, the families at one 448 px image and the newer ones also on one photo
+  at the processor's maximum, the server at 32 clients), each row linking its result file.
 
 docs/benchmarks.md (links through ``docs/results``, a link to ``benches/results``):
 
@@ -47,8 +48,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benches import capture
-from benches.lib import traffic_report as report
 from benches.lib import plots_registry
+from benches.lib import traffic_report as report
+from benches.lib.headline import (
+    SIZES_SHORT,
+    date_of,
+    headline_block,
+    load_result,
+    short_label,
+)
 from benches.lib.results import REPO, RESULTS_DIR, fmt, markdown_table, median_of, ratio
 from benches.lib.systems import System
 
@@ -61,17 +69,12 @@ TOWER_COLUMNS = (System.HF_SDPA, System.DEFAULTS, System.GRAPH, System.GRAPH_COM
 LINK_PREFIX = {README.name: "benches/results/", BENCHMARKS_PAGE.name: "results/"}
 
 
-def _date(run: Mapping[str, Any]) -> str:
-    """The day a run's environment records (``date_utc``; the serving bench's ``time``)."""
-    return str(run.get("date_utc") or run.get("time", "?"))[:10]
-
-
 def provenance(data: Mapping[str, Any], script: str, slug: str) -> str:
     """Where a block's numbers come from: machine, versions, date and file. The commit and the run's notes stay
     in the file (``environment``)."""
     env = data["environment"]
     runs = env.get("towers_from")
-    dates = sorted({_date(run) for run in runs.values()} if runs else {_date(env)})
+    dates = sorted({date_of(run) for run in runs.values()} if runs else {date_of(env)})
     versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers") if env.get(name))
     dtype = f", {env['dtype']}" if env.get("dtype") else ""
     return f"{env['gpu']}, {versions}{dtype}; {' and '.join(dates)}; `benches/results/{script}_{slug}.json`"
@@ -129,115 +132,6 @@ def serving_block(data: Mapping[str, Any], slug: str, transport: str = "inproces
     if plot.exists():
         parts.append(f"![images/s against closed-loop clients](benches/results/{plot.name})")
     return "\n\n".join(p for p in parts if p)
-
-
-def _load(results_dir: Path, stem: str) -> Mapping[str, Any] | None:
-    path = Path(results_dir) / f"{stem}.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-SIZES_SHORT = {"new": "every size new", "seen": "sizes seen before"}
-"""How the headline names a traffic pass's sizes (``benches/traffic.py --sizes``; as drawn: nothing)."""
-
-
-def _short(label: str) -> str:
-    return label.removesuffix(" tower").removesuffix(" vision")
-
-
-_FAMILY_CASES = {"1x448": "one 448 px image", "photo": "one photo at the processor's default maximum"}
-
-
-def _family_rows(data: Mapping[str, Any], what: str, stem: str) -> list[list[str]]:
-    """One headline row per case of ``_FAMILY_CASES`` that a family run measured: the range over its towers of HF
-    sdpa and the defaults (median latency), their speedups, and the towers slower than HF by name."""
-    rows = []
-    for case, words in _FAMILY_CASES.items():
-        pairs = [(t["label"], median_of(c["systems"].get(System.HF_SDPA.value)),
-                  median_of(c["systems"].get(System.DEFAULTS.value)))
-                 for t in data.get("towers", {}).values() for name, c in t.get("cases", {}).items()
-                 if name == case and "systems" in c]
-        pairs = [(label, hf, d) for label, hf, d in pairs if hf is not None and d is not None]
-        if not pairs:
-            continue
-        hfs, ds = [p[1] for p in pairs], [p[2] for p in pairs]
-        xs = [hf / d for _, hf, d in pairs]
-        slower = [f"{_short(label)} {hf / d:.2f}x" for label, hf, d in pairs if hf < d]
-        rows.append([f"{len(pairs)} {what} ({', '.join(_short(p[0]) for p in pairs)}): {words}, median latency"
-                     + (f"; slower than HF: {', '.join(slower)}" if slower else ""),
-                     f"{fmt(min(hfs))}-{fmt(max(hfs))} ms", f"{fmt(min(ds))}-{fmt(max(ds))} ms",
-                     f"**{min(xs):.{2 if min(xs) < 1 else 1}f}-{max(xs):.1f}x**",
-                     f"[families](benches/results/{stem}.md)"])
-    return rows
-
-
-def headline_block(results_dir: Path, slug: str) -> str:
-    """The README's table: encgraph with no options against the tower's own forward, one row per workload, each
-    linking the result file it comes from; then the conditions shared by every row."""
-    rows, envs, best = [], [], {}  # best: {"latency" | "throughput": (speedup, tower label)}
-    chat = "chat-like trace of {n} requests (1-8 images of any size, or a short video)"
-    photo = "photo trace of {n} requests (1-3 photos of 400-4000 px at the processor's default maximum)"
-    fa4 = ", FlashAttention-4 installed (the `fa4` extra)"
-    traces = ((f"traffic_{slug}", chat), (f"traffic_{slug}_photo", photo),
-              (f"traffic_{slug}_chat-fa4", chat + fa4), (f"traffic_{slug}_photo-fa4", photo + fa4))
-    for stem, workload in traces:
-        traffic = _load(results_dir, stem)
-        if not traffic:
-            continue
-        envs.append(traffic["environment"])
-        for name, tower in report.tower_docs(traffic).items():
-            for mode, doc in report.passes(tower):
-                hf, d = (doc.get("systems", {}).get(s.value) for s in (System.HF_SDPA, System.DEFAULTS))
-                if not (hf and d):
-                    continue
-                x = ratio(hf["mean_ms"], d["mean_ms"])
-                if stem == f"traffic_{slug}":
-                    best["latency"] = max(best.get("latency", (0.0, "")), (x, _short(doc["tower"]["label"])))
-                worst = d.get("worst_ratio_vs_hf_sdpa")  # every trace's row states its worst request
-                slower = f"; worst request {worst:.2f}x HF's" if worst is not None else ""
-                sizes = f", {SIZES_SHORT[mode]}" if mode in SIZES_SHORT else ""
-                rows.append([f"{_short(doc['tower']['label'])}: {workload.format(n=d['requests'])}{sizes}, mean "
-                             f"latency{slower}", f"{fmt(hf['mean_ms'])} ms", f"{fmt(d['mean_ms'])} ms",
-                             f"**{x:.1f}x**", f"[traffic](benches/results/{stem}.md)"])
-    for stem, what in ((f"towers_{slug}_families", "more towers"),
-                       (f"towers_{slug}_families-photo", "newer towers, no FlashAttention-4")):
-        families = _load(results_dir, stem)
-        if families:
-            envs.append(families["environment"])
-            rows += _family_rows(families, what, stem)
-    serving = _load(results_dir, f"serving_{slug}_server_repeats")
-    if serving:
-        from benches import serving as serving_bench
-
-        envs.append(serving["environment"])
-        for tower, by_transport in serving.get("towers", {}).items():
-            points = by_transport.get("server", {}).get("points", {})
-            hf, d = points.get("hf_eager", {}).get("32"), points.get("defaults", {}).get("32")
-            if hf and d and hf.get("requests") and d.get("requests"):
-                x = d["images_per_s"] / hf["images_per_s"]
-                label = _short(serving_bench.TOWERS[tower]["label"])
-                best["throughput"] = max(best.get("throughput", (0.0, "")), (x, label))
-                rows.append([f"{label} behind `encgraph serve`, 32 concurrent "
-                             "clients, images/s", f"{hf['images_per_s']:.0f}/s", f"{d['images_per_s']:.0f}/s",
-                             f"**{x:.1f}x**",
-                             f"[serving](benches/results/serving_{slug}_server_repeats.md)"])
-    if not rows:
-        return f"No results yet: `benches/results/*_{slug}.json` are missing."
-    table = markdown_table(["workload", "tower's own forward (HF, sdpa)", "encgraph, no options", "speedup",
-                            "result"], rows)
-    gpus = sorted({e["gpu"] for e in envs})
-    versions = "; ".join(f"{name} {', '.join(sorted({e[name] for e in envs if e.get(name)}))}"
-                         for name in ("torch", "transformers"))
-    dates = sorted(_date(e) for e in envs)
-    lead = [f"**{best['latency'][0]:.1f}x** lower mean latency than the tower's own forward on a chat-like trace "
-            f"({best['latency'][1]})" if "latency" in best else None,
-            f"**{best['throughput'][0]:.1f}x** the images/s behind `encgraph serve` ({best['throughput'][1]})"
-            if "throughput" in best else None]
-    lead_line = f"With no options, on one {', '.join(gpus)}: " + " and ".join(filter(None, lead)) + ".\n\n"
-    return (f"{lead_line if any(lead) else ''}{table}\n\n<sub>One {', '.join(gpus)}; {versions}; bfloat16 towers at each model's released geometry "
-            f"with random weights; each row's systems measured side by side in one process, {dates[0]} to "
-            f"{dates[-1]}. The latency rows call the tower directly (`graphed(tower)`); the serving rows go through "
-            "the HTTP server, its `--eager` baseline against its defaults. Commits, options and every other "
-            "system are in each result file.</sub>")
 
 
 def anymodule_block(results_dir: Path, slug: str) -> str:
@@ -304,7 +198,7 @@ def traffic_runs_block(results_dir: Path, slug: str) -> str:
     rows, envs = [], []
     for tag in TRAFFIC_RUNS:
         stem = f"traffic_{slug}{tag}"
-        data = _load(results_dir, stem)
+        data = load_result(results_dir, stem)
         if not data:
             continue
         env = data["environment"]
@@ -317,7 +211,7 @@ def traffic_runs_block(results_dir: Path, slug: str) -> str:
                 if not (hf and d):
                     continue
                 gs = doc.get("graph_stats", {}).get(System.DEFAULTS.value, {})
-                rows.append([trace, _tree(env), kernel, _short(doc.get("tower", {}).get("label", name)),
+                rows.append([trace, _tree(env), kernel, short_label(doc.get("tower", {}).get("label", name)),
                              SIZES_SHORT.get(mode or "", "as drawn"), d.get("requests"), hf.get("mean_ms"),
                              d.get("mean_ms"), *(None if d.get(k) is None else f"{d[k]:.2f}x" for k in (
                                  "speedup_mean_vs_hf_sdpa", "speedup_p99_vs_hf_sdpa", "worst_ratio_vs_hf_sdpa")),
@@ -331,7 +225,7 @@ def traffic_runs_block(results_dir: Path, slug: str) -> str:
     versions = ", ".join(f"{n} {', '.join(sorted({e[n] for e in envs if e.get(n)}))}"
                          for n in ("torch", "transformers"))
     dtypes = ", ".join(sorted({str(e["dtype"]) for e in envs if e.get("dtype")}))
-    dates = sorted({_date(e) for e in envs})
+    dates = sorted({date_of(e) for e in envs})
     head = (f"{gpus}, {versions}, {dtypes}; {' to '.join(dict.fromkeys((dates[0], dates[-1])))}; one row per "
             f"tower and pass of each `benches/results/traffic_{slug}*.json`")
     table = markdown_table(
@@ -353,7 +247,7 @@ def photo_capture_block(data: Mapping[str, Any], slug: str) -> str:
     split_rows, kernel_rows = [], []
     for name, tower in report.tower_docs(data).items():
         cap = tower.get("capture", {}).get(System.DEFAULTS.value, {})
-        label = _short(tower.get("tower", {}).get("label", name))
+        label = short_label(tower.get("tower", {}).get("label", name))
         graphs = {g["budget"]: g["piecewise"] for g in cap.get("per_graph", []) if g.get("piecewise")}
         shown = [b for b in PIECEWISE_BUDGETS if b in graphs]
         if shown:
