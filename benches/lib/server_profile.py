@@ -8,7 +8,8 @@ some thread ran Python in that process: near 1, the server is bound by its one G
 something else (the device, the preprocessing workers, the clients). Each sample is put in one group by its
 innermost frame that matches a group of :data:`GROUPS` (the first match from the leaf up), so a ``json.loads``
 inside the server's own code counts as JSON. Preprocessing workers are processes of their own (``--subprocesses``:
-their samples are counted apart, under ``workers``).
+their samples are counted apart, under ``workers``). ``top_encgraph`` names, per sample, the innermost frame of
+encgraph's own code (:func:`frame_name`): which of its functions was running, whatever library it had called.
 
 py-spy is not a dependency: without it on ``PATH`` the option records why it did not run. On the device machine,
 carry its wheel (``py_spy-*-manylinux*.whl``) and put the ``bin`` folder of the ``--target`` install on ``PATH``.
@@ -25,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GROUPS", "GilProfile", "group_of", "summarize_raw"]
+__all__ = ["GROUPS", "TOP", "GilProfile", "frame_name", "group_of", "summarize_raw"]
 
 GROUPS: tuple[tuple[str, str], ...] = (
     # (group, a regular expression searched in a frame "function (path:line)"), first match wins per frame.
@@ -45,6 +46,31 @@ GROUPS: tuple[tuple[str, str], ...] = (
 )
 _COMPILED = tuple((name, re.compile(pattern)) for name, pattern in GROUPS)
 _PROCESS = re.compile(r'process (\d+):"[^"]*";')  # a command line may hold ";"
+_FRAME = re.compile(r"^(?P<function>.*) \((?P<path>[^()]*?)(?::\d+)?\)$")
+_OWN = re.compile(r"[(/]encgraph/")
+TOP = 10
+"""Frames listed per profile (``top_encgraph``: by share of the server's GIL samples)."""
+
+
+def frame_name(frame: str) -> str:
+    """``function (package/module.py)`` of a py-spy frame ``function (path:line)``: the path from its ``encgraph``,
+    ``site-packages`` or ``lib/python3.X`` folder on, no line, so that one function's samples add up.
+
+    >>> frame_name("answer (/root/repo/encgraph/serving/app.py:251)")
+    'answer (encgraph/serving/app.py)'
+    >>> frame_name("get (/usr/lib/python3.12/queue.py:171)")
+    'get (queue.py)'
+    """
+    match = _FRAME.match(frame)
+    if match is None:
+        return frame
+    path = match.group("path")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        path = path.rpartition(marker)[2] if marker in path else path
+    path = re.sub(r"^.*/lib/python3\.\d+/", "", path)
+    if "/encgraph/" in path:
+        path = "encgraph/" + path.rpartition("/encgraph/")[2]
+    return f"{match.group('function')} ({path})"
 
 
 def group_of(frames: list[str]) -> str:
@@ -63,6 +89,7 @@ def summarize_raw(text: str, rate: int, seconds: float, server_pid: int) -> dict
     time holding its GIL (a lower bound: py-spy skips samples when it falls behind, as on a loaded 2-core host),
     and per group its share of those samples; the subprocesses' (preprocessing workers') GIL samples apart."""
     own: Counter[str] = Counter()
+    ours: Counter[str] = Counter()  # the innermost encgraph frame of each sample: which of our functions held it
     workers = 0
     for line in text.splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
@@ -75,12 +102,15 @@ def summarize_raw(text: str, rate: int, seconds: float, server_pid: int) -> dict
             workers += int(count)
             continue
         frames = stack.split(";")
-        own[group_of(frames[1:] if frames[0].startswith("thread (") else frames)] += int(count)
+        frames = frames[1:] if frames[0].startswith("thread (") else frames
+        own[group_of(frames)] += int(count)
+        ours[next((frame_name(f) for f in reversed(frames) if _OWN.search(f)), "(no encgraph frame)")] += int(count)
     total = sum(own.values())
     expected = rate * seconds
     return {"rate_hz": rate, "seconds": seconds, "samples": total,
             "gil_held_share": round(total / expected, 3) if expected else None,
             "groups": {name: round(n / total, 3) for name, n in own.most_common()} if total else {},
+            "top_encgraph": {name: round(n / total, 3) for name, n in ours.most_common(TOP)} if total else {},
             "workers_gil_share": round(workers / expected, 3) if expected else None}
 
 

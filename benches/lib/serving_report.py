@@ -104,10 +104,13 @@ def _profile_line(system: str, clients: str, profile: dict[str, Any]) -> str:
     if "skipped" in profile:
         return f"\nGIL profile of {system}'s server at {clients} clients: not taken ({profile['skipped']})."
     groups = ", ".join(f"{name} {100 * share:.0f}%" for name, share in profile["groups"].items() if share >= 0.02)
+    ours = ", ".join(f"{name} {100 * share:.0f}%" for name, share in list(profile.get("top_encgraph", {}).items())[:5]
+                     if share >= 0.02)
     return (f"\nGIL profile of {system}'s server at {clients} clients ({profile['samples']} samples at "
             f"{profile['rate_hz']} Hz over {profile['seconds']} s): a thread of the server process held its GIL "
             f"at least {100 * profile['gil_held_share']:.0f}% of the time (its preprocessing workers together: "
-            f"{profile['workers_gil_share'] or 0:.2f} GILs busy on average); of those samples: {groups}.")
+            f"{profile['workers_gil_share'] or 0:.2f} GILs busy on average); of those samples: {groups}."
+            + (f" encgraph's innermost function in them: {ours}." if ours else ""))
 
 
 def _reasons(counts: dict[str, int] | None) -> str:
