@@ -57,7 +57,7 @@ from benches.lib.serving_http import (  # noqa: E402, F401
 )
 from benches.lib.serving_report import plot, render, targets  # noqa: E402, F401
 from benches.lib.serving_towers import (  # noqa: E402, F401
-    SYSTEMS, TOWERS, TRANSPORTS, Bench, _jpeg, front_options,
+    DEFAULT_TRANSPORTS, SYSTEMS, TOWERS, TRANSPORTS, Bench, _jpeg, front_options,
 )
 
 SCRIPT = "serving"
@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--towers", type=_csv(str, tuple(TOWERS)), default=tuple(TOWERS))
     p.add_argument("--systems", type=_csv(str, SYSTEMS), default=SYSTEMS)
-    p.add_argument("--transports", type=_csv(str, TRANSPORTS), default=TRANSPORTS)
+    p.add_argument("--transports", type=_csv(str, TRANSPORTS), default=DEFAULT_TRANSPORTS,
+                   help="comma list out of inprocess, server, ray (default inprocess,server); ray: one replica "
+                        "through encgraph serve --ray, one system a run (its Ray instance holds Serve's one proxy)")
     p.add_argument("--concurrency", type=_csv(int), default=(1, 8, 32, 128))
     p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point (default 4)")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each run (default 1)")
@@ -178,6 +180,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile and "server" not in args.transports:
         parser.error(f"--profile {args.profile}: profiles a server; add server to --transports (got "
                      f"{','.join(args.transports)})")
+    if "ray" in args.transports and len(args.systems) != 1:
+        parser.error(f"--transports ray: runs one system (each server --ray starts a Ray instance and Serve proxy of "
+                     f"its own); got --systems {','.join(args.systems)}. Pass one, e.g. --systems defaults.")
     if args.cpu_smoke:
         args.concurrency = (1, 4) if args.concurrency == (1, 8, 32, 128) else args.concurrency
         args.duration, args.warmup = min(args.duration, 0.3), min(args.warmup, 0.1)
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # The bench process's own capture: the in-process systems run on it; each server captures its own.
             result: dict[str, Any] = {"capture": bench.capture if transport == "inprocess" else None, "points": {}}
             data["towers"][tower][transport] = result
-            skipped = server_missing() if transport == "server" else None
+            skipped = server_missing(transport) if transport != "inprocess" else None
             if skipped:
                 data["towers"][tower][transport] = {"skipped": skipped}
                 continue
@@ -257,7 +262,7 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
         bodies: list[bytes] = []
         profiles: dict[tuple[str, int], dict[str, Any]] = {}
         try:
-            if transport == "server":
+            if transport != "inprocess":
                 bench.save(checkpoint)
                 bodies = server_bodies([_jpeg(w, h, seed=i) for i, (w, h) in enumerate(bench.pool)])
                 kind = str(dtype).replace("torch.", "")
@@ -265,7 +270,7 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
                 starts: dict[str, float] = result.setdefault("server_start_s", {})
                 t0 = time.monotonic()
                 for system in args.systems:
-                    servers[system] = start_server(checkpoint, system, args, device.type, kind)
+                    servers[system] = start_server(checkpoint, system, args, device.type, kind, ray=transport == "ray")
                     if args.start == "sequential":
                         wait_server(*servers[system])
                         starts[system] = round(time.monotonic() - t0, 1)
@@ -292,7 +297,8 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
                             url = servers[system][1]
                             before = server_counters(url)
                             profile = (GilProfile(servers[system][0].pid, args.duration, delay=args.warmup)
-                                       if system == args.profile and c == max(args.concurrency) and r == 0 else None)
+                                       if system == args.profile and transport == "server" and
+                                       c == max(args.concurrency) and r == 0 else None)
                             run = http_closed_loop(url, "/v1/embeddings", bodies, c, args.warmup, args.duration)
                             extra = counter_delta(before, server_counters(url))
                             if profile is not None:
@@ -311,7 +317,7 @@ def _point(runs: list[Run], extras: list[dict[str, Any]], transport: str) -> dic
     """A point from its runs (:func:`window`) and, per run, the server's counter deltas (summed) or the front's
     summary (:func:`_merge_fronts`)."""
     out = window(runs)
-    if transport == "server":
+    if transport != "inprocess":
         total: dict[str, float] = {}
         for delta in extras:
             for key, value in delta.items():

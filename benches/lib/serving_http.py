@@ -1,5 +1,5 @@
-"""``encgraph serve`` as ``benches/serving.py`` drives it: one server process per system (started, waited for,
-stopped), the request bodies, and the server's own counters read from ``/metrics`` (requests per runner call,
+"""``encgraph serve`` (or ``encgraph serve --ray``) as ``benches/serving.py`` drives it: one server process per system
+(started, waited for, stopped), the request bodies, and the server's own counters read from ``/metrics`` (requests per runner call,
 padded share, the stages of a request)."""
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ def _free_port() -> int:
 
 
 def start_server(checkpoint: str, system: str, args: argparse.Namespace, device: str,
-                 dtype: str) -> tuple[Any, str, Any]:
-    """Start ``encgraph serve`` for ``system`` (returns at once): the process, its URL and its log file."""
+                 dtype: str, ray: bool = False) -> tuple[Any, str, Any]:
+    """Start ``encgraph serve`` for ``system`` (returns at once): the process, its URL and its log file. ``ray``:
+    ``--ray --replicas 1``, one replica behind Ray Serve's proxy on that URL, in a Ray instance of its own (no
+    ``--address``: started and stopped by the command)."""
     port = _free_port()
     options = front_options(system, args)  # the same as the in-process front's, as encgraph serve's flags
     flags = ["--eager"] if system == "hf_eager" else [
@@ -39,6 +41,8 @@ def start_server(checkpoint: str, system: str, args: argparse.Namespace, device:
         cmd += ["--preprocess-workers", args.preprocess_workers]
     if getattr(args, "preprocess_on", "host") != "host":
         cmd += ["--preprocess-on", args.preprocess_on]
+    if ray:
+        cmd += ["--ray", "--replicas", "1"]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env())
     return proc, f"http://127.0.0.1:{port}", log
@@ -137,7 +141,10 @@ def stop_servers(procs: list[Any]) -> None:
             proc.kill()
 
 
-def server_missing() -> str | None:
+def server_missing(transport: str = "server") -> str | None:
+    """Why ``transport`` (``server`` or ``ray``) cannot run here, or ``None``."""
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "PIL", "httpx", "aiohttp")
                if importlib.util.find_spec(m) is None]
+    if transport == "ray" and importlib.util.find_spec("ray") is None:
+        return "skipped: needs ray[serve] (pip install 'encgraph[ray,bench]')"
     return f"skipped: needs {', '.join(missing)} (pip install 'encgraph[serve,bench]')" if missing else None

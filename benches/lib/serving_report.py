@@ -51,6 +51,7 @@ def render(data: dict[str, Any]) -> str:
              f"{data['options']['warmup']} s warm-up{rounds}; one image per request; graphed_coalesce "
              f"max_wait_ms={data['options']['max_wait_ms']}{servers}.", ""]
     for tower, by_transport in data["towers"].items():
+        lines += ray_lines(TOWERS[tower]["label"], by_transport)
         for transport, result in by_transport.items():
             lines += [f"## {TOWERS[tower]['label']}, {transport}", ""]
             if "skipped" in result:
@@ -97,6 +98,32 @@ def render(data: dict[str, Any]) -> str:
                           + ("." if p99 is None else f"; P99 no worse than graphed_per_request: {p99}.")]
             lines.append("")
     return "\n".join(lines)
+
+
+def ray_lines(label: str, by_transport: dict[str, Any]) -> list[str]:
+    """What Ray adds, where a run measured one system both through ``encgraph serve`` and through ``encgraph serve
+    --ray --replicas 1``: per concurrency, images/s and P50 / P99 side by side, and the N-GPU figure as a projection
+    (one replica's measured rate times N: the machine had one GPU)."""
+    direct, ray = (by_transport.get(t, {}).get("points", {}) for t in ("server", "ray"))
+    rows = []
+    for system, by_c in ray.items():
+        for c, p in by_c.items():
+            d = direct.get(system, {}).get(c)
+            if p.get("requests") and d and d.get("requests"):
+                rows.append(f"| {c} | {system} | {d['images_per_s']:.1f} / {p['images_per_s']:.1f} | "
+                            f"{p['images_per_s'] / d['images_per_s']:.2f} | {d['p50_ms']:.2f} / {p['p50_ms']:.2f} | "
+                            f"{d['p99_ms']:.2f} / {p['p99_ms']:.2f} | {p['p50_ms'] - d['p50_ms']:+.2f} |")
+    if not rows:
+        return []
+    top = max(((c, p) for by_c in ray.values() for c, p in by_c.items() if p.get("requests")),
+              key=lambda cp: int(cp[0]))
+    header = ("| clients | system | images/s: direct / Ray | Ray / direct | P50 ms: direct / Ray | P99 ms: direct / Ray "
+              "| Ray's added P50 ms |")
+    projection = (f"Projection, not measured (one replica here): N GPUs behind Ray, one replica each, at {top[0]} "
+                  f"clients per replica: N x {top[1]['images_per_s']:.0f} images/s, each request paying Ray's added "
+                  "latency above.")
+    return [f"## {label}: one replica through Ray Serve against encgraph serve directly", "", header,
+            "|---|---|---|---|---|---|---|", *rows, "", projection, ""]
 
 
 def _profile_line(system: str, clients: str, profile: dict[str, Any]) -> str:

@@ -14,7 +14,11 @@ from typing import Any
 from benches.lib.towers import TOWERS as TOWER_SPECS
 
 SYSTEMS = ("hf_eager", "defaults", "graphed_per_request", "graphed_nowait", "graphed_coalesce")
-TRANSPORTS = ("inprocess", "server")
+TRANSPORTS = ("inprocess", "server", "ray")
+"""``inprocess``: the batching front in the bench's process; ``server``: ``encgraph serve`` over loopback HTTP;
+``ray``: ``encgraph serve --ray --replicas 1`` (a Ray instance of its own, Ray Serve's proxy in front), what Ray
+adds to one replica."""
+DEFAULT_TRANSPORTS = ("inprocess", "server")
 
 
 def front_options(system: str, args: argparse.Namespace) -> dict[str, Any]:
