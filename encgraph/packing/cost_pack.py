@@ -38,13 +38,14 @@ from encgraph.packing.plan import Batch, EagerReason, _fast_batch
 
 __all__ = ["EAGER_MARGIN", "check_costs", "cost_batches"]
 
-EAGER_MARGIN = 1.10
+EAGER_MARGIN = 1.05
 """An eager run is chosen over a replay only when its expected time times this is under the replay's: an eager
 forward's time moves with the host (launches, the GIL, the allocator) where a replay's does not, and measured at
 capture it read low. SigLIP-so400m's compiled eager forward of 16 images was predicted 26.3 ms against the replay's
-26.8 and took 28.5 in calls on an H200 (1.083x; an H100 at 32: 50.05 predicted, 52.8 taken): with no margin the
-planner sent every such batch eagerly, 0.89x torch.compile's reduce-overhead at 32 images. A replay's padding
-within the dense ladder (budgets about 1.2x apart) still loses to eager where it costs more than this."""
+26.8 (2% under) and took 28.5 in calls on an H200 (an H100 at 32: 50.05 predicted against 50.41, 52.8 taken): with
+no margin the planner sent every such batch eagerly, 0.89x torch.compile's reduce-overhead at 32 images. Kept
+small: where eager truly wins by less (a long image's dense attention; PaddleOCR-VL's 11,772-row sample read 3%
+low), the replay costs at most this much more."""
 
 _COST = EagerReason.COST
 _TOKENS = EagerReason.TOKENS
