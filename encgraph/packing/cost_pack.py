@@ -7,14 +7,14 @@ Algorithm (deterministic, ``O(n * L)`` for ``n`` items and runs of at most ``L``
 1. Items are sorted ascending by total tokens, ties in input order (the greedy planner's order).  An item over
    some path's largest budget, or with more frames than ``max_frames``, sits alone as in the greedy planner.
 2. The other items keep that order; every contiguous run of them that fits ``max_items``, ``max_frames`` and
-   every path's largest budget is a candidate batch.  Its cost is, per path, that of the graph of the
-   smallest budget that holds its tokens or of an eager run (:attr:`EagerReason.COST` when eager's expected time
-   times :data:`EAGER_MARGIN` is under the graph's); 0 on a path with no tokens.  Where the model has an attention coefficient for the path, the
-   graph's cost follows the run's content (:func:`~encgraph.packing.attention_term.with_squares`: the items'
-   ``frames * (tokens / frames)^q`` and the padding's ``(budget - tokens)^q`` at the path's power ``q``, 2 unless
-   measured), so that several large images may share one
-   larger replay when that is cheaper than one replay each.  The costs of all runs are computed at once with
-   numpy.
+   every path's largest budget is a candidate batch.  Its cost is, per path, that of the graph of the smallest
+   budget that holds its tokens or of an eager run (:attr:`EagerReason.COST` when eager's expected time times
+   :data:`EAGER_MARGIN` is under the graph's); 0 on a path with no tokens.  Where the model has an attention
+   coefficient for the path, the graph's cost follows the run's content
+   (:func:`~encgraph.packing.attention_term.with_squares`: the items' ``frames * (tokens / frames)^q`` and the
+   padding's ``(budget - tokens)^q`` at the path's power ``q``, 2 unless measured), so that several large images
+   may share one larger replay when that is cheaper than one replay each.  The costs of all runs are computed at
+   once with numpy.
 3. Dynamic programming over run ends picks the split of least total cost (ties: the shorter last run).
    Greedy's batches are such runs, so the result never costs more than the greedy plan under the same model.
 4. Batches come out in the sorted order of their first item, lone items in place.
