@@ -11,8 +11,8 @@ rows across the batch (a generic adapter is right for them only when the batch e
 
 **Cost model** (``costs=None`` in GRAPH mode, the default): the replay time of every captured budget (timed
 at capture) and eager timings of a few sample sizes per path (fitted as fixed + per token + per item) give a
-:class:`~encgraph.packing.CostModel`; every call is then planned by the cost-aware packer, which never replays a
-budget the model says costs more than running the batch eagerly.
+:class:`~encgraph.packing.CostModel`; every call is then planned by the cost-aware packer, which runs a batch
+eagerly only where the model prices that at least 5% under the replay (``EAGER_MARGIN``).
 
 Adapters without ``sample_inputs`` skip both: a log line says so, ``capture_info`` records why, and the runner
 plans greedily.
