@@ -26,7 +26,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import accumulate
 from operator import add
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +46,13 @@ capture it read low. SigLIP-so400m's compiled eager forward of 16 images was pre
 no margin the planner sent every such batch eagerly, 0.89x torch.compile's reduce-overhead at 32 images. Kept
 small: where eager truly wins by less (a long image's dense attention; PaddleOCR-VL's 11,772-row sample read 3%
 low), the replay costs at most this much more."""
+
+
+def _eager_wins(eager_ms: Any, graph_ms: Any) -> Any:
+    """The one choice rule, on floats or elementwise on numpy arrays (the same product and comparison either
+    way, so the dynamic programme and the batches it builds agree): eager only under the replay by the margin."""
+    return eager_ms * EAGER_MARGIN < graph_ms
+
 
 _COST = EagerReason.COST
 _TOKENS = EagerReason.TOKENS
@@ -111,7 +118,7 @@ def _choose(tab: _PathTable, t: int, items: int, sq: float) -> tuple[int | None,
     k = bisect_left(tab.ladder, t)
     g = _graph(tab, k, t, sq)
     e = tab.eager.cost(t, items)  # EagerCost.cost_array in _best_runs: the same sums in the same order
-    return (None, e) if e * EAGER_MARGIN < g else (tab.ladder[k], g)
+    return (None, e) if _eager_wins(e, g) else (tab.ladder[k], g)
 
 
 def _lone(
@@ -135,7 +142,7 @@ def _lone(
             continue
         k = bisect_left(tab.ladder, t)
         g = _graph(tab, k, t, item_term(t, f, tab.power))
-        if e * EAGER_MARGIN < g:
+        if _eager_wins(e, g):
             budgets[path] = None
             eager[path] = _COST
             total += e
@@ -220,7 +227,7 @@ def cost_batches(
                 continue
             k = bisect_left(tab.ladder, t)
             g = tab.graph[k] if cum_sq is None else _graph(tab, k, t, cum_sq[hi][p] - cum_sq[lo][p])
-            if tab.eager.cost(t, n_run) * EAGER_MARGIN < g:
+            if _eager_wins(tab.eager.cost(t, n_run), g):
                 budgets[path] = None
                 eager[path] = _COST
                 padded[path] = 0
@@ -296,7 +303,7 @@ def _best_runs(
             g = np.maximum(tab.graph_np[idx] - tab.att * (b2 - np.clip(sq, 0.0, b2)), 0.0)
         else:
             g = tab.graph_np[idx]
-        c = np.where(c * EAGER_MARGIN < g, c, g)  # _choose's rule, elementwise
+        c = np.where(_eager_wins(c, g), c, g)
         c[t == 0] = 0.0
         if cost is None:
             cost = c
