@@ -29,16 +29,16 @@ from typing import Any
 import attrs
 import torch
 
+from encgraph.capture.agreement import relative_error, tolerance
 from encgraph.capture.attention_timing import attention_terms
 from encgraph.capture.execution import RunnerState, item_specs, run_static
 from encgraph.capture.memory import peak_rise, release_cached
 from encgraph.capture.protocol import BudgetUnit
 from encgraph.capture.records import RunMode
-from encgraph.capture.timing import time_host
+from encgraph.capture.timing import PhaseClock, time_host
 from encgraph.packing import CostModel
 
-__all__ = ["SelfCheck", "check_and_measure", "measure_cost_model", "tolerance", "relative_error", "timed_budgets",
-           "reference_chunk", "SAMPLE_SIZES"]
+__all__ = ["SelfCheck", "check_and_measure", "measure_cost_model", "timed_budgets", "reference_chunk", "SAMPLE_SIZES"]
 
 log = logging.getLogger("encgraph")
 
@@ -48,49 +48,6 @@ plus one by tokens: :func:`timed_budgets`), plus one sample of several items whe
 inputs (so the per-item term can be fitted)."""
 TIMING_ROUNDS = 3
 """Spaced runs of each timed budget's eager sample (their minimum)."""
-
-
-def tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """Norm-relative agreement expected between the padded static forward and the eager forward."""
-    if dtype in (torch.float16, torch.bfloat16):
-        return 5e-2  # different kernels (max_seqlen, batch shape) round 2-byte floats differently
-    if device.type == "cuda":
-        return 1e-2  # TF32 matmuls may be on
-    return 1e-3
-
-
-ERROR_CHUNK = 1 << 22
-"""Elements per step of :func:`relative_error` (float64 temporaries of 32 MiB each)."""
-
-
-def relative_error(static: torch.Tensor, eager: torch.Tensor) -> float:
-    """``||static - eager|| / ||eager||`` in float64 over the entries where ``eager`` is finite, computed where
-    ``eager`` lives (the self-check's references are on the host; the compiled eager check's on the device);
-    ``inf`` for a shape mismatch or a non-finite ``static`` entry where ``eager`` is finite.
-
-    Computed :data:`ERROR_CHUNK` elements at a time, so that the comparison adds a few float64 chunks to the
-    device's memory rather than float64 copies of both tensors and their difference (each four times a bf16
-    output: 0.2 GiB for SigLIP-so400m's last_hidden_state at 32 images; on an H100 the self-check's eager phase
-    raised that capture's peak 1.2 GiB above its warm-up's). One host read at the end."""
-    if static.shape != eager.shape:
-        return math.inf
-    a, b = static.detach().reshape(-1), eager.detach().reshape(-1)
-    diff_sq = b.new_zeros((), dtype=torch.float64)
-    ref_sq = b.new_zeros((), dtype=torch.float64)
-    bad = b.new_zeros((), dtype=torch.bool)
-    for start in range(0, b.numel(), ERROR_CHUNK):
-        y = b[start:start + ERROR_CHUNK].double()
-        x = a[start:start + ERROR_CHUNK].to(b.device, torch.float64)
-        finite = torch.isfinite(y)
-        y = torch.where(finite, y, 0.0)
-        x = torch.where(finite, x, 0.0)  # entries where eager is not finite are not compared
-        bad |= ~torch.isfinite(x).all()
-        diff_sq += (x - y).square().sum()
-        ref_sq += y.square().sum()
-    if bool(bad):
-        return math.inf
-    diff, ref = math.sqrt(float(diff_sq)), math.sqrt(float(ref_sq))
-    return diff / ref if ref > 0 else diff
 
 
 def _fill_size(ladder: Sequence[int], budget: int, unit: BudgetUnit) -> int:
@@ -107,20 +64,18 @@ def reference_chunk(ladder: Sequence[int]) -> int:
     return max((b for b in ladder if 2 * b <= ladder[-1]), default=ladder[-1])
 
 
-def _reference(runner: RunnerState, path: str, sub: Any, specs: Sequence[Any], chunk: int) -> dict[str, Any]:
-    """The plain eager forward on a budget's sample. Where every item is one row of every output (a one-path batch
-    ladder: what ``runner.call_rows`` splits and joins the same way), a sample of more than ``chunk`` items runs
-    in contiguous chunks of at most ``chunk``, their outputs joined along the rows: the module's own eager
-    forward at the top budget held the self-check's peak (SigLIP-so400m on an H100: 650 MiB allocated at 32 images,
-    against 484 for the compiled warm-up and 528 for reduce-overhead's whole run). A module that mixes rows across
-    the batch still disagrees with the padded replay, chunked or not."""
+def _parts(runner: RunnerState, path: str, sub: Any, specs: Sequence[Any], chunk: int) -> list[Any]:
+    """The sub-batches a budget's sample is run eagerly in (the reference and the compiled eager check). Where every
+    item is one row of every output (a one-path batch ladder: what ``runner.call_rows`` splits and joins the same
+    way), a sample of more than ``chunk`` items runs in contiguous chunks of at most ``chunk``, their outputs joined
+    along the rows: a forward at the top budget held the self-check's peak (SigLIP-so400m on an H100: 650 MiB
+    allocated at 32 images, against 484 for the compiled warm-up and 528 for reduce-overhead's whole run). A module
+    that mixes rows across the batch still disagrees with the padded replay, chunked or not."""
     adapter = runner.adapter
     rows = len(runner.config.path_names) == 1 and all(s.tokens[path] == 1 for s in specs)
     if not rows or len(specs) <= chunk:
-        return adapter.forward_eager(path, sub)
-    parts = [adapter.forward_eager(path, adapter.select(sub, list(range(a, min(a + chunk, len(specs))))))
-             for a in range(0, len(specs), chunk)]
-    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+        return [sub]
+    return [adapter.select(sub, list(range(a, min(a + chunk, len(specs))))) for a in range(0, len(specs), chunk)]
 
 
 def check_and_measure(runner: RunnerState, *, verify: bool, measure: bool) -> dict[str, Any]:
@@ -171,6 +126,7 @@ class SelfCheck:
         self.samples: list[_Sample] = []
         self.eager: dict[str, list[tuple[int, int, float]]] = {}
         self.seconds = 0.0
+        self.clock = PhaseClock(runner.device)  # capture_info["selfcheck"]["phase_seconds"]
         self._memory = {} if memory is None else memory
         self._device = runner.device if runner.mode is RunMode.GRAPH else None  # peaks recorded in GRAPH mode
 
@@ -192,11 +148,14 @@ class SelfCheck:
         # The warm-ups' cached segments go back first: the eager forwards below run at other sizes (and plain
         # where the warm-ups ran compiled), fit those segments only in part and would stack their own on top
         # (CLIP-L on an H100: +320 MiB reserved over the warm-ups' 540).
-        release_cached(runner.device)
+        clock = self.clock
+        with clock("release cached"):
+            release_cached(runner.device)
         with peak_rise(self._device, self._memory, "selfcheck eager"):
             hook = getattr(adapter, "check_before_capture", None)
             if self.verify and hook is not None:  # the adapter's own eager checks (the generic one's split check)
-                hook(tolerance(runner.config.dtype, runner.device))
+                with clock("adapter check"):
+                    hook(tolerance(runner.config.dtype, runner.device))
             for path, ladder in runner.ladders.items():
                 positive = [b for b in ladder if b > 0]
                 timed = timed_budgets(positive) if self.measure else set()
@@ -208,41 +167,55 @@ class SelfCheck:
                         self._eager_budget(path, budget, positive, budget in timed)
                     except Exception as exc:  # capture-time work never fails a call: the budget goes, with its reason
                         _drop(runner, path, budget, f"self-check: {type(exc).__name__}: {exc}", wide=False)
-                    release_cached(runner.device)  # the next sample's eager forward runs at another size
+                    with clock("release cached"):
+                        release_cached(runner.device)  # the next sample's eager forward runs at another size
                 if self.measure:
                     try:
-                        self.eager[path].extend(_multi_item_sample(runner, path, positive))
+                        with clock("multi-item sample"):
+                            self.eager[path].extend(_multi_item_sample(runner, path, positive))
                     except Exception as exc:  # one sample fewer for the fit, never a failed call
                         log.warning("encgraph: path %r: the multi-item eager sample failed (%s: %s); fitted without "
                                     "it.", path, type(exc).__name__, exc)
-                    release_cached(runner.device)
+                    with clock("release cached"):
+                        release_cached(runner.device)
         self.seconds += time.perf_counter() - t0
 
     def _eager_budget(self, path: str, budget: int, positive: Sequence[int], timed: bool) -> None:
         """One budget's sample (filling it in part): its reference, the compiled eager check, its eager timing."""
-        runner, adapter = self.runner, self.runner.adapter
+        runner, adapter, clock = self.runner, self.runner.adapter, self.clock
         sample = adapter.sample_inputs(path, _fill_size(positive, budget, runner.config.path(path).unit))
         specs = item_specs(adapter, sample)
         sub = adapter.select(sample, list(range(len(specs))))
         used = sum(s.tokens[path] for s in specs)
         if not 0 < used <= budget or len(specs) > runner.limits.max_items:
             return
-        # The plain eager forward: what every other run is checked by (in halves at the top of a batch ladder).
-        reference = _reference(runner, path, sub, specs, reference_chunk(positive))
-        # The compiled eager forward (what serves eager batches) checked against it on each sample: it engages only
-        # once checked, and stops at the first disagreement.
-        runner.compiled_eager.check(adapter, path, sub, reference, relative_error, tolerance(runner.config.dtype,
-                                                                                             runner.device))
+        tol = tolerance(runner.config.dtype, runner.device)
+        parts: list[dict[str, torch.Tensor]] = []
+        for part in _parts(runner, path, sub, specs, reference_chunk(positive)):
+            # The plain eager forward (what every other run is checked by), then the compiled eager forward (what
+            # serves eager batches) checked against it on the same items: it engages only once checked, and stops
+            # at the first disagreement. Each part's reference goes to the host before the next part runs.
+            with clock("reference"):
+                reference = adapter.forward_eager(path, part)
+            with clock("compiled eager check"):
+                runner.compiled_eager.check(adapter, path, part, reference, relative_error, tol)
+            with clock("reference to host"):
+                parts.append({n: t.detach().cpu() for n, t in reference.items()})
+            del reference
         if timed:
+            with clock("release cached"):
+                release_cached(runner.device)  # the whole sample runs at another size than its parts
             # Timed alone (no replay exists yet to interleave with; the replay keeps the capture's own timing):
             # the minimum of spaced runs is what filters contention out (see the class).
-            ms = time_host(lambda: runner.compiled_eager.forward(adapter, path, sub), TIMING_ROUNDS, runner.device)
+            with clock("eager timing"):
+                ms = time_host(lambda: runner.compiled_eager.forward(adapter, path, sub), TIMING_ROUNDS, runner.device)
             self.eager[path].append((used, sum(1 for s in specs if s.tokens[path]), ms))
         if self.verify:
-            values = {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                      for n, v in adapter.replay_values(path, sub, budget).items()}
-            self.samples.append(_Sample(path, budget, values, used,
-                                        {n: t.detach().cpu() for n, t in reference.items()}))
+            with clock("replay values"):
+                values = {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                          for n, v in adapter.replay_values(path, sub, budget).items()}
+            joined = parts[0] if len(parts) == 1 else {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+            self.samples.append(_Sample(path, budget, values, used, joined))
 
     def finish(self) -> dict[str, Any]:
         """The replay phase: each kept sample's padded static forward against its reference, the attention term,
@@ -258,13 +231,16 @@ class SelfCheck:
                 if sample.budget in runner.failed[sample.path]:
                     continue  # its capture failed, or an earlier budget's disagreement dropped the path's every one
                 try:
-                    _check_budget(runner, sample, tol, checked[sample.path])
+                    with self.clock("replay check"):
+                        _check_budget(runner, sample, tol, checked[sample.path])
                 except Exception as exc:  # noqa: BLE001 - capture-time work never fails a call: the budget goes
                     _drop(runner, sample.path, sample.budget, f"self-check: {type(exc).__name__}: {exc}", wide=False)
             info["checked"] = checked
             if self.measure:
-                attention = attention_terms(runner)
-                costs = _cost_model(runner, self.eager, {p: a for p, a in attention.items() if "coef" in a})
+                with self.clock("attention term"):
+                    attention = attention_terms(runner)
+                with self.clock("cost fit"):
+                    costs = _cost_model(runner, self.eager, {p: a for p, a in attention.items() if "coef" in a})
                 if costs is not None:
                     runner.costs = costs
                     info["eager_samples"] = {p: [list(s) for s in v] for p, v in self.eager.items()}
@@ -273,6 +249,7 @@ class SelfCheck:
                     info["costs"] = "greedy planner (too few eager samples)"
         self.samples = []
         info["seconds"] = round(self.seconds + time.perf_counter() - t0, 3)
+        info["phase_seconds"] = self.clock.as_dict()
         return info
 
 

@@ -9,13 +9,14 @@ slow spell weighs on both sides alike instead of on whichever was timed during i
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["time_host", "time_interleaved", "SPACING_S"]
+__all__ = ["PhaseClock", "time_host", "time_interleaved", "SPACING_S"]
 
 SPACING_S = 0.002
 """Pause between rounds of repeats (seconds), so that they sample the device at different moments."""
@@ -48,3 +49,28 @@ def time_host(fn: Callable[[], Any], repeats: int, device: torch.device) -> floa
     """Minimum ms of ``fn`` over ``repeats`` spaced runs (see :func:`time_interleaved`): graph replays and eager
     forwards are measured alike, so the cost model compares like with like."""
     return time_interleaved([fn], repeats, device)[0]
+
+
+class PhaseClock:
+    """Wall seconds per named phase of capture-time work, summed over the phase's entries (``with
+    clock("reference"): ...``); ``device`` (CUDA) is synchronised as each entry ends, so that the device work a
+    phase queued is counted in that phase and not in the next. Capture-time only: the synchronisation is a host
+    wait. :meth:`as_dict` rounds to milliseconds."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self._sync = device is not None and device.type == "cuda"
+        self._device = device
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize(self._device)
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def as_dict(self) -> dict[str, float]:
+        return {phase: round(s, 3) for phase, s in self.seconds.items()}

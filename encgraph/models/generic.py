@@ -232,7 +232,7 @@ class GenericModuleAdapter:
         return verdict
 
     def _compare_split(self, tolerance: float) -> str | None:
-        from encgraph.capture.selfcheck import relative_error
+        from encgraph.capture.agreement import relative_error
 
         sample = self.sample_inputs(PATH, self._seed[0].shape[0])
         if sample.batch < 2:

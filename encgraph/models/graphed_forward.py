@@ -385,6 +385,6 @@ def _verified(engine: Engine) -> None:
             if why.startswith("self-check") and adapter.stock_reason is None:
                 adapter.selfcheck_failed(path, budget, why)
     if adapter.stock_reason is None:
-        from encgraph.capture.selfcheck import tolerance
+        from encgraph.capture.agreement import tolerance
 
         adapter.split_check(tolerance(runner.config.dtype, runner.device))

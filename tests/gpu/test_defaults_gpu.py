@@ -44,6 +44,7 @@ def test_defaults_compile_once_measure_costs_and_share_the_pool():
         f"pool {info['pool_bytes'] / 2**20:.0f} MiB = {info['pool_bytes'] / max(info['largest_graph_bytes'], 1):.2f}x "
         f"the largest graph; outputs {info['output_bytes'] / 2**20:.0f} MiB"
     )
+    print(f"self-check phases (s): {check['phase_seconds']}")
     assert len(ladder) >= 15 and info["graphs"] == len(ladder) and not info["failed"]
     assert compiled["status"] == "compiled" and compiled["regions"]["count"] == 4
     assert compiled["dynamo"]["unique_graphs"] <= 2 and compiled["dynamo"]["graph_breaks"] == 0

@@ -17,7 +17,7 @@ from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.compiled_eager import CompiledEager, EagerCompile
 from encgraph.capture.compiling import CompiledRegions, compile_stats, no_duck_sizing
 from encgraph.capture.grad import persistent
-from encgraph.capture.selfcheck import relative_error
+from encgraph.capture.agreement import relative_error
 from tests.models.conftest import CHANNELS, QWEN_TOWERS
 from tests.models.fixtures_families import glm4v_tower
 from tests.models.test_kernel_choice import dense_spy

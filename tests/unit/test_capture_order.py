@@ -252,3 +252,44 @@ def test_the_reference_of_a_batch_ladders_top_budgets_runs_in_halves(mixes):
         assert adapter.stock_reason is not None  # found mixing rows: the module's own forward answers
     else:
         assert adapter.stock_reason is None and info["checked"]["default"] == {1: 0.0, 2: 0.0, 4: 0.0, 8: 0.0}
+
+
+class _CheckSpy:
+    """Stands in for the runner's compiled eager forward: records the items of each check and of each timed
+    forward, and answers with the plain eager forward."""
+
+    def __init__(self) -> None:
+        self.checked: list[int] = []
+        self.forwarded: list[int] = []
+
+    def check(self, adapter, path, inputs, reference, error, tolerance) -> None:
+        self.checked.append(int(inputs.tensors[0].shape[0]))
+        assert all(t.shape[0] == self.checked[-1] for t in reference.values())  # the part's own reference
+
+    def forward(self, adapter, path, inputs):
+        self.forwarded.append(int(inputs.tensors[0].shape[0]))
+        return adapter.forward_eager(path, inputs)
+
+
+def test_the_compiled_eager_check_runs_on_the_references_parts_and_the_phases_are_timed():
+    """The compiled eager forward is checked part by part against the plain forward's parts (4 + 3 items for
+    budget 8's sample on 1..8), while the cost model's timing runs the whole sample (what a batch of eager items
+    costs); ``phase_seconds`` splits the self-check's seconds by phase."""
+    from encgraph.capture.selfcheck import check_and_measure
+    from encgraph.models.generic import GenericModuleAdapter
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.GELU()).eval()
+    adapter = GenericModuleAdapter.of_call(module, torch.randn(5, 6), max_batch=8)
+    runner = EncoderGraphRunner(adapter, mode=RunMode.STATIC, budgets=[1, 2, 4, 8])
+    runner.capture()
+    spy = _CheckSpy()
+    runner.compiled_eager = spy
+    info = check_and_measure(runner, verify=True, measure=True)
+    assert spy.checked == [1, 2, 3, 4, 3]
+    assert 7 in spy.forwarded and all(n in (1, 2, 3, 7) or n == 4 for n in spy.forwarded)
+    phases = info["phase_seconds"]
+    assert {"reference", "compiled eager check", "reference to host", "eager timing", "replay values",
+            "replay check"} <= set(phases)
+    assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= info["seconds"] + 0.01
+    assert info["checked"]["default"] == {1: 0.0, 2: 0.0, 4: 0.0, 8: 0.0}

@@ -1,4 +1,4 @@
-"""encgraph.capture.selfcheck.relative_error: the self-check's norm-relative error, computed in chunks."""
+"""encgraph.capture.agreement.relative_error: the self-check's norm-relative error, computed in chunks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from encgraph.capture import selfcheck
-from encgraph.capture.selfcheck import relative_error
+from encgraph.capture import agreement
+from encgraph.capture.agreement import relative_error
 
 
 def _whole(static: torch.Tensor, eager: torch.Tensor) -> float:
@@ -24,7 +24,7 @@ def _whole(static: torch.Tensor, eager: torch.Tensor) -> float:
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 22])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunks_give_the_whole_tensors_error(monkeypatch, chunk, dtype):
-    monkeypatch.setattr(selfcheck, "ERROR_CHUNK", chunk)
+    monkeypatch.setattr(agreement, "ERROR_CHUNK", chunk)
     gen = torch.Generator().manual_seed(chunk)
     eager = torch.randn(5, 9, 4, generator=gen).to(dtype)
     static = (eager.float() + 1e-2 * torch.randn(5, 9, 4, generator=gen)).to(dtype)
@@ -35,7 +35,7 @@ def test_chunks_give_the_whole_tensors_error(monkeypatch, chunk, dtype):
 
 
 def test_what_fails_the_comparison(monkeypatch):
-    monkeypatch.setattr(selfcheck, "ERROR_CHUNK", 3)
+    monkeypatch.setattr(agreement, "ERROR_CHUNK", 3)
     eager = torch.ones(4, 5)
     static = eager.clone()
     static[3, 4] = float("nan")  # a non-finite static entry where eager is finite, in the last chunk
