@@ -55,12 +55,19 @@ def device_name(device: torch.device) -> str:
 def tower_geometries(module: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     """``(heads, head_dim)`` of every attention layer of ``module`` (the Hugging Face vision attention classes
     keep both as ints), distinct, sorted."""
-    seen = set()
+    return tuple(sorted(set(_layer_geometries(module))))
+
+
+def _layer_geometries(module: torch.nn.Module) -> Iterable[tuple[int, int]]:
+    """``(heads, head_dim)`` of each attention layer of ``module`` whose calls the packed kernels run: not
+    ``nn.MultiheadAttention`` (a pooling head's, as SigLIP's and SigLIP2's: it attends with torch's own dense
+    kernel, per image, so no crossover of ours applies to it and its calls are not the tower's packed ones)."""
     for m in module.modules():
+        if isinstance(m, torch.nn.MultiheadAttention):
+            continue
         heads, dim = getattr(m, "num_heads", None), getattr(m, "head_dim", None)
         if isinstance(heads, int) and isinstance(dim, int) and heads > 0 and dim > 0:
-            seen.add((heads, dim))
-    return tuple(sorted(seen))
+            yield heads, dim
 
 
 def attention_calls(module: torch.nn.Module) -> dict[tuple[int, int], int]:
@@ -68,10 +75,8 @@ def attention_calls(module: torch.nn.Module) -> dict[tuple[int, int], int]:
     bounds cover): its attention layers of that geometry, or, where the config lists its full-attention layers
     (``fullatt_block_indexes``: Qwen2.5-VL, whose other layers attend within windows), that many."""
     counts: dict[tuple[int, int], int] = {}
-    for m in module.modules():
-        heads, dim = getattr(m, "num_heads", None), getattr(m, "head_dim", None)
-        if isinstance(heads, int) and isinstance(dim, int) and heads > 0 and dim > 0:
-            counts[(heads, dim)] = counts.get((heads, dim), 0) + 1
+    for geometry in _layer_geometries(module):
+        counts[geometry] = counts.get(geometry, 0) + 1
     full = getattr(getattr(module, "config", None), "fullatt_block_indexes", None)
     if isinstance(full, (list, tuple)) and full:
         counts = {geometry: min(n, len(full)) for geometry, n in counts.items()}

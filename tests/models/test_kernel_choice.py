@@ -221,6 +221,20 @@ def test_measurement_is_skipped_off_cuda():
     assert kernel_choice.choose(tower, torch.bfloat16, torch.device("cpu")) == {}
 
 
+def test_a_pooling_heads_multihead_attention_is_not_a_packed_geometry():
+    """SigLIP's and SigLIP2's pooling head is an ``nn.MultiheadAttention`` (it has ``num_heads`` and ``head_dim``):
+    torch's own dense kernel runs it, so it neither adds a geometry to measure nor counts as a packed call."""
+    tower = torch.nn.Module()
+    tower.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(3))
+    for layer in tower.layers:
+        layer.num_heads, layer.head_dim = 16, 72
+    tower.head = torch.nn.MultiheadAttention(64, 4, batch_first=True)  # 4 heads x 16
+    tower.other_head = torch.nn.MultiheadAttention(16 * 72, 16, batch_first=True)  # the layers' own geometry
+    assert (tower.head.num_heads, tower.head.head_dim) == (4, 16)
+    assert kernel_choice.tower_geometries(tower) == ((16, 72),)
+    assert kernel_choice.attention_calls(tower) == {(16, 72): 3}
+
+
 def test_capture_hook_hands_given_crossovers_to_the_adapter_and_keeps_them(monkeypatch):
     """The runner's hook: the adapter chooses with the given cost model's crossovers, and the model keeps them."""
     from encgraph.capture import EncoderGraphRunner, RunMode
