@@ -1,11 +1,14 @@
 """How a batch-ladder tower is compiled before capture: which regions, and which sizes symbolic.
 
-A batch ladder (the any-module path, SigLIP, CLIP) changes one size between budgets: the batch. Four ways to
+A batch ladder (the any-module path, SigLIP, CLIP) changes one size between budgets: the batch. Ways to
 compile it before the graphs are captured, each measured on one module in one process:
 
 - ``blocks/symbolic``: the repeated blocks (``repeated_blocks``), every size symbolic (``dynamic=True``);
 - ``blocks/automatic``: the repeated blocks, torch's automatic dynamic (``dynamic=None``): the largest budget,
   captured first, compiles with static sizes, the next makes the batch alone symbolic, batch 1 specialises;
+- ``blocks/static``: the repeated blocks, every budget compiled with its own static sizes (``dynamic=False``: one
+  frame per budget; more warm-up, and each budget's kernels tuned for its own batch where the automatic default
+  runs every budget but the largest through one batch-symbolic kernel set);
 - ``whole/symbolic`` and ``whole/automatic``: the adapter's whole static forward instead of its blocks;
 - ``stack/automatic``: one region, the outermost submodule that holds every repeated block (SigLIP's and CLIP's
   ``encoder`` in transformers 5 and ConvNeXt's and DINOv2's, timm's ``blocks``; the blocks where no such submodule is
@@ -40,9 +43,9 @@ if __package__ in (None, ""):
 from benches.anymodule import BATCHES, Timer, build, dynamo_counts, first_tensor, heading, run_modules  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = {"blocks/symbolic": ("blocks", True), "blocks/automatic": ("blocks", None),
+VARIANTS = {"blocks/symbolic": ("blocks", True), "blocks/automatic": ("blocks", None), "blocks/static": ("blocks", False),
             "whole/symbolic": ("whole", True), "whole/automatic": ("whole", None), "stack/automatic": ("stack", None)}
-TIMED = (1, 8, 32)
+TIMED = (1, 2, 8, 32)
 
 
 def adapter_classes() -> list[type]:

@@ -144,10 +144,13 @@ def dynamic_sizes(adapter: Any) -> bool | None:
     """How an adapter's static forward is compiled: ``True`` (the default: every size symbolic, for adapters whose
     budgets change several sizes, token rows and metadata alike) or ``None`` (torch's automatic dynamic: sizes are
     static until a budget changes them, so a batch ladder compiles its largest budget with static sizes, then the
-    batch dimension alone symbolic; the adapter's ``compile_dynamic`` attribute)."""
+    batch dimension alone symbolic; the adapter's ``compile_dynamic`` attribute), or ``False`` (every budget
+    compiled with its own static sizes: one frame per budget, up to torch's recompile limit; what
+    ``benches/generic_compile.py``'s ``blocks/static`` measures against the automatic default)."""
     value = getattr(adapter, "compile_dynamic", True)
-    if value not in (True, None):
-        raise ConfigError(f"{type(adapter).__name__}.compile_dynamic: expected True or None, got {describe(value)}.")
+    if not any(value is allowed for allowed in (True, None, False)):  # not 0 or 1
+        raise ConfigError(f"{type(adapter).__name__}.compile_dynamic: expected True, None or False, got "
+                          f"{describe(value)}.")
     return value
 
 

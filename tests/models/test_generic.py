@@ -231,6 +231,23 @@ def test_generic_adapter_compiles_with_the_batch_alone_symbolic():
     assert "compile_dynamic" not in FixedResolutionAdapter.__dict__
 
 
+@pytest.mark.parametrize(("value", "ok"), [(True, True), (None, True), (False, True), ("auto", False), (0, False)])
+def test_compile_dynamic_takes_true_none_or_false(value, ok):
+    """``compile_dynamic``: every size symbolic (True), torch's automatic dynamic (None) or static per budget
+    (False, what benches/generic_compile.py's blocks/static measures); anything else is a ConfigError naming it."""
+    from encgraph.capture.compiling import dynamic_sizes
+    from encgraph.errors import ConfigError
+
+    class Adapter:
+        compile_dynamic = value
+
+    if ok:
+        assert dynamic_sizes(Adapter()) is value
+    else:
+        with pytest.raises(ConfigError, match="compile_dynamic: expected True, None or False"):
+            dynamic_sizes(Adapter())
+
+
 def test_take_rows_of_a_plans_items_is_a_view_and_otherwise_a_gather():
     t = torch.randn(5, 2)
     assert take_rows(t, (1, 2, 3))._base is t and take_rows(t, range(0, 5))._base is t
