@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from encgraph.capture.agreement import relative_error
 from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.compiled_eager import CompiledEager, EagerCompile
 from encgraph.capture.compiling import CompiledRegions, compile_stats, no_duck_sizing
 from encgraph.capture.grad import persistent
-from encgraph.capture.agreement import relative_error
 from tests.models.conftest import CHANNELS, QWEN_TOWERS
 from tests.models.fixtures_families import glm4v_tower
 from tests.models.test_kernel_choice import dense_spy
@@ -34,8 +34,7 @@ def varlen_call_on_cpu(monkeypatch):
     """The CUDA path of the packed attention with a CPU kernel behind torch's ``varlen_attn``: the compiled op
     calls :func:`encgraph.models.attention._varlen_call`, as on a GPU, host plan included."""
     import encgraph.models.attention as attention
-    from encgraph.models import varlen_kernel
-    from encgraph.models import _varlen_op
+    from encgraph.models import _varlen_op, varlen_kernel
     from encgraph.models._varlen_op import make_op
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
