@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preprocess-on", choices=("host", "device"), default="host",
                    help="encgraph serve's --preprocess-on for every server started (device: transformers' torchvision "
                         "processor on the GPU; recorded in the options; use --tag to keep both runs)")
+    p.add_argument("--request-threads", type=_positive, default=None, metavar="N",
+                   help="encgraph serve's --request-threads for every server started (default: the server's own, 4)")
     p.add_argument("--start", choices=("sequential", "concurrent"), default="sequential",
                    help="the systems' servers: each started once the one before answers (default), or all at once "
                         "(faster, but their capture-time timings then share the GPU: see run_points)")

@@ -39,6 +39,8 @@ def start_server(checkpoint: str, system: str, args: argparse.Namespace, device:
            "--dtype", dtype, "--port", str(port), "--max-queue", "4096", *flags]
     if args.preprocess_workers is not None:
         cmd += ["--preprocess-workers", args.preprocess_workers]
+    if getattr(args, "request_threads", None) is not None:
+        cmd += ["--request-threads", str(args.request_threads)]
     if getattr(args, "preprocess_on", "host") != "host":
         cmd += ["--preprocess-on", args.preprocess_on]
     if ray:

@@ -140,6 +140,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--preprocess-on", choices=("host", "device"), default="host",
                    help="where the image processor resizes and normalises: host (default), or device (the host only "
                    "decodes; transformers' torchvision processor runs on the towers' device; needs torchvision)")
+    p.add_argument("--request-threads", type=positive_int, default=4, metavar="N",
+                   help="threads for the requests' copies to the device, and as many for their answers (default 4)")
     p.add_argument("--eager", action="store_true",
                    help="serve the towers' own forward, one request at a time (a baseline for benchmarks)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -344,7 +346,8 @@ def make_app(args: argparse.Namespace, *, authenticate: bool = True) -> Any:
     if workers is None:
         workers = default_workers(m.device for m in models.values())
     return create_app(models, server_limits(args), preprocess_workers=workers, close_timeout_s=args.graceful_timeout,
-                      api_key=args.resolved_api_key if authenticate else None, protect_all=args.api_key_everywhere)
+                      request_threads=args.request_threads, api_key=args.resolved_api_key if authenticate else None,
+                      protect_all=args.api_key_everywhere)
 
 
 def describe(app: Any) -> str:

@@ -302,3 +302,22 @@ def test_preprocessing_on_the_device_refuses_a_pillow_processor():
     pil = transformers.SiglipImageProcessorPil.from_dict(loading.load_config("siglip_processor"))
     with pytest.raises(ConfigError, match="install torchvision matching your torch, or preprocess on the host"):
         device_processing(pil)
+
+
+def test_request_threads_reach_the_app(monkeypatch):
+    """``encgraph serve --request-threads N`` (default 4, at least 1) is what the app's upload and answer pools
+    get."""
+    import encgraph.serving.app as app_module
+    from encgraph.cli import serve
+
+    seen: dict = {}
+    monkeypatch.setattr(serve, "build_models", lambda args: {"m": None})
+    monkeypatch.setattr(app_module, "create_app", lambda models, limits, **kw: seen.update(kw) or "app")
+    args = build_parser().parse_args(["serve", "--request-threads", "16", "--preprocess-workers", "0"])
+    args.resolved_api_key = None
+    assert serve.make_app(args) == "app" and seen["request_threads"] == 16 and seen["preprocess_workers"] == 0
+    assert build_parser().parse_args(["serve"]).request_threads == 4
+    from encgraph.cli._common import UsageError
+
+    with pytest.raises(UsageError, match="--request-threads: expected a positive int, got 0"):
+        build_parser().parse_args(["serve", "--request-threads", "0"])
