@@ -20,34 +20,38 @@ def tolerance(dtype: torch.dtype, device: torch.device) -> float:
     return 1e-3
 
 
-ERROR_CHUNK = 1 << 22
-"""Elements per step of :func:`relative_error` (float64 temporaries of 32 MiB each)."""
+ERROR_CHUNK = 1 << 20
+"""Elements per step of :func:`relative_error` (float32 temporaries of 4 MiB each)."""
 
 
 def relative_error(static: torch.Tensor, eager: torch.Tensor) -> float:
-    """``||static - eager|| / ||eager||`` in float64 over the entries where ``eager`` is finite, computed where
-    ``eager`` lives (the self-check's references are on the host; the compiled eager check's on the device);
-    ``inf`` for a shape mismatch or a non-finite ``static`` entry where ``eager`` is finite.
+    """``||static - eager|| / ||eager||`` over the entries where ``eager`` is finite; ``inf`` for a shape mismatch
+    or a non-finite ``static`` entry where ``eager`` is finite.
 
-    Computed :data:`ERROR_CHUNK` elements at a time, so that the comparison adds a few float64 chunks to the
-    device's memory rather than float64 copies of both tensors and their difference (each four times a bf16
-    output: 0.2 GiB for SigLIP-so400m's last_hidden_state at 32 images; on an H100 the self-check's eager phase
-    raised that capture's peak 1.2 GiB above its warm-up's). One host read at the end."""
+    Computed on the accelerator where either tensor lives (the host only when both are there): the self-check's
+    references wait on the host while its replays' outputs are on the device, and float64 arithmetic on a host that
+    other work keeps busy is slow (an H100, a Qwen-like tower's 20 budgets: the self-check's replay check took
+    7.05 s beside another process's compiles, against 1.27 s alone, almost all of it this comparison on the CPU).
+    :data:`ERROR_CHUNK` elements at a time, in float32 (float64 for float64 inputs) with float64 sums, so that it adds
+    a few small chunks to the device's memory, never float copies of both tensors (each twice a bf16 output or
+    more). One host read at the end."""
     if static.shape != eager.shape:
         return math.inf
+    on = static.device if static.device.type != "cpu" else eager.device
+    work = torch.float64 if torch.float64 in (static.dtype, eager.dtype) else torch.float32
     a, b = static.detach().reshape(-1), eager.detach().reshape(-1)
-    diff_sq = b.new_zeros((), dtype=torch.float64)
-    ref_sq = b.new_zeros((), dtype=torch.float64)
-    bad = b.new_zeros((), dtype=torch.bool)
+    diff_sq = torch.zeros((), dtype=torch.float64, device=on)
+    ref_sq = torch.zeros((), dtype=torch.float64, device=on)
+    bad = torch.zeros((), dtype=torch.bool, device=on)
     for start in range(0, b.numel(), ERROR_CHUNK):
-        y = b[start:start + ERROR_CHUNK].double()
-        x = a[start:start + ERROR_CHUNK].to(b.device, torch.float64)
+        y = b[start:start + ERROR_CHUNK].to(on, work)
+        x = a[start:start + ERROR_CHUNK].to(on, work)
         finite = torch.isfinite(y)
         y = torch.where(finite, y, 0.0)
         x = torch.where(finite, x, 0.0)  # entries where eager is not finite are not compared
         bad |= ~torch.isfinite(x).all()
-        diff_sq += (x - y).square().sum()
-        ref_sq += y.square().sum()
+        diff_sq += (x - y).square().sum(dtype=torch.float64)
+        ref_sq += y.square().sum(dtype=torch.float64)
     if bool(bad):
         return math.inf
     diff, ref = math.sqrt(float(diff_sq)), math.sqrt(float(ref_sq))
