@@ -142,7 +142,8 @@ class ServedModel:
         with side_stream_work(self.device, Handoff.EVENT) as work:
             done = self.processor.on_device(arrays, self.device, self.dtype)
             pixels = work(done["pixel_values"])
-            inputs = self._adapter_inputs(pixels, done.get("image_grid_thw"))
+            # Every device tensor of the inputs, not only the pixels: the adapter's step may make new ones here.
+            inputs = work.keep_all(self._adapter_inputs(pixels, done.get("image_grid_thw")))
         return Prepared(inputs, work.ready)
 
     def _adapter_inputs(self, pixels: Any, grid: Any) -> Any:

@@ -109,8 +109,9 @@ class Ready:
 
 class SideWork:
     """What :func:`side_stream_work` yields: ``keep(tensor) -> tensor`` (call it as ``work(tensor)``) marks a
-    result as used by the default stream; after the block, ``ready`` is the :class:`Ready` to hand to the
-    consumer under :attr:`Handoff.EVENT` (``None`` otherwise, and off CUDA: nothing to wait for)."""
+    result as used by the default stream, :meth:`keep_all` every tensor of a structure; after the block,
+    ``ready`` is the :class:`Ready` to hand to the consumer under :attr:`Handoff.EVENT` (``None`` otherwise, and
+    off CUDA: nothing to wait for)."""
 
     def __init__(self) -> None:
         self.kept: list[Any] = []
@@ -119,6 +120,43 @@ class SideWork:
     def __call__(self, tensor: Any) -> Any:
         self.kept.append(tensor)
         return tensor
+
+    def keep_all(self, value: Any) -> Any:
+        """Keep every device tensor reachable from ``value`` (mappings, lists and tuples, attrs and dataclass
+        instances' fields) and return ``value``: what the consumer reads may hold more than the tensors kept
+        one by one (an adapter's inputs built on the side stream: pixels cast or reshaped, grids and sequence
+        bounds copied to the device), and a tensor not kept may have its memory reused by this side stream while
+        a replay still reads it."""
+        for tensor in _tensors(value):
+            if tensor.device.type != "cpu":
+                self.kept.append(tensor)
+        return value
+
+
+def _tensors(value: Any, _seen: set[int] | None = None) -> Iterator[Any]:
+    """The tensors reachable from ``value`` (see :meth:`SideWork.keep_all`), each once."""
+    import dataclasses
+
+    import torch
+
+    seen = set() if _seen is None else _seen
+    if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v, seen)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v, seen)
+    elif attrs.has(type(value)):
+        for field in attrs.fields(type(value)):
+            yield from _tensors(getattr(value, field.name), seen)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors(getattr(value, field.name), seen)
 
 
 @contextlib.contextmanager

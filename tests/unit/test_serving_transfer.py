@@ -157,3 +157,32 @@ def test_served_inputs_wait_on_the_host_for_work_left_in_flight():
     served = Served("m", "", None, None, Front(), torch.device("cpu"), torch.float32)
     assert served.inputs_from_arrays({"x": 1}) == ("inputs", {"x": 1}) and Ready.waited == 1
     assert served.submit(Prepared("inputs", ready)) == ("queued", ready, ("inputs",)) and Ready.waited == 1
+
+
+def test_keep_all_keeps_every_device_tensor_of_a_structure():
+    """``SideWork.keep_all``: every non-CPU tensor reachable through dicts, lists, tuples, attrs and dataclass
+    fields is kept (once, however often it is reachable), CPU tensors and plain values are not, and the value
+    comes back as it was."""
+    import dataclasses
+
+    import attrs
+
+    from encgraph.serving.transfer import SideWork
+
+    @attrs.frozen
+    class Inputs:
+        pixels: object
+        grids: object
+        note: str = "x"
+
+    @dataclasses.dataclass
+    class Bounds:
+        cu: object
+        rows: int = 3
+
+    a, b, c = (torch.empty(2, device="meta") for _ in range(3))  # not on the host, as a CUDA tensor
+    host = torch.ones(2)
+    value = Inputs({"pixel_values": a, "again": a}, [Bounds(b), (c, host, 4), None])
+    work = SideWork()
+    assert work.keep_all(value) is value
+    assert [id(t) for t in work.kept] == [id(a), id(b), id(c)]
