@@ -191,7 +191,8 @@ class SelfCheck:
             return
         tol = tolerance(runner.config.dtype, runner.device)
         parts: list[dict[str, torch.Tensor]] = []
-        for part in _parts(runner, path, sub, specs, reference_chunk(positive)):
+        chunks = _parts(runner, path, sub, specs, reference_chunk(positive))
+        for part in chunks:
             # The plain eager forward (what every other run is checked by), then the compiled eager forward (what
             # serves eager batches) checked against it on the same items: it engages only once checked, and stops
             # at the first disagreement. Each part's reference goes to the host before the next part runs.
@@ -203,8 +204,9 @@ class SelfCheck:
                 parts.append({n: t.detach().cpu() for n, t in reference.items()})
             del reference
         if timed:
-            with clock("release cached"):
-                release_cached(runner.device)  # the whole sample runs at another size than its parts
+            if len(chunks) > 1:  # the whole sample runs at another size than its parts
+                with clock("release cached"):
+                    release_cached(runner.device)
             # Timed alone (no replay exists yet to interleave with; the replay keeps the capture's own timing):
             # the minimum of spaced runs is what filters contention out (see the class).
             with clock("eager timing"):
