@@ -52,7 +52,8 @@ def relative_error(static: torch.Tensor, eager: torch.Tensor) -> float:
         bad |= ~torch.isfinite(x).all()
         diff_sq += (x - y).square().sum(dtype=torch.float64)
         ref_sq += y.square().sum(dtype=torch.float64)
-    if bool(bad):
+    diff_sq_, ref_sq_, bad_ = torch.stack([diff_sq, ref_sq, bad.double()]).tolist()  # the one host read
+    if bad_:
         return math.inf
-    diff, ref = math.sqrt(float(diff_sq)), math.sqrt(float(ref_sq))
+    diff, ref = math.sqrt(diff_sq_), math.sqrt(ref_sq_)
     return diff / ref if ref > 0 else diff

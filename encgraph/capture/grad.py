@@ -12,12 +12,14 @@ inside ``inference_mode`` is allowed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 
-__all__ = ["persistent", "autograd_requested"]
+__all__ = ["persistent", "autograd_requested", "tensors_in"]
 
 
 @contextlib.contextmanager
@@ -27,15 +29,28 @@ def persistent() -> Iterator[None]:
         yield
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any, _seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """The tensors reachable from ``value`` through mappings, lists and tuples, and attrs and dataclass instances'
+    fields, each once: a call's inputs (:func:`autograd_requested`), a request's prepared inputs
+    (:meth:`encgraph.serving.transfer.SideWork.keep_all`)."""
+    seen = set() if _seen is None else _seen
+    if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return
+    seen.add(id(value))
     if isinstance(value, torch.Tensor):
         yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from tensors_in(v, seen)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+            yield from tensors_in(v, seen)
+    elif attrs.has(type(value)):
+        for field in attrs.fields(type(value)):
+            yield from tensors_in(getattr(value, field.name), seen)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, field.name), seen)
 
 
 def autograd_requested(module: torch.nn.Module, args: Iterable[Any], kwargs: dict[str, Any]) -> bool:
@@ -46,6 +61,6 @@ def autograd_requested(module: torch.nn.Module, args: Iterable[Any], kwargs: dic
     """
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return False
-    if any(t.requires_grad for t in _tensors(list(args)) ) or any(t.requires_grad for t in _tensors(kwargs)):
+    if any(t.requires_grad for t in tensors_in((args, kwargs))):
         return True
     return any(p.requires_grad for p in module.parameters())

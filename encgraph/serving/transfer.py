@@ -127,36 +127,12 @@ class SideWork:
         one by one (an adapter's inputs built on the side stream: pixels cast or reshaped, grids and sequence
         bounds copied to the device), and a tensor not kept may have its memory reused by this side stream while
         a replay still reads it."""
-        for tensor in _tensors(value):
+        from encgraph.capture.grad import tensors_in
+
+        for tensor in tensors_in(value):
             if tensor.device.type != "cpu":
                 self.kept.append(tensor)
         return value
-
-
-def _tensors(value: Any, _seen: set[int] | None = None) -> Iterator[Any]:
-    """The tensors reachable from ``value`` (see :meth:`SideWork.keep_all`), each once."""
-    import dataclasses
-
-    import torch
-
-    seen = set() if _seen is None else _seen
-    if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None))):
-        return
-    seen.add(id(value))
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v, seen)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v, seen)
-    elif attrs.has(type(value)):
-        for field in attrs.fields(type(value)):
-            yield from _tensors(getattr(value, field.name), seen)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _tensors(getattr(value, field.name), seen)
 
 
 @contextlib.contextmanager
