@@ -15,7 +15,10 @@ module, the three systems side by side in one process, each on a copy of its own
   interleaved call by call);
 - **stream**: a seeded stream of requests mixing those batch sizes, each request through every system in turn:
   mean, P50, P99, the worst per-request ratio, recompiles during the stream;
-- the per-item agreement of encgraph's outputs with the eager module's on one batch.
+- the per-item agreement of encgraph's outputs with the eager module's on one batch;
+- with ``--memory-history``: what was alive at each system's warm-up peak of allocated memory, grouped by where it
+  was made (torch's allocator history, ``benches/lib/memory_peak.py``; the warm-up seconds then include the
+  recording's cost).
 
 A time budget (``--budget-s``) stops starting new modules past it; skipped modules are recorded as such. Writes
 ``benches/results/anymodule_<gpu>.json`` and ``.md`` (and under ``$OUT/results`` when set); ``python benches/plot.py``
@@ -142,12 +145,14 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats(device)
             before_mem, before = torch.cuda.memory_allocated(device), dynamo_counts()
             before_reserved = torch.cuda.memory_reserved(device)
+            history = MemoryHistory(device) if args.memory_history else None
             t0 = time.perf_counter()
             for _ in range(3):
                 for n in BATCHES:
                     call(system, images(n))
             torch.cuda.synchronize(device)
             after = dynamo_counts()
+            at_peak = history.stop() if history is not None else None
             out["warmup"][system] = {
                 "seconds": round(time.perf_counter() - t0, 2),
                 "frames_compiled": after["frames"] - before["frames"],
@@ -157,6 +162,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "held_mib": round((torch.cuda.memory_allocated(device) - before_mem) / 2**20, 1),
                 "peak_reserved_mib": round((torch.cuda.max_memory_reserved(device) - before_reserved) / 2**20, 1),
             }
+            if at_peak is not None:  # recorded: its warm-up seconds include the recording's cost
+                out["warmup"][system]["at_peak"] = at_peak
             torch.cuda.empty_cache()
             out["warmup"][system]["held_reserved_mib"] = round(
                 (torch.cuda.memory_reserved(device) - before_reserved) / 2**20, 1)
@@ -214,6 +221,33 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.reset()
     release_cached(device, trees=True)
     return out
+
+
+class MemoryHistory:
+    """``--memory-history``: torch's allocator history (Python stacks) from construction to :meth:`stop`, which
+    returns what was alive at the peak of what it saw allocated (``benches.lib.memory_peak.live_at_peak``)."""
+
+    ENTRIES = 300_000  # alloc/free events kept; a full history drops its oldest (``unknown_frees`` then counts them)
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.device = device
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                  max_entries=self.ENTRIES)
+
+    def stop(self) -> dict[str, Any]:
+        import torch
+
+        from benches.lib.memory_peak import live_at_peak
+
+        try:
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        traces = snapshot.get("device_traces") or []
+        return live_at_peak(traces[index] if index < len(traces) else [])
 
 
 def release_cached(device: Any, trees: bool = False) -> None:
@@ -301,6 +335,16 @@ def render(doc: dict[str, Any]) -> str:
     if lines[-1]:  # after the profile lines, where there were any
         lines += [""]
     for name, m in doc["models"].items():
+        for s in SYSTEMS:
+            peak = m.get("warmup", {}).get(s, {}).get("at_peak")
+            if peak:
+                sites = "; ".join(f"{where} {mib} MiB ({n})" for where, mib, n in peak["sites"])
+                lines.append(f"- {name}, {LABELS[s]}, alive at its warm-up's allocated peak ({peak['peak_mib']} "
+                             f"MiB over the recording, {peak['live']} blocks; {peak['unknown_frees']} frees of older "
+                             f"blocks): {sites}")
+    if lines[-1]:
+        lines += [""]
+    for name, m in doc["models"].items():
         if "stream" in m:
             s = m["stream"]
             lines.append(f"- {name}: stream of {s['requests']} requests, worst per-request ratio encgraph vs eager "
@@ -336,6 +380,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="batch sizes whose calls are profiled per system (comma-separated; empty: none)")
     p.add_argument("--profile-calls", type=int, default=5, help="calls under the profiler per batch size and system")
     p.add_argument("--tiny", action="store_true", help="tiny modules (a quick check of the script)")
+    p.add_argument("--memory-history", action="store_true",
+                   help="record torch's allocator history over each system's warm-up and report what was alive at "
+                        "its allocated peak, by where it was made (warm-up seconds then include the recording)")
     p.add_argument("--results-dir", default=str(REPO / "benches" / "results"))
     args = p.parse_args(argv)
     import torch

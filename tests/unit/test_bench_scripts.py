@@ -297,7 +297,13 @@ def test_anymodule_renders_every_system_and_the_skipped_modules():
                                          "categories": {"matmul": {"ms": 0.8, "kernels": 48.0}},
                                          "replay": {"replays": 1.0, "replay_gap_ms": 0.05}}}}},
                       "dinov2_l14": {"skipped": "skipped: time budget spent"}}}
+    doc["models"]["vit_b16_hf"]["warmup"]["encgraph"] = {**system, "at_peak": {
+        "peak_mib": 12.5, "live": 4, "unknown_frees": 0, "sites": [["forward (vit/modeling_vit.py:10)", 8.0, 3],
+                                                                  ["(other)", 4.5, 1]]}}
     table = anymodule.render(doc)
+    assert ("- vit_b16_hf, encgraph.graphed(module), alive at its warm-up's allocated peak (12.5 MiB over the "
+            "recording, 4 blocks; 0 frees of older blocks): forward (vit/modeling_vit.py:10) 8.0 MiB (3); (other) "
+            "4.5 MiB (1)") in table
     assert ("- vit_b16_hf at batch 8, encgraph.graphed(module): median 1.5 ms, kernels 1.2 ms (90.0 a call), GPU "
             "idle 0.3 ms; matmul 0.8; replay") in table
     assert "| vit_b16_hf | 32 | 64.0 | 32.0 | 16.0 | 4.00x | 2.00x |" in table
