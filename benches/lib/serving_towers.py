@@ -73,9 +73,10 @@ class Bench:
         self.requests = [self._tensors(w, h) for w, h in self.pool]
 
     def _processor(self) -> Any:
-        import transformers
+        # The class the server loads (the Pillow backend by its own name without torchvision, no fallback warning).
+        from encgraph.serving.loading import _processor_class
 
-        cls = getattr(transformers, self.processor_name)
+        cls = _processor_class(self.processor_name)
         if self.processor_name.startswith("Siglip"):
             side = self.hf.config.image_size
             return cls(size={"height": side, "width": side})
