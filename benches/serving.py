@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preprocess-on", choices=("host", "device"), default="host",
                    help="encgraph serve's --preprocess-on for every server started (device: transformers' torchvision "
                         "processor on the GPU; recorded in the options; use --tag to keep both runs)")
+    p.add_argument("--encoding-format", choices=("base64", "float"), default="base64",
+                   help="the answers' encoding_format in the server transports' requests (default base64; float: "
+                        "JSON numbers, OpenAI's default; recorded in the options; use --tag to keep both runs)")
     p.add_argument("--request-threads", type=_positive, default=None, metavar="N",
                    help="encgraph serve's --request-threads for every server started (default: the server's own, 4)")
     p.add_argument("--start", choices=("sequential", "concurrent"), default="sequential",
@@ -266,7 +269,8 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
         try:
             if transport != "inprocess":
                 bench.save(checkpoint)
-                bodies = server_bodies([_jpeg(w, h, seed=i) for i, (w, h) in enumerate(bench.pool)])
+                bodies = server_bodies([_jpeg(w, h, seed=i) for i, (w, h) in enumerate(bench.pool)],
+                                       args.encoding_format)
                 kind = str(dtype).replace("torch.", "")
                 # Seconds from a server's start (each, or all together) until it answered.
                 starts: dict[str, float] = result.setdefault("server_start_s", {})

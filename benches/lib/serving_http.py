@@ -67,15 +67,16 @@ def wait_server(proc: Any, url: str, log: Any, timeout: float = 600.0) -> None:
     raise RuntimeError(f"encgraph serve did not start: {log.read().decode(errors='replace')[-2000:]}")
 
 
-def server_bodies(images: list[str]) -> list[bytes]:
-    """One request body per image (base64 JPEG, base64 answers)."""
-    return [json.dumps({"input": [image], "encoding_format": "base64"}).encode() for image in images]
+def server_bodies(images: list[str], encoding_format: str = "base64") -> list[bytes]:
+    """One request body per image (base64 JPEG), its answer in ``encoding_format`` (``base64``: the embedding's
+    float32 bytes; ``float``: JSON numbers, OpenAI's default, which the server writes with its GIL held)."""
+    return [json.dumps({"input": [image], "encoding_format": encoding_format}).encode() for image in images]
 
 
 def run_server(url: str, images: list[str], concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     """One point of ``concurrency`` closed-loop HTTP clients against the server at ``url``: :func:`window`'s."""
-    return window([http_closed_loop(url, "/v1/embeddings", server_bodies(images), concurrency, args.warmup,
-                                    args.duration)])
+    bodies = server_bodies(images, getattr(args, "encoding_format", "base64"))
+    return window([http_closed_loop(url, "/v1/embeddings", bodies, concurrency, args.warmup, args.duration)])
 
 
 def server_counters(url: str) -> dict[str, float]:

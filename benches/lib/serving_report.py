@@ -45,10 +45,13 @@ def render(data: dict[str, Any]) -> str:
     repeats = data["options"].get("repeats", 1)  # absent from runs before the option
     rounds = "" if repeats == 1 else (f", {repeats} runs per point in rounds of one run per system (latencies "
                                       "pooled over a point's runs)")
+    # HTTP answers' encoding (the in-process transport answers no JSON); runs before the option asked for base64.
+    http = any(t != "inprocess" for t in data["options"].get("transports", ("server",)))
+    answers = f", {data['options'].get('encoding_format', 'base64')} answers over HTTP" if http else ""
     lines = [f"# Serving: {data['environment']['gpu']}", "",
              f"torch {data['environment']['torch']}, transformers {data['environment']['transformers']}; "
              f"{data['options']['duration']} s per {'point' if repeats == 1 else 'run'} after "
-             f"{data['options']['warmup']} s warm-up{rounds}; one image per request; graphed_coalesce "
+             f"{data['options']['warmup']} s warm-up{rounds}; one image per request{answers}; graphed_coalesce "
              f"max_wait_ms={data['options']['max_wait_ms']}{servers}.", ""]
     for tower, by_transport in data["towers"].items():
         lines += ray_lines(TOWERS[tower]["label"], by_transport)

@@ -174,3 +174,15 @@ def test_preprocess_pool_bench_runs_both_modes(tmp_path):
     assert runs["wait"]["pipe_results"] == 0 and runs["pipe"]["pipe_results"] > 0
     assert "| wait | 1 |" in (tmp_path / "preprocess_pool_cpu.md").read_text()
     assert json.loads((tmp_path / "preprocess_pool_cpu.json").read_text())["options"]["slots"] == 1
+
+
+def test_server_requests_ask_for_the_chosen_encoding_format():
+    from benches.lib.serving_http import server_bodies
+
+    assert serving.build_parser().parse_args([]).encoding_format == "base64"
+    args = serving.build_parser().parse_args(["--encoding-format", "float"])
+    bodies = [json.loads(b) for b in server_bodies(["a", "b"], args.encoding_format)]
+    assert bodies == [{"input": ["a"], "encoding_format": "float"}, {"input": ["b"], "encoding_format": "float"}]
+    assert json.loads(server_bodies(["a"])[0])["encoding_format"] == "base64"
+    with pytest.raises(SystemExit):
+        serving.build_parser().parse_args(["--encoding-format", "json"])
