@@ -147,8 +147,8 @@ def _json_floats(array: Any) -> str:
     written by orjson: each value's shortest text that reads back to the same float32, each a JSON float (``10.0``,
     never ``10``; ``-0.0`` keeps its sign). Our own ``"%.9g"`` rows took 9-10x longer with the GIL held (213 against
     20 ms for a SigLIP image's 729 x 1,152 tokens on the development CPU, where base64 takes 15; 0.254 against
-    0.028 ms for one 1,152-wide embedding) and wrote 12% more text. Raises ValueError on NaN or infinity, which JSON has no number for, as
-    ``json.dumps(allow_nan=False)`` does (orjson would write ``null``)."""
+    0.028 ms for one 1,152-wide embedding) and wrote 12% more text. Raises ValueError on NaN or infinity, which JSON
+    has no number for, as ``json.dumps(allow_nan=False)`` does (orjson would write ``null``)."""
     values = np.asarray(array, dtype=np.float32)
     if not np.isfinite(values).all():
         raise ValueError("embedding: NaN or infinite values have no JSON number (encoding_format='base64' carries "
