@@ -14,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 
 pytest.importorskip("fastapi")
 
-from encgraph.serving.protocol import EmbeddingRequest, _json_floats, answer
+from encgraph.serving.protocol import EmbeddingRequest, answer
 
 
 class _Model:
@@ -31,6 +31,14 @@ class _Model:
 
 
 finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+def _json_floats(values: np.ndarray) -> str:
+    """The JSON text of ``values`` as a float answer's embedding, read out of the whole answer's text."""
+    body = answer(_Model([values], [values]), [], EmbeddingRequest(input=["a"], encoding_format="float")).body
+    text = body.decode()
+    start = text.index('"embedding":') + len('"embedding":')
+    return text[start : text.index(',"tokens"') if ',"tokens"' in text else text.rindex("}],")]
 
 
 @given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=9), elements=finite32))
