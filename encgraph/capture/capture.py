@@ -10,10 +10,10 @@ and under :func:`~encgraph.capture.grad.persistent`):
    stream (the compile runs here), in the ordinary allocator;
 3. the caller's eager work (``before_capture``: the self-check's eager references and the cost model's eager
    timings, :class:`~encgraph.capture.selfcheck.SelfCheck`, which first gives back what the warm-ups left cached),
-   with the blocks uncompiled, then the allocator's free cached segments are given back
-   (:func:`~encgraph.capture.memory.release_cached`);
+   with the blocks uncompiled and the static input buffers set aside (no eager run reads them), then the
+   allocator's free cached segments are given back (:func:`~encgraph.capture.memory.release_cached`);
 4. capture - every budget, largest first, with no eager run in between: the forward, its outputs copied into the
-   path's shared output buffers *inside* the graph, so the pool keeps no per-graph outputs: its memory stays that
+   path's shared output buffers (allocated at the path's first capture) *inside* the graph, so the pool keeps no per-graph outputs: its memory stays that
    of the largest graph however dense the ladder is;
 5. time each replay (random floats in the buffers: zeros can run faster than real data).
 
@@ -132,7 +132,10 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
         runner.compiled_eager = _keep_for_eager(runner, regions, compile_info)
         if before_capture is not None:
             traced = compile_stats() if "counters_before" in compile_info else None
-            with regions.paused():
+            with regions.paused(), contextlib.ExitStack() as aside:
+                for path, buffers in runner.buffers.items():  # no eager run reads them, nor yet a graph
+                    if not runner.records[path]:
+                        aside.enter_context(buffers.set_aside())
                 before_capture()
             if traced is not None:  # the compiled eager check's traces are not the capture's
                 after = compile_stats()

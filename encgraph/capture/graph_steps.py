@@ -36,8 +36,8 @@ class PoolLeftRecording(Exception):
 def warm_up(runner: RunnerState, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
             compile_info: dict[str, Any]) -> tuple[float, float]:
     """``runner.warmup`` runs of the budget's forward on padding, on ``stream`` (the one it is captured on), in
-    the ordinary allocator; the path's output buffers are allocated from the first. Returns its seconds and the
-    first compiled run's (0 when not compiling)."""
+    the ordinary allocator; the path's output buffers are shaped from the first (and allocated at the path's first
+    capture). Returns its seconds and the first compiled run's (0 when not compiling)."""
     device = runner.device
     t0 = time.perf_counter()
     views = runner.buffers[path].fill(budget, None)
@@ -58,7 +58,7 @@ def warm_up(runner: RunnerState, path: str, budget: int, stream: torch.cuda.Stre
                 raise CompileFailed() from exc
             check_outputs(runner.adapter, path, budget, outputs, budget, "static")
             if i == 0:
-                runner.outputs[path].ensure(outputs, runner.ladders[path])
+                runner.outputs[path].learn(outputs, runner.ladders[path])
                 if compiling:
                     torch.cuda.synchronize(device)
                     compile_seconds = time.perf_counter() - t_run
@@ -79,6 +79,7 @@ def capture_one(
     views = runner.buffers[path].fill(budget, None)
     stream.wait_stream(torch.cuda.current_stream(device))
     torch.cuda.synchronize(device)
+    runner.outputs[path].allocate()  # outside the pool, at the path's first capture (once)
     before = pool_bytes(device, pool)
     graph = torch.cuda.CUDAGraph()
     targets = runner.outputs[path].view(budget)

@@ -1,0 +1,59 @@
+"""The capture's static buffers on the CPU (encgraph.capture.buffers): the input buffers set aside for the
+capture's eager phase and allocated again after it; the output buffers shaped at the warm-up and allocated only at
+the first capture, once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encgraph.capture.buffers import PathBuffers, PathOutputs
+from encgraph.capture.protocol import BufferSpec, FillRule
+from encgraph.errors import CaptureError
+
+
+def _buffers() -> PathBuffers:
+    specs = {b: {"pixels": BufferSpec((b, 3, 4), torch.float32, FillRule.REPEAT_LAST),
+                 "ids": BufferSpec((b,), torch.int64, FillRule.ARANGE)} for b in (2, 8)}
+    return PathBuffers("default", specs, torch.device("cpu"))
+
+
+def test_input_buffers_set_aside_hold_nothing_and_come_back_at_full_size():
+    buffers = _buffers()
+    full = buffers.nbytes
+    with buffers.set_aside():
+        assert buffers.storage == {} and buffers.nbytes == 0
+    assert buffers.nbytes == full
+    assert {n: tuple(t.shape) for n, t in buffers.storage.items()} == {"pixels": (8, 3, 4), "ids": (8,)}
+    values = {"pixels": torch.arange(36.0).reshape(3, 3, 4), "ids": torch.tensor([5, 6, 7])}
+    views = buffers.fill(8, values)
+    assert torch.equal(views["pixels"][:3], values["pixels"])
+    assert torch.equal(views["pixels"][3:], values["pixels"][2:3].expand(5, 3, 4))  # the last row repeated
+    assert views["ids"].tolist() == [5, 6, 7, 3, 4, 5, 6, 7]  # the arange continues past the items
+
+
+def test_input_buffers_come_back_when_the_block_raises():
+    buffers = _buffers()
+    with pytest.raises(ValueError), buffers.set_aside():
+        raise ValueError("an eager check failed")
+    assert set(buffers.storage) == {"pixels", "ids"}
+
+
+def test_output_buffers_are_shaped_at_the_warm_up_and_allocated_once_at_the_first_capture():
+    outputs = PathOutputs("default", torch.device("cpu"))
+    produced = {"last_hidden_state": torch.zeros(4, 5, 6, dtype=torch.bfloat16), "pooled": torch.zeros(4, 6)}
+    outputs.learn(produced, (1, 4, 16))
+    assert outputs.storage == {} and outputs.nbytes == 0  # nothing held through the self-check's eager phase
+    outputs.learn({"other": torch.zeros(4, 2)}, (1, 4, 16))  # a later warm-up changes nothing
+    outputs.allocate()
+    first = dict(outputs.storage)
+    assert {n: (tuple(t.shape), t.dtype) for n, t in first.items()} == {
+        "last_hidden_state": ((16, 5, 6), torch.bfloat16), "pooled": ((16, 6), torch.float32)}
+    outputs.allocate()  # every later capture of the path writes the same tensors
+    assert all(outputs.storage[n] is t for n, t in first.items())
+    assert outputs.view(4)["pooled"].shape == (4, 6)
+
+
+def test_output_buffers_never_shaped_cannot_be_allocated():
+    with pytest.raises(CaptureError, match="never shaped"):
+        PathOutputs("default", torch.device("cpu")).allocate()
