@@ -6,15 +6,17 @@ and under :func:`~encgraph.capture.grad.persistent`):
 1. compile - with compilation on, one compiled static forward per path serves every budget
    (:mod:`encgraph.capture.compiling`); under ``compile="auto"`` a failure of its first run falls back to the
    plain forward for the whole runner, logged once and recorded in ``capture_info["compile"]``;
-2. warm-up - every budget, largest first: fill its input views with padding and run the forward on a side
+2. warm-up - every budget, largest first: fill its input views with padding and run the forward on the calling
    stream (the compile runs here), in the ordinary allocator;
 3. the caller's eager work (``before_capture``: the self-check's eager references and the cost model's eager
    timings, :class:`~encgraph.capture.selfcheck.SelfCheck`, which first gives back what the warm-ups left cached),
    with the blocks uncompiled and the static input buffers set aside (no eager run reads them), then the
    allocator's free cached segments are given back (:func:`~encgraph.capture.memory.release_cached`);
-4. capture - every budget, largest first, with no eager run in between: the forward, its outputs copied into the
-   path's shared output buffers (allocated at the path's first capture) *inside* the graph, so the pool keeps no per-graph outputs: its memory stays that
-   of the largest graph however dense the ladder is;
+4. capture - every budget, largest first, with no eager run in between, on a stream of the runner's own that no
+   eager work uses, its cuBLAS workspaces made in a pool of the stream's own, where nothing else can free them
+   (:mod:`encgraph.capture.streams`): the forward, its outputs copied into the path's shared output buffers
+   (allocated at the path's first capture) *inside* the graph, so the pool keeps no per-graph outputs: its memory
+   stays that of the largest graph however dense the ladder is;
 5. time each replay (random floats in the buffers: zeros can run faster than real data).
 
 Why this order (memory): every eager forward of the capture runs, and gives its cached memory back, before the
@@ -60,6 +62,7 @@ from encgraph.capture.graph_steps import drop_failed as _failed
 from encgraph.capture.graph_steps import warm_up as _warm_up
 from encgraph.capture.memory import peak_rise, release_cached
 from encgraph.capture.records import GraphRecord
+from encgraph.capture.streams import capture_stream
 from encgraph.capture.timing import time_host
 from encgraph.errors import EncgraphError
 
@@ -88,8 +91,8 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
     )
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    reserved0 = torch.cuda.memory_reserved(device)
-    stream = torch.cuda.Stream(device)
+    stream, stream_kind = capture_stream(runner, device)  # no eager work runs on it: encgraph.capture.streams
+    reserved0 = torch.cuda.memory_reserved(device)  # the stream's own pool (its workspaces) is not the capture's
     compile_info: dict[str, Any] = {"mode": runner.compile_mode.value}
     forwards = {path: _plain_forward(runner, path) for path in runner.ladders}
     regions = CompiledRegions(runner.adapter)
@@ -116,8 +119,7 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
                 bar.set_postfix_str(f"warm-up {path}@{budget}")
                 for _attempt in range(2):
                     try:
-                        warm_seconds[path, budget] = _warm_up(runner, path, budget, stream, forwards[path],
-                                                              compile_info)
+                        warm_seconds[path, budget] = _warm_up(runner, path, budget, forwards[path], compile_info)
                     except _CompileFailed:
                         # compile="auto": the first compiled run failed; every path captures the plain forward.
                         regions.restore()
@@ -193,6 +195,7 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
         "compile_seconds": round(sum(r.compile_seconds for r in graphs), 3),
         "pool_bytes": int(pool_held),
         "pools": len(pools),
+        "capture_stream": stream_kind,
         # What the capture's work left cached outside the pool since the eager runs gave theirs back (the replay
         # timings; freed by torch.cuda.empty_cache()).
         "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool_held),

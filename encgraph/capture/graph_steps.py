@@ -33,39 +33,37 @@ class PoolLeftRecording(Exception):
     :func:`end_failed_capture`."""
 
 
-def warm_up(runner: RunnerState, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
+def warm_up(runner: RunnerState, path: str, budget: int, forward: Forward,
             compile_info: dict[str, Any]) -> tuple[float, float]:
-    """``runner.warmup`` runs of the budget's forward on padding, on ``stream`` (the one it is captured on), in
-    the ordinary allocator; the path's output buffers are shaped from the first (and allocated at the path's first
+    """``runner.warmup`` runs of the budget's forward on padding, on the calling thread's current stream (never the
+    capture stream, whose cuBLAS workspace the first capture allocates in the pool: :mod:`encgraph.capture.streams`),
+    in the ordinary allocator; the path's output buffers are shaped from the first (and allocated at the path's first
     capture). Returns its seconds and the first compiled run's (0 when not compiling)."""
     device = runner.device
     t0 = time.perf_counter()
     views = runner.buffers[path].fill(budget, None)
     compiling = runner.compile_mode is not CompileMode.OFF and compile_info.get("status") != "failed"
     compile_seconds = 0.0
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for i in range(runner.warmup):
-            t_run = time.perf_counter()
-            try:
-                outputs = forward(views, budget)
-            except EncgraphError:
+    for i in range(runner.warmup):
+        t_run = time.perf_counter()
+        try:
+            outputs = forward(views, budget)
+        except EncgraphError:
+            raise
+        except Exception as exc:
+            if not compiling or runner.compile_mode is not CompileMode.AUTO or compile_info.get("status"):
                 raise
-            except Exception as exc:
-                if not compiling or runner.compile_mode is not CompileMode.AUTO or compile_info.get("status"):
-                    raise
-                _compile_failed(compile_info, exc)
-                raise CompileFailed() from exc
-            check_outputs(runner.adapter, path, budget, outputs, budget, "static")
-            if i == 0:
-                runner.outputs[path].learn(outputs, runner.ladders[path])
-                if compiling:
-                    torch.cuda.synchronize(device)
-                    compile_seconds = time.perf_counter() - t_run
-                    compile_info.setdefault("status", "compiled")
-                    compile_info.setdefault("first_compile_seconds", round(compile_seconds, 3))
-            del outputs
-        torch.cuda.current_stream(device).wait_stream(stream)
+            _compile_failed(compile_info, exc)
+            raise CompileFailed() from exc
+        check_outputs(runner.adapter, path, budget, outputs, budget, "static")
+        if i == 0:
+            runner.outputs[path].learn(outputs, runner.ladders[path])
+            if compiling:
+                torch.cuda.synchronize(device)
+                compile_seconds = time.perf_counter() - t_run
+                compile_info.setdefault("status", "compiled")
+                compile_info.setdefault("first_compile_seconds", round(compile_seconds, 3))
+        del outputs
     torch.cuda.synchronize(device)
     return time.perf_counter() - t0, compile_seconds
 
@@ -73,7 +71,8 @@ def warm_up(runner: RunnerState, path: str, budget: int, stream: torch.cuda.Stre
 def capture_one(
     runner: RunnerState, pool: Any, path: str, budget: int, stream: torch.cuda.Stream, forward: Forward,
 ) -> GraphRecord:
-    """Capture the budget's forward (warmed up by :func:`warm_up`) into ``pool`` on ``stream``."""
+    """Capture the budget's forward (warmed up by :func:`warm_up`) into ``pool`` on ``stream`` (the runner's own:
+    :func:`encgraph.capture.streams.capture_stream`)."""
     device = runner.device
     t0 = time.perf_counter()
     views = runner.buffers[path].fill(budget, None)

@@ -4,7 +4,7 @@ Phases, in the order a runner lives through them:
 
 1. construction - validate the adapter and options, fix the ladders and limits (no device work);
 2. ``capture()`` - allocate each path's buffers at its largest budget, warm each budget's static forward up on
-   a side stream, run the self-check's and the cost model's eager forwards, then capture every budget into one
+   the calling stream, run the self-check's and the cost model's eager forwards, then capture every budget into one
    shared memory pool, largest first (rule 10), with nothing eager in between, time each replay and check it
    against the eager reference; a budget whose capture or check fails is logged and dropped, the rest keep
    working;
@@ -61,7 +61,7 @@ class EncoderGraphRunner:
         lazy: capture on the first call if ``capture()`` was not called (else that call raises).
         copy_outputs: results are fresh tensors (default). ``False``: zero-copy, results are views of the
             graphs' output buffers, **valid only until the next call** of this runner.
-        warmup: eager runs of each budget's static forward on the side stream before its capture.
+        warmup: eager runs of each budget's static forward (on the calling stream) before its capture.
         progress: show a progress bar while capturing; default when stderr is a terminal.
         compile: ``"auto"`` (default): in GRAPH mode, compile before capturing, with a symbolic token
             dimension so that one compilation serves every budget: the tower's repeated blocks where the adapter

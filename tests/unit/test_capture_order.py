@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import encgraph.capture.capture
 from encgraph.capture import EncoderGraphRunner, RunMode
 from encgraph.errors import InputError
 from tests.shims.cpu_graph import RecordedGraph, recorded_graph
@@ -68,6 +69,8 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(cuda, "memory_snapshot", list)
     monkeypatch.setattr(cuda, "Stream", lambda device=None: _Stream())
+    # The runner's own capture stream (its priming is a capture of its own: tests/unit/test_capture_streams.py).
+    monkeypatch.setattr(encgraph.capture.capture, "capture_stream", lambda owner, device: (_Stream(), "own"))
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
     log.append(("capturing", capturing))  # the flag, for the adapter (dropped by ``ran``)
