@@ -135,12 +135,21 @@ def end_failed_capture(device: torch.device, pool: Any) -> bool:
     so that its memory goes with the graphs. The pinned host allocator (torch 2.13 routes it per pool too) has no
     Python call to end its routing: the caller captures the rest into a fresh pool. A capture whose body raised a
     Python error ended normally (``False``): the routing is over, and the graph object releases its reference when
-    it goes."""
+    it goes.
+
+    Such a capture also leaves torch's CUDA generator in its capture state (``capture_end`` raised before ending
+    it): every later random op in the process raises "Offset increment outside graph capture encountered
+    unexpectedly" until a capture ends normally (the self-check's samples and the replay timings did, after a
+    failed capture). One small capture here ends it."""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
     except RuntimeError:  # "not currently recording": capture_end got that far
         return False
     torch._C._cuda_releasePool(device.index, pool)
+    scratch = torch.zeros(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # torch's default capture stream and a pool of its own, both gone with the graph
+        scratch.add_(1)
     return True
 
 

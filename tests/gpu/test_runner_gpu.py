@@ -143,6 +143,7 @@ def test_an_invalidated_capture_fails_its_budget_alone():
     for _ in range(10):
         inputs = random_inputs(gen, adapter, int(gen.integers(1, 10)), max_len=100, max_frames=2)
         check(runner(inputs), reference(adapter, inputs))
+    torch.rand(4, device="cuda")  # the failed capture left torch's generator in no capture state
     later = make(min_budget=32, max_budget=512)
     second = EncoderGraphRunner(later, budgets=[32, 64, 128, 256, 512], compile=False)
     assert not second.capture()["failed"]
@@ -165,3 +166,21 @@ def test_pool_memory_reported():
     print(f"\npool {info['pool_bytes']} B, largest graph {largest} B, per graph {info['per_graph']}")
     assert info["pool_bytes"] >= largest > 0
     assert all(g["replay_ms"] is not None and g["replay_ms"] > 0 for g in info["per_graph"])
+
+
+def test_an_invalidated_capture_of_the_last_budget_leaves_random_ops_working():
+    """The smallest budget is captured last: after its invalidated capture, nothing ends torch's generator's capture
+    state but the runner (random ops raised "Offset increment outside graph capture encountered unexpectedly"): the
+    replay timings (random floats in the buffers), a random op of the caller's, and the replays all work."""
+    torch.manual_seed(0)
+    adapter = SyncWhileCapturing({"default": ToyTower(channels=32, hidden=64).cuda()}, min_budget=32,
+                                 max_budget=128, fail_budget=("default", 32))
+    runner = EncoderGraphRunner(adapter, budgets=[32, 64, 128], compile=False)
+    info = runner.capture()
+    assert list(info["failed"]["default"]) == [32], info["failed"]
+    assert all(r.replay_ms > 0 for r in runner.records["default"].values())
+    assert torch.rand(1000, device="cuda").std() > 0.2
+    gen = np.random.default_rng(5)
+    for _ in range(5):
+        inputs = random_inputs(gen, adapter, int(gen.integers(1, 6)), max_len=60, max_frames=2)
+        check(runner(inputs), reference(adapter, inputs))

@@ -1,0 +1,48 @@
+"""What ends a capture that CUDA invalidated (encgraph.capture.graph_steps.end_failed_capture), against fake torch
+calls: the pool's routing ended and its reference released, then one small capture that ends torch's generator's
+capture state; a capture whose body raised a Python error ended normally and gets neither. On a GPU:
+tests/gpu/test_runner_gpu.py (an invalidated capture of the last budget, then random ops and replays)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from encgraph.capture import graph_steps
+
+
+def _fake(monkeypatch, recording: bool) -> list:
+    calls: list = []
+
+    def end(index, pool):
+        if not recording:
+            raise RuntimeError("not currently recording")
+        calls.append(("end routing", index, pool))
+
+    @contextlib.contextmanager
+    def graph(g, **kwargs):
+        calls.append(("capture", kwargs))
+        yield
+        calls.append(("captured",))
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda index, pool: calls.append(("release", index, pool)),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *shape, device: real_zeros(*shape))
+    return calls
+
+
+def test_an_invalidated_capture_is_ended_and_the_generator_with_it(monkeypatch):
+    calls = _fake(monkeypatch, recording=True)
+    assert graph_steps.end_failed_capture(torch.device("cuda", 1), (0, 7)) is True
+    assert calls == [("end routing", 1, (0, 7)), ("release", 1, (0, 7)), ("capture", {}), ("captured",)]
+
+
+def test_a_capture_that_ended_normally_gets_nothing_more(monkeypatch):
+    calls = _fake(monkeypatch, recording=False)
+    assert graph_steps.end_failed_capture(torch.device("cuda", 0), (0, 7)) is False
+    assert calls == []
