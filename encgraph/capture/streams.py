@@ -112,8 +112,9 @@ class _OwnStream:
 
     def prime(self) -> None:
         """Make the calling thread's cuBLAS and cuBLASLt workspaces for the stream, in the stream's pool (or find
-        them there): a matmul without bias and one with, run eagerly on the calling stream, then captured on it. Its graph is kept (never replayed): dropping
-        it would let the pool go, and on some torch versions clear the stream's workspaces."""
+        them there): a matmul without bias and one with, run eagerly on the calling stream, then captured on it. Its
+        graph is kept (never replayed): dropping it would let the pool go, and on some torch versions clear the
+        stream's workspaces."""
         a = torch.ones(16, 16, device=self.device, dtype=torch.bfloat16)
         bias = torch.zeros(16, device=self.device, dtype=torch.bfloat16)
         # First eagerly, on the calling stream: the thread's cuBLAS and cuBLASLt handles are created at their first
@@ -161,6 +162,8 @@ def capture_stream(owner: object, device: torch.device) -> tuple[torch.cuda.Stre
         own.prime()
     except Exception as exc:  # noqa: BLE001 - the captures can go on; the hazard above is back, and said
         end_failed_capture(device, own.pool)
+        if not own.primers:  # no graph holds the pool: the next priming starts a fresh one
+            own.pool = torch.cuda.graph_pool_handle()
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         log.warning("encgraph: priming the capture stream's cuBLAS workspaces failed (%s); the captured matmuls use "
                     "workspaces in the graphs' own pool: see encgraph/capture/streams.py.", reason)

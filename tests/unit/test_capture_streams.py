@@ -183,6 +183,11 @@ def test_a_failed_priming_is_said_and_the_capture_goes_on(fake_cuda, monkeypatch
     ended = []
     monkeypatch.setattr(streams, "end_failed_capture", lambda device, pool: ended.append(pool) or True)
     with caplog.at_level(logging.WARNING, logger="encgraph"):
-        stream, kind = streams.capture_stream(Owner(), torch.device("cuda", 0))
+        owner = Owner()
+        stream, kind = streams.capture_stream(owner, torch.device("cuda", 0))
     assert stream[0] == "external" and kind == "own, not primed (RuntimeError: CUDA error: out of memory)"
     assert ended == [(0, 100)] and "priming" in caplog.text
+    assert streams._free == {}  # the runner lives: the stream is its own
+    del owner
+    gc.collect()
+    assert [own.pool for own in streams._free[0]] == [(0, 101)]  # no graph held the first pool: a fresh one
