@@ -115,8 +115,10 @@ class _OwnStream:
         them there): a matmul without bias and one with, run eagerly on the calling stream, then captured on it. Its
         graph is kept (never replayed): dropping it would let the pool go, and on some torch versions clear the
         stream's workspaces."""
-        a = torch.ones(16, 16, device=self.device, dtype=torch.bfloat16)
-        bias = torch.zeros(16, device=self.device, dtype=torch.bfloat16)
+        # float16: cuBLAS and cuBLASLt run it on every CUDA device torch supports (bfloat16 needs sm80); the
+        # workspaces are the handle's and the stream's, whatever the dtype.
+        a = torch.ones(16, 16, device=self.device, dtype=torch.float16)
+        bias = torch.zeros(16, device=self.device, dtype=torch.float16)
         # First eagerly, on the calling stream: the thread's cuBLAS and cuBLASLt handles are created at their first
         # use, with device allocations that no capture may make (in a fresh process's first capture, the priming
         # failed with "operation failed due to a previous error during capture").
