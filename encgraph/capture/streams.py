@@ -132,7 +132,8 @@ class _OwnStream:
 
 
 _free: dict[int, list[_OwnStream]] = {}
-_free_lock = threading.Lock()
+_leased: weakref.WeakKeyDictionary[object, _OwnStream] = weakref.WeakKeyDictionary()  # a runner captures again
+_free_lock = threading.RLock()  # a runner collected while it is held gives its stream back in this thread
 
 
 def _give_back(ordinal: int, own: _OwnStream) -> None:
@@ -141,13 +142,16 @@ def _give_back(ordinal: int, own: _OwnStream) -> None:
 
 
 def capture_stream(owner: object, device: torch.device) -> tuple[torch.cuda.Stream, str]:
-    """A stream for ``owner`` (a runner) to capture on that no other work uses while ``owner`` lives, its cuBLAS
-    workspaces primed in its own pool (see the module's docstring), and how it was made: ``"own"``, or
-    ``"torch pool (<why>)"`` where the driver could not make one (logged)."""
+    """A stream for ``owner`` (a runner) to capture on that no other work uses while ``owner`` lives (the same one
+    each time ``owner`` captures), its cuBLAS workspaces primed in its own pool (see the module's docstring), and
+    how it was made: ``"own"``, or ``"torch pool (<why>)"`` where the driver could not make one (logged)."""
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
     with _free_lock:
-        free = _free.get(ordinal)
-        own = free.pop() if free else None
+        own = _leased.get(owner)  # ``recapture()``: the runner's stream, primed again
+        fresh = own is None
+        if fresh:
+            free = _free.get(ordinal)
+            own = free.pop() if free else None
     if own is None:
         try:
             own = _OwnStream(device, _new_stream(ordinal))
@@ -159,7 +163,10 @@ def capture_stream(owner: object, device: torch.device) -> tuple[torch.cuda.Stre
                 "(torch.compile(mode='reduce-overhead') does): see encgraph/capture/streams.py.", reason
             )
             return torch.cuda.Stream(device), f"torch pool ({reason})"
-    weakref.finalize(owner, _give_back, ordinal, own)
+    if fresh:
+        with _free_lock:
+            _leased[owner] = own
+        weakref.finalize(owner, _give_back, ordinal, own)
     try:
         own.prime()
     except Exception as exc:  # noqa: BLE001 - the captures can go on; the hazard above is back, and said

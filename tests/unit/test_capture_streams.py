@@ -160,6 +160,9 @@ def test_a_runner_gets_a_primed_stream_of_its_own_and_gives_it_back_when_it_goes
     # capture (their device allocations invalidate one).
     assert captured[0].eager_before == ["mm", "addmm"]
     s2, _ = streams.capture_stream(second, device)  # the first runner still lives: a new stream, a new pool
+    again, _ = streams.capture_stream(first, device)  # recapture(): the first runner's stream, primed again
+    assert again is s1 and captured[-1].captured[:2] == ((0, 100), s1)
+    captured.pop()
     assert len([c for c in fake.calls if c[0] == "create"]) == 2
     assert captured[1].captured[:2] == ((0, 101), s2)
     del first
@@ -172,7 +175,7 @@ def test_a_runner_gets_a_primed_stream_of_its_own_and_gives_it_back_when_it_goes
     del second, third
     gc.collect()
     assert sorted(id(o.stream) for o in streams._free[2]) == sorted([id(s1), id(s2)])
-    assert [len(o.primers) for o in sorted(streams._free[2], key=lambda o: o.pool)] == [2, 1]  # kept, never dropped
+    assert [len(o.primers) for o in sorted(streams._free[2], key=lambda o: o.pool)] == [3, 1]  # kept, never dropped
 
 
 def test_a_failed_priming_is_said_and_the_capture_goes_on(fake_cuda, monkeypatch, caplog):
