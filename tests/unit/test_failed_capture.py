@@ -6,6 +6,7 @@ tests/gpu/test_runner_gpu.py (an invalidated capture of the last budget, then ra
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
@@ -46,3 +47,15 @@ def test_a_capture_that_ended_normally_gets_nothing_more(monkeypatch):
     calls = _fake(monkeypatch, recording=False)
     assert graph_steps.end_failed_capture(torch.device("cuda", 0), (0, 7)) is False
     assert calls == []
+
+
+def test_a_recovery_that_fails_is_logged_not_raised(monkeypatch, caplog):
+    _fake(monkeypatch, recording=True)
+
+    def broken(g, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", broken)
+    with caplog.at_level(logging.WARNING, logger="encgraph"):
+        assert graph_steps.end_failed_capture(torch.device("cuda", 0), (0, 7)) is True
+    assert "generator's capture state" in caplog.text and "not permitted" in caplog.text
