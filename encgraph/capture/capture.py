@@ -91,8 +91,7 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
     )
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    stream, stream_kind = capture_stream(runner, device)  # no eager work runs on it: encgraph.capture.streams
-    reserved0 = torch.cuda.memory_reserved(device)  # the stream's own pool (its workspaces) is not the capture's
+    reserved0 = torch.cuda.memory_reserved(device)
     compile_info: dict[str, Any] = {"mode": runner.compile_mode.value}
     forwards = {path: _plain_forward(runner, path) for path in runner.ladders}
     regions = CompiledRegions(runner.adapter)
@@ -145,6 +144,12 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
                                                    for k, v in compile_info["counters_before"].items()}
         release_cached(device)  # what the eager runs left cached goes back before the pool takes any
         capture_phase.enter_context(peak_rise(device, memory, "capture"))
+        # The stream no eager work runs on, its cuBLAS workspaces primed in a pool of its own
+        # (encgraph.capture.streams): here, not before the warm-ups, whose peak would hold them beside the calling
+        # stream's (33 MiB each on an H100).
+        before_priming = torch.cuda.memory_reserved(device)
+        stream, stream_kind = capture_stream(runner, device)
+        primed_bytes = torch.cuda.memory_reserved(device) - before_priming  # the stream's pool: not the capture's
         for path, budget in todo:
             bar.set_postfix_str(f"capture {path}@{budget}")
             bar.update(1)
@@ -198,7 +203,7 @@ def capture_graphs(runner: RunnerState, pool: Any, before_capture: Callable[[], 
         "capture_stream": stream_kind,
         # What the capture's work left cached outside the pool since the eager runs gave theirs back (the replay
         # timings; freed by torch.cuda.empty_cache()).
-        "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool_held),
+        "other_reserved_bytes": int(torch.cuda.memory_reserved(device) - reserved0 - pool_held - primed_bytes),
         "largest_graph_bytes": max((r.memory_bytes for r in graphs), default=0),
         "buffer_bytes": sum(b.nbytes for b in runner.buffers.values()),
         "output_bytes": sum(o.nbytes for o in runner.outputs.values()),
