@@ -16,7 +16,7 @@ from encgraph.capture.execution import RunnerState, check_outputs
 from encgraph.capture.records import GraphRecord
 from encgraph.errors import EncgraphError
 
-__all__ = ["CompileFailed", "PoolLeftRecording", "capture_one", "drop_failed", "end_failed_capture",
+__all__ = ["CompileFailed", "PoolLeftRecording", "capture_one", "drop_failed", "end_failed_capture", "error_line",
            "forward_into", "pool_bytes", "warm_up"]
 
 log = logging.getLogger("encgraph")
@@ -36,8 +36,9 @@ class PoolLeftRecording(Exception):
 def warm_up(runner: RunnerState, path: str, budget: int, forward: Forward,
             compile_info: dict[str, Any]) -> tuple[float, float]:
     """``runner.warmup`` runs of the budget's forward on padding, on the calling thread's current stream (never the
-    capture stream, which runs no eager work: :mod:`encgraph.capture.streams`), in the ordinary allocator; the path's output buffers are shaped from the first (and allocated at the path's first
-    capture). Returns its seconds and the first compiled run's (0 when not compiling)."""
+    capture stream, which runs no eager work: :mod:`encgraph.capture.streams`), in the ordinary allocator; the
+    path's output buffers are shaped from the first (and allocated at the path's first capture). Returns its
+    seconds and the first compiled run's (0 when not compiling)."""
     device = runner.device
     t0 = time.perf_counter()
     views = runner.buffers[path].fill(budget, None)
@@ -101,10 +102,15 @@ def capture_one(
     )
 
 
+def error_line(exc: BaseException) -> str:
+    """``exc`` as one line for a log and a stats field: its type and the first line of its message, cut at 300."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
 def drop_failed(runner: RunnerState, path: str, budget: int, exc: BaseException, phase: str) -> None:
     """Drop ``budget`` of ``path`` whose ``phase`` raised ``exc`` (logged, the reason in ``runner.failed``)."""
     torch.cuda.synchronize(runner.device)
-    runner.failed[path][budget] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    runner.failed[path][budget] = error_line(exc)
     log.warning(
         "encgraph: %s of path %r at budget %d failed (%s); batches planned there move to the next budget, or run "
         "eagerly.", phase, path, budget, runner.failed[path][budget]
@@ -157,7 +163,7 @@ def end_failed_capture(device: torch.device, pool: Any) -> bool:
 
 
 def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:
-    reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    reason = error_line(exc)
     info["status"] = "failed"
     info["reason"] = reason
     log.warning(

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from encgraph.capture.graph_steps import end_failed_capture
+from encgraph.capture.graph_steps import end_failed_capture, error_line
 
 __all__ = ["capture_stream"]
 
@@ -156,7 +156,7 @@ def capture_stream(owner: object, device: torch.device) -> tuple[torch.cuda.Stre
         try:
             own = _OwnStream(device, _new_stream(ordinal))
         except (OSError, AttributeError, RuntimeError) as exc:
-            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            reason = error_line(exc)
             log.warning(
                 "encgraph: could not make a CUDA stream of its own to capture on (%s); capturing on a torch pool "
                 "stream, whose cuBLAS workspace other code in the process can free under the graphs "
@@ -173,7 +173,7 @@ def capture_stream(owner: object, device: torch.device) -> tuple[torch.cuda.Stre
         end_failed_capture(device, own.pool)
         if not own.primers:  # no graph holds the pool: the next priming starts a fresh one
             own.pool = torch.cuda.graph_pool_handle()
-        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        reason = error_line(exc)
         log.warning("encgraph: priming the capture stream's cuBLAS workspaces failed (%s); the captured matmuls use "
                     "workspaces in the graphs' own pool: see encgraph/capture/streams.py.", reason)
         return own.stream, f"own, not primed ({reason})"
