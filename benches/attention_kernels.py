@@ -7,7 +7,14 @@ last one the padding sequence), the median time of one attention call replayed f
 
 - ``flash``: ``torch.nn.attention.varlen.varlen_attn`` (torch's Flash Attention 2 build), what the adapters call;
 - ``cudnn_ragged``: ``aten._cudnn_attention_forward`` with ``cum_seq_q`` / ``cum_seq_k`` (cuDNN's ragged-offset
-  SDPA, the kernel nested-tensor SDPA uses), same ``(tokens, heads, head_dim)`` layout;
+  SDPA, the kernel nested-tensor SDPA uses), same ``(tokens, heads, head_dim)`` layout. torch 2.11's varlen path
+  looks its cuDNN graph up but never stores it, so every call builds and compiles the graph again (pytorch PR
+  191576, after 2.11), inside a capture too: why its capture fails;
+- ``cudnn_frontend``: the same cuDNN SDPA through NVIDIA's ``nvidia-cudnn-frontend`` wheel
+  (``cudnn.sdpa_torch``: ``(tokens, heads, head_dim)`` with ``cu_seqlens``, element offsets derived from them
+  by tensor ops), whose graph is built once per (sequences, longest sequence, heads, head dim) and cached, the
+  handle set to the current stream at each call: after a warm-up of the same shapes a capture holds only its
+  ``execute``;
 - ``efficient``: ``aten._efficient_attention_forward`` with ``cu_seqlens`` (the memory-efficient kernel);
 - ``cudnn_dense``: one dense ``(1, heads, len, head_dim)`` SDPA call per sequence on the cuDNN backend (what
   Hugging Face's sdpa path runs per image), a reference that a single packed graph cannot use as is;
@@ -59,9 +66,10 @@ from benches.lib.timing import time_call
 
 SCRIPT = "attention_kernels"
 # kernels()' keys, in order
-KERNELS = ("flash", "cudnn_ragged", "efficient", "cudnn_dense", "cudnn_dense_cols", "fa4", "flashinfer")
+KERNELS = ("flash", "cudnn_ragged", "cudnn_frontend", "efficient", "cudnn_dense", "cudnn_dense_cols", "fa4",
+           "flashinfer")
 # The kernels that read the lengths from a buffer: the rewrite check applies.
-REWRITABLE = ("flash", "cudnn_ragged", "efficient", "cudnn_dense_cols", "fa4", "flashinfer")
+REWRITABLE = ("flash", "cudnn_ragged", "cudnn_frontend", "efficient", "cudnn_dense_cols", "fa4", "flashinfer")
 MODES = ("graph", "eager")
 GEOMETRIES = {  # tower: (heads, head_dim)
     "qwen3_vl / siglip / qwen3_5 / kimi / minicpm": (16, 72),
@@ -135,6 +143,12 @@ def kernels() -> dict[str, Callable[..., Any]]:
         return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, False, 0.0, False,
                                                        False)[0]
 
+    def cudnn_frontend(q, k, v, cu, max_len, lengths):
+        import cudnn  # nvidia-cudnn-frontend (>= 1.32: its torch op); not a dependency of encgraph
+
+        return cudnn.sdpa_torch(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                                max_seqlen_kv=max_len)
+
     def efficient(q, k, v, cu, max_len, lengths):
         out = torch.ops.aten._efficient_attention_forward(q[None], k[None], v[None], None, cu, cu, max_len, max_len,
                                                           0.0, 0, False)[0]
@@ -164,8 +178,9 @@ def kernels() -> dict[str, Callable[..., Any]]:
 
     from benches.lib.flashinfer_kernel import FlashInferRagged
 
-    return {"flash": flash, "cudnn_ragged": cudnn_ragged, "efficient": efficient, "cudnn_dense": cudnn_dense,
-            "cudnn_dense_cols": cudnn_dense_cols, "fa4": fa4, "flashinfer": FlashInferRagged()}
+    return {"flash": flash, "cudnn_ragged": cudnn_ragged, "cudnn_frontend": cudnn_frontend, "efficient": efficient,
+            "cudnn_dense": cudnn_dense, "cudnn_dense_cols": cudnn_dense_cols, "fa4": fa4,
+            "flashinfer": FlashInferRagged()}
 
 
 def _text(stream: str | bytes | None) -> str:
