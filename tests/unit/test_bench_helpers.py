@@ -182,3 +182,36 @@ def test_the_stack_variant_compiles_the_outermost_submodule_holding_every_block(
     assert stack_of(timm_like) == [timm_like.blocks]
     assert stack_of(flat) == repeated_blocks(flat) == list(flat.layers)
     assert stack_of(torch.nn.Linear(4, 4)) == []
+
+
+def test_carry_wheels_split_pack_and_join(tmp_path):
+    # benches/carry_wheels.py: a wheel too large for one call is cut into parts with its sha256, the files are
+    # packed into folders of at most one call's size, and the device joins the parts from every folder it was
+    # carried in; a missing part or a changed byte is a clear error, never a broken install.
+    import os
+
+    import pytest
+
+    from benches.carry_wheels import join, pack, project, split
+
+    assert pack({"a": 5, "b": 4, "c": 3, "d": 2}, 7) == [["a", "d"], ["b", "c"]]
+    with pytest.raises(ValueError, match="over one folder"):
+        pack({"big": 8}, 7)
+    assert project("PyYAML-6.0.4-cp312-cp312-x.whl") == "pyyaml"
+    pool, one, two, out = (tmp_path / n for n in ("pool", "one", "two", "out"))
+    for d in (pool, one, two, out):
+        d.mkdir()
+    data = os.urandom(10_000)
+    (pool / "big-1.0-py3-none-any.whl").write_bytes(data)
+    files = split(pool / "big-1.0-py3-none-any.whl", 3_000)
+    assert max(f.name for f in files) == "big-1.0-py3-none-any.whl.sha256" and len(files) == 5
+    for f in files:  # the parts spread over two carried folders
+        f.rename((one if f.name.endswith(("part0", "part2", "sha256")) else two) / f.name)
+    (joined,) = join([one, two], out)
+    assert joined.read_bytes() == data
+    (two / "big-1.0-py3-none-any.whl.part1").unlink()
+    with pytest.raises(ValueError, match="parts of big-1.0-py3-none-any.whl missing"):
+        join([one, two], out)
+    (two / "big-1.0-py3-none-any.whl.part1").write_bytes(bytes(3_000))
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        join([one, two], out)
