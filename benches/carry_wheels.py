@@ -13,9 +13,10 @@ stack, benches/README.md), so the install is one command::
 
     here:    python3 benches/carry_wheels.py download fa4      # prints the carry list of each call
     device:  carry [".carry-fa4-1"]: true;  carry [".carry-fa4-2"]: true;  ...
-             carry [".carry-fa4-N"]: eval "$(python3 benches/carry_wheels.py install fa4)" && <command>
+             carry [".carry-fa4-N"]: env=$(python3 benches/carry_wheels.py install fa4) && eval "$env" && <command>
 
-``install`` prints the exports to eval: ``PYTHONPATH`` with /tmp/site (and, for ``fa4``, nvidia-cutlass-dsl's
+(not ``eval "$(...)" && ...``: an eval of nothing succeeds, so a failed install would run the command without its
+wheels). ``install`` prints the exports to eval: ``PYTHONPATH`` with /tmp/site (and, for ``fa4``, nvidia-cutlass-dsl's
 ``dsl_packages``: a ``--target`` install runs no ``.pth`` file), ``USE_HUB_KERNELS=NO``, ``PATH``. Standard library
 only (the device's python runs it before anything is installed).
 """
