@@ -126,16 +126,19 @@ class PathBuffers:
 
 
 class PathOutputs:
-    """The output buffers every captured graph of one path writes: ``name -> (largest budget, ...)`` tensors,
-    allocated outside the graph pool at the first capture of the path, as the first warm-up's outputs were
-    (:meth:`learn`, then :meth:`allocate`: not at the warm-up itself, so that they do not sit beside the
-    self-check's eager forwards, which run between the warm-ups and the captures and peak at one forward's
-    activations; on SigLIP-so400m at 32 images they are 51 MiB).
+    """The output buffers every captured graph of one path writes: ``name -> (rows, ...)`` tensors, shaped at the
+    first warm-up (:meth:`learn`) and made at the path's first capture, the largest budget's (:meth:`adopt`):
+    there the forward's own outputs become the buffers, in the graphs' pool, where each owns its whole storage and
+    shares it with nothing else; another output (a view, or one that aliases an input or a parameter) is copied
+    into a buffer made there. No buffer sits beside the forward's own outputs at that capture, the path's peak
+    (SigLIP-so400m at 32 images: 51 MiB), and none beside the self-check's eager forwards, which run between the
+    warm-ups and the captures.
 
-    A budget's graph copies its outputs into ``view(budget)`` (the leading ``budget`` rows) as its last kernels,
-    so the graphs hold no outputs of their own in the pool (whose memory then stays that of the largest graph,
+    Every smaller budget's graph copies its outputs into ``view(budget)`` (the leading ``budget`` rows) as its last
+    kernels, so the graphs hold no other outputs in the pool (whose memory then stays that of the largest graph,
     however many budgets the ladder has). Lifetime: valid until the next replay of any graph of the path; the
-    runner copies the used rows out unless ``copy_outputs=False``.
+    runner copies the used rows out unless ``copy_outputs=False``. :meth:`allocate` (outside any pool) serves
+    runs that capture nothing of their own (the CPU graph shim, the tests).
     """
 
     def __init__(self, path: str, device: torch.device) -> None:
@@ -164,6 +167,28 @@ class PathOutputs:
         with persistent():
             for name, (shape, dtype) in self._specs.items():
                 self.storage[name] = torch.empty(shape, dtype=dtype, device=self.device)
+
+    def adopt(self, produced: Mapping[str, torch.Tensor], foreign: set[int]) -> dict[str, torch.Tensor]:
+        """Inside the path's first capture: ``produced`` (the forward's outputs at that budget, every learned name)
+        as the path's buffers, each as it is where it is contiguous, owns its whole storage and shares it with
+        nothing in ``foreign`` (storage addresses: the input buffers, the module's parameters and buffers) or with
+        another output, else a contiguous copy made in the capture. Returns the buffers (the budget's targets)."""
+        if self.storage:
+            raise CaptureError(f"path {self.path!r}: its output buffers exist already; adopt() runs at the path's "
+                               "first capture only. This is a bug in encgraph, please report it.")
+        if not self._specs:
+            raise CaptureError(f"path {self.path!r}: its output buffers were never shaped (no warm-up ran before "
+                               "its capture); this is a bug in encgraph, please report it.")
+        taken = set(foreign)
+        with persistent():
+            for name in self._specs:
+                t = produced[name]
+                data = t.untyped_storage()
+                owns = (t.is_contiguous() and t.storage_offset() == 0 and data.data_ptr() not in taken
+                        and data.nbytes() == t.numel() * t.element_size())
+                self.storage[name] = t if owns else t.clone(memory_format=torch.contiguous_format)
+                taken.add(self.storage[name].untyped_storage().data_ptr())
+        return dict(self.storage)
 
     def ensure(self, outputs: Mapping[str, torch.Tensor], ladder: tuple[int, ...]) -> None:
         """:meth:`learn`, then :meth:`allocate`."""

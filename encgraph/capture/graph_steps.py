@@ -37,7 +37,7 @@ def warm_up(runner: RunnerState, path: str, budget: int, forward: Forward,
             compile_info: dict[str, Any]) -> tuple[float, float]:
     """``runner.warmup`` runs of the budget's forward on padding, on the calling thread's current stream (never the
     capture stream, which runs no eager work: :mod:`encgraph.capture.streams`), in the ordinary allocator; the
-    path's output buffers are shaped from the first (and allocated at the path's first capture). Returns its
+    path's output buffers are shaped from the first (and made at the path's first capture). Returns its
     seconds and the first compiled run's (0 when not compiling)."""
     device = runner.device
     t0 = time.perf_counter()
@@ -78,15 +78,22 @@ def capture_one(
     views = runner.buffers[path].fill(budget, None)
     stream.wait_stream(torch.cuda.current_stream(device))
     torch.cuda.synchronize(device)
-    runner.outputs[path].allocate()  # outside the pool, at the path's first capture (once)
+    outputs = runner.outputs[path]
+    first = not outputs.storage  # the path's first capture, its largest budget: its outputs become the buffers
+    foreign = _storages(runner, views) if first else set()
     before = pool_bytes(device, pool)
     graph = torch.cuda.CUDAGraph()
-    targets = runner.outputs[path].view(budget)
+    targets = {} if first else outputs.view(budget)
     with torch.cuda.stream(stream):
         try:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                forward_into(forward, views, budget, targets)
+                if first:
+                    targets = outputs.adopt(forward(views, budget), foreign)
+                else:
+                    forward_into(forward, views, budget, targets)
         except BaseException as exc:
+            if first:  # a failed capture's tensors are no path's buffers
+                outputs.storage.clear()
             if end_failed_capture(device, pool) and isinstance(exc, Exception) and not isinstance(exc, EncgraphError):
                 raise PoolLeftRecording() from exc
             raise
@@ -100,6 +107,16 @@ def capture_one(
         capture_seconds=time.perf_counter() - t0,
         memory_bytes=pool_bytes(device, pool) - before,
     )
+
+
+def _storages(runner: RunnerState, views: Mapping[str, torch.Tensor]) -> set[int]:
+    """Storage addresses no output buffer may take over: the path's input buffers and the module's parameters
+    and buffers (a forward may return either as an output)."""
+    unwrap = getattr(runner.adapter, "unwrap", None)
+    module = unwrap() if callable(unwrap) else None
+    tensors = [*views.values(), *(module.parameters() if module is not None else ()),
+               *(module.buffers() if module is not None else ())]
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
 def error_line(exc: BaseException) -> str:
@@ -119,8 +136,9 @@ def drop_failed(runner: RunnerState, path: str, budget: int, exc: BaseException,
 
 def forward_into(forward: Forward, views: Mapping[str, torch.Tensor], budget: int,
                  targets: Mapping[str, torch.Tensor]) -> None:
-    """The captured body of a budget: the forward, its outputs copied into the path's shared
-    output buffers (the pool keeps no per-graph outputs)."""
+    """The captured body of a budget after the path's first: the forward, its outputs copied into the path's
+    shared output buffers (the pool keeps no per-graph outputs; the first capture's own outputs became them:
+    :meth:`~encgraph.capture.buffers.PathOutputs.adopt`)."""
     produced = forward(views, budget)
     for name, target in targets.items():
         target.copy_(produced[name])

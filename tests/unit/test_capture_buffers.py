@@ -1,6 +1,6 @@
 """The capture's static buffers on the CPU (encgraph.capture.buffers): the input buffers set aside for the
-capture's eager phase and allocated again after it; the output buffers shaped at the warm-up and allocated only at
-the first capture, once."""
+capture's eager phase and allocated again after it; the output buffers shaped at the warm-up and made only at the
+first capture, once: the forward's own outputs where they own their storage, copies otherwise."""
 
 from __future__ import annotations
 
@@ -57,3 +57,32 @@ def test_output_buffers_are_shaped_at_the_warm_up_and_allocated_once_at_the_firs
 def test_output_buffers_never_shaped_cannot_be_allocated():
     with pytest.raises(CaptureError, match="never shaped"):
         PathOutputs("default", torch.device("cpu")).allocate()
+
+
+def test_the_first_capture_adopts_the_outputs_that_own_their_storage_and_copies_the_others():
+    outputs = PathOutputs("default", torch.device("cpu"))
+    hidden = torch.randn(4, 5, 6)
+    inputs = torch.randn(4, 5, 6)
+    produced = {
+        "last_hidden_state": hidden,  # the forward's own tensor: adopted as it is
+        "pooled": hidden[:, 0],  # a view of another output: copied
+        "echo": inputs,  # an input buffer returned as it is: copied, never written over by a later budget
+        "twice": hidden,  # one storage named twice: the second copied
+        "strided": torch.randn(6, 4).t(),  # not contiguous: copied
+    }
+    outputs.learn(produced, (1, 2, 4))
+    targets = outputs.adopt(produced, {inputs.untyped_storage().data_ptr()})
+    assert targets["last_hidden_state"] is hidden
+    for name in ("pooled", "echo", "twice", "strided"):
+        assert targets[name] is not produced[name] and targets[name].is_contiguous()
+        assert torch.equal(targets[name], produced[name])
+    ptrs = [t.untyped_storage().data_ptr() for t in targets.values()]
+    assert len(set(ptrs)) == len(ptrs) and inputs.untyped_storage().data_ptr() not in ptrs
+    assert outputs.storage == targets and outputs.view(2)["pooled"].shape == (2, 6)
+    with pytest.raises(CaptureError, match="exist already"):
+        outputs.adopt(produced, set())
+
+
+def test_output_buffers_never_shaped_cannot_be_adopted():
+    with pytest.raises(CaptureError, match="never shaped"):
+        PathOutputs("default", torch.device("cpu")).adopt({"x": torch.zeros(2)}, set())
