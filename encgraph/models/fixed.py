@@ -35,6 +35,7 @@ import attrs
 import torch
 
 from encgraph._validate import check_int, check_pixels, describe
+from encgraph.capture.compiling import Sizes
 from encgraph.capture.protocol import BufferSpec, StockCall
 from encgraph.errors import (
     ConfigError,
@@ -42,7 +43,7 @@ from encgraph.errors import (
     InputTypeError,
     UnsupportedModelError,
 )
-from encgraph.models._hf import repeated_blocks, require_transformers
+from encgraph.models._hf import block_stack, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
 from encgraph.models.batch_ladder import (
     ONE_ITEM,
@@ -129,6 +130,9 @@ class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
     """Forward parameters accepted only as ``None`` (per-call options the graphs do not hold)."""
     output_class_name: ClassVar[str] = "BaseModelOutputWithPooling"
     """The tower's output class, looked up in the tower's own modeling module (so it matches the version)."""
+    compile_dynamic: ClassVar[Sizes] = Sizes.BATCH
+    """How ``compile="auto"`` traces the stack of layers: the batch alone symbolic, one frame for every budget
+    (:attr:`encgraph.capture.compiling.Sizes.BATCH`)."""
 
     def __init__(
         self,
@@ -265,8 +269,9 @@ class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
         return PixelBatch(pixels, inputs.request)
 
     def compile_regions(self) -> list[torch.nn.Module]:
-        """The encoder layers: what ``compile="auto"`` compiles (once for all of them and every batch size)."""
-        return repeated_blocks(self._module)
+        """The submodule holding the encoder layers, as one region (:func:`~encgraph.models._hf.block_stack`): what
+        ``compile="auto"`` compiles, once for every batch size (:attr:`compile_dynamic`)."""
+        return block_stack(self._module)
 
     def sample_inputs(self, path: str, tokens: int) -> PixelBatch:
         """``tokens`` random normal images at the graphs' size, in the tower's dtype on its device."""
