@@ -10,7 +10,7 @@ compile it before the graphs are captured, each measured on one module in one pr
   frame per budget; more warm-up, and each budget's kernels tuned for its own batch where the automatic default
   runs every budget but the largest through one batch-symbolic kernel set);
 - ``blocks/batch`` and ``stack/batch``: the batch alone symbolic from the first trace (``Sizes.BATCH``: one frame
-  for every budget, batch 1 included); ``stack/batch`` is the default;
+  for every budget, batch 1 included); ``blocks/batch`` is the default;
 - ``whole/symbolic`` and ``whole/automatic``: the adapter's whole static forward instead of its blocks;
 - ``stack/automatic``: one region, the outermost submodule that holds every repeated block (SigLIP's and CLIP's
   ``encoder`` in transformers 5 and ConvNeXt's and DINOv2's, timm's ``blocks``; the blocks where no such submodule is

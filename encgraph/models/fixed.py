@@ -43,7 +43,7 @@ from encgraph.errors import (
     InputTypeError,
     UnsupportedModelError,
 )
-from encgraph.models._hf import block_stack, require_transformers
+from encgraph.models._hf import repeated_blocks, require_transformers
 from encgraph.models.attention import MIN_TRANSFORMERS
 from encgraph.models.batch_ladder import (
     ONE_ITEM,
@@ -269,9 +269,9 @@ class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
         return PixelBatch(pixels, inputs.request)
 
     def compile_regions(self) -> list[torch.nn.Module]:
-        """The submodule holding the encoder layers, as one region (:func:`~encgraph.models._hf.block_stack`): what
-        ``compile="auto"`` compiles, once for every batch size (:attr:`compile_dynamic`)."""
-        return block_stack(self._module)
+        """The encoder layers: what ``compile="auto"`` compiles, once for all of them and every batch size
+        (:attr:`compile_dynamic`)."""
+        return repeated_blocks(self._module)
 
     def sample_inputs(self, path: str, tokens: int) -> PixelBatch:
         """``tokens`` random normal images at the graphs' size, in the tower's dtype on its device."""

@@ -34,7 +34,7 @@ from encgraph.capture.compiling import Sizes
 from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.errors import InputError, InputTypeError
-from encgraph.models._hf import block_stack
+from encgraph.models._hf import repeated_blocks
 from encgraph.models.batch_ladder import ONE_ITEM, concat_parts, take_rows
 from encgraph.models.call_spec import CallSplit, describe_key, rebuild, split_call
 from encgraph.models.own_forward import own_forward
@@ -285,10 +285,12 @@ class GenericModuleAdapter:
         return self.output.build(rows)
 
     def compile_regions(self) -> list[torch.nn.Module]:
-        """The submodule holding the module's repeated blocks (its longest list of same-class layers) as one region
-        (:func:`~encgraph.models._hf.block_stack`), compiled once for every batch size by ``compile="auto"``; none
-        found: the runner compiles the whole static forward."""
-        return block_stack(self._module)
+        """The module's repeated blocks (its longest list of same-class layers), compiled once for all of them and
+        every batch size by ``compile="auto"``; none found: the runner compiles the whole static forward. Not their
+        stack as one region (:func:`~encgraph.models._hf.block_stack`): on an H100 it raised every peak above
+        reduce-overhead's and ConvNeXt-B's warm-up past it
+        (``benches/results/anymodule_nvidia-h100-80gb-hbm3_stack-batch.md``)."""
+        return repeated_blocks(self._module)
 
     def unwrap(self) -> torch.nn.Module:
         return self._module

@@ -200,7 +200,6 @@ def _vit_generic():
     config = ViTConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                        image_size=32, patch_size=8)
     module = ViTModel(config, add_pooling_layer=False).eval().requires_grad_(False)
-    # transformers 5's ViTModel holds its layers in a ModuleList of its own (no encoder module): they are the regions
     return GenericModuleAdapter.of_call(module, torch.randn(2, 3, 32, 32)), ["ViTLayer"] * 3
 
 
@@ -210,7 +209,8 @@ def _fixed(name):
         from tests.models import fixtures_fixed
 
         tower = getattr(fixtures_fixed, f"tiny_{name}")()
-        return wrap(tower), [{"siglip": "SiglipEncoder", "clip": "CLIPEncoder", "internvl": "InternVLVisionEncoder"}[name]]
+        return wrap(tower), [{"siglip": "SiglipEncoderLayer", "clip": "CLIPEncoderLayer",
+                             "internvl": "InternVLVisionLayer"}[name]] * 2
 
     return build
 
@@ -222,10 +222,9 @@ BATCH_LADDERS = {"vit (generic)": _vit_generic, "siglip": _fixed("siglip"), "cli
 
 @pytest.mark.parametrize("name", sorted(BATCH_LADDERS))
 def test_batch_ladders_compile_their_stack_once_for_every_batch(name):
-    """A batch ladder compiles one region, the submodule holding every layer (so that Inductor fuses across the
-    layers' edges), with the batch alone symbolic from the first trace: one frame for every budget, a batch of 1
-    first or later included (torch's automatic dynamic traced three: the first budget static, the batch symbolic,
-    a batch of 1 again), and the same outputs as the uncompiled forward."""
+    """A batch ladder compiles its layers with the batch alone symbolic from the first trace: one frame for every
+    layer and budget, a batch of 1 first or later included (torch's automatic dynamic traced three: the first
+    budget static, the batch symbolic, a batch of 1 again), and the same outputs as the uncompiled forward."""
     import torch._dynamo
 
     from encgraph.capture.compiling import Sizes
