@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import encgraph
+from encgraph.capture.compiling import Sizes
 from encgraph.capture.records import RunMode
 from encgraph.errors import ConfigTypeError, EncgraphError
 from encgraph.models.batch_ladder import take_rows
@@ -217,24 +218,65 @@ def test_repeated_blocks_are_every_instance_of_the_class_that_fills_containers()
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))) == []
 
 
-def test_generic_adapter_compiles_with_the_batch_alone_symbolic():
-    """A call shape fixes every size but the batch: the any-module path compiles with torch's automatic dynamic
-    (static sizes, the batch made symbolic once a second budget is traced), where adapters whose budgets change
-    several sizes keep every size symbolic."""
-    from encgraph.capture.compiling import dynamic_sizes
+def test_block_stack_is_the_outermost_submodule_holding_every_block():
+    # The batch ladders' compile region: the encoder of SigLIP, CLIP and DINOv2 (transformers 5), a timm-like blocks
+    # Sequential; the blocks themselves where only the hooked module or a ModuleList holds them all.
+    import torch
+    import transformers as tf
+
+    from encgraph.models._hf import block_stack, repeated_blocks
+
+    small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "image_size": 28, "patch_size": 14}
+    siglip = tf.SiglipVisionModel(tf.SiglipVisionConfig(**small))
+    clip = tf.CLIPVisionModel(tf.CLIPVisionConfig(**small))
+    dinov2 = tf.Dinov2Model(tf.Dinov2Config(**small))
+    assert block_stack(siglip) == [siglip.encoder] and block_stack(clip) == [clip.encoder]
+    assert block_stack(dinov2) == [dinov2.encoder]
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+    block = Block
+
+    class TimmLike(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.blocks = torch.nn.Linear(4, 4), torch.nn.Sequential(block(), block())
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([block(), block()])
+
+    timm_like, flat = TimmLike(), Flat()
+    assert block_stack(timm_like) == [timm_like.blocks]
+    assert block_stack(flat) == repeated_blocks(flat) == list(flat.layers)
+    assert block_stack(torch.nn.Linear(4, 4)) == []
+
+
+def test_batch_ladders_compile_with_the_batch_alone_symbolic():
+    """A call shape fixes every size but the batch: the any-module path and the fixed-resolution towers compile
+    with the batch alone symbolic (Sizes.BATCH), where adapters whose budgets change several sizes keep every size
+    symbolic."""
+    from encgraph.capture.compiling import Sizes, dynamic_sizes
     from encgraph.models.fixed import FixedResolutionAdapter
 
     module = torch.nn.Sequential(_Block(8), _Block(8))
     adapter = GenericModuleAdapter.of_call(module, torch.randn(3, 5, 8))
-    assert dynamic_sizes(adapter) is GenericModuleAdapter.compile_dynamic
+    assert dynamic_sizes(adapter) is Sizes.BATCH
+    assert FixedResolutionAdapter.compile_dynamic is Sizes.BATCH
     assert dynamic_sizes(object()) is True
-    assert "compile_dynamic" not in FixedResolutionAdapter.__dict__
 
 
-@pytest.mark.parametrize(("value", "ok"), [(True, True), (None, True), (False, True), ("auto", False), (0, False)])
-def test_compile_dynamic_takes_true_none_or_false(value, ok):
-    """``compile_dynamic``: every size symbolic (True), torch's automatic dynamic (None) or static per budget
-    (False, what benches/generic_compile.py's blocks/static measures); anything else is a ConfigError naming it."""
+@pytest.mark.parametrize(("value", "ok"), [(True, True), (None, True), (False, True), (Sizes.BATCH, True),
+                                           ("batch", False), ("auto", False), (0, False)])
+def test_compile_dynamic_takes_true_none_false_or_batch(value, ok):
+    """``compile_dynamic``: every size symbolic (True), torch's automatic dynamic (None), static per budget
+    (False, what benches/generic_compile.py's blocks/static measures) or Sizes.BATCH; anything else (the enum's
+    value as a string included) is a ConfigError naming it."""
     from encgraph.capture.compiling import dynamic_sizes
     from encgraph.errors import ConfigError
 
@@ -244,7 +286,7 @@ def test_compile_dynamic_takes_true_none_or_false(value, ok):
     if ok:
         assert dynamic_sizes(Adapter()) is value
     else:
-        with pytest.raises(ConfigError, match="compile_dynamic: expected True, None or False"):
+        with pytest.raises(ConfigError, match="compile_dynamic: expected True, None, False or Sizes.BATCH"):
             dynamic_sizes(Adapter())
 
 
