@@ -286,6 +286,7 @@ def test_anymodule_renders_every_system_and_the_skipped_modules():
     from benches import anymodule
 
     batches = {n: {"eager": 2.0 * n, "reduce_overhead": 1.0 * n, "encgraph": 0.5 * n} for n in anymodule.BATCHES}
+    batches[32]["encgraph_ran"] = {"default replay 32": 20}
     system = {"seconds": 1.0, "frames_compiled": 1, "recompiles": 0, "peak_mib": 10.0, "held_mib": 1.0}
     stream = {s: {"mean_ms": 1.0, "p50_ms": 1.0, "p99_ms": 2.0} for s in anymodule.SYSTEMS}
     stream.update(encgraph_worst_vs_eager=1.5, encgraph_worst_vs_reduce_overhead=0.9, requests=3, recompiles_during=0)
@@ -306,10 +307,19 @@ def test_anymodule_renders_every_system_and_the_skipped_modules():
             "4.5 MiB (1)") in table
     assert ("- vit_b16_hf at batch 8, encgraph.graphed(module): median 1.5 ms, kernels 1.2 ms (90.0 a call), GPU "
             "idle 0.3 ms; matmul 0.8; replay") in table
-    assert "| vit_b16_hf | 32 | 64.0 | 32.0 | 16.0 | 4.00x | 2.00x |" in table
+    assert "| vit_b16_hf | 32 | 64.0 | 32.0 | 16.0 | 4.00x | 2.00x | default replay 32 x20 |" in table
+    assert "| vit_b16_hf | 1 | 2.0 | 1.0 | 0.5 | 4.00x | 2.00x | - |" in table
     assert "dinov2_l14 | - | skipped: time budget spent" in table
     assert 'torch.compile(mode="reduce-overhead")' in table and "worst per-request ratio" in table
 
+
+def test_anymodule_counts_what_encgraph_ran_from_its_stats():
+    from benches import anymodule
+
+    stats = {"paths": {"default": {"replays": {16: 3, 32: 2}, "eager_items": 5}}}
+    assert anymodule.replay_counts(stats) == {"default replay 16": 3, "default replay 32": 2,
+                                              "default eager items": 5}
+    assert anymodule.replay_counts({}) == {}
 
 
 def test_wrap_cost_measures_both_sides_of_every_case(tmp_path):
