@@ -58,11 +58,29 @@ def adapter_classes() -> list[type]:
     return [GenericModuleAdapter, FixedResolutionAdapter]
 
 
+def block_stack(module: Any) -> list[Any]:
+    """The "stack" regions: the outermost submodule of ``module`` that holds every one of its repeated blocks
+    (never ``module`` itself, whose forward the wrapper hooks), as a one-region list, so that Inductor fuses across
+    the blocks' edges (a block's last residual add into the next block's LayerNorm) as a whole-module compile does;
+    the blocks themselves where that submodule is a ``ModuleList`` (no forward of its own) or ``module`` alone holds
+    them; ``[]`` where there are none."""
+    import torch
+
+    from encgraph.models._hf import repeated_blocks
+
+    blocks = repeated_blocks(module)
+    for child in module.children() if blocks else ():
+        inside = {id(m) for m in child.modules()}
+        if all(id(b) in inside for b in blocks):
+            return blocks if isinstance(child, torch.nn.ModuleList) else [child]
+    return blocks
+
+
 def set_variant(regions: str, dynamic: bool | str | None) -> list[tuple[type, str, Any]]:
     """Patch the batch-ladder adapters' classes (``regions``: "blocks", "whole" or "stack"; ``dynamic``: torch's
     ``dynamic=`` or "batch", ``Sizes.BATCH``); returns what to put back."""
     from encgraph.capture.compiling import Sizes
-    from encgraph.models._hf import block_stack, repeated_blocks
+    from encgraph.models._hf import repeated_blocks
 
     saved = []
     for cls in adapter_classes():

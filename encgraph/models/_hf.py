@@ -21,7 +21,6 @@ from encgraph.errors import VersionError
 
 __all__ = [
     "AttentionSwitch",
-    "block_stack",
     "repeated_blocks",
     "require_transformers",
     "switch_attention",
@@ -181,20 +180,6 @@ def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList)
-
-
-def block_stack(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The outermost submodule of ``module`` that holds every one of its :func:`repeated_blocks` (never ``module``
-    itself, whose forward a wrapper hooks), as a one-region list: compiled as one region, Inductor fuses across the
-    blocks' edges (a block's last residual add into the next block's LayerNorm), as a whole-module compile does.
-    The blocks themselves where that submodule is a ``ModuleList`` (no forward of its own) or ``module`` alone
-    holds them; ``[]`` where there are none."""
-    blocks = repeated_blocks(module)
-    for child in module.children() if blocks else ():
-        inside = {id(m) for m in child.modules()}
-        if all(id(b) in inside for b in blocks):
-            return blocks if isinstance(child, torch.nn.ModuleList) else [child]
-    return blocks
 
 
 def tower_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:

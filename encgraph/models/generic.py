@@ -287,8 +287,8 @@ class GenericModuleAdapter:
     def compile_regions(self) -> list[torch.nn.Module]:
         """The module's repeated blocks (its longest list of same-class layers), compiled once for all of them and
         every batch size by ``compile="auto"``; none found: the runner compiles the whole static forward. Not their
-        stack as one region (:func:`~encgraph.models._hf.block_stack`): on an H100 it raised every peak above
-        reduce-overhead's and ConvNeXt-B's warm-up past it
+        stack as one region (``benches/generic_compile.py``'s ``stack`` variants): on an H100 it raised every peak
+        above reduce-overhead's and ConvNeXt-B's warm-up past it
         (``benches/results/anymodule_nvidia-h100-80gb-hbm3_stack-batch.md``)."""
         return repeated_blocks(self._module)
 

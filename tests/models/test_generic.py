@@ -218,45 +218,6 @@ def test_repeated_blocks_are_every_instance_of_the_class_that_fills_containers()
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))) == []
 
 
-def test_block_stack_is_the_outermost_submodule_holding_every_block():
-    # The batch ladders' compile region: the encoder of SigLIP, CLIP and DINOv2 (transformers 5), a timm-like blocks
-    # Sequential; the blocks themselves where only the hooked module or a ModuleList holds them all.
-    import torch
-    import transformers as tf
-
-    from encgraph.models._hf import block_stack, repeated_blocks
-
-    small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "image_size": 28, "patch_size": 14}
-    siglip = tf.SiglipVisionModel(tf.SiglipVisionConfig(**small))
-    clip = tf.CLIPVisionModel(tf.CLIPVisionConfig(**small))
-    dinov2 = tf.Dinov2Model(tf.Dinov2Config(**small))
-    assert block_stack(siglip) == [siglip.encoder] and block_stack(clip) == [clip.encoder]
-    assert block_stack(dinov2) == [dinov2.encoder]
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = torch.nn.Linear(4, 4)
-
-    block = Block
-
-    class TimmLike(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stem, self.blocks = torch.nn.Linear(4, 4), torch.nn.Sequential(block(), block())
-
-    class Flat(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = torch.nn.ModuleList([block(), block()])
-
-    timm_like, flat = TimmLike(), Flat()
-    assert block_stack(timm_like) == [timm_like.blocks]
-    assert block_stack(flat) == repeated_blocks(flat) == list(flat.layers)
-    assert block_stack(torch.nn.Linear(4, 4)) == []
-
-
 def test_batch_ladders_compile_with_the_batch_alone_symbolic():
     """A call shape fixes every size but the batch: the any-module path and the fixed-resolution towers compile
     with the batch alone symbolic (Sizes.BATCH), where adapters whose budgets change several sizes keep every size
