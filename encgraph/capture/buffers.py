@@ -172,7 +172,8 @@ class PathOutputs:
         """Inside the path's first capture: ``produced`` (the forward's outputs at that budget, every learned name)
         as the path's buffers, each as it is where it is contiguous, owns its whole storage and shares it with
         nothing in ``foreign`` (storage addresses: the input buffers, the module's parameters and buffers) or with
-        another output, else a contiguous copy made in the capture. Returns the buffers (the budget's targets)."""
+        another output, and has the learned shape and dtype (the ladder's rows: the largest budget, captured first);
+        else a buffer of that shape made in the capture, this budget's rows copied in. Returns the buffers."""
         if self.storage:
             raise CaptureError(f"path {self.path!r}: its output buffers exist already; adopt() runs at the path's "
                                "first capture only. This is a bug in encgraph, please report it.")
@@ -181,12 +182,16 @@ class PathOutputs:
                                "its capture); this is a bug in encgraph, please report it.")
         taken = set(foreign)
         with persistent():
-            for name in self._specs:
+            for name, (shape, dtype) in self._specs.items():
                 t = produced[name]
                 data = t.untyped_storage()
-                owns = (t.is_contiguous() and t.storage_offset() == 0 and data.data_ptr() not in taken
-                        and data.nbytes() == t.numel() * t.element_size())
-                self.storage[name] = t if owns else t.clone(memory_format=torch.contiguous_format)
+                owns = (tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous() and t.storage_offset() == 0
+                        and data.data_ptr() not in taken and data.nbytes() == t.numel() * t.element_size())
+                if owns:
+                    self.storage[name] = t
+                else:  # the buffer's learned shape (the ladder's rows), this budget's rows copied in
+                    self.storage[name] = torch.empty(shape, dtype=dtype, device=self.device)
+                    self.storage[name][: t.shape[0]].copy_(t)
                 taken.add(self.storage[name].untyped_storage().data_ptr())
         return dict(self.storage)
 

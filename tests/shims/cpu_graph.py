@@ -58,7 +58,10 @@ class RecordedGraph:
                 if isinstance(old_t, torch.Tensor):
                     env[id(old_t)] = new_t
                     if new_t is not old_t and not old_t._is_view() and old_t.shape == new_t.shape:
-                        _write(old_t, new_t)  # the captured tensor's memory holds the replayed value
+                        # The captured tensor's memory holds the replayed value, and later calls (a view of it
+                        # written in place) act on that memory, as in a graph.
+                        _write(old_t, new_t)
+                        env[id(old_t)] = old_t
         self.replays += 1
 
 

@@ -83,6 +83,18 @@ def test_the_first_capture_adopts_the_outputs_that_own_their_storage_and_copies_
         outputs.adopt(produced, set())
 
 
+def test_a_first_capture_smaller_than_the_ladder_gets_buffers_of_the_ladders_rows():
+    # The largest budget is captured first; where it failed and was dropped, the next one is the path's first: its
+    # outputs are copied into buffers of the learned rows (never adopted short), and a later budget's view fits.
+    outputs = PathOutputs("default", torch.device("cpu"))
+    outputs.learn({"x": torch.zeros(8, 3), "y": torch.zeros(8, 2, dtype=torch.float64)}, (2, 4, 8))
+    small = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}  # y: float32 where float64 was learned
+    targets = outputs.adopt(small, set())
+    assert targets["x"].shape == (8, 3) and targets["x"] is not small["x"]
+    assert torch.equal(targets["x"][:4], small["x"]) and targets["y"].dtype == torch.float64
+    assert outputs.view(4)["y"].shape == (4, 2)
+
+
 def test_output_buffers_never_shaped_cannot_be_adopted():
     with pytest.raises(CaptureError, match="never shaped"):
         PathOutputs("default", torch.device("cpu")).adopt({"x": torch.zeros(2)}, set())
