@@ -131,7 +131,7 @@ class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
     output_class_name: ClassVar[str] = "BaseModelOutputWithPooling"
     """The tower's output class, looked up in the tower's own modeling module (so it matches the version)."""
     compile_dynamic: ClassVar[Sizes] = Sizes.BATCH
-    """How ``compile="auto"`` traces the stack of layers: the batch alone symbolic, one frame for every budget
+    """How ``compile="auto"`` traces the layers: the batch alone symbolic, one frame for every budget
     (:attr:`encgraph.capture.compiling.Sizes.BATCH`)."""
 
     def __init__(

@@ -107,7 +107,7 @@ class GenericModuleAdapter:
     """
 
     compile_dynamic: Sizes = Sizes.BATCH
-    """How ``compile="auto"`` traces the stack of blocks (:func:`encgraph.capture.compiling.dynamic_sizes`): a call
+    """How ``compile="auto"`` traces the repeated blocks (:func:`encgraph.capture.compiling.dynamic_sizes`): a call
     shape fixes every size but the batch, so the batch alone is symbolic, from the first trace, batch 1 included:
     one frame for every budget. torch's automatic dynamic (the largest budget static, then the batch symbolic,
     then batch 1) warmed up faster than every size symbolic on an H100
