@@ -111,9 +111,12 @@ def capture_one(
 
 def _storages(runner: RunnerState, views: Mapping[str, torch.Tensor]) -> set[int]:
     """Storage addresses no output buffer may take over: the path's input buffers and the module's parameters
-    and buffers (a forward may return either as an output)."""
-    unwrap = getattr(runner.adapter, "unwrap", None)
-    module = unwrap() if callable(unwrap) else None
+    and buffers (a forward may return either as an output). The module is read from the adapter's ``module``
+    property, never from ``unwrap()``, which undoes what wrapping changed (a Qwen-VL adapter's attention and layer
+    layout: the capture then ran the tower's own host-syncing attention and failed, H100 2026-12-07)."""
+    module = getattr(runner.adapter, "module", None)
+    if not isinstance(module, torch.nn.Module):
+        module = None
     tensors = [*views.values(), *(module.parameters() if module is not None else ()),
                *(module.buffers() if module is not None else ())]
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
