@@ -153,25 +153,27 @@ def end_failed_capture(device: torch.device, pool: Any) -> bool:
     recording.
 
     A capture that CUDA invalidated (a host sync or another call it forbids while capturing; an out-of-memory
-    whose retry synchronises) makes the context's exit raise from ``capture_end`` before the caching allocators
-    stop routing the capture's allocations into the pool (and before the context restores the stream: the
-    caller's own stream context does). The pool stays "recording", and every later ``capture_begin`` on it fails
+    whose retry synchronises) makes the context's exit raise from ``capture_end``, where the caching allocators may
+    still route the capture's allocations into the pool (and the context has not restored the stream: the caller's
+    own stream context does). The pool then stays "recording", and every later ``capture_begin`` on it fails
     ("already recording to mempool_id"): every smaller budget failed with the first. Here the device allocator's
     routing ends, and the reference the capture took on the pool is released (no graph was made to release it),
     so that its memory goes with the graphs. The pinned host allocator (torch 2.13 routes it per pool too) has no
-    Python call to end its routing: the caller captures the rest into a fresh pool. A capture whose body raised a
-    Python error ended normally (``False``): the routing is over, and the graph object releases its reference when
-    it goes.
+    Python call to end its routing: the caller captures the rest into a fresh pool.
 
-    Such a capture also leaves torch's CUDA generator in its capture state (``capture_end`` raised before ending
-    it): every later random op in the process raises "Offset increment outside graph capture encountered
-    unexpectedly" until a capture ends normally (after a failed capture of the stream's priming, the self-check's
-    samples of every budget did). One small capture here ends it (logged where it cannot)."""
+    Whether or not the pool was left recording, the capture may have left torch's CUDA generator in its capture
+    state: ``capture_end`` ends the allocator's routing before ``cudaStreamEndCapture``, whose error leaves the
+    generator capturing (torch 2.11 on an H100, 2026-12-07: after a capture that ran a host-syncing attention, every
+    later random op in the process raised "Offset increment outside graph capture encountered unexpectedly"). One
+    small capture after every failed capture ends that state (harmless where there was none; logged where it
+    cannot run)."""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
+        recording = True
     except RuntimeError:  # "not currently recording": capture_end got that far
-        return False
-    torch._C._cuda_releasePool(device.index, pool)
+        recording = False
+    if recording:
+        torch._C._cuda_releasePool(device.index, pool)
     try:
         scratch = torch.zeros(1, device=device)
         graph = torch.cuda.CUDAGraph()
@@ -180,7 +182,7 @@ def end_failed_capture(device: torch.device, pool: Any) -> bool:
     except Exception as exc:  # noqa: BLE001 - the failed capture's own error is the one to raise
         log.warning("encgraph: could not end torch's CUDA generator's capture state after a failed capture (%s: %s); "
                     "random ops may raise 'Offset increment outside graph capture'.", type(exc).__name__, exc)
-    return True
+    return recording
 
 
 def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:
