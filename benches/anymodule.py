@@ -242,7 +242,8 @@ def replay_counts(stats: dict[str, Any]) -> dict[str, int]:
 
 
 def calling_stream_workspace(device: Any) -> None:
-    """One matmul on the calling stream, so that its cuBLAS workspace (32 MiB on Hopper) exists before a system's
+    """Two matmuls on the calling stream, so that its cuBLAS workspaces (32 MiB and cuBLASLt's 1 MiB on Hopper, the
+    two blocks every system's warm-up otherwise allocated first) exist before a system's
     warm-up is measured, as in any process that has run a matmul on it (the language model, the module itself). A
     system's peak and held memory then count the workspaces it adds, not the calling stream's, which the first
     system's warm-up would otherwise pay alone and reduce-overhead's (its CUDA-graph trees clear every stream's
@@ -250,7 +251,8 @@ def calling_stream_workspace(device: Any) -> None:
     import torch
 
     a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
-    (a @ a).sum().item()
+    # a plain matmul (cuBLAS's workspace) and one with a bias (cuBLASLt's gemm-and-bias, its own workspace)
+    ((a @ a).sum() + torch.nn.functional.linear(a, a, a[0]).sum()).item()
 
 
 class MemoryHistory:
