@@ -16,7 +16,7 @@ module, the three systems side by side in one process, each on a copy of its own
 - **stream**: a seeded stream of requests mixing those batch sizes, each request through every system in turn:
   mean, P50, P99, the worst per-request ratio, recompiles during the stream;
 - the per-item agreement of encgraph's outputs with the eager module's on one batch;
-- each warm-up starts with the calling stream's cuBLAS workspace allocated (``calling_stream_workspace``);
+- each warm-up starts with the calling stream's cuBLAS workspaces allocated (``calling_stream_workspace``);
 - with ``--memory-history``: what was alive at each system's warm-up peak of allocated memory, grouped by where it
   was made (torch's allocator history, ``benches/lib/memory_peak.py``; the warm-up seconds then include the
   recording's cost).
@@ -242,12 +242,11 @@ def replay_counts(stats: dict[str, Any]) -> dict[str, int]:
 
 
 def calling_stream_workspace(device: Any) -> None:
-    """Two matmuls on the calling stream, so that its cuBLAS workspaces (32 MiB and cuBLASLt's 1 MiB on Hopper, the
-    two blocks every system's warm-up otherwise allocated first) exist before a system's
-    warm-up is measured, as in any process that has run a matmul on it (the language model, the module itself). A
-    system's peak and held memory then count the workspaces it adds, not the calling stream's, which the first
-    system's warm-up would otherwise pay alone and reduce-overhead's (its CUDA-graph trees clear every stream's
-    workspaces when they capture) would leave to the next system's."""
+    """Two matmuls on the calling stream, so that its cuBLAS workspaces (32 MiB and cuBLASLt's 1 MiB on Hopper)
+    exist before a system's warm-up is measured, as in any process that has run a matmul on it (the language
+    model, the module itself). A system's peak and held memory then count the workspaces it adds, not the calling
+    stream's, which the first system's warm-up would otherwise pay alone and reduce-overhead's (its CUDA-graph
+    trees clear every stream's workspaces when they capture) would leave to the next system's."""
     import torch
 
     a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
@@ -341,7 +340,7 @@ def render(doc: dict[str, Any]) -> str:
               "encgraph ran (over the timed calls) |", "|---|---|---|---|---|---|---|---|"]
     for name, m in doc["models"].items():
         if "skipped" in m or "error" in m:
-            lines.append(f"| {name} | - | {m.get('skipped') or m.get('error')} | | | | |")
+            lines.append(f"| {name} | - | {m.get('skipped') or m.get('error')} | | | | | |")
             continue
         for n, t in m["batches"].items():
             ran = ", ".join(f"{k} x{v}" for k, v in t.get("encgraph_ran", {}).items()) or "-"
