@@ -41,11 +41,11 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benches.lib.plots_models import ANYMODULE_SYSTEMS as LABELS  # noqa: E402 - after the path above
+
 REPO = Path(__file__).resolve().parents[1]
 BATCHES = (1, 2, 4, 8, 16, 32)
 SYSTEMS = ("eager", "reduce_overhead", "encgraph")
-LABELS = {"eager": "module eager", "reduce_overhead": 'torch.compile(mode="reduce-overhead")',
-          "encgraph": "encgraph.graphed(module)"}
 
 
 def build(name: str, tiny: bool) -> tuple[Any, int, str]:
@@ -139,6 +139,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     timer = Timer(device)
     out: dict[str, Any] = {"image_size": side, "params_m": round(sum(p.numel() for p in base.parameters()) / 1e6, 1),
+                           # the module's own forward: for HF towers, their attention implementation (sdpa)
+                           "attn_implementation": getattr(getattr(base, "config", None), "_attn_implementation", None),
                            "warmup": {}, "batches": {}, "stream": {}}
     with torch.inference_mode():
         for system in SYSTEMS:  # warm-up, one system at a time: its own peak memory and compile counters

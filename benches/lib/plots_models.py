@@ -257,8 +257,11 @@ def step3p7_chart(data: Mapping[str, Any], path: Path) -> Chart:
     ), cols=2)
 
 
-ANYMODULE_SYSTEMS = {"eager": "module eager", "reduce_overhead": 'torch.compile(mode="reduce-overhead")',
+ANYMODULE_SYSTEMS = {"eager": "the module's own forward (HF towers: sdpa)",
+                     "reduce_overhead": 'torch.compile(mode="reduce-overhead")',
                      "encgraph": "encgraph.graphed(module)"}
+"""``benches/anymodule.py``'s systems and their labels (its tables and this chart); ``graphed(module)`` with no options
+is the defaults."""
 
 
 def anymodule_chart(data: Mapping[str, Any], path: Path) -> Chart:
