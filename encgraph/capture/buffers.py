@@ -127,8 +127,9 @@ class PathBuffers:
 
 class PathOutputs:
     """The output buffers every captured graph of one path writes: ``name -> (rows, ...)`` tensors, shaped at the
-    first warm-up (:meth:`learn`) and made at the path's first capture, the largest budget's (:meth:`adopt`):
-    there the forward's own outputs become the buffers, in the graphs' pool, where each owns its whole storage and
+    first warm-up (:meth:`learn`) and made at the path's first capture, the largest budget's: outside the pool
+    before it (:meth:`allocate`), or, where the ladder allows (:attr:`adopts`), in it (:meth:`adopt`): there the
+    forward's own outputs become the buffers, in the graphs' pool, where each owns its whole storage and
     shares it with nothing else; another output (a view, or one that aliases an input or a parameter) is copied
     into a buffer made there. No buffer sits beside the forward's own outputs at that capture, the path's peak
     (SigLIP-so400m at 32 images: 51 MiB), and none beside the self-check's eager forwards, which run between the
@@ -137,8 +138,7 @@ class PathOutputs:
     Every smaller budget's graph copies its outputs into ``view(budget)`` (the leading ``budget`` rows) as its last
     kernels, so the graphs hold no other outputs in the pool (whose memory then stays that of the largest graph,
     however many budgets the ladder has). Lifetime: valid until the next replay of any graph of the path; the
-    runner copies the used rows out unless ``copy_outputs=False``. :meth:`allocate` (outside any pool) serves
-    runs that capture nothing of their own (the CPU graph shim, the tests).
+    runner copies the used rows out unless ``copy_outputs=False``.
     """
 
     def __init__(self, path: str, device: torch.device) -> None:
@@ -146,6 +146,7 @@ class PathOutputs:
         self.device = device
         self.storage: dict[str, torch.Tensor] = {}
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._ladder: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -156,6 +157,17 @@ class PathOutputs:
         if not self._specs:
             rows = max(ladder)
             self._specs = {name: ((rows, *t.shape[1:]), t.dtype) for name, t in outputs.items()}
+            self._ladder = tuple(sorted(set(ladder)))
+
+    @property
+    def adopts(self) -> bool:
+        """Whether the path's first capture adopts its outputs (:meth:`adopt`) rather than copying into buffers
+        made outside the pool (:meth:`allocate`): where the ladder's next budget is at most half its largest (the
+        batch ladders: 16 after 32), or it has one budget. Adopted outputs stay in the pool for the path's life,
+        inside the segments the largest capture made; a next budget nearly as large (a token ladder: 3840 after 4096)
+        does not fit the space they split and grows the pool (Qwen2.5-VL at depth 4, H100 2026-12-07: 740 MiB, 1.38x
+        its largest graph, against 1.0x with the buffers outside), where one at most half as large fits beside them."""
+        return len(self._ladder) < 2 or 2 * self._ladder[-2] <= self._ladder[-1]
 
     def allocate(self) -> None:
         """Allocate the learned buffers, once."""

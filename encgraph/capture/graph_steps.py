@@ -79,7 +79,11 @@ def capture_one(
     stream.wait_stream(torch.cuda.current_stream(device))
     torch.cuda.synchronize(device)
     outputs = runner.outputs[path]
-    first = not outputs.storage  # the path's first capture, its largest budget: its outputs become the buffers
+    # The path's first capture (its largest budget): its outputs become the buffers where the ladder allows,
+    # else the buffers are made outside the pool (once).
+    first = not outputs.storage and outputs.adopts
+    if not first:
+        outputs.allocate()
     foreign = _storages(runner, views) if first else set()
     before = pool_bytes(device, pool)
     graph = torch.cuda.CUDAGraph()

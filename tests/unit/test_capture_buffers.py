@@ -98,3 +98,16 @@ def test_a_first_capture_smaller_than_the_ladder_gets_buffers_of_the_ladders_row
 def test_output_buffers_never_shaped_cannot_be_adopted():
     with pytest.raises(CaptureError, match="never shaped"):
         PathOutputs("default", torch.device("cpu")).adopt({"x": torch.zeros(2)}, set())
+
+
+@pytest.mark.parametrize(("ladder", "adopts"), [
+    ((1, 2, 4, 8, 16, 32), True),  # a batch ladder: 16 fits beside the adopted outputs of 32
+    ((32,), True),
+    ((1, 2, 3, 4), False),  # 3 of 4 is more than half: not adopted
+    ((64, 128, 3840, 4096), False),  # a token ladder: 3840 would not fit the space the outputs of 4096 split
+    ((4096, 64, 2048), True),
+])
+def test_outputs_are_adopted_only_where_the_next_budget_is_at_most_half_the_largest(ladder, adopts):
+    outputs = PathOutputs("default", torch.device("cpu"))
+    outputs.learn({"x": torch.zeros(1, 3)}, ladder)
+    assert outputs.adopts is adopts
