@@ -9,6 +9,8 @@ compile it before the graphs are captured, each measured on one module in one pr
 - ``blocks/static``: the repeated blocks, every budget compiled with its own static sizes (``dynamic=False``: one
   frame per budget; more warm-up, and each budget's kernels tuned for its own batch where the automatic default
   runs every budget but the largest through one batch-symbolic kernel set);
+- ``blocks/batch`` and ``stack/batch``: the batch alone symbolic from the first trace (``Sizes.BATCH``: one frame
+  for every budget, batch 1 included); ``blocks/batch`` is the default;
 - ``whole/symbolic`` and ``whole/automatic``: the adapter's whole static forward instead of its blocks;
 - ``stack/automatic``: one region, the outermost submodule that holds every repeated block (SigLIP's and CLIP's
   ``encoder`` in transformers 5 and ConvNeXt's and DINOv2's, timm's ``blocks``; the blocks where no such submodule is
@@ -44,7 +46,8 @@ from benches.anymodule import BATCHES, Timer, build, dynamo_counts, first_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"blocks/symbolic": ("blocks", True), "blocks/automatic": ("blocks", None), "blocks/static": ("blocks", False),
-            "whole/symbolic": ("whole", True), "whole/automatic": ("whole", None), "stack/automatic": ("stack", None)}
+            "blocks/batch": ("blocks", "batch"), "whole/symbolic": ("whole", True), "whole/automatic": ("whole", None),
+            "stack/automatic": ("stack", None), "stack/batch": ("stack", "batch")}
 TIMED = (1, 2, 8, 32)
 
 
@@ -55,10 +58,12 @@ def adapter_classes() -> list[type]:
     return [GenericModuleAdapter, FixedResolutionAdapter]
 
 
-def stack_of(module: Any) -> list[Any]:
-    """The outermost submodule of ``module`` (never ``module`` itself, whose forward the wrapper hooks) that holds
-    every repeated block, as a one-region list; the blocks themselves where the submodule holding them all is a
-    ``ModuleList`` (no forward of its own) or ``module`` alone holds them."""
+def block_stack(module: Any) -> list[Any]:
+    """The "stack" regions: the outermost submodule of ``module`` that holds every one of its repeated blocks
+    (never ``module`` itself, whose forward the wrapper hooks), as a one-region list, so that Inductor fuses across
+    the blocks' edges (a block's last residual add into the next block's LayerNorm) as a whole-module compile does;
+    the blocks themselves where that submodule is a ``ModuleList`` (no forward of its own) or ``module`` alone holds
+    them; ``[]`` where there are none."""
     import torch
 
     from encgraph.models._hf import repeated_blocks
@@ -71,18 +76,19 @@ def stack_of(module: Any) -> list[Any]:
     return blocks
 
 
-def set_variant(regions: str, dynamic: bool | None) -> list[tuple[type, str, Any]]:
-    """Patch the batch-ladder adapters' classes (``regions``: "blocks", "whole" or "stack"); returns what to put
-    back."""
+def set_variant(regions: str, dynamic: bool | str | None) -> list[tuple[type, str, Any]]:
+    """Patch the batch-ladder adapters' classes (``regions``: "blocks", "whole" or "stack"; ``dynamic``: torch's
+    ``dynamic=`` or "batch", ``Sizes.BATCH``); returns what to put back."""
+    from encgraph.capture.compiling import Sizes
+    from encgraph.models._hf import repeated_blocks
+
     saved = []
     for cls in adapter_classes():
         for name in ("compile_dynamic", "compile_regions"):
             saved.append((cls, name, cls.__dict__.get(name)))
-        cls.compile_dynamic = dynamic
-        if regions == "whole":
-            cls.compile_regions = lambda self: []
-        elif regions == "stack":
-            cls.compile_regions = lambda self: stack_of(self._module)
+        cls.compile_dynamic = Sizes.BATCH if dynamic == "batch" else dynamic
+        cls.compile_regions = {"whole": lambda self: [], "blocks": lambda self: repeated_blocks(self._module),
+                               "stack": lambda self: block_stack(self._module)}[regions]
     return saved
 
 

@@ -126,14 +126,17 @@ class PathBuffers:
 
 
 class PathOutputs:
-    """The output buffers every captured graph of one path writes: ``name -> (largest budget, ...)`` tensors,
-    allocated outside the graph pool at the first capture of the path, as the first warm-up's outputs were
-    (:meth:`learn`, then :meth:`allocate`: not at the warm-up itself, so that they do not sit beside the
-    self-check's eager forwards, which run between the warm-ups and the captures and peak at one forward's
-    activations; on SigLIP-so400m at 32 images they are 51 MiB).
+    """The output buffers every captured graph of one path writes: ``name -> (rows, ...)`` tensors, shaped at the
+    first warm-up (:meth:`learn`) and made at the path's first capture, the largest budget's: outside the pool
+    before it (:meth:`allocate`), or, where the ladder allows (:attr:`adopts`), in it (:meth:`adopt`): there the
+    forward's own outputs become the buffers, in the graphs' pool, where each owns its whole storage and
+    shares it with nothing else; another output (a view, or one that aliases an input or a parameter) is copied
+    into a buffer made there. No buffer sits beside the forward's own outputs at that capture, the path's peak
+    (SigLIP-so400m at 32 images: 51 MiB), and none beside the self-check's eager forwards, which run between the
+    warm-ups and the captures.
 
-    A budget's graph copies its outputs into ``view(budget)`` (the leading ``budget`` rows) as its last kernels,
-    so the graphs hold no outputs of their own in the pool (whose memory then stays that of the largest graph,
+    Every smaller budget's graph copies its outputs into ``view(budget)`` (the leading ``budget`` rows) as its last
+    kernels, so the graphs hold no other outputs in the pool (whose memory then stays that of the largest graph,
     however many budgets the ladder has). Lifetime: valid until the next replay of any graph of the path; the
     runner copies the used rows out unless ``copy_outputs=False``.
     """
@@ -143,6 +146,7 @@ class PathOutputs:
         self.device = device
         self.storage: dict[str, torch.Tensor] = {}
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._ladder: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +157,17 @@ class PathOutputs:
         if not self._specs:
             rows = max(ladder)
             self._specs = {name: ((rows, *t.shape[1:]), t.dtype) for name, t in outputs.items()}
+            self._ladder = tuple(sorted(set(ladder)))
+
+    @property
+    def adopts(self) -> bool:
+        """Whether the path's first capture adopts its outputs (:meth:`adopt`) rather than copying into buffers
+        made outside the pool (:meth:`allocate`): where the ladder's next budget is at most half its largest (the
+        batch ladders: 16 after 32), or it has one budget. Adopted outputs stay in the pool for the path's life,
+        inside the segments the largest capture made; a next budget nearly as large (a token ladder: 3840 after 4096)
+        does not fit the space they split and grows the pool (Qwen2.5-VL at depth 4, H100 2026-12-07: 740 MiB, 1.38x
+        its largest graph, against 1.0x with the buffers outside), where one at most half as large fits beside them."""
+        return len(self._ladder) < 2 or 2 * self._ladder[-2] <= self._ladder[-1]
 
     def allocate(self) -> None:
         """Allocate the learned buffers, once."""
@@ -164,6 +179,33 @@ class PathOutputs:
         with persistent():
             for name, (shape, dtype) in self._specs.items():
                 self.storage[name] = torch.empty(shape, dtype=dtype, device=self.device)
+
+    def adopt(self, produced: Mapping[str, torch.Tensor], foreign: set[int]) -> dict[str, torch.Tensor]:
+        """Inside the path's first capture: ``produced`` (the forward's outputs at that budget, every learned name)
+        as the path's buffers, each as it is where it is contiguous, owns its whole storage and shares it with
+        nothing in ``foreign`` (storage addresses: the input buffers, the module's parameters and buffers) or with
+        another output, and has the learned shape and dtype (the ladder's rows: the largest budget, captured first);
+        else a buffer of that shape made in the capture, this budget's rows copied in. Returns the buffers."""
+        if self.storage:
+            raise CaptureError(f"path {self.path!r}: its output buffers exist already; adopt() runs at the path's "
+                               "first capture only. This is a bug in encgraph, please report it.")
+        if not self._specs:
+            raise CaptureError(f"path {self.path!r}: its output buffers were never shaped (no warm-up ran before "
+                               "its capture); this is a bug in encgraph, please report it.")
+        taken = set(foreign)
+        with persistent():
+            for name, (shape, dtype) in self._specs.items():
+                t = produced[name]
+                data = t.untyped_storage()
+                owns = (tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous() and t.storage_offset() == 0
+                        and data.data_ptr() not in taken and data.nbytes() == t.numel() * t.element_size())
+                if owns:
+                    self.storage[name] = t
+                else:  # the buffer's learned shape (the ladder's rows), this budget's rows copied in
+                    self.storage[name] = torch.empty(shape, dtype=dtype, device=self.device)
+                    self.storage[name][: t.shape[0]].copy_(t)
+                taken.add(self.storage[name].untyped_storage().data_ptr())
+        return dict(self.storage)
 
     def ensure(self, outputs: Mapping[str, torch.Tensor], ladder: tuple[int, ...]) -> None:
         """:meth:`learn`, then :meth:`allocate`."""

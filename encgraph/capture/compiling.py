@@ -42,7 +42,7 @@ from encgraph._validate import describe
 from encgraph.errors import ConfigError, ConfigTypeError
 
 __all__ = [
-    "CompileMode", "CompiledRegions", "resolve_compile", "default_cache_dir", "compile_cache", "compile_dynamic",
+    "CompileMode", "CompiledRegions", "Sizes", "resolve_compile", "default_cache_dir", "compile_cache", "compile_dynamic",
     "dynamic_sizes",
     "compile_stats", "frames_traced", "no_duck_sizing", "recompile_headroom", "RECOMPILE_HEADROOM",
 ]
@@ -58,6 +58,19 @@ class CompileMode(enum.Enum):
     AUTO = "auto"
     """Compile where it works: on a failure, log it once, capture the plain forward, and record the reason in
     ``capture_info["compile"]`` (the default on CUDA)."""
+
+
+class Sizes(enum.Enum):
+    """An adapter's ``compile_dynamic`` beyond torch's own ``dynamic=`` values (:func:`dynamic_sizes`)."""
+
+    BATCH = "batch"
+    """Each compiled region's batch symbolic from its first trace, every other size static: dim 0 of the region's
+    first tensor argument marked dynamic before each call (``torch._dynamo.maybe_mark_dynamic``), traced with
+    ``backed_size_oblivious`` so that a batch of 1 is not specialised. One frame serves every budget of a batch
+    ladder, 1 included: torch's automatic dynamic compiles the first budget static, then the batch symbolic, then
+    a batch of 1 again (three frames), which a region holding the whole stack of blocks pays at about 20 s each
+    (SigLIP-so400m on an H100, ``benches/results/generic_compile_nvidia-h100-80gb-hbm3_stack-region.md``). Where
+    there are no regions, the whole static forward is compiled with torch's automatic dynamic."""
 
 
 def resolve_compile(value: Any, *, graph_mode: bool) -> CompileMode:
@@ -132,26 +145,44 @@ def _env_cache_dir(directory: str) -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
 
 
-def compile_dynamic(fn: Callable[..., Any], dynamic: bool | None = True) -> Callable[..., Any]:
+def compile_dynamic(fn: Callable[..., Any], dynamic: bool | Sizes | None = True) -> Callable[..., Any]:
     """``torch.compile(fn, dynamic=dynamic)`` (inductor, no cudagraphs of its own); trace it inside
-    :func:`no_duck_sizing`. ``dynamic``: an adapter's :func:`dynamic_sizes`."""
+    :func:`no_duck_sizing`. ``dynamic``: an adapter's :func:`dynamic_sizes` (:attr:`Sizes.BATCH`: torch's
+    automatic dynamic, the whole forward's arguments being the runner's, not a region's)."""
     import torch
 
-    return torch.compile(fn, dynamic=dynamic)
+    return torch.compile(fn, dynamic=None if dynamic is Sizes.BATCH else dynamic)
 
 
-def dynamic_sizes(adapter: Any) -> bool | None:
+def dynamic_sizes(adapter: Any) -> bool | Sizes | None:
     """How an adapter's static forward is compiled: ``True`` (the default: every size symbolic, for adapters whose
     budgets change several sizes, token rows and metadata alike) or ``None`` (torch's automatic dynamic: sizes are
     static until a budget changes them, so a batch ladder compiles its largest budget with static sizes, then the
     batch dimension alone symbolic; the adapter's ``compile_dynamic`` attribute), or ``False`` (every budget
     compiled with its own static sizes: one frame per budget, up to torch's recompile limit; what
-    ``benches/generic_compile.py``'s ``blocks/static`` measures against the automatic default)."""
+    ``benches/generic_compile.py``'s ``blocks/static`` measures against the automatic default), or
+    :attr:`Sizes.BATCH` (the batch alone symbolic from the first trace, one frame for every budget: the batch
+    ladders' default)."""
     value = getattr(adapter, "compile_dynamic", True)
-    if not any(value is allowed for allowed in (True, None, False)):  # not 0 or 1
-        raise ConfigError(f"{type(adapter).__name__}.compile_dynamic: expected True, None or False, got "
-                          f"{describe(value)}.")
+    if not any(value is allowed for allowed in (True, None, False, Sizes.BATCH)):  # not 0 or 1
+        raise ConfigError(f"{type(adapter).__name__}.compile_dynamic: expected True, None, False or Sizes.BATCH, "
+                          f"got {describe(value)}.")
     return value
+
+
+def _batch_symbolic(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (a region's compiled call) with :attr:`Sizes.BATCH`'s marking and tracing option around it."""
+    import torch
+    from torch.fx.experimental import _config as fx_config
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim()), None)
+        if first is not None:
+            torch._dynamo.maybe_mark_dynamic(first, 0)
+        with fx_config.patch(backed_size_oblivious=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 @contextlib.contextmanager
@@ -198,8 +229,11 @@ class CompiledRegions:
         self.active = False
 
     def compile(self) -> None:
+        batch = self.dynamic is Sizes.BATCH
         for module in self.modules:
-            module.compile(dynamic=self.dynamic, backend=self.backend)
+            module.compile(dynamic=None if batch else self.dynamic, backend=self.backend)
+            if batch:
+                module._compiled_call_impl = _batch_symbolic(module._compiled_call_impl)
         self.active = True
 
     @contextlib.contextmanager

@@ -37,7 +37,7 @@ def warm_up(runner: RunnerState, path: str, budget: int, forward: Forward,
             compile_info: dict[str, Any]) -> tuple[float, float]:
     """``runner.warmup`` runs of the budget's forward on padding, on the calling thread's current stream (never the
     capture stream, which runs no eager work: :mod:`encgraph.capture.streams`), in the ordinary allocator; the
-    path's output buffers are shaped from the first (and allocated at the path's first capture). Returns its
+    path's output buffers are shaped from the first (and made at the path's first capture). Returns its
     seconds and the first compiled run's (0 when not compiling)."""
     device = runner.device
     t0 = time.perf_counter()
@@ -78,15 +78,26 @@ def capture_one(
     views = runner.buffers[path].fill(budget, None)
     stream.wait_stream(torch.cuda.current_stream(device))
     torch.cuda.synchronize(device)
-    runner.outputs[path].allocate()  # outside the pool, at the path's first capture (once)
+    outputs = runner.outputs[path]
+    # The path's first capture (its largest budget): its outputs become the buffers where the ladder allows,
+    # else the buffers are made outside the pool (once).
+    first = not outputs.storage and outputs.adopts
+    if not first:
+        outputs.allocate()
+    foreign = _storages(runner, views) if first else set()
     before = pool_bytes(device, pool)
     graph = torch.cuda.CUDAGraph()
-    targets = runner.outputs[path].view(budget)
+    targets = {} if first else outputs.view(budget)
     with torch.cuda.stream(stream):
         try:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                forward_into(forward, views, budget, targets)
+                if first:
+                    targets = outputs.adopt(forward(views, budget), foreign)
+                else:
+                    forward_into(forward, views, budget, targets)
         except BaseException as exc:
+            if first:  # a failed capture's tensors are no path's buffers
+                outputs.storage.clear()
             if end_failed_capture(device, pool) and isinstance(exc, Exception) and not isinstance(exc, EncgraphError):
                 raise PoolLeftRecording() from exc
             raise
@@ -100,6 +111,19 @@ def capture_one(
         capture_seconds=time.perf_counter() - t0,
         memory_bytes=pool_bytes(device, pool) - before,
     )
+
+
+def _storages(runner: RunnerState, views: Mapping[str, torch.Tensor]) -> set[int]:
+    """Storage addresses no output buffer may take over: the path's input buffers and the module's parameters
+    and buffers (a forward may return either as an output). The module is read from the adapter's ``module``
+    property, never from ``unwrap()``, which undoes what wrapping changed (a Qwen-VL adapter's attention and layer
+    layout: the capture then ran the tower's own host-syncing attention and failed, H100 2026-12-07)."""
+    module = getattr(runner.adapter, "module", None)
+    if not isinstance(module, torch.nn.Module):
+        module = None
+    tensors = [*views.values(), *(module.parameters() if module is not None else ()),
+               *(module.buffers() if module is not None else ())]
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
 def error_line(exc: BaseException) -> str:
@@ -119,8 +143,9 @@ def drop_failed(runner: RunnerState, path: str, budget: int, exc: BaseException,
 
 def forward_into(forward: Forward, views: Mapping[str, torch.Tensor], budget: int,
                  targets: Mapping[str, torch.Tensor]) -> None:
-    """The captured body of a budget: the forward, its outputs copied into the path's shared
-    output buffers (the pool keeps no per-graph outputs)."""
+    """The captured body of a budget after the path's first: the forward, its outputs copied into the path's
+    shared output buffers (the pool keeps no per-graph outputs; the first capture's own outputs became them:
+    :meth:`~encgraph.capture.buffers.PathOutputs.adopt`)."""
     produced = forward(views, budget)
     for name, target in targets.items():
         target.copy_(produced[name])
@@ -132,25 +157,27 @@ def end_failed_capture(device: torch.device, pool: Any) -> bool:
     recording.
 
     A capture that CUDA invalidated (a host sync or another call it forbids while capturing; an out-of-memory
-    whose retry synchronises) makes the context's exit raise from ``capture_end`` before the caching allocators
-    stop routing the capture's allocations into the pool (and before the context restores the stream: the
-    caller's own stream context does). The pool stays "recording", and every later ``capture_begin`` on it fails
+    whose retry synchronises) makes the context's exit raise from ``capture_end``, where the caching allocators may
+    still route the capture's allocations into the pool (and the context has not restored the stream: the caller's
+    own stream context does). The pool then stays "recording", and every later ``capture_begin`` on it fails
     ("already recording to mempool_id"): every smaller budget failed with the first. Here the device allocator's
     routing ends, and the reference the capture took on the pool is released (no graph was made to release it),
     so that its memory goes with the graphs. The pinned host allocator (torch 2.13 routes it per pool too) has no
-    Python call to end its routing: the caller captures the rest into a fresh pool. A capture whose body raised a
-    Python error ended normally (``False``): the routing is over, and the graph object releases its reference when
-    it goes.
+    Python call to end its routing: the caller captures the rest into a fresh pool.
 
-    Such a capture also leaves torch's CUDA generator in its capture state (``capture_end`` raised before ending
-    it): every later random op in the process raises "Offset increment outside graph capture encountered
-    unexpectedly" until a capture ends normally (after a failed capture of the stream's priming, the self-check's
-    samples of every budget did). One small capture here ends it (logged where it cannot)."""
+    Whether or not the pool was left recording, the capture may have left torch's CUDA generator in its capture
+    state: ``capture_end`` ends the allocator's routing before ``cudaStreamEndCapture``, whose error leaves the
+    generator capturing (torch 2.11 on an H100, 2026-12-07: after a capture that ran a host-syncing attention, every
+    later random op in the process raised "Offset increment outside graph capture encountered unexpectedly"). One
+    small capture after every failed capture ends that state (harmless where there was none; logged where it
+    cannot run)."""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
+        recording = True
     except RuntimeError:  # "not currently recording": capture_end got that far
-        return False
-    torch._C._cuda_releasePool(device.index, pool)
+        recording = False
+    if recording:
+        torch._C._cuda_releasePool(device.index, pool)
     try:
         scratch = torch.zeros(1, device=device)
         graph = torch.cuda.CUDAGraph()
@@ -159,7 +186,7 @@ def end_failed_capture(device: torch.device, pool: Any) -> bool:
     except Exception as exc:  # noqa: BLE001 - the failed capture's own error is the one to raise
         log.warning("encgraph: could not end torch's CUDA generator's capture state after a failed capture (%s: %s); "
                     "random ops may raise 'Offset increment outside graph capture'.", type(exc).__name__, exc)
-    return True
+    return recording
 
 
 def _compile_failed(info: dict[str, Any], exc: BaseException) -> None:

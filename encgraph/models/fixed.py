@@ -35,6 +35,7 @@ import attrs
 import torch
 
 from encgraph._validate import check_int, check_pixels, describe
+from encgraph.capture.compiling import Sizes
 from encgraph.capture.protocol import BufferSpec, StockCall
 from encgraph.errors import (
     ConfigError,
@@ -129,6 +130,9 @@ class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
     """Forward parameters accepted only as ``None`` (per-call options the graphs do not hold)."""
     output_class_name: ClassVar[str] = "BaseModelOutputWithPooling"
     """The tower's output class, looked up in the tower's own modeling module (so it matches the version)."""
+    compile_dynamic: ClassVar[Sizes] = Sizes.BATCH
+    """How ``compile="auto"`` traces the layers: the batch alone symbolic, one frame for every budget
+    (:attr:`encgraph.capture.compiling.Sizes.BATCH`)."""
 
     def __init__(
         self,
@@ -265,7 +269,8 @@ class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
         return PixelBatch(pixels, inputs.request)
 
     def compile_regions(self) -> list[torch.nn.Module]:
-        """The encoder layers: what ``compile="auto"`` compiles (once for all of them and every batch size)."""
+        """The encoder layers: what ``compile="auto"`` compiles, once for all of them and every batch size
+        (:attr:`compile_dynamic`)."""
         return repeated_blocks(self._module)
 
     def sample_inputs(self, path: str, tokens: int) -> PixelBatch:

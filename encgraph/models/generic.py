@@ -30,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from encgraph._validate import check_int, describe
+from encgraph.capture.compiling import Sizes
 from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec, StockCall
 from encgraph.errors import InputError, InputTypeError
@@ -105,12 +106,14 @@ class GenericModuleAdapter:
     repeat the sub-batch's last item). Outputs: ``out<i>`` ``(B, ...)``, the output's tensor leaves in order.
     """
 
-    compile_dynamic: bool | None = None
-    """How ``compile="auto"`` traces the blocks (:func:`encgraph.capture.compiling.dynamic_sizes`): a call shape
-    fixes every size but the batch, so torch's automatic dynamic (the largest budget static, then the batch alone
-    symbolic). On an H100 (``benches/results/generic_compile_nvidia-h100-80gb-hbm3.md``) it warmed up faster than
-    every size symbolic (timm ViT-B 4.6 s against 5.3, ConvNeXt-B 19.0 against 26.5) and ran as fast or faster
-    (timm ViT-B at batch 32: 3.75 ms against 4.06)."""
+    compile_dynamic: Sizes = Sizes.BATCH
+    """How ``compile="auto"`` traces the repeated blocks (:func:`encgraph.capture.compiling.dynamic_sizes`): a call
+    shape fixes every size but the batch, so the batch alone is symbolic, from the first trace, batch 1 included:
+    one frame for every budget. torch's automatic dynamic (the largest budget static, then the batch symbolic,
+    then batch 1) warmed up faster than every size symbolic on an H100
+    (``benches/results/generic_compile_nvidia-h100-80gb-hbm3.md``: timm ViT-B 4.6 s against 5.3, ConvNeXt-B 19.0
+    against 26.5) and ran as fast or faster (timm ViT-B at batch 32: 3.75 ms against 4.06); the batch alone symbolic
+    keeps its kernels and traces once."""
 
     def __init__(self, module: torch.nn.Module, example: CallSplit, output: OutputSpec, *, max_batch: int = 32) -> None:
         if not isinstance(module, torch.nn.Module):
@@ -283,7 +286,10 @@ class GenericModuleAdapter:
 
     def compile_regions(self) -> list[torch.nn.Module]:
         """The module's repeated blocks (its longest list of same-class layers), compiled once for all of them and
-        every batch size by ``compile="auto"``; none found: the runner compiles the whole static forward."""
+        every batch size by ``compile="auto"``; none found: the runner compiles the whole static forward. Not their
+        stack as one region (``benches/generic_compile.py``'s ``stack`` variants): on an H100 it raised every peak
+        above reduce-overhead's and ConvNeXt-B's warm-up past it
+        (``benches/results/anymodule_nvidia-h100-80gb-hbm3_stack-batch.md``)."""
         return repeated_blocks(self._module)
 
     def unwrap(self) -> torch.nn.Module:

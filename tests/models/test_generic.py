@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import encgraph
+from encgraph.capture.compiling import Sizes
 from encgraph.capture.records import RunMode
 from encgraph.errors import ConfigTypeError, EncgraphError
 from encgraph.models.batch_ladder import take_rows
@@ -217,24 +218,26 @@ def test_repeated_blocks_are_every_instance_of_the_class_that_fills_containers()
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))) == []
 
 
-def test_generic_adapter_compiles_with_the_batch_alone_symbolic():
-    """A call shape fixes every size but the batch: the any-module path compiles with torch's automatic dynamic
-    (static sizes, the batch made symbolic once a second budget is traced), where adapters whose budgets change
-    several sizes keep every size symbolic."""
-    from encgraph.capture.compiling import dynamic_sizes
+def test_batch_ladders_compile_with_the_batch_alone_symbolic():
+    """A call shape fixes every size but the batch: the any-module path and the fixed-resolution towers compile
+    with the batch alone symbolic (Sizes.BATCH), where adapters whose budgets change several sizes keep every size
+    symbolic."""
+    from encgraph.capture.compiling import Sizes, dynamic_sizes
     from encgraph.models.fixed import FixedResolutionAdapter
 
     module = torch.nn.Sequential(_Block(8), _Block(8))
     adapter = GenericModuleAdapter.of_call(module, torch.randn(3, 5, 8))
-    assert dynamic_sizes(adapter) is GenericModuleAdapter.compile_dynamic
+    assert dynamic_sizes(adapter) is Sizes.BATCH
+    assert FixedResolutionAdapter.compile_dynamic is Sizes.BATCH
     assert dynamic_sizes(object()) is True
-    assert "compile_dynamic" not in FixedResolutionAdapter.__dict__
 
 
-@pytest.mark.parametrize(("value", "ok"), [(True, True), (None, True), (False, True), ("auto", False), (0, False)])
-def test_compile_dynamic_takes_true_none_or_false(value, ok):
-    """``compile_dynamic``: every size symbolic (True), torch's automatic dynamic (None) or static per budget
-    (False, what benches/generic_compile.py's blocks/static measures); anything else is a ConfigError naming it."""
+@pytest.mark.parametrize(("value", "ok"), [(True, True), (None, True), (False, True), (Sizes.BATCH, True),
+                                           ("batch", False), ("auto", False), (0, False)])
+def test_compile_dynamic_takes_true_none_false_or_batch(value, ok):
+    """``compile_dynamic``: every size symbolic (True), torch's automatic dynamic (None), static per budget
+    (False, what benches/generic_compile.py's blocks/static measures) or Sizes.BATCH; anything else (the enum's
+    value as a string included) is a ConfigError naming it."""
     from encgraph.capture.compiling import dynamic_sizes
     from encgraph.errors import ConfigError
 
@@ -244,7 +247,7 @@ def test_compile_dynamic_takes_true_none_or_false(value, ok):
     if ok:
         assert dynamic_sizes(Adapter()) is value
     else:
-        with pytest.raises(ConfigError, match="compile_dynamic: expected True, None or False"):
+        with pytest.raises(ConfigError, match="compile_dynamic: expected True, None, False or Sizes.BATCH"):
             dynamic_sizes(Adapter())
 
 

@@ -5,7 +5,9 @@ from the captured addresses at replay time, and everything the host decided duri
 branches, ``.item()`` values) is frozen. :class:`RecordedGraph` does the same with a ``TorchDispatchMode``:
 during capture it records every aten call with its arguments; ``replay()`` re-runs the calls in order, on the
 same input tensors, substituting each recorded intermediate by its replayed value. Tensors created outside the
-block (the manager's buffers) are read and written in place, as a graph would.
+block (the manager's buffers) are read and written in place, as a graph would; so are the tensors the block
+made (a graph's outputs keep their memory: encgraph's runner keeps its largest graph's outputs as the path's
+output buffers), each written again with its replayed value.
 
 It is a test double for the graph API only: vLLM's manager code (budgets, packing, buffer copies, padding
 logic, scatter) runs unchanged around it. :func:`graph_mode_on_cpu` likewise runs encgraph's own runner in GRAPH
@@ -55,7 +57,18 @@ class RecordedGraph:
             for old_t, new_t in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
                 if isinstance(old_t, torch.Tensor):
                     env[id(old_t)] = new_t
+                    if new_t is not old_t and not old_t._is_view() and old_t.shape == new_t.shape:
+                        # The captured tensor's memory holds the replayed value, and later calls (a view of it
+                        # written in place) act on that memory, as in a graph.
+                        _write(old_t, new_t)
+                        env[id(old_t)] = old_t
         self.replays += 1
+
+
+def _write(old: torch.Tensor, new: torch.Tensor) -> None:
+    mode = torch.inference_mode() if old.is_inference() else contextlib.nullcontext()
+    with mode, torch.no_grad():
+        old.copy_(new)
 
 
 @contextlib.contextmanager

@@ -144,46 +144,6 @@ def test_results_record_whether_flash_attn_4_was_installed(tmp_path, monkeypatch
     assert results.environment(env)["flash_attn_4"] == "4.0.0b40"
 
 
-def test_the_stack_variant_compiles_the_outermost_submodule_holding_every_block():
-    # generic_compile's "stack" region: the encoder of SigLIP, CLIP and DINOv2 (transformers 5), a timm-like blocks
-    # Sequential; the blocks themselves where only the hooked module or a ModuleList holds them all.
-    import torch
-    import transformers as tf
-
-    from benches.generic_compile import stack_of
-    from encgraph.models._hf import repeated_blocks
-
-    small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "image_size": 28, "patch_size": 14}
-    siglip = tf.SiglipVisionModel(tf.SiglipVisionConfig(**small))
-    clip = tf.CLIPVisionModel(tf.CLIPVisionConfig(**small))
-    dinov2 = tf.Dinov2Model(tf.Dinov2Config(**small))
-    assert stack_of(siglip) == [siglip.encoder] and stack_of(clip) == [clip.encoder]
-    assert stack_of(dinov2) == [dinov2.encoder]
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = torch.nn.Linear(4, 4)
-
-    block = Block
-
-    class TimmLike(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stem, self.blocks = torch.nn.Linear(4, 4), torch.nn.Sequential(block(), block())
-
-    class Flat(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = torch.nn.ModuleList([block(), block()])
-
-    timm_like, flat = TimmLike(), Flat()
-    assert stack_of(timm_like) == [timm_like.blocks]
-    assert stack_of(flat) == repeated_blocks(flat) == list(flat.layers)
-    assert stack_of(torch.nn.Linear(4, 4)) == []
-
-
 def test_carry_wheels_split_pack_and_join(tmp_path):
     # benches/carry_wheels.py: a wheel too large for one call is cut into parts with its sha256, the files are
     # packed into folders of at most one call's size, and the device joins the parts from every folder it was
@@ -215,3 +175,43 @@ def test_carry_wheels_split_pack_and_join(tmp_path):
     (two / "big-1.0-py3-none-any.whl.part1").write_bytes(bytes(3_000))
     with pytest.raises(ValueError, match="does not match its sha256"):
         join([one, two], out)
+
+
+def test_block_stack_is_the_outermost_submodule_holding_every_block():
+    # generic_compile's "stack" regions: the encoder of SigLIP, CLIP and DINOv2 (transformers 5), a timm-like blocks
+    # Sequential; the blocks themselves where only the hooked module or a ModuleList holds them all.
+    import torch
+    import transformers as tf
+
+    from benches.generic_compile import block_stack
+    from encgraph.models._hf import repeated_blocks
+
+    small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "image_size": 28, "patch_size": 14}
+    siglip = tf.SiglipVisionModel(tf.SiglipVisionConfig(**small))
+    clip = tf.CLIPVisionModel(tf.CLIPVisionConfig(**small))
+    dinov2 = tf.Dinov2Model(tf.Dinov2Config(**small))
+    assert block_stack(siglip) == [siglip.encoder] and block_stack(clip) == [clip.encoder]
+    assert block_stack(dinov2) == [dinov2.encoder]
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+    block = Block
+
+    class TimmLike(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.blocks = torch.nn.Linear(4, 4), torch.nn.Sequential(block(), block())
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([block(), block()])
+
+    timm_like, flat = TimmLike(), Flat()
+    assert block_stack(timm_like) == [timm_like.blocks]
+    assert block_stack(flat) == repeated_blocks(flat) == list(flat.layers)
+    assert block_stack(torch.nn.Linear(4, 4)) == []

@@ -1,6 +1,6 @@
 """The capture's static buffers on the CPU (encgraph.capture.buffers): the input buffers set aside for the
-capture's eager phase and allocated again after it; the output buffers shaped at the warm-up and allocated only at
-the first capture, once."""
+capture's eager phase and allocated again after it; the output buffers shaped at the warm-up and made only at the
+first capture, once: the forward's own outputs where they own their storage, copies otherwise."""
 
 from __future__ import annotations
 
@@ -57,3 +57,57 @@ def test_output_buffers_are_shaped_at_the_warm_up_and_allocated_once_at_the_firs
 def test_output_buffers_never_shaped_cannot_be_allocated():
     with pytest.raises(CaptureError, match="never shaped"):
         PathOutputs("default", torch.device("cpu")).allocate()
+
+
+def test_the_first_capture_adopts_the_outputs_that_own_their_storage_and_copies_the_others():
+    outputs = PathOutputs("default", torch.device("cpu"))
+    hidden = torch.randn(4, 5, 6)
+    inputs = torch.randn(4, 5, 6)
+    produced = {
+        "last_hidden_state": hidden,  # the forward's own tensor: adopted as it is
+        "pooled": hidden[:, 0],  # a view of another output: copied
+        "echo": inputs,  # an input buffer returned as it is: copied, never written over by a later budget
+        "twice": hidden,  # one storage named twice: the second copied
+        "strided": torch.randn(6, 4).t(),  # not contiguous: copied
+    }
+    outputs.learn(produced, (1, 2, 4))
+    targets = outputs.adopt(produced, {inputs.untyped_storage().data_ptr()})
+    assert targets["last_hidden_state"] is hidden
+    for name in ("pooled", "echo", "twice", "strided"):
+        assert targets[name] is not produced[name] and targets[name].is_contiguous()
+        assert torch.equal(targets[name], produced[name])
+    ptrs = [t.untyped_storage().data_ptr() for t in targets.values()]
+    assert len(set(ptrs)) == len(ptrs) and inputs.untyped_storage().data_ptr() not in ptrs
+    assert outputs.storage == targets and outputs.view(2)["pooled"].shape == (2, 6)
+    with pytest.raises(CaptureError, match="exist already"):
+        outputs.adopt(produced, set())
+
+
+def test_a_first_capture_smaller_than_the_ladder_gets_buffers_of_the_ladders_rows():
+    # The largest budget is captured first; where it failed and was dropped, the next one is the path's first: its
+    # outputs are copied into buffers of the learned rows (never adopted short), and a later budget's view fits.
+    outputs = PathOutputs("default", torch.device("cpu"))
+    outputs.learn({"x": torch.zeros(8, 3), "y": torch.zeros(8, 2, dtype=torch.float64)}, (2, 4, 8))
+    small = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}  # y: float32 where float64 was learned
+    targets = outputs.adopt(small, set())
+    assert targets["x"].shape == (8, 3) and targets["x"] is not small["x"]
+    assert torch.equal(targets["x"][:4], small["x"]) and targets["y"].dtype == torch.float64
+    assert outputs.view(4)["y"].shape == (4, 2)
+
+
+def test_output_buffers_never_shaped_cannot_be_adopted():
+    with pytest.raises(CaptureError, match="never shaped"):
+        PathOutputs("default", torch.device("cpu")).adopt({"x": torch.zeros(2)}, set())
+
+
+@pytest.mark.parametrize(("ladder", "adopts"), [
+    ((1, 2, 4, 8, 16, 32), True),  # a batch ladder: 16 fits beside the adopted outputs of 32
+    ((32,), True),
+    ((1, 2, 3, 4), False),  # 3 of 4 is more than half: not adopted
+    ((64, 128, 3840, 4096), False),  # a token ladder: 3840 would not fit the space the outputs of 4096 split
+    ((4096, 64, 2048), True),
+])
+def test_outputs_are_adopted_only_where_the_next_budget_is_at_most_half_the_largest(ladder, adopts):
+    outputs = PathOutputs("default", torch.device("cpu"))
+    outputs.learn({"x": torch.zeros(1, 3)}, ladder)
+    assert outputs.adopts is adopts

@@ -296,3 +296,26 @@ def test_the_compiled_eager_check_runs_on_the_references_parts_and_the_phases_ar
             "replay check"} <= set(phases)
     assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= info["seconds"] + 0.01
     assert info["checked"]["default"] == {1: 0.0, 2: 0.0, 4: 0.0, 8: 0.0}
+
+
+def test_the_capture_never_unwraps_the_adapter(events):
+    # The first capture keeps the forward's own outputs where they alias no input, parameter or buffer; it reads
+    # the module from the adapter's ``module`` property. ``unwrap()`` undoes what wrapping changed (a Qwen-VL
+    # adapter's attention and layer layout): called there, the capture ran the tower's own host-syncing attention.
+    class Guarded(SpyToy):
+        @property
+        def module(self) -> torch.nn.Module:
+            return self.towers["default"]
+
+        def unwrap(self) -> torch.nn.Module:
+            raise AssertionError("the capture called unwrap()")
+
+    adapter = Guarded(events)
+    runner = graph_runner(adapter, costs=False)
+    info = runner.capture()
+    assert not info["failed"] and set(runner.records["default"]) == set(BUDGETS)
+    weights = {p.untyped_storage().data_ptr() for p in adapter.module.parameters()}
+    assert not weights & {t.untyped_storage().data_ptr() for t in runner.outputs["default"].storage.values()}
+    inputs = random_inputs(np.random.default_rng(1), adapter, 3, max_len=20, max_frames=1)
+    for got, want in zip(runner(inputs), reference(adapter, inputs)):
+        torch.testing.assert_close(got, want)

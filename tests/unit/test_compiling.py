@@ -189,3 +189,74 @@ def test_recompile_headroom_raises_the_limit_for_the_block_only():
     delta = {k: v - before[k] for k, v in compile_stats().items()}
     assert delta["recompile_limit"] == 0 and delta["frames_ok"] == 12
     assert dynamo_config.recompile_limit == limit
+
+
+def _vit_generic():
+    from transformers import ViTConfig, ViTModel
+
+    from encgraph.models.generic import GenericModuleAdapter
+
+    torch.manual_seed(0)
+    config = ViTConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                       image_size=32, patch_size=8)
+    module = ViTModel(config, add_pooling_layer=False).eval().requires_grad_(False)
+    return GenericModuleAdapter.of_call(module, torch.randn(2, 3, 32, 32)), ["ViTLayer"] * 3
+
+
+def _fixed(name):
+    def build():
+        from encgraph.models import wrap
+        from tests.models import fixtures_fixed
+
+        tower = getattr(fixtures_fixed, f"tiny_{name}")()
+        return wrap(tower), [{"siglip": "SiglipEncoderLayer", "clip": "CLIPEncoderLayer",
+                             "internvl": "InternVLVisionLayer"}[name]] * 2
+
+    return build
+
+
+BATCH_LADDERS = {"vit (generic)": _vit_generic, "siglip": _fixed("siglip"), "clip": _fixed("clip"),
+                 "internvl": _fixed("internvl")}
+"""Batch-ladder adapters (the any-module path and the fixed-resolution towers): (adapter, its regions' classes)."""
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_LADDERS))
+def test_batch_ladders_compile_their_stack_once_for_every_batch(name):
+    """A batch ladder compiles its layers with the batch alone symbolic from the first trace: one frame for every
+    layer and budget, a batch of 1 first or later included (torch's automatic dynamic traced three: the first
+    budget static, the batch symbolic, a batch of 1 again), and the same outputs as the uncompiled forward."""
+    import torch._dynamo
+
+    from encgraph.capture.compiling import Sizes
+
+    torch._dynamo.reset()
+    adapter, classes = BATCH_LADDERS[name]()
+    regions = CompiledRegions(adapter, backend="eager")
+    assert regions.dynamic is Sizes.BATCH
+    assert [type(m).__name__ for m in regions.modules] == classes
+    path = adapter.config.paths[0].name
+    budgets = [1, 4, 2, 3, 1]
+    specs = {b: adapter.buffer_specs(path, b, 4, 1) for b in budgets}
+    buffers = PathBuffers(path, specs, torch.device("cpu"))
+    before = compile_stats()
+    outs = []
+    with no_duck_sizing(), torch.no_grad():
+        regions.compile()
+        try:
+            for b in budgets:
+                views = buffers.fill(b, None)
+                for t in views.values():
+                    if t.is_floating_point():
+                        t.normal_()
+                outs.append((adapter.forward_static(path, views, b), {k: v.clone() for k, v in views.items()}))
+        finally:
+            regions.restore()
+        after = compile_stats()
+        for out, views in outs:
+            ref = adapter.forward_static(path, views, next(iter(views.values())).shape[0])
+            for key in ref:
+                torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5)
+    assert after["frames_ok"] - before["frames_ok"] == 1
+    assert after["recompiles"] == before["recompiles"]
+    assert after["graph_breaks"] == before["graph_breaks"]
+    assert all(m._compiled_call_impl is None for m in regions.modules)
