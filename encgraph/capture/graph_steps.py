@@ -13,6 +13,7 @@ import torch
 
 from encgraph.capture.compiling import CompileMode
 from encgraph.capture.execution import RunnerState, check_outputs
+from encgraph.capture.recording import graph_calls
 from encgraph.capture.records import GraphRecord
 from encgraph.errors import EncgraphError
 
@@ -47,7 +48,8 @@ def warm_up(runner: RunnerState, path: str, budget: int, forward: Forward,
     for i in range(runner.warmup):
         t_run = time.perf_counter()
         try:
-            outputs = forward(views, budget)
+            with graph_calls():  # what the capture records is built here (cuDNN's plans: capture.recording)
+                outputs = forward(views, budget)
         except EncgraphError:
             raise
         except Exception as exc:
@@ -90,7 +92,7 @@ def capture_one(
     targets = {} if first else outputs.view(budget)
     with torch.cuda.stream(stream):
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(graph, pool=pool, stream=stream), graph_calls():
                 if first:
                     targets = outputs.adopt(forward(views, budget), foreign)
                 else:

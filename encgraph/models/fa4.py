@@ -9,7 +9,7 @@ kernel (:func:`encgraph.models.kernel_choice.measure_crossover`), outside any gr
 lengths from the ``cu_seqlens`` tensor at run time and the longest from a host int, so one captured graph
 serves every split of its rows.
 
-Which geometries run it is the process's registry here (:func:`use`, :func:`kernel_of`), set at capture by
+Which geometries run it is the process's registry in :mod:`encgraph.models.varlen_kernel`, set at capture by
 :mod:`encgraph.models.kernel_choice` from its measurement; it changes encgraph's own calls only. Importing this
 module imports neither the wheel nor its compiler; :func:`available` does, once.
 """
@@ -22,55 +22,19 @@ import time
 
 import torch
 
-from encgraph.errors import ConfigError
-
-__all__ = ["KERNELS", "MAX_ROWS", "available", "bound", "kernel_of", "use", "varlen_attn", "warm"]
+__all__ = ["MAX_ROWS", "available", "bound", "varlen_attn", "warm"]
 
 log = logging.getLogger("encgraph")
-
-KERNELS = ("flash", "fa4")
-"""The varlen kernels a head geometry may run: torch's ``varlen_attn`` (Flash Attention 2) and FlashAttention-4."""
 
 MAX_ROWS = 65536
 """The longest sequence :func:`warm` compiles for: Qwen's processors' largest image (16,384 tokens at merge 2)."""
 
 _MODULE = "flash_attn.cute.interface"
 _AVAILABLE: dict[int, bool] = {}  # per device index
-_GEOMETRIES: set[tuple[int, int, torch.dtype, int]] = set()
-"""``(heads, head_dim, dtype, device index)`` whose varlen calls run FlashAttention-4 (:func:`use`)."""
 
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def use(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, kernel: str) -> None:
-    """Run encgraph's varlen calls of this head geometry and dtype on the CUDA ``device`` with ``kernel``:
-    ``"fa4"`` (it must be :func:`available`) or ``"flash"`` (torch's ``varlen_attn``, the default). For the
-    process, from the next call; a graph captured before keeps the kernel it captured."""
-    if kernel not in KERNELS:
-        raise ConfigError(f"fa4.use(kernel): expected one of {KERNELS}, got {kernel!r}.")
-    if device.type != "cuda":
-        raise ConfigError(f"fa4.use(device): expected a CUDA device, got {device}.")
-    key = (int(heads), int(head_dim), dtype, _index(device))
-    if kernel == "flash":
-        _GEOMETRIES.discard(key)
-        return
-    if not available(device):
-        raise ConfigError(f"fa4.use(kernel='fa4'): FlashAttention-4 cannot run on {device} (the flash-attn-4 "
-                          "wheel is not installed, or the GPU is not a Hopper or Blackwell one); install "
-                          "flash-attn-4 (with nvidia-cutlass-dsl[cu13] for a CUDA 13 torch) on such a GPU, or "
-                          "pass kernel='flash'.")
-    _GEOMETRIES.add(key)
-
-
-def kernel_of(query: torch.Tensor) -> str:
-    """``"fa4"`` or ``"flash"``: the varlen kernel of ``query``'s ``(tokens, heads, head_dim)`` geometry, dtype
-    and device (:func:`use`)."""
-    if not _GEOMETRIES or not query.is_cuda:
-        return "flash"
-    key = (int(query.shape[1]), int(query.shape[2]), query.dtype, _index(query.device))
-    return "fa4" if key in _GEOMETRIES else "flash"
 
 
 def bound(max_seqlen: int) -> int:

@@ -3,13 +3,14 @@
 :func:`measure_crossover` times one sequence of each of :data:`LENGTHS` rows through the kernels a tower's
 attention can run: torch's Flash varlen and, where the optional FlashAttention-4 wheel can run
 (:mod:`encgraph.models.fa4`: a Hopper or Blackwell GPU; its kernels compiled first, seconds once per process and
-geometry), FlashAttention-4's varlen kernel, both replayed from a CUDA graph (:func:`_graph_ms`: the device's time,
+geometry), FlashAttention-4's varlen kernel, and where the optional ``nvidia-cudnn-frontend`` wheel can run
+(:mod:`encgraph.models.cudnn_varlen`), cuDNN's packed SDPA, each replayed from a CUDA graph (:func:`_graph_ms`: the device's time,
 as in a replay; one call synced alone times the host, 0.14-0.37 ms at short lengths where the kernels take
 0.02-0.07); and dense SDPA per sequence in the towers' own layout (cuDNN on an H100 or H200), its calls issued back
 to back as an eager forward issues them (:func:`_queued_ms`), and its first call at a length new to the thread
 (:func:`probe_rows`: it builds cuDNN's plan for that shape). The
-:class:`~encgraph.packing.crossover.Crossover` it returns says which varlen kernel the geometry runs, in graphs
-and eager forwards (:func:`choose` registers it: :func:`encgraph.models.fa4.use`), and from how many rows an
+:class:`~encgraph.packing.crossover.Crossover` it returns says which varlen kernel the geometry runs in graphs
+and which in eager forwards (:func:`choose` registers them: :func:`encgraph.models.varlen_kernel.use`), and from how many rows an
 eager forward runs a sequence dense (:meth:`~encgraph.packing.crossover.Crossover.dense_from`, through
 :func:`rows_table`). The runner calls :func:`choose` through the adapter at capture and keeps the result in the
 cost model's JSON (``CostModel.kernels``); a geometry already in a given cost model for this device is not
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from encgraph.models import attention
+from encgraph.models import attention, cudnn_varlen, varlen_kernel
 from encgraph.models import fa4 as fa4_module
 from encgraph.models.exact_attention import dense_sequence
 from encgraph.packing.crossover import Crossover, kernel_key
@@ -171,17 +172,18 @@ def measure_crossover(
     heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
     lengths: Iterable[int] = LENGTHS, repeats: int = REPEATS,
 ) -> Crossover:
-    """Time one sequence of each length through Flash varlen and, where it can run (:func:`_fa4_fits`: its
-    kernels compiled first, :func:`encgraph.models.fa4.warm`), FlashAttention-4 (both replayed from a CUDA graph:
-    :func:`_graph_ms`), and through dense SDPA (``repeats`` calls back to back: :func:`_queued_ms`; its first call
+    """Time one sequence of each length through Flash varlen and, where they can run, FlashAttention-4
+    (:func:`_fa4_fits`: its kernels compiled first, :func:`encgraph.models.fa4.warm`) and cuDNN's packed SDPA
+    (:func:`encgraph.models.cudnn_varlen.fits`; a failure logged and the kernel left out), each replayed from a
+    CUDA graph (:func:`_graph_ms`), and through dense SDPA (``repeats`` calls back to back: :func:`_queued_ms`; its first call
     just under each length, at one no earlier call of this thread ran, :func:`probe_rows`, synced: its plan), on
     random ``(rows, heads, head_dim)`` inputs in ``dtype`` on the CUDA ``device``, through the exact calls of
     :mod:`encgraph.models.attention`. Returns the :class:`~encgraph.packing.crossover.Crossover`. Syncs the host
     (capture time only)."""
     lengths = tuple(sorted(set(lengths)))
     gen = torch.Generator(device=device).manual_seed(0)
-    varlen_ms, dense_ms, first_ms, fa4_ms = [], [], [], []
-    with_fa4 = _fa4_fits(head_dim, dtype, device)
+    varlen_ms, dense_ms, first_ms, fa4_ms, cudnn_ms = [], [], [], [], []
+    with_fa4, with_cudnn = _fa4_fits(head_dim, dtype, device), cudnn_varlen.fits(head_dim, dtype, device)
     if with_fa4:
         try:
             seconds = fa4_module.warm(heads, head_dim, dtype, device)
@@ -199,12 +201,20 @@ def measure_crossover(
             varlen_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "flash")))
             if with_fa4:
                 fa4_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "fa4")))
+            if with_cudnn:
+                try:
+                    cudnn_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "cudnn")))
+                except Exception as exc:  # a geometry the frontend cannot plan: the other kernels, said once
+                    log.warning("encgraph: cuDNN's packed SDPA failed at %d heads x %d (%s: %s); graphs keep the "
+                                "other kernels there.", heads, head_dim, type(exc).__name__, exc)
+                    with_cudnn, cudnn_ms = False, []
             probe = probe_slices(qkv, rows)
             first_ms.append(_first_ms(lambda: dense_sequence(*probe, None)))
             dense_ms.append(_queued_ms(lambda: dense_sequence(*qkv, None), repeats))
     return Crossover(device_name(device), heads, head_dim, str(dtype).replace("torch.", ""), lengths,
                      [round(t, 5) for t in varlen_ms], [round(t, 5) for t in dense_ms],
-                     dense_first_ms=[round(t, 5) for t in first_ms], fa4_ms=[round(t, 5) for t in fa4_ms])
+                     dense_first_ms=[round(t, 5) for t in first_ms], fa4_ms=[round(t, 5) for t in fa4_ms],
+                     cudnn_ms=[round(t, 5) for t in cudnn_ms])
 
 
 def _fa4_fits(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -221,8 +231,9 @@ def choose(
     this process's earlier measurements where they cover it, else measured now. Empty off CUDA, where there is
     no varlen kernel to choose against (every sequence runs on its own there), and where this torch has no
     varlen kernel; a failed measurement is logged and leaves that geometry on the default crossover. Each
-    geometry's varlen calls then run the kernel its crossover chose (:func:`encgraph.models.fa4.use`): a cost model
-    measured without FlashAttention-4 where it can now run (or the reverse) is measured again."""
+    geometry's varlen calls then run the kernels its crossover chose, in graphs and eager
+    (:func:`encgraph.models.varlen_kernel.use`): a cost model measured without FlashAttention-4 or cuDNN's packed
+    SDPA where it can now run (or the reverse) is measured again."""
     if device.type != "cuda" or attention._varlen()[0] is None or dtype not in (torch.float16, torch.bfloat16):
         return {}
     name, kind = device_name(device), str(dtype).replace("torch.", "")
@@ -230,8 +241,9 @@ def choose(
     for heads, dim in tower_geometries(module):
         key = kernel_key(name, heads, dim, kind)
         found = (known or {}).get(key) or _MEASURED.get(key)
-        if found is not None and bool(found.fa4_ms) != _fa4_fits(dim, dtype, device):
-            found = None  # FlashAttention-4 installed (or removed) since: measure again, with (or without) it
+        if found is not None and (bool(found.fa4_ms) != _fa4_fits(dim, dtype, device)
+                                  or bool(found.cudnn_ms) != cudnn_varlen.fits(dim, dtype, device)):
+            found = None  # a kernel installed (or removed) since: measure again, with (or without) it
         if found is None:
             try:
                 found = _MEASURED[key] = measure_crossover(heads, dim, dtype, device)
@@ -240,11 +252,13 @@ def choose(
                             "eager forwards use the default of %d rows.", heads, dim, type(exc).__name__, exc,
                             attention.SEGMENT_MIN_ROWS)
                 continue
-            log.info("encgraph: %s, %d heads x %d %s: varlen kernel %s, dense SDPA faster from %s rows "
-                     "(varlen ms %s, FlashAttention-4 ms %s, dense ms %s at %s rows).", name, heads, dim, kind,
-                     found.varlen_kernel, found.min_rows if found.min_rows else "no length", list(found.varlen_ms),
-                     list(found.fa4_ms) or "not measured", list(found.dense_ms), list(found.lengths))
-        fa4_module.use(heads, dim, dtype, device, found.varlen_kernel)
+            log.info("encgraph: %s, %d heads x %d %s: graph kernel %s, eager varlen kernel %s, dense SDPA faster "
+                     "from %s rows (varlen ms %s, FlashAttention-4 ms %s, cuDNN ms %s, dense ms %s at %s rows).",
+                     name, heads, dim, kind, found.graph_kernel, found.varlen_kernel,
+                     found.min_rows if found.min_rows else "no length", list(found.varlen_ms),
+                     list(found.fa4_ms) or "not measured", list(found.cudnn_ms) or "not measured",
+                     list(found.dense_ms), list(found.lengths))
+        varlen_kernel.use(heads, dim, dtype, device, found.graph_kernel, eager=found.varlen_kernel)
         out[key] = found
     return out
 

@@ -1,7 +1,9 @@
 """The measured attention kernels of one head geometry on one device: part of the cost model's JSON.
 
-Every attention call inside a graph runs one packed varlen kernel: FlashAttention-4 where it is installed and
-measured faster (:func:`faster_varlen`), else torch's Flash varlen. An eager forward knows its sequences on the
+Every attention call inside a graph runs one packed varlen kernel, the fastest measured (:func:`faster_varlen`):
+FlashAttention-4 or cuDNN's packed SDPA (through NVIDIA's frontend) where installed, else torch's Flash varlen;
+eager calls run the faster of Flash and FlashAttention-4 (cuDNN builds a plan per shape: graphs only). An eager
+forward knows its sequences on the
 host, so it may run a long one as a dense SDPA call (cuDNN on an H100 or H200: 350-430 TF/s at head dim 72-80,
 against Flash varlen's 210-260), as the tower's own forward does. The dense kernel builds a plan for every new
 length on its first call (cuDNN: 35-65 ms), so a sequence runs dense only from the length at which one forward's
@@ -30,10 +32,10 @@ from encgraph._validate import check_int, check_mapping, check_sequence, check_s
 from encgraph.errors import ConfigError, ConfigTypeError
 from encgraph.packing.eager_cost import checked_ms
 
-__all__ = ["FA4_MARGIN", "Crossover", "crossover_rows", "faster_varlen", "kernel_key", "kernel_table", "loglog_at"]
+__all__ = ["KERNEL_MARGIN", "Crossover", "crossover_rows", "faster_varlen", "kernel_key", "kernel_table", "loglog_at"]
 
-FA4_MARGIN = 0.95
-"""FlashAttention-4 runs a geometry's varlen calls where its median time over the measured lengths is at most this
+KERNEL_MARGIN = 0.95
+"""Another kernel runs a geometry's varlen calls where its median time over the measured lengths is at most this
 share of torch's Flash kernel's (:func:`faster_varlen`): a measured 5% at least, so that run-to-run noise does not
 swap kernels between captures of one build."""
 
@@ -47,18 +49,20 @@ def kernel_key(device: str, heads: int, head_dim: int, dtype: str) -> str:
     return f"{device}/{heads}x{head_dim}/{dtype}"
 
 
-def faster_varlen(flash_ms: Sequence[float], fa4_ms: Sequence[float]) -> str:
-    """``"fa4"`` where FlashAttention-4 was measured (``fa4_ms``, one per length) and the median of its ratio to
-    torch's Flash kernel over the lengths is at most :data:`FA4_MARGIN`, else ``"flash"``.
+def faster_varlen(flash_ms: Sequence[float], fa4_ms: Sequence[float], cudnn_ms: Sequence[float] = ()) -> str:
+    """Of the kernels measured (``fa4_ms``, ``cudnn_ms``: one time per length, or empty), the one whose median
+    ratio to torch's Flash kernel over the lengths is lowest, where it is at most :data:`KERNEL_MARGIN`; else
+    ``"flash"``.
 
     >>> faster_varlen([1.0, 2.0, 4.0], [0.7, 1.3, 2.6]), faster_varlen([1.0, 2.0], [0.99, 1.9])
     ('fa4', 'flash')
-    >>> faster_varlen([1.0], [])  # not measured
-    'flash'
+    >>> faster_varlen([1.0, 2.0], [0.8, 1.6], [0.6, 1.3]), faster_varlen([1.0], [])  # cuDNN fastest; none measured
+    ('cudnn', 'flash')
     """
-    if not fa4_ms:
-        return "flash"
-    return "fa4" if statistics.median(f / v for v, f in zip(flash_ms, fa4_ms)) <= FA4_MARGIN else "flash"
+    ratios = {name: statistics.median(t / v for v, t in zip(flash_ms, times))
+              for name, times in (("fa4", fa4_ms), ("cudnn", cudnn_ms)) if times}
+    best = min(ratios, key=ratios.__getitem__, default=None)
+    return best if best is not None and ratios[best] <= KERNEL_MARGIN else "flash"
 
 
 def crossover_rows(lengths: Sequence[int], varlen_ms: Sequence[float], dense_ms: Sequence[float]) -> int | None:
@@ -110,8 +114,12 @@ class Crossover:
             empty; :attr:`plan_ms` is derived from it.
         fa4_ms: per length, FlashAttention-4's varlen kernel (the optional ``flash-attn-4`` wheel:
             :mod:`encgraph.models.fa4`), or empty (not installed, or not measured).
+        cudnn_ms: per length, cuDNN's packed SDPA (the optional ``nvidia-cudnn-frontend`` wheel:
+            :mod:`encgraph.models.cudnn_varlen`; replayed from a CUDA graph), or empty.
+        graph_kernel: derived: the fastest of the three (:func:`faster_varlen`); the geometry's calls in captured
+            graphs run it.
         varlen_kernel: derived: ``"fa4"`` where FlashAttention-4 was measured faster than torch's Flash kernel
-            (:func:`faster_varlen`), else ``"flash"``; the geometry's varlen calls, in graphs and eager, run it.
+            (:func:`faster_varlen` of those two), else ``"flash"``; the geometry's eager varlen calls run it.
         min_rows: derived (:func:`crossover_rows`): from how many rows the dense kernel beats the varlen kernel
             chosen, its plan aside; ``None``: never.
     """
@@ -125,16 +133,19 @@ class Crossover:
     dense_ms: tuple[float, ...] = attrs.field(converter=lambda v: _times("Crossover(dense_ms)", v))
     dense_first_ms: tuple[float, ...] = _optional_times("dense_first_ms")
     fa4_ms: tuple[float, ...] = _optional_times("fa4_ms")
+    cudnn_ms: tuple[float, ...] = _optional_times("cudnn_ms")
+    graph_kernel: str = attrs.field(init=False)
     varlen_kernel: str = attrs.field(init=False)
     min_rows: int | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        for name in ("varlen_ms", "dense_ms", "dense_first_ms", "fa4_ms"):
+        for name in ("varlen_ms", "dense_ms", "dense_first_ms", "fa4_ms", "cudnn_ms"):
             times = getattr(self, name)
             if len(times) != len(self.lengths) and (times or name in ("varlen_ms", "dense_ms")):
                 raise ConfigError(
                     f"Crossover({name}): expected one time per length ({len(self.lengths)}), got {len(times)}."
                 )
+        object.__setattr__(self, "graph_kernel", faster_varlen(self.varlen_ms, self.fa4_ms, self.cudnn_ms))
         object.__setattr__(self, "varlen_kernel", faster_varlen(self.varlen_ms, self.fa4_ms))
         object.__setattr__(self, "min_rows", crossover_rows(self.lengths, self.chosen_varlen_ms, self.dense_ms))
 
@@ -144,7 +155,7 @@ class Crossover:
 
     @property
     def chosen_varlen_ms(self) -> tuple[float, ...]:
-        """Per length, the ms of the varlen kernel this geometry runs (:attr:`varlen_kernel`)."""
+        """Per length, the ms of the varlen kernel this geometry's eager calls run (:attr:`varlen_kernel`)."""
         return self.fa4_ms if self.varlen_kernel == "fa4" else self.varlen_ms
 
     @property
@@ -177,16 +188,18 @@ class Crossover:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; ``varlen_kernel`` and ``min_rows`` are written for readers and recomputed on load."""
+        """JSON-ready; ``graph_kernel``, ``varlen_kernel`` and ``min_rows`` are written for readers and recomputed
+        on load."""
         return {"device": self.device, "heads": self.heads, "head_dim": self.head_dim, "dtype": self.dtype,
                 "lengths": list(self.lengths), "varlen_ms": list(self.varlen_ms), "dense_ms": list(self.dense_ms),
                 "dense_first_ms": list(self.dense_first_ms), "fa4_ms": list(self.fa4_ms),
+                "cudnn_ms": list(self.cudnn_ms), "graph_kernel": self.graph_kernel,
                 "varlen_kernel": self.varlen_kernel, "min_rows": self.min_rows}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Crossover:
         check_mapping("Crossover.from_dict(data)", data, hint="Pass the dict Crossover.to_dict() returned.")
-        fields = {k: v for k, v in data.items() if k not in ("min_rows", "varlen_kernel", *_RETIRED)}
+        fields = {k: v for k, v in data.items() if k not in ("min_rows", "graph_kernel", "varlen_kernel", *_RETIRED)}
         try:
             return cls(**fields)
         except TypeError as exc:

@@ -19,6 +19,7 @@ import torch
 
 import encgraph.capture.capture
 from encgraph.capture import EncoderGraphRunner, RunMode
+from encgraph.capture.recording import in_graph_calls
 from encgraph.errors import InputError
 from tests.shims.cpu_graph import RecordedGraph, recorded_graph
 from tests.toy_models import (
@@ -319,3 +320,28 @@ def test_the_capture_never_unwraps_the_adapter(events):
     inputs = random_inputs(np.random.default_rng(1), adapter, 3, max_len=20, max_frames=1)
     for got, want in zip(runner(inputs), reference(adapter, inputs)):
         torch.testing.assert_close(got, want)
+
+
+def test_the_warm_ups_and_the_capture_make_graph_calls_and_nothing_else_does(events):
+    # Kernels that build a plan per shape (cuDNN's packed SDPA) run only where a graph's calls are made: the
+    # budget's warm-ups, which build what its capture then records, and the capture itself; eager forwards (the
+    # self-check's references, a batch the planner runs eagerly) never do.
+    seen: list[tuple[str, bool, bool]] = []
+
+    class Recording(SpyToy):
+        def forward_eager(self, path: str, inputs: ToyInputs) -> dict[str, torch.Tensor]:
+            seen.append(("eager", False, in_graph_calls()))
+            return super().forward_eager(path, inputs)
+
+        def forward_static(self, path: str, buffers: Mapping[str, torch.Tensor], budget: int
+                           ) -> dict[str, torch.Tensor]:
+            seen.append(("static", self._capturing[0], in_graph_calls()))
+            return super().forward_static(path, buffers, budget)
+
+    runner = graph_runner(Recording(events), costs=False)
+    runner.capture()
+    runner(random_inputs(np.random.default_rng(2), runner.adapter, 3, max_len=20, max_frames=1))
+    assert any(kind == "eager" for kind, _, _ in seen) and not in_graph_calls()
+    assert all(graph for kind, capturing, graph in seen if capturing)  # every capture
+    assert sum(graph for kind, capturing, graph in seen if kind == "static" and not capturing) >= len(BUDGETS)
+    assert not any(graph for kind, _, graph in seen if kind == "eager")
