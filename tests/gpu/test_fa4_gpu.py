@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from encgraph.models import attention, fa4, kernel_choice
+from encgraph.models import attention, fa4, kernel_choice, varlen_kernel
 from encgraph.packing.crossover import faster_varlen
 from tests.gpu.test_kernels_gpu import BF16_RTOL, GEOMETRIES, _per_sequence_fp32, _qkv
 from tests.gpu.test_qwen_gpu import rel
@@ -29,10 +29,10 @@ def on_fa4():
     """Register FA4 for every geometry the tests use, and take it back after."""
     device = torch.device("cuda")
     for heads, dim in GEOMETRIES:
-        fa4.use(heads, dim, torch.bfloat16, device, "fa4")
+        varlen_kernel.use(heads, dim, torch.bfloat16, device, "fa4")
     yield
     for heads, dim in GEOMETRIES:
-        fa4.use(heads, dim, torch.bfloat16, device, "flash")
+        varlen_kernel.use(heads, dim, torch.bfloat16, device, "flash")
 
 
 def _cu(lengths):
@@ -51,7 +51,7 @@ def _one_projection(lengths, heads, dim, seed):
 def test_fa4_replay_equals_each_sequence_after_a_rewrite(heads, dim, layout, on_fa4):
     make = _qkv if layout == "separate" else _one_projection
     q, k, v = make(LENGTHS, heads, dim, seed=heads + dim)
-    assert fa4.kernel_of(q) == "fa4" and (layout == "separate") == q.is_contiguous()
+    assert varlen_kernel.kernel_of(q) == "fa4" and (layout == "separate") == q.is_contiguous()
     cu = _cu(LENGTHS)
     budget = max(max(LENGTHS), max(OTHER))
     eager = attention.packed_attention(q, k, v, cu, budget)
@@ -110,13 +110,13 @@ def test_capture_measures_fa4_and_runs_the_faster_kernel():
         chosen = kernel_choice.choose(module, torch.bfloat16, device, known={c.key: c})
         assert chosen[c.key] is c  # measured with FA4 already: taken as given
         probe = torch.empty(1, heads, dim, device=device, dtype=torch.bfloat16)
-        assert fa4.kernel_of(probe) == c.varlen_kernel
+        assert varlen_kernel.kernel_of(probe) == c.varlen_kernel
         # A cost model measured without FA4 is measured again here, with it.
         plain = kernel_choice.Crossover(c.device, heads, dim, c.dtype, c.lengths, c.varlen_ms, c.dense_ms)
         again = kernel_choice.choose(module, torch.bfloat16, device, known={c.key: plain})[c.key]
         assert again is not plain and len(again.fa4_ms) == len(again.lengths)
     finally:
-        fa4.use(heads, dim, torch.bfloat16, device, "flash")
+        varlen_kernel.use(heads, dim, torch.bfloat16, device, "flash")
 
 
 def test_importing_and_compiling_fa4_leaves_process_state_as_it_was():
