@@ -17,7 +17,10 @@ per sequence, some of which may be empty). ``max_seqlen`` is rounded up as for F
 (:func:`encgraph.models.fa4.bound`), so that a few plans serve every length.
 
 A plan a captured graph replays must outlive the graph, and the frontend keeps at most 128, dropping the oldest:
-every plan in its cache when a graph records a call is kept here too (:data:`_PINNED`), for the process.
+every plan in its cache when a graph's call is made (a warm-up's or a capture's) is kept here too
+(:data:`_PINNED`), for the process. A capture whose plan the frontend dropped after its warm-up (more than 128
+shapes between the two; one tower's ladder makes about 40) would build it inside the capture, which fails that
+budget: it then runs eagerly, counted as a failed capture (``capture_info["failed"]``).
 Importing this module imports neither the wheel nor cuDNN; :func:`available` does, once per device.
 """
 
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from encgraph.capture.recording import in_graph_calls
 from encgraph.models.fa4 import bound
 
 __all__ = ["available", "fits", "pinned", "varlen_attn"]
@@ -37,7 +41,7 @@ log = logging.getLogger("encgraph")
 
 _AVAILABLE: dict[int, bool] = {}  # per device index
 _PINNED: dict[Any, Any] = {}
-"""The frontend's cached graphs (plans) that any capture of this process recorded a call of: kept alive here."""
+"""The frontend's cached graphs (plans) when any graph's call of this process was made: kept alive here."""
 _WARNED: list[bool] = []
 
 
@@ -101,7 +105,7 @@ def varlen_attn(
 
     out = cudnn.sdpa_torch(query, key, value, scale=scale, cu_seqlens_q=cu_seq_q, cu_seqlens_kv=cu_seq_k,
                            max_seqlen_q=bound(max_q), max_seqlen_kv=bound(max_k))
-    if torch.cuda.is_current_stream_capturing():
+    if in_graph_calls() or torch.cuda.is_current_stream_capturing():
         _pin()
     return out
 

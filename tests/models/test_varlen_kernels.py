@@ -161,12 +161,15 @@ def test_cudnn_rounds_the_longest_sequence_and_keeps_the_plans_a_capture_recorde
     assert cudnn_varlen.varlen_attn(q, q, q, cu, cu, 5, 300, 0.25) is q
     assert frontend["calls"][0] == {"scale": 0.25, "cu_seqlens_q": cu, "cu_seqlens_kv": cu, "max_seqlen_q": 128,
                                     "max_seqlen_kv": 512}
-    assert cudnn_varlen.pinned() == 0  # an eager call (a warm-up) keeps nothing
-    frontend["capturing"] = True
-    cudnn_varlen.varlen_attn(q, q, q, cu, cu, 4000, 4000)
-    assert cudnn_varlen.pinned() == 2  # every plan of the frontend's cache then, the recorded one among them
-    frontend["cache"].clear()  # the frontend dropped them (past 128 newer ones): still kept here
+    assert cudnn_varlen.pinned() == 0  # a call outside any graph's calls keeps nothing
+    with graph_calls():  # a warm-up
+        cudnn_varlen.varlen_attn(q, q, q, cu, cu, 2000, 2000)
     assert cudnn_varlen.pinned() == 2
+    frontend["capturing"] = True  # a capture (the kernel's own measurement captures outside graph_calls)
+    cudnn_varlen.varlen_attn(q, q, q, cu, cu, 4000, 4000)
+    assert cudnn_varlen.pinned() == 3  # every plan of the frontend's cache then, the recorded one among them
+    frontend["cache"].clear()  # the frontend dropped them (past 128 newer ones): still kept here
+    assert cudnn_varlen.pinned() == 3
 
 
 def test_a_frontend_without_its_plan_cache_is_said_once(frontend, caplog):
