@@ -231,8 +231,8 @@ class EncoderGraphRunner:
             if self.mode is not RunMode.EAGER:  # eager runs read no static buffer
                 self._allocate()
             # First: the graphs capture, and the eager timings below run, the kernels chosen here (a geometry's
-            # varlen kernels are the process's from now on: encgraph.models.varlen_kernel.use); graphs captured before the
-            # choice would keep the old kernel while the eager forwards ran the new one.
+            # varlen kernels are the process's from now on: encgraph.models.varlen_kernel.use); graphs captured
+            # before the choice would keep the old kernel while the eager forwards ran the new one.
             kernels = choose_kernels(self)
             memory: dict[str, dict[str, float]] = {}
             # Nothing padded runs in EAGER mode: nothing to check. The self-check's eager half runs before the

@@ -112,8 +112,9 @@ _VARLEN_OP: Callable[..., torch.Tensor] | None = None  # the custom op around it
 
 def _varlen_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
                  cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None = None) -> torch.Tensor:
-    """The varlen kernel of ``query``'s geometry (:func:`encgraph.models.varlen_kernel.kernel_of`), in ``varlen_attn``'s
-    signature plus ``scale``; what the compiled path's opaque op calls (its shapes are concrete there).
+    """The varlen kernel of ``query``'s geometry (:func:`encgraph.models.varlen_kernel.kernel_of`), in
+    ``varlen_attn``'s signature plus ``scale``; what the compiled path's opaque op calls (its shapes are concrete
+    there).
 
     A compiled block run by an eager forward (the runner's compiled eager forward,
     :mod:`encgraph.capture.compiled_eager`) reaches here with the eager forward's own ``cu_seqlens`` tensor: its
@@ -206,9 +207,9 @@ def _varlen_attention(
     kernel: str | None = None,
     keys: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """One varlen call; ``kernel`` forces ``"flash"`` or ``"fa4"`` (capture's measurement), default the
-    geometry's (:func:`encgraph.models.varlen_kernel.kernel_of`). ``keys``: the keys' own ``(cu_seqlens, max_seqlen)`` where
-    they are not the queries' (:func:`attend_per_sequence`)."""
+    """One varlen call; ``kernel`` forces one of ``"flash"``, ``"fa4"``, ``"cudnn"`` (capture's measurement),
+    default the geometry's (:func:`encgraph.models.varlen_kernel.kernel_of`). ``keys``: the keys' own
+    ``(cu_seqlens, max_seqlen)`` where they are not the queries' (:func:`attend_per_sequence`)."""
     if _varlen()[0] is None:
         raise ConfigError(
             "packed_attention(backend=VARLEN): this torch build has no torch.nn.attention.varlen (torch>=2.10); "

@@ -1,20 +1,20 @@
 """Which attention kernels a tower runs: measured per device and head geometry at capture.
 
-:func:`measure_crossover` times one sequence of each of :data:`LENGTHS` rows through the kernels a tower's
-attention can run: torch's Flash varlen and, where the optional FlashAttention-4 wheel can run
-(:mod:`encgraph.models.fa4`: a Hopper or Blackwell GPU; its kernels compiled first, seconds once per process and
-geometry), FlashAttention-4's varlen kernel, and where the optional ``nvidia-cudnn-frontend`` wheel can run
-(:mod:`encgraph.models.cudnn_varlen`), cuDNN's packed SDPA, each replayed from a CUDA graph (:func:`_graph_ms`: the device's time,
-as in a replay; one call synced alone times the host, 0.14-0.37 ms at short lengths where the kernels take
-0.02-0.07); and dense SDPA per sequence in the towers' own layout (cuDNN on an H100 or H200), its calls issued back
-to back as an eager forward issues them (:func:`_queued_ms`), and its first call at a length new to the thread
-(:func:`probe_rows`: it builds cuDNN's plan for that shape). The
-:class:`~encgraph.packing.crossover.Crossover` it returns says which varlen kernel the geometry runs in graphs
-and which in eager forwards (:func:`choose` registers them: :func:`encgraph.models.varlen_kernel.use`), and from how many rows an
-eager forward runs a sequence dense (:meth:`~encgraph.packing.crossover.Crossover.dense_from`, through
-:func:`rows_table`). The runner calls :func:`choose` through the adapter at capture and keeps the result in the
-cost model's JSON (``CostModel.kernels``); a geometry already in a given cost model for this device is not
-measured again. Under a second per geometry on an H200.
+:func:`measure_crossover` times one sequence of each of :data:`LENGTHS` rows through the kernels a tower's attention
+can run: torch's Flash varlen and, where the optional FlashAttention-4 wheel can run (:mod:`encgraph.models.fa4`: a
+Hopper or Blackwell GPU; its kernels compiled first, seconds once per process and geometry), FlashAttention-4's
+varlen kernel, and where the optional ``nvidia-cudnn-frontend`` wheel can run (:mod:`encgraph.models.cudnn_varlen`),
+cuDNN's packed SDPA, each replayed from a CUDA graph (:func:`_graph_ms`: the device's time, as in a replay; one call
+synced alone times the host, 0.14-0.37 ms at short lengths where the kernels take 0.02-0.07); and dense SDPA per
+sequence in the towers' own layout (cuDNN on an H100 or H200), its calls issued back to back as an eager forward
+issues them (:func:`_queued_ms`), and its first call at a length new to the thread (:func:`probe_rows`: it builds
+cuDNN's plan for that shape). The :class:`~encgraph.packing.crossover.Crossover` it returns says which varlen kernel
+the geometry runs in graphs and which in eager forwards (:func:`choose` registers them:
+:func:`encgraph.models.varlen_kernel.use`), and from how many rows an eager forward runs a sequence dense
+(:meth:`~encgraph.packing.crossover.Crossover.dense_from`, through :func:`rows_table`). The runner calls
+:func:`choose` through the adapter at capture and keeps the result in the cost model's JSON
+(``CostModel.kernels``); a geometry already in a given cost model for this device is not measured again. Under a
+second per geometry on an H200.
 
 Nothing here changes torch's settings: the dense kernel is the one torch's SDPA picks with its flags as found.
 """
@@ -127,11 +127,12 @@ GRAPH_REPLAYS = 10
 """Replays of a one-call CUDA graph timed back to back by :func:`_graph_ms`, after an untimed one."""
 
 
-def _graph_ms(fn: Any, replays: int = GRAPH_REPLAYS) -> float:
+def _graph_ms(fn: Any, replays: int = GRAPH_REPLAYS, *, strict: bool = False) -> float:
     """ms per replay of a CUDA graph that holds one call of ``fn`` (called once first, outside it: lazy plans
     and compiles), ``replays`` replays issued back to back: the kernel's time on the device with no host work
     per call, as in encgraph's own replays. Where the call cannot be captured, its calls issued back to back
-    instead (:func:`_queued_ms`), said in the log. The graph and its outputs are freed on return."""
+    instead (:func:`_queued_ms`), said in the log; with ``strict`` (a kernel that runs in graphs only) the
+    capture's error is raised. The graph and its outputs are freed on return."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -139,6 +140,8 @@ def _graph_ms(fn: Any, replays: int = GRAPH_REPLAYS) -> float:
         with torch.cuda.graph(graph):
             fn()
     except Exception as exc:  # a kernel that cannot be captured: its queued time, the nearest measure
+        if strict:
+            raise
         log.warning("encgraph: an attention kernel could not be captured to be timed (%s: %s); it is timed "
                     "queued instead.", type(exc).__name__, exc)
         del graph
@@ -174,10 +177,10 @@ def measure_crossover(
 ) -> Crossover:
     """Time one sequence of each length through Flash varlen and, where they can run, FlashAttention-4
     (:func:`_fa4_fits`: its kernels compiled first, :func:`encgraph.models.fa4.warm`) and cuDNN's packed SDPA
-    (:func:`encgraph.models.cudnn_varlen.fits`; a failure logged and the kernel left out), each replayed from a
-    CUDA graph (:func:`_graph_ms`), and through dense SDPA (``repeats`` calls back to back: :func:`_queued_ms`; its first call
-    just under each length, at one no earlier call of this thread ran, :func:`probe_rows`, synced: its plan), on
-    random ``(rows, heads, head_dim)`` inputs in ``dtype`` on the CUDA ``device``, through the exact calls of
+    (:func:`encgraph.models.cudnn_varlen.fits`; a failure logged and the kernel left out), each replayed from a CUDA
+    graph (:func:`_graph_ms`), and through dense SDPA (``repeats`` calls back to back: :func:`_queued_ms`; its first
+    call just under each length, at one no earlier call of this thread ran, :func:`probe_rows`, synced: its plan),
+    on random ``(rows, heads, head_dim)`` inputs in ``dtype`` on the CUDA ``device``, through the exact calls of
     :mod:`encgraph.models.attention`. Returns the :class:`~encgraph.packing.crossover.Crossover`. Syncs the host
     (capture time only)."""
     lengths = tuple(sorted(set(lengths)))
@@ -203,8 +206,9 @@ def measure_crossover(
                 fa4_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "fa4")))
             if with_cudnn:
                 try:
-                    cudnn_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "cudnn")))
-                except Exception as exc:  # a geometry the frontend cannot plan: the other kernels, said once
+                    cudnn_ms.append(_graph_ms(lambda: attention._varlen_attention(*qkv, cu, rows, None, "cudnn"),
+                                              strict=True))
+                except Exception as exc:  # a geometry it cannot plan or capture: the other kernels, said once
                     log.warning("encgraph: cuDNN's packed SDPA failed at %d heads x %d (%s: %s); graphs keep the "
                                 "other kernels there.", heads, head_dim, type(exc).__name__, exc)
                     with_cudnn, cudnn_ms = False, []

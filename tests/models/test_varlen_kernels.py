@@ -194,3 +194,20 @@ def test_cudnn_is_not_available_off_cuda_and_on_older_gpus(monkeypatch):
     assert not cudnn_varlen.fits(72, torch.float32, GPU) and not cudnn_varlen.fits(76, torch.float16, GPU)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     assert cudnn_varlen.fits(256, torch.bfloat16, GPU)
+
+
+def test_a_graph_only_kernel_that_cannot_be_captured_is_never_timed_queued(monkeypatch):
+    # Flash and FlashAttention-4 run eagerly too, so a failed capture of their timing falls back to queued calls;
+    # cuDNN's packed SDPA runs in graphs only: its timing must capture, or the kernel is left out.
+    from encgraph.models import kernel_choice
+
+    def refuse(graph, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    monkeypatch.setattr(kernel_choice, "_queued_ms", lambda fn, repeats: 1.5)
+    assert kernel_choice._graph_ms(lambda: None) == 1.5
+    with pytest.raises(RuntimeError, match="not permitted"):
+        kernel_choice._graph_ms(lambda: None, strict=True)
