@@ -178,9 +178,11 @@ def _tree(env: Mapping[str, Any]) -> str:
 
 
 def _varlen_kernels(tower: Mapping[str, Any]) -> str:
-    """The packed attention kernel capture chose per head geometry of ``defaults`` (``-`` in older files)."""
+    """The packed attention kernel capture chose for the graphs per head geometry of ``defaults`` (the graph kernel;
+    in files of before cuDNN's, the one varlen kernel; ``-`` in older files)."""
     kernels = tower.get("capture", {}).get(System.DEFAULTS.value, {}).get("kernels") or {}
-    chosen = sorted({k.get("varlen_kernel", "flash") for k in kernels.values() if isinstance(k, dict) and "heads" in k})
+    chosen = sorted({k.get("graph_kernel", k.get("varlen_kernel", "flash")) for k in kernels.values()
+                     if isinstance(k, dict) and "heads" in k})
     return ", ".join(chosen) or "-"
 
 

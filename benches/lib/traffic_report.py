@@ -354,8 +354,10 @@ def tower_notes(doc: Mapping[str, Any]) -> list[str]:
                 padded = c.get("padded_ms") or []
                 ratio = (f"; padded / exact dense at {c['lengths'][-1]} rows {padded[-1] / c['dense_ms'][-1]:.2f}"
                          if padded and c.get("dense_ms") else "")
-                notes.append(f"- {System(name).label}, {key}: varlen kernel {c.get('varlen_kernel', 'flash')}, "
-                             f"dense SDPA per sequence in eager forwards from {c['min_rows']} rows{ratio}")
+                eager = c.get("varlen_kernel", "flash")
+                notes.append(f"- {System(name).label}, {key}: graph kernel {c.get('graph_kernel', eager)}, eager "
+                             f"varlen kernel {eager}, dense SDPA per sequence in eager forwards from {c['min_rows']} "
+                             f"rows{ratio}")
     if doc.get("trace", {}).get("stopped"):
         notes.append(f"- trace stopped early: {doc['trace']['stopped']}")
     if doc.get("error"):

@@ -3,12 +3,11 @@
 Every attention call inside a graph runs one packed varlen kernel, the fastest measured (:func:`faster_varlen`):
 FlashAttention-4 or cuDNN's packed SDPA (through NVIDIA's frontend) where installed, else torch's Flash varlen;
 eager calls run the faster of Flash and FlashAttention-4 (cuDNN builds a plan per shape: graphs only). An eager
-forward knows its sequences on the
-host, so it may run a long one as a dense SDPA call (cuDNN on an H100 or H200: 350-430 TF/s at head dim 72-80,
-against Flash varlen's 210-260), as the tower's own forward does. The dense kernel builds a plan for every new
-length on its first call (cuDNN: 35-65 ms), so a sequence runs dense only from the length at which one forward's
-saving over its full-attention calls pays that plan (:meth:`Crossover.dense_from`): no length new to the process
-then costs more than on varlen, and nothing is remembered per length. Measured at capture
+forward knows its sequences on the host, so it may run a long one as a dense SDPA call (cuDNN on an H100 or H200:
+350-430 TF/s at head dim 72-80, against Flash varlen's 210-260), as the tower's own forward does. The dense kernel
+builds a plan for every new length on its first call (cuDNN: 35-65 ms), so a sequence runs dense only from the
+length at which one forward's saving over its full-attention calls pays that plan (:meth:`Crossover.dense_from`): no
+length new to the process then costs more than on varlen, and nothing is remembered per length. Measured at capture
 (:func:`encgraph.models.kernel_choice.measure_crossover`); the cost model (:class:`~encgraph.packing.CostModel`,
 field ``kernels``) stores it so that a saved model carries it too. Pure Python: importing it never imports torch.
 
