@@ -78,29 +78,11 @@ def fits(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     return head_dim <= (256 if torch.cuda.get_device_capability(_index(device))[0] >= 9 else 128)
 
 
-def varlen_attn(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seq_q: torch.Tensor,
-    cu_seq_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """cuDNN's non-causal packed SDPA in the signature of torch's ``varlen_attn``.
-
-    Args:
-        query, key, value: ``(tokens, heads, head_dim)`` fp16/bf16 on one CUDA device, the head dim contiguous
-            (key/value may have fewer heads, a divisor of the query's).
-        cu_seq_q, cu_seq_k: ``(slots,)`` int32, the bounds (read on the device; trailing empty sequences allowed).
-        max_q, max_k: host ints at least the longest sequence of every call (and of every replay of a graph);
-            rounded up by :func:`~encgraph.models.fa4.bound`.
-        scale: softmax scale, default ``head_dim ** -0.5``.
-
-    Returns:
-        ``(tokens, heads, head_dim)`` in ``query``'s dtype, a fresh tensor; rows past ``cu_seq_q[-1]`` unwritten.
-    """
+def varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                cu_seq_k: torch.Tensor, max_q: int, max_k: int, scale: float | None = None) -> torch.Tensor:
+    """cuDNN's non-causal packed SDPA in the signature of torch's ``varlen_attn``; arguments and result as
+    :func:`encgraph.models.fa4.varlen_attn`'s (the head dim contiguous, ``max_q``/``max_k`` rounded up by
+    :func:`~encgraph.models.fa4.bound`, rows past ``cu_seq_q[-1]`` unwritten)."""
     import cudnn
 
     out = cudnn.sdpa_torch(query, key, value, scale=scale, cu_seqlens_q=cu_seq_q, cu_seqlens_kv=cu_seq_k,

@@ -15,7 +15,7 @@ from encgraph.capture.recording import graph_calls
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import attention, cudnn_varlen, kernel_choice, varlen_kernel, wrap
 from encgraph.packing.crossover import faster_varlen
-from tests.gpu.test_fa4_gpu import LENGTHS, OTHER, _cu, _one_projection
+from tests.gpu.test_fa4_gpu import LENGTHS, OTHER, _cu, _one_projection, check_nan_stays_in_its_sequence, registered
 from tests.gpu.test_kernels_gpu import BF16_RTOL, GEOMETRIES, _per_sequence_fp32, _qkv
 from tests.gpu.test_qwen_gpu import HF_RTOL, build, hf_per_item, random_mix, rel
 
@@ -30,14 +30,8 @@ pytestmark = [
 
 @pytest.fixture
 def on_cudnn():
-    """cuDNN's packed SDPA as the graph kernel of every geometry the tests use (eager calls keep Flash), and the
-    registry cleared after."""
-    device = torch.device("cuda")
-    for heads, dim in GEOMETRIES:
-        varlen_kernel.use(heads, dim, torch.bfloat16, device, "cudnn")
-    yield
-    for heads, dim in GEOMETRIES:
-        varlen_kernel.use(heads, dim, torch.bfloat16, device, "flash")
+    """cuDNN's packed SDPA as the graph kernel of every geometry the tests use (eager calls keep Flash)."""
+    yield from registered("cudnn")
 
 
 @pytest.mark.parametrize("layout", ["separate", "one projection"])
@@ -74,18 +68,7 @@ def test_cudnn_replay_equals_each_sequence_after_a_rewrite(heads, dim, layout, o
 
 
 def test_cudnn_keeps_nan_within_its_sequence(on_cudnn):
-    q, k, v = _qkv(LENGTHS)
-    cu = _cu(LENGTHS)
-    with graph_calls():
-        clean = attention.packed_attention(q, k, v, cu, max(LENGTHS))
-        bad = v.clone()
-        bad[LENGTHS[0] + 3] = float("nan")  # a row of the second sequence
-        out = attention.packed_attention(q, k, bad, cu, max(LENGTHS))
-    for i, (got, want) in enumerate(zip(torch.split(out, LENGTHS), torch.split(clean, LENGTHS))):
-        if i == 1:
-            assert torch.isnan(got).all()
-        else:
-            assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
+    check_nan_stays_in_its_sequence(graph_calls)
 
 
 def test_capture_measures_cudnn_and_graphs_run_the_fastest(monkeypatch):

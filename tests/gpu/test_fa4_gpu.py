@@ -4,6 +4,8 @@ were rewritten, NaN kept within its sequence, and chosen by measurement at captu
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -24,15 +26,20 @@ LENGTHS = [3000, 300, 64, 1700, 936]  # the last one the padding sequence, as in
 OTHER = [1000, 2000, 700, 1364, 936]  # another split of the same rows (a later replay's batch)
 
 
-@pytest.fixture
-def on_fa4():
-    """Register FA4 for every geometry the tests use, and take it back after."""
+def registered(kernel):
+    """``kernel`` registered for every geometry the tests use (a fixture's body), taken back after."""
     device = torch.device("cuda")
     for heads, dim in GEOMETRIES:
-        varlen_kernel.use(heads, dim, torch.bfloat16, device, "fa4")
+        varlen_kernel.use(heads, dim, torch.bfloat16, device, kernel)
     yield
     for heads, dim in GEOMETRIES:
         varlen_kernel.use(heads, dim, torch.bfloat16, device, "flash")
+
+
+@pytest.fixture
+def on_fa4():
+    """FA4 for every geometry the tests use, in graphs and eager calls."""
+    yield from registered("fa4")
 
 
 def _cu(lengths):
@@ -79,12 +86,19 @@ def test_fa4_replay_equals_each_sequence_after_a_rewrite(heads, dim, layout, on_
 
 
 def test_fa4_keeps_nan_within_its_sequence(on_fa4):
+    check_nan_stays_in_its_sequence(contextlib.nullcontext)
+
+
+def check_nan_stays_in_its_sequence(calls):
+    """A NaN value in one sequence's row, through the geometry's kernel within ``calls()``: only that sequence's
+    rows turn NaN, the others equal their clean output."""
     q, k, v = _qkv(LENGTHS)
     cu = _cu(LENGTHS)
-    clean = attention.packed_attention(q, k, v, cu, max(LENGTHS))
-    bad = v.clone()
-    bad[LENGTHS[0] + 3] = float("nan")  # a row of the second sequence
-    out = attention.packed_attention(q, k, bad, cu, max(LENGTHS))
+    with calls():
+        clean = attention.packed_attention(q, k, v, cu, max(LENGTHS))
+        bad = v.clone()
+        bad[LENGTHS[0] + 3] = float("nan")  # a row of the second sequence
+        out = attention.packed_attention(q, k, bad, cu, max(LENGTHS))
     for i, (got, want) in enumerate(zip(torch.split(out, LENGTHS), torch.split(clean, LENGTHS))):
         if i == 1:
             assert torch.isnan(got).all()
