@@ -1,9 +1,9 @@
 """The runner's hook for the attention-kernel choice (:mod:`encgraph.models.kernel_choice`): at capture, before
 any graph is captured and before the self-check and the cost model time any eager forward, the adapter chooses
-its kernels (measured on this device, or taken from a given cost model), so that the graphs hold the varlen kernel
-chosen (FlashAttention-4 or torch's Flash: :mod:`encgraph.models.fa4`) and the eager times the planner compares
-with graph replays are those of the kernels the eager forwards will run; the measurements then travel in the cost
-model's JSON and in ``capture_info["kernels"]``.
+its kernels (measured on this device, or taken from a given cost model), so that the graphs hold the graph kernel
+chosen (torch's Flash, FlashAttention-4 or cuDNN's packed SDPA: :mod:`encgraph.models.varlen_kernel`) and the eager
+times the planner compares with graph replays are those of the kernels the eager forwards will run; the
+measurements then travel in the cost model's JSON and in ``capture_info["kernels"]``.
 
 Adapters without ``choose_kernels(known)`` are left as they are (their eager forwards pass no host bounds).
 """
