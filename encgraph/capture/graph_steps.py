@@ -83,22 +83,22 @@ def capture_one(
     outputs = runner.outputs[path]
     # The path's first capture (its largest budget): its outputs become the buffers where the ladder allows,
     # else the buffers are made outside the pool (once).
-    first = not outputs.storage and outputs.adopts
-    if not first:
+    adopting = not outputs.storage and outputs.adopts
+    if not adopting:
         outputs.allocate()
-    foreign = _storages(runner, views) if first else set()
+    foreign = _storages(runner, views) if adopting else set()
     before = pool_bytes(device, pool)
     graph = torch.cuda.CUDAGraph()
-    targets = {} if first else outputs.view(budget)
+    targets = {} if adopting else outputs.view(budget)
     with torch.cuda.stream(stream):
         try:
             with torch.cuda.graph(graph, pool=pool, stream=stream), graph_calls():
-                if first:
+                if adopting:
                     targets = outputs.adopt(forward(views, budget), foreign)
                 else:
                     forward_into(forward, views, budget, targets)
         except BaseException as exc:
-            if first:  # a failed capture's tensors are no path's buffers
+            if adopting:  # a failed capture's tensors are no path's buffers
                 outputs.storage.clear()
             if end_failed_capture(device, pool) and isinstance(exc, Exception) and not isinstance(exc, EncgraphError):
                 raise PoolLeftRecording() from exc
@@ -145,9 +145,9 @@ def drop_failed(runner: RunnerState, path: str, budget: int, exc: BaseException,
 
 def forward_into(forward: Forward, views: Mapping[str, torch.Tensor], budget: int,
                  targets: Mapping[str, torch.Tensor]) -> None:
-    """The captured body of a budget after the path's first: the forward, its outputs copied into the path's
-    shared output buffers (the pool keeps no per-graph outputs; the first capture's own outputs became them:
-    :meth:`~encgraph.capture.buffers.PathOutputs.adopt`)."""
+    """The captured body of a budget whose outputs are not adopted: the forward, its outputs copied into the path's
+    shared output buffers (the pool keeps no per-graph outputs; on a batch ladder the first capture's own outputs
+    became them: :meth:`~encgraph.capture.buffers.PathOutputs.adopt`)."""
     produced = forward(views, budget)
     for name, target in targets.items():
         target.copy_(produced[name])
@@ -175,11 +175,11 @@ def end_failed_capture(device: torch.device, pool: Any) -> bool:
     cannot run)."""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
-        recording = True
     except RuntimeError:  # "not currently recording": capture_end got that far
         recording = False
-    if recording:
+    else:
         torch._C._cuda_releasePool(device.index, pool)
+        recording = True
     try:
         scratch = torch.zeros(1, device=device)
         graph = torch.cuda.CUDAGraph()
