@@ -7,10 +7,12 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
   ``encgraph_request_latency_seconds{model}`` (histogram);
 - ``encgraph_request_stage_seconds{model,stage}`` (histogram, answered requests): where a request's time went,
   ``read`` (body and JSON), ``decode`` (base64 and image decoding), ``preprocess`` (the image processor and the
-  copy to the device), ``encode`` (queued in the batching front and run), ``answer`` (the embeddings to the host
-  and the JSON reply); each includes the wait for a worker thread, so a host-bound server shows it there. With
-  preprocessing worker processes, ``decode`` is the worker's own decoding time and ``preprocess`` the rest of
-  the round trip (the wait for a worker, the processor, the transfer, the copy to the device);
+  copy to the device), ``encode`` (queued in the batching front, its call run, and the device's work for that
+  call up to the request's embeddings on the host, as an answer thread sees it), ``answer`` (the JSON reply
+  alone); each includes the wait for a worker thread and the hop back to the event loop, so a host-bound server
+  shows its queue there. With preprocessing worker processes, ``decode`` is the worker's own decoding time and
+  ``preprocess`` the rest of the round trip (the wait for a worker, the processor, the transfer, the copy to the
+  device); docs/serving.md defines each stage's start and end;
 - ``encgraph_runner_items_total{model,kind=graph|eager}``, ``encgraph_replays_total{model,path,budget}``,
   ``encgraph_eager_items_total{model,reason}``, ``encgraph_tokens_total{model,path,kind=real|padded}``,
   ``encgraph_padded_share{model,path}``, ``encgraph_cost_corrections_total{model,kind=graph|eager}`` (times the
