@@ -59,6 +59,19 @@ def _graphed():
     return net, fast
 
 
+def _two_in_one_call(front, net, xs, start):
+    """Submit ``xs[0]``, then ``xs[1]`` 0.1 s later, while the front's worker holds the first; check each answer
+    against the net; return the seconds from ``start`` to both answers and the front's stats."""
+    futures = [front.submit(xs[0])]
+    time.sleep(0.1)
+    futures.append(front.submit(xs[1]))
+    outs = [f.result(TIMEOUT) for f in futures]
+    waited = time.perf_counter() - start
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, net(x))
+    return waited, front.stats
+
+
 def test_policy_waits_only_while_the_last_call_runs(fake_device):
     busy, _ = fake_device
     policy = WaitPolicy(0.5, True, torch.device("cuda", 0))
@@ -105,14 +118,8 @@ def test_a_call_behind_two_in_flight_gathers_until_the_older_is_done(fake_device
         start = time.perf_counter()
         front.submit(xs[0]).result(TIMEOUT)  # idle: launched at once
         front.submit(xs[1]).result(TIMEOUT)  # one in flight: launched after max_wait, now two are
-        futures = [front.submit(xs[2])]
-        time.sleep(0.1)  # held: launched now, it would only queue behind the two
-        futures.append(front.submit(xs[3]))
-        outs = [f.result(TIMEOUT) for f in futures]
-        waited = time.perf_counter() - start
-        stats = front.stats
-    for x, out in zip(xs[2:], outs):
-        torch.testing.assert_close(out, net(x))
+        # held: launched now, it would only queue behind the two
+        waited, stats = _two_in_one_call(front, net, xs[2:], start)
     # Both in one call, launched once the first call's device work was done (0.5 s after it), not after 20 ms.
     assert stats["requests_per_call"] == {1: 2, 2: 1}, stats["requests_per_call"]
     assert stats["held_launches"] == 1 and stats["idle_launches"] == 1
@@ -142,15 +149,8 @@ def test_a_busy_device_gathers_what_arrives_until_it_goes_idle(fake_device):
     with BatchingFront(fast, max_wait_ms=5_000.0) as front:
         first = front.submit(xs[0])
         first.result(TIMEOUT)  # launched at once (idle); its marker is busy for 0.4 s
-        start = time.perf_counter()
-        futures = [front.submit(xs[1])]
-        time.sleep(0.1)  # the worker holds the second request, waiting on the busy device
-        futures.append(front.submit(xs[2]))
-        outs = [f.result(TIMEOUT) for f in futures]
-        waited = time.perf_counter() - start
-        stats = front.stats
-    for x, out in zip(xs[1:], outs):
-        torch.testing.assert_close(out, net(x))
+        # the worker holds the second request, waiting on the busy device
+        waited, stats = _two_in_one_call(front, net, xs[1:], time.perf_counter())
     # One call for both, launched when the device went idle (about 0.4 s), long before max_wait_ms.
     assert stats["requests_per_call"] == {1: 1, 2: 1}, stats["requests_per_call"]
     assert 0.25 < waited < 2.0, waited
