@@ -110,6 +110,15 @@ def _from_arrays(model: Any, arrays: Mapping[str, Any], texts: Sequence[str], li
         raise
 
 
+def _answer_on_host(model: Any, results: Any, req: EmbeddingRequest) -> tuple[Response, float]:
+    """The request's answer (on an answer thread) and when its embeddings reached the host
+    (``time.perf_counter()``): the device's work for its call ends the encode stage, not the answer's
+    (:data:`encgraph.serving.metrics.STAGES`)."""
+    model.on_host(results)
+    on_host = time.perf_counter()
+    return answer(model, results, req), on_host
+
+
 async def _prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str], limits: ServerLimits,
                            uploads: concurrent.futures.Executor) -> tuple[Prepared, float]:
     """The model's prepared inputs for a request's image strings, decoded and preprocessed in ``pool``'s workers
@@ -247,8 +256,9 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
                 clock.split("decode", "preprocess", decode_s)
             ticket.release_pixels()  # decoded and processed: what is left is the tower's (small) inputs
             results = await _encode_on(model, inputs, limits)
-            clock.lap("encode")
-            response = await asyncio.get_running_loop().run_in_executor(threads.answers, answer, model, results, req)
+            response, on_host = await asyncio.get_running_loop().run_in_executor(
+                threads.answers, _answer_on_host, model, results, req)
+            clock.lap("encode", on_host)
             clock.lap("answer")
         except ApiError as exc:
             metrics.observe(label, exc.status)
@@ -319,8 +329,9 @@ class _StageClock:
         self.last = start
         self.spent: dict[str, float] = {}
 
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
+    def lap(self, stage: str, now: float | None = None) -> None:
+        """End ``stage`` now, or at ``now`` (``time.perf_counter()`` of another thread: the stage ended there)."""
+        now = time.perf_counter() if now is None else now
         self.spent[stage] = now - self.last
         self.last = now
 

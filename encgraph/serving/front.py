@@ -285,6 +285,7 @@ class BatchingFront:
             if wait.skipped:
                 self._stats.waits_skipped += 1
                 self._stats.idle_launches += wait.idle
+            self._stats.held_launches += wait.held
         timed_out = self._fill(group, dict(group[0][1].tokens), wait.deadline, wait.until)
         with self._cond:
             arrived = self._stats.requests > submitted  # a request came while this call waited

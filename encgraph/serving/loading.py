@@ -163,10 +163,17 @@ class ServedModel:
         """Whether a result's rows are tokens (Qwen-VL) rather than images (batch towers)."""
         return _per_item_tokens(self.adapter)
 
+    def on_host(self, finished: Finished) -> None:
+        """Return once a request's result (what its front's future gave) has its pooled embeddings on the host:
+        the device's work for its call and the copy down, behind the work queued before them, not later calls'.
+        Runs on a request thread (GIL released while it waits)."""
+        finished.pooled.wait()
+
     def embeddings(self, finished: Finished, tokens: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """Per image of a request's result (what its front's future gave): its pooled embedding ``(dim,)``
-        float32 and (``tokens``) its token sequence ``(n, dim)`` float32. Waits for the request's own host copy
-        only. Runs on a request thread."""
+        float32 and (``tokens``) its token sequence ``(n, dim)`` float32. Waits as :meth:`on_host` does (at once
+        after it); ``tokens`` copies the sequences down on this thread, behind all the device's work queued by then
+        (later calls' included). Runs on a request thread."""
         import torch
 
         (pooled,) = finished.pooled.wait()  # (images, dim): one copy per request

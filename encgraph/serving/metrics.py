@@ -7,10 +7,12 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
   ``encgraph_request_latency_seconds{model}`` (histogram);
 - ``encgraph_request_stage_seconds{model,stage}`` (histogram, answered requests): where a request's time went,
   ``read`` (body and JSON), ``decode`` (base64 and image decoding), ``preprocess`` (the image processor and the
-  copy to the device), ``encode`` (queued in the batching front and run), ``answer`` (the embeddings to the host
-  and the JSON reply); each includes the wait for a worker thread, so a host-bound server shows it there. With
-  preprocessing worker processes, ``decode`` is the worker's own decoding time and ``preprocess`` the rest of
-  the round trip (the wait for a worker, the processor, the transfer, the copy to the device);
+  copy to the device), ``encode`` (queued in the batching front, its call run, and the device's work for that
+  call up to the request's embeddings on the host, as an answer thread sees it), ``answer`` (the JSON reply
+  alone); each includes the wait for a worker thread and the hop back to the event loop, so a host-bound server
+  shows its queue there. With preprocessing worker processes, ``decode`` is the worker's own decoding time and
+  ``preprocess`` the rest of the round trip (the wait for a worker, the processor, the transfer, the copy to the
+  device); docs/serving.md defines each stage's start and end;
 - ``encgraph_runner_items_total{model,kind=graph|eager}``, ``encgraph_replays_total{model,path,budget}``,
   ``encgraph_eager_items_total{model,reason}``, ``encgraph_tokens_total{model,path,kind=real|padded}``,
   ``encgraph_padded_share{model,path}``, ``encgraph_cost_corrections_total{model,kind=graph|eager}`` (times the
@@ -22,7 +24,9 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
   restarted after a worker died;
 - ``encgraph_queue_depth{model}``, ``encgraph_front_calls_total{model}``, ``encgraph_front_requests_total{model,
   outcome}`` (completed, failed, rejected, cancelled), ``encgraph_coalesced_requests_total{model}`` (requests
-  that ran in a call of more than one request);
+  that ran in a call of more than one request), ``encgraph_front_launches_total{model,kind}`` (calls by how their
+  wait ended: ``no_wait``, ``idle`` of those the device being idle, ``held`` behind two calls on the device:
+  :mod:`encgraph.serving.waiting`);
 - ``encgraph_gc_collections_total{generation}``, ``encgraph_gc_pause_seconds_total{generation}``,
   ``encgraph_gc_longest_pause_seconds{generation}``: the server process's garbage collections and the pauses
   they cost every thread (:mod:`encgraph.serving.heap`).
@@ -67,6 +71,9 @@ class _StatsCollector:
                                       labels=["model", "outcome"])
         coalesced = CounterMetricFamily("encgraph_coalesced_requests", "Requests that shared a runner call",
                                         labels=["model"])
+        launches = CounterMetricFamily("encgraph_front_launches", "Calls of the batching front by how their wait "
+                                       "ended: no wait, the device idle, held behind two calls on the device",
+                                       labels=["model", "kind"])
         corrections = CounterMetricFamily("encgraph_cost_corrections", "Corrections of the runner's cost model "
                                           "from what it measured while serving, by part", labels=["model", "kind"])
         for name, model in self.models.items():
@@ -77,6 +84,9 @@ class _StatsCollector:
             for key in ("completed", "failed", "rejected", "cancelled"):
                 outcome.add_metric([name, key], stats[key])
             coalesced.add_metric([name], sum(k * v for k, v in stats["requests_per_call"].items() if k > 1))
+            for kind, key in (("no_wait", "waits_skipped"), ("idle", "idle_launches"), ("held", "held_launches")):
+                if key in stats:
+                    launches.add_metric([name, kind], stats[key])
             if not runner:
                 continue
             items.add_metric([name, "graph"], runner["graph_items"])
@@ -91,7 +101,7 @@ class _StatsCollector:
                 padded.add_metric([name, path], p["padded_share"])
             for kind, n in (runner.get("cost_feedback") or {}).get("corrections", {}).items():
                 corrections.add_metric([name, kind], n)
-        yield from (items, replays, eager, tokens, padded, depth, calls, outcome, coalesced, corrections)
+        yield from (items, replays, eager, tokens, padded, depth, calls, outcome, coalesced, launches, corrections)
         yield from _gc_families()
         if self.preprocess is not None:
             yield CounterMetricFamily("encgraph_preprocess_restarts", "Restarts of the preprocessing pool after a "

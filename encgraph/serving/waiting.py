@@ -18,6 +18,15 @@
   lone client pays the wait on one call in 8, then 16, 32 and 64 (measured on an H200, SigLIP-so400m, one
   closed-loop client, before the device rule: 5.71 ms per request with a 2 ms wait on every call, 3.69 ms
   without waiting).
+- **At most two calls on the device** (:data:`MAX_IN_FLIGHT`): one running and one queued behind it. A call that
+  finds both still in flight could only queue behind them, so launching it sooner would not finish it sooner: it
+  keeps gathering until the older of the two is done (at most :data:`HOLD_LIMIT_S` after its first request arrived,
+  however long ``max_wait_ms``; ``stats["held_launches"]``). Without this rule a loaded server launched a small
+  call every time its ``max_wait_ms`` ran out while the device was busy, and the device's queue, not the front's,
+  held the waiting requests: on an H100 (SigLIP-so400m, 32 clients, host preprocessing) 2.2 requests a call and
+  50.8 ms a request in the answer stage waiting for its call's copy
+  (``benches/results/serving_nvidia-h100-80gb-hbm3_server_host_siglip_stream-handoff.md``), where a graph replay of
+  2 images costs the device far more per image than one of 16.
 
 ``adaptive_wait=False`` waits up to ``max_wait_ms`` on every call. The policy is used from the front's worker
 thread only.
@@ -25,6 +34,7 @@ thread only.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +42,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["IDLE_POLL_S", "MAX_PROBE_EVERY", "PROBE_EVERY", "USELESS_WAITS", "Wait", "WaitPolicy", "cuda_device"]
+__all__ = ["HOLD_LIMIT_S", "IDLE_POLL_S", "MAX_IN_FLIGHT", "MAX_PROBE_EVERY", "PROBE_EVERY", "USELESS_WAITS", "Wait",
+           "WaitPolicy", "cuda_device"]
 
 log = logging.getLogger("encgraph")
 
@@ -44,18 +55,25 @@ MAX_PROBE_EVERY = 64
 """The longest probe interval: each probe that sees no new request doubles it, from :data:`PROBE_EVERY`."""
 IDLE_POLL_S = 2.5e-4
 """While a call waits for more requests on a busy device, how often it looks whether the device went idle."""
+MAX_IN_FLIGHT = 2
+"""Calls a CUDA target's front keeps launched and unfinished on the device: the running one and one queued."""
+HOLD_LIMIT_S = 1.0
+"""The longest a call is held, after its first request arrived, while :data:`MAX_IN_FLIGHT` calls are in flight
+(a guard: the device finishes the older call long before)."""
 
 
 @attrs.frozen
 class Wait:
     """One call's wait: gather until ``deadline`` (``time.monotonic()``), or until ``until()`` is true while the
     queue is empty (``None``: no such condition). ``skipped``: the call takes only what is already queued;
-    ``idle``: because the device was idle."""
+    ``idle``: because the device was idle; ``held``: the device has :data:`MAX_IN_FLIGHT` calls in flight, and the
+    call gathers until the older is done."""
 
     deadline: float
     until: Callable[[], bool] | None = None
     skipped: bool = False
     idle: bool = False
+    held: bool = False
 
 
 class WaitPolicy:
@@ -73,7 +91,8 @@ class WaitPolicy:
         self._skipped = 0  # calls since the last wait
         self._probe_every = PROBE_EVERY  # doubles after each useless probe, up to MAX_PROBE_EVERY
         self._probe = False  # the current call is a probe
-        self._launched: Any = None  # a CUDA event recorded after the last call (CUDA targets)
+        # CUDA events recorded after the last calls (CUDA targets), oldest first.
+        self._launched: collections.deque[Any] = collections.deque(maxlen=MAX_IN_FLIGHT)
 
     def wait(self, arrived: float) -> Wait:
         """The wait of a call whose first request arrived at ``arrived``."""
@@ -82,9 +101,12 @@ class WaitPolicy:
             return Wait(deadline)
         if self.device is not None:
             launched = self._launched
-            if launched is None or launched.query():
+            if not launched or launched[-1].query():  # the stream runs in order: the last done, all done
                 return Wait(time.monotonic(), skipped=True, idle=True)
-            return Wait(deadline, until=launched.query)
+            older = launched[0]
+            if len(launched) == MAX_IN_FLIGHT and not older.query():
+                return Wait(arrived + max(self.max_wait_s, HOLD_LIMIT_S), until=older.query, held=True)
+            return Wait(deadline, until=launched[-1].query)
         idle = self._useless >= USELESS_WAITS  # recent waits gathered nothing
         skip = idle and self._skipped < self._probe_every - 1
         self._probe = idle and not skip
@@ -111,11 +133,11 @@ class WaitPolicy:
         if self.device is None:
             return
         try:
-            self._launched = launch_marker(self.device)
+            self._launched.append(launch_marker(self.device))
         except Exception as exc:  # never the front's worker's failure: it would fail every queued request
             log.warning("encgraph serving: could not mark the device's stream after a call (%s); the next call "
                         "does not wait", exc)
-            self._launched = None
+            self._launched.clear()
 
 
 def cuda_device(target: Any) -> Any:

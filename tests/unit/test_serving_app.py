@@ -54,6 +54,9 @@ class _Model:
     def submit(self, prepared):
         return self.front.submit(prepared.inputs)
 
+    def on_host(self, results):
+        pass
+
     def embeddings(self, results, tokens):
         self.answered_on.append(threading.current_thread().name)
         return [(r, None) for r in results]
@@ -82,6 +85,32 @@ def test_answers_run_on_the_apps_own_threads_and_the_app_serves_again_after_its_
         assert [d["embedding"] for d in got.json()["data"]] == [[10.0, 20.0, 30.0], [200.0, 100.0, 0.0]]
     assert len(model.answered_on) == 2
     assert all(name.startswith("encgraph-answer") for name in model.answered_on), model.answered_on
+
+
+def test_the_wait_for_the_device_is_encode_time_and_answer_is_the_json_alone():
+    """The stage clock (``encgraph_request_stage_seconds``): a request's wait for its embeddings on the host
+    (``on_host``, where a CUDA call's device work and copy down are waited for) ends its encode stage; its answer
+    stage is the JSON reply after that, here a slow one. Each stage is counted once per request."""
+    import time
+
+    class Slow(_Model):
+        def on_host(self, results):
+            time.sleep(0.3)
+
+        def embeddings(self, results, tokens):
+            time.sleep(0.1)
+            return super().embeddings(results, tokens)
+
+    app = create_app({"fake": Slow()})
+    with TestClient(app) as client:
+        assert _post(client, 1).status_code == 200
+    registry = app.state.metrics.registry
+
+    def stage(name, kind):
+        return registry.get_sample_value(f"encgraph_request_stage_seconds_{kind}", {"model": "fake", "stage": name})
+
+    assert all(stage(s, "count") == 1 for s in ("read", "decode", "preprocess", "encode", "answer"))
+    assert 0.3 <= stage("encode", "sum") and 0.1 <= stage("answer", "sum") < 0.3
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])

@@ -43,3 +43,10 @@ def test_a_runner_without_feedback_stats_still_scrapes():
     del stats["runner"]["cost_feedback"]
     text = scrape({"a": types.SimpleNamespace(front=types.SimpleNamespace(stats=stats))})
     assert "encgraph_cost_corrections" in text and 'encgraph_runner_items_total{kind="graph",model="a"} 5.0' in text
+
+
+def test_the_fronts_launches_are_counted_by_how_their_wait_ended():
+    stats = {**front_stats({}), "waits_skipped": 7, "idle_launches": 5, "held_launches": 3}
+    text = scrape({"a": types.SimpleNamespace(front=types.SimpleNamespace(stats=stats))})
+    for kind, n in (("no_wait", 7), ("idle", 5), ("held", 3)):
+        assert f'encgraph_front_launches_total{{kind="{kind}",model="a"}} {n}.0' in text

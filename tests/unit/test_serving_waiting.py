@@ -1,7 +1,7 @@
 """The front's wait policy on a CUDA target, exercised on the CPU with a fake device and a fake CUDA event whose
 ``query()`` turns true a set time after it is recorded: an idle device launches at once, a busy one gathers the
-requests that arrive until it goes idle (never past ``max_wait_ms``); the policy off CUDA is in
-``test_serving_front.py``."""
+requests that arrive until it goes idle (never past ``max_wait_ms``), and a call that finds two calls still in flight
+gathers until the older is done; the policy off CUDA is in ``test_serving_front.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from encgraph.capture.records import RunMode
 import encgraph
 from encgraph.serving import BatchingFront, waiting
-from encgraph.serving.waiting import WaitPolicy
+from encgraph.serving.waiting import HOLD_LIMIT_S, MAX_IN_FLIGHT, WaitPolicy
 
 TIMEOUT = 30
 
@@ -59,6 +59,19 @@ def _graphed():
     return net, fast
 
 
+def _two_in_one_call(front, net, xs, start):
+    """Submit ``xs[0]``, then ``xs[1]`` 0.1 s later, while the front's worker holds the first; check each answer
+    against the net; return the seconds from ``start`` to both answers and the front's stats."""
+    futures = [front.submit(xs[0])]
+    time.sleep(0.1)
+    futures.append(front.submit(xs[1]))
+    outs = [f.result(TIMEOUT) for f in futures]
+    waited = time.perf_counter() - start
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, net(x))
+    return waited, front.stats
+
+
 def test_policy_waits_only_while_the_last_call_runs(fake_device):
     busy, _ = fake_device
     policy = WaitPolicy(0.5, True, torch.device("cuda", 0))
@@ -75,6 +88,42 @@ def test_policy_waits_only_while_the_last_call_runs(fake_device):
     # adaptive_wait=False or max_wait 0: the device is not asked.
     assert WaitPolicy(0.5, False, torch.device("cuda", 0)).wait(arrived).deadline == pytest.approx(arrived + 0.5)
     assert not WaitPolicy(0.0, True, torch.device("cuda", 0)).wait(arrived).skipped
+
+
+def test_policy_holds_a_call_while_two_calls_are_in_flight(fake_device):
+    busy, events = fake_device
+    assert MAX_IN_FLIGHT == 2
+    policy = WaitPolicy(0.01, True, torch.device("cuda", 0))
+    busy[0] = 0.2
+    policy.launched()  # the running call
+    busy[0] = 60.0
+    policy.launched()  # one queued behind it
+    arrived = time.monotonic()
+    held = policy.wait(arrived)
+    assert held.held and not held.skipped and held.deadline == pytest.approx(arrived + HOLD_LIMIT_S)
+    assert held.until is not None and not held.until()
+    time.sleep(0.25)  # the older call is done, the newer still runs: a plain wait, up to max_wait
+    assert held.until()
+    after = policy.wait(arrived)
+    assert not after.held and after.deadline == pytest.approx(arrived + 0.01) and not after.until()
+    assert events[0].queries >= 2
+
+
+def test_a_call_behind_two_in_flight_gathers_until_the_older_is_done(fake_device):
+    busy, _ = fake_device
+    net, fast = _graphed()
+    busy[0] = 0.5  # each call keeps the fake device busy this long
+    xs = [torch.randn(n, 6) for n in (1, 2, 3, 1)]
+    with BatchingFront(fast, max_wait_ms=20.0) as front:
+        start = time.perf_counter()
+        front.submit(xs[0]).result(TIMEOUT)  # idle: launched at once
+        front.submit(xs[1]).result(TIMEOUT)  # one in flight: launched after max_wait, now two are
+        # held: launched now, it would only queue behind the two
+        waited, stats = _two_in_one_call(front, net, xs[2:], start)
+    # Both in one call, launched once the first call's device work was done (0.5 s after it), not after 20 ms.
+    assert stats["requests_per_call"] == {1: 2, 2: 1}, stats["requests_per_call"]
+    assert stats["held_launches"] == 1 and stats["idle_launches"] == 1
+    assert 0.4 < waited < 0.5 + HOLD_LIMIT_S, waited
 
 
 def test_a_lone_client_on_an_idle_device_never_waits(fake_device):
@@ -100,15 +149,8 @@ def test_a_busy_device_gathers_what_arrives_until_it_goes_idle(fake_device):
     with BatchingFront(fast, max_wait_ms=5_000.0) as front:
         first = front.submit(xs[0])
         first.result(TIMEOUT)  # launched at once (idle); its marker is busy for 0.4 s
-        start = time.perf_counter()
-        futures = [front.submit(xs[1])]
-        time.sleep(0.1)  # the worker holds the second request, waiting on the busy device
-        futures.append(front.submit(xs[2]))
-        outs = [f.result(TIMEOUT) for f in futures]
-        waited = time.perf_counter() - start
-        stats = front.stats
-    for x, out in zip(xs[1:], outs):
-        torch.testing.assert_close(out, net(x))
+        # the worker holds the second request, waiting on the busy device
+        waited, stats = _two_in_one_call(front, net, xs[1:], time.perf_counter())
     # One call for both, launched when the device went idle (about 0.4 s), long before max_wait_ms.
     assert stats["requests_per_call"] == {1: 1, 2: 1}, stats["requests_per_call"]
     assert 0.25 < waited < 2.0, waited
