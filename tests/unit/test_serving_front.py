@@ -375,7 +375,8 @@ def test_finish_call_runs_once_per_call_on_the_worker_and_hands_each_request_its
         seen.append((threading.current_thread().name, [o.shape[0] for o in outs], torch.is_inference_mode_enabled()))
         return [(i, o) for i, o in enumerate(outs)]
 
-    with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=3, finish_call=finish_call, name="front-c") as front:
+    options = dict(max_wait_ms=LONG_WAIT_MS, max_requests=3, finish_call=finish_call, name="front-c")
+    with BatchingFront(fast, **options) as front:
         got = [f.result(TIMEOUT) for f in [front.submit(x) for x in xs]]
         stats = front.stats
     assert seen == [("front-c", [2, 1, 3], True)]
