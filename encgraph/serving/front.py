@@ -39,7 +39,7 @@ import attrs
 from encgraph._validate import check_int, check_optional_int, describe
 from encgraph.errors import ConfigError, ConfigTypeError, OverloadedError, ShutdownError
 from encgraph.serving.front_stats import FrontStats
-from encgraph.serving.targets import Parsed, make_target
+from encgraph.serving.targets import Finishing, Parsed, make_target
 from encgraph.serving.waiting import IDLE_POLL_S, WaitPolicy, cuda_device
 
 __all__ = ["BatchingFront", "FrontStats"]
@@ -82,6 +82,8 @@ class BatchingFront:
             must follow the request's own replay on the worker's stream: starting its device-to-host copies
             there (:func:`encgraph.serving.transfer.to_host`) lets the caller wait for those copies alone
             rather than, as a ``.cpu()`` on its own thread would, for every replay launched since.
+        finish_call: ``finish`` for a whole call at once (instead of ``finish``): the list of the call's requests'
+            results in, one value per request out, in order (:class:`~encgraph.serving.targets.Finishing`).
         name: the worker thread's name.
 
     Use as a context manager, or call :meth:`close`.
@@ -98,12 +100,11 @@ class BatchingFront:
         max_queue: int = 1024,
         capture: bool = False,
         finish: Callable[[Any], Any] | None = None,
+        finish_call: Callable[[list[Any]], Any] | None = None,
         name: str = "encgraph-front",
     ) -> None:
         self._target = make_target(target)
-        if finish is not None and not callable(finish):
-            raise ConfigTypeError(f"finish: expected a callable or None, got {describe(finish)}.")
-        self._finish = finish
+        self._finishing = Finishing.of(finish, finish_call)
         if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)) or not max_wait_ms >= 0:
             raise ConfigError(f"max_wait_ms: expected a number of milliseconds >= 0, got {describe(max_wait_ms)}.")
         self.max_wait_s = float(max_wait_ms) / 1e3
@@ -330,15 +331,10 @@ class BatchingFront:
                 self._run([one])
             return
         self._count_call(len(group))
-        for one, result in zip(group, results):
-            if self._finish is not None:
-                try:
-                    with _inference_mode():
-                        result = self._finish(result)
-                except Exception as exc:  # this request's finishing failed: it alone fails
-                    self._answer(one, exc=exc)
-                    continue
-            self._answer(one, result=result)
+        with _inference_mode():
+            finished = self._finishing(list(results))
+        for one, (result, exc) in zip(group, finished):
+            self._answer(one, result=result, exc=exc)
 
     def _guarded(self, request: _Request, fn: Any) -> Any:
         try:

@@ -34,9 +34,9 @@ from encgraph.serving.checkpoints import Checkpoint
 from encgraph.serving.transfer import (
     Handoff,
     HostCopy,
+    PinnedBuffers,
     Ready,
     side_stream_work,
-    to_host,
     upload,
 )
 
@@ -176,11 +176,10 @@ class ServedModel:
         (later calls' included). Runs on a request thread."""
         import torch
 
-        (pooled,) = finished.pooled.wait()  # (images, dim): one copy per request
         per_token = self.per_item_tokens
         out = []
         with torch.inference_mode():
-            for p, r in zip(pooled.numpy(), finished.results):
+            for p, r in zip(finished.host_rows(), finished.results):
                 seq = _sequence(r, per_token).float().cpu().numpy() if tokens else None
                 out.append((p, seq))
         return out
@@ -205,12 +204,21 @@ class ServedModel:
 
 @attrs.frozen
 class Finished:
-    """A request's result as its front answers it: ``pooled`` (the host copy of its images' pooled embeddings,
-    one ``(images, dim)`` float32 tensor, in flight) and ``results`` (the runner's per-image device results, for the token
+    """A request's result as its front answers it: ``pooled`` (the host copy of its call's pooled embeddings, one
+    ``(call's images, dim)`` float32 tensor, in flight, shared by the call's requests), ``rows`` (this request's
+    rows of it, its images in order) and ``results`` (the runner's per-image device results, for the token
     sequences; they live as long as this object)."""
 
     pooled: HostCopy
+    rows: slice
     results: Sequence[Mapping[str, Any]]
+
+    def host_rows(self) -> np.ndarray:
+        """This request's pooled embeddings ``(images, dim)`` float32, once on the host (:meth:`HostCopy.wait`),
+        copied out of the call's buffer (a few KiB: the pinned buffer goes back to the pool when the call's
+        requests are done with it, whoever keeps these rows)."""
+        (pooled,) = self.pooled.wait()
+        return pooled[self.rows].numpy().copy()
 
 
 def _per_item_tokens(adapter: Any) -> bool:
@@ -224,20 +232,25 @@ def _sequence(result: Mapping[str, Any], per_item_tokens: bool) -> Any:
     return result["pooler_output"] if per_item_tokens else result["last_hidden_state"][0]
 
 
-def _finish(per_item_tokens: bool, results: Sequence[Mapping[str, Any]]) -> Finished:
-    """The front's ``finish`` (on its worker, right after the call): each image's pooled embedding, computed on
-    the device (a token tower: the mean of its merged tokens; a batch tower: its ``pooler_output`` where it has
-    one, else the mean of its last hidden state), stacked, and their one copy to the host started behind this
-    call's replay."""
+def _finish_call(per_item_tokens: bool, buffers: PinnedBuffers, calls: Sequence[Sequence[Mapping[str, Any]]]
+                 ) -> list[Finished]:
+    """The front's ``finish_call`` (on its worker, right after the call; ``calls``: each request's per-image
+    results, in the call's order): each image's pooled embedding, computed on the device (a token tower: the mean
+    of its merged tokens; a batch tower: its ``pooler_output`` where it has one, else the mean of its last hidden
+    state), all the call's images stacked, their one copy to the host (one event, a reused pinned buffer:
+    :class:`~encgraph.serving.transfer.PinnedBuffers`) started behind this call's replay; each request gets its
+    rows."""
     import torch
 
     pooled = []
-    for r in results:
+    for r in (r for results in calls for r in results):
         if per_item_tokens or "pooler_output" not in r:
             pooled.append(_sequence(r, per_item_tokens).float().mean(0))
         else:
-            pooled.append(r["pooler_output"][0].float())
-    return Finished(to_host([torch.stack(pooled)]), results)
+            pooled.append(r["pooler_output"][0])
+    copy = buffers.copy(torch.stack(pooled).float())
+    bounds = np.cumsum([0, *(len(results) for results in calls)]).tolist()
+    return [Finished(copy, slice(a, b), results) for a, b, results in zip(bounds, bounds[1:], calls)]
 
 
 PROCESSED = ("pixel_values", "image_grid_thw", "decoded_sizes")
@@ -369,7 +382,7 @@ def build_model(
         options["capture"] = True
     engine = "hf-eager" if eager else target.mode.value
     param = next(tower.parameters())
-    finish = functools.partial(_finish, _per_item_tokens(adapter))
-    front = BatchingFront(target, name=f"encgraph-front-{name}", finish=finish, **options)
+    finish = functools.partial(_finish_call, _per_item_tokens(adapter), PinnedBuffers())
+    front = BatchingFront(target, name=f"encgraph-front-{name}", finish_call=finish, **options)
     dtype = param.dtype if isinstance(param.dtype, torch.dtype) else None
     return ServedModel(name, description, processor, adapter, front, param.device, dtype, eager, engine)

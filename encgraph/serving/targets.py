@@ -22,10 +22,10 @@ from typing import Any
 import attrs
 
 from encgraph._validate import describe
-from encgraph.errors import ConfigTypeError, InputError, InputTypeError
+from encgraph.errors import ConfigError, ConfigTypeError, InputError, InputTypeError
 from encgraph.packing import ItemSpec
 
-__all__ = ["Parsed", "RunnerTarget", "GraphedTarget", "CallableTarget", "make_target"]
+__all__ = ["Parsed", "RunnerTarget", "GraphedTarget", "CallableTarget", "Finishing", "make_target"]
 
 log = logging.getLogger("encgraph")
 
@@ -236,3 +236,54 @@ def make_target(target: Any) -> RunnerTarget | CallableTarget:
         f"target: expected an EncoderGraphRunner, a graphed module (encgraph.graphed) or a callable, got "
         f"{describe(target)}."
     )
+
+
+@attrs.frozen
+class Finishing:
+    """What a front does with a call's results before each request gets its own (``BatchingFront``'s ``finish``
+    and ``finish_call``; on the worker, right after the call, for work that must follow the call on its stream).
+
+    ``each(result)``: per request; one that raises fails its request alone. ``call(results)``: once per call, the
+    requests' results in order in, one value per request out in the same order (one device-to-host copy for the
+    whole call: :meth:`encgraph.serving.transfer.PinnedBuffers.copy`); one that raises, or returns another number
+    of values, fails every request of the call, each with an error of its own that names the call and the
+    cause. Neither: each request gets its result."""
+
+    each: Callable[[Any], Any] | None = None
+    call: Callable[[list[Any]], Any] | None = None
+
+    @classmethod
+    def of(cls, finish: Any, finish_call: Any) -> Finishing:
+        """The checked ``finish`` and ``finish_call`` arguments of a front (at most one of them)."""
+        for key, fn in (("finish", finish), ("finish_call", finish_call)):
+            if fn is not None and not callable(fn):
+                raise ConfigTypeError(f"{key}: expected a callable or None, got {describe(fn)}.")
+        if finish is not None and finish_call is not None:
+            raise ConfigError("finish, finish_call: expected at most one of them, got both.")
+        return cls(finish, finish_call)
+
+    def __call__(self, results: list[Any]) -> list[tuple[Any, BaseException | None]]:
+        """Per request, in order: ``(value, None)``, or ``(None, error)`` where it failed."""
+        if self.call is None:
+            return [self._one(r) for r in results]
+        try:
+            finished = list(self.call(results))
+            if len(finished) != len(results):
+                raise RuntimeError(f"finish_call returned {len(finished)} values for {len(results)} requests")
+        except Exception as exc:
+            why = f"finishing this request's call of {len(results)} requests failed ({type(exc).__name__}: {exc})."
+            return [(None, _caused(RuntimeError(why), exc)) for _ in results]
+        return [(value, None) for value in finished]
+
+    def _one(self, result: Any) -> tuple[Any, BaseException | None]:
+        if self.each is None:
+            return result, None
+        try:
+            return self.each(result), None
+        except Exception as exc:  # this request's finishing failed: it alone fails
+            return None, exc
+
+
+def _caused(exc: BaseException, cause: BaseException) -> BaseException:
+    exc.__cause__ = cause
+    return exc

@@ -161,6 +161,39 @@ def test_side_stream_uploads_and_worker_host_copies_stay_exact():
             assert rel(got, want) < HF_RTOL and rel(got, alone) < STATIC_RTOL
 
 
+def test_served_calls_copy_down_once_and_each_request_gets_its_own_rows():
+    """``encgraph serve``'s model on a GPU (``loading.build_model``): 32 threads prepare (side-stream uploads) and
+    submit requests of 1-4 images at once; each call's pooled rows go down in one copy into a reused pinned buffer
+    (``PinnedBuffers``), and every request's embeddings are its own images', in order, equal to the tower's
+    forward on that request alone. A lone request afterwards makes no new buffer: the free ones are reused."""
+    from encgraph.serving import loading
+
+    hf = siglip_tower()
+    served = loading.build_model("siglip", copy.deepcopy(hf), None, "test", budgets=[1, 2, 4, 8, 16, 32])
+    buffers = served.front._finishing.call.args[1]
+    gen = torch.Generator().manual_seed(5)
+    host = [torch.randn(int(n), 3, 384, 384, generator=gen) for n in np.random.default_rng(6).integers(1, 5, CLIENTS)]
+
+    def client(x: torch.Tensor) -> np.ndarray:
+        finished = served.submit(served.prepare({"pixel_values": x.numpy()})).result(TIMEOUT)
+        served.on_host(finished)
+        return np.stack([pooled for pooled, _ in served.embeddings(finished, tokens=False)])
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
+            answers = list(ex.map(client, host))
+        stats, made = served.front.stats, buffers.buffers
+        assert client(host[0]).shape == answers[0].shape and buffers.buffers == made
+    finally:
+        served.front.close()
+    assert max(stats["requests_per_call"]) > 1 and made <= stats["calls"], (stats, made)
+    with torch.inference_mode():
+        for x, got in zip(host, answers):
+            want = hf(pixel_values=x.to("cuda", torch.bfloat16)).pooler_output.float().cpu()
+            assert got.shape == tuple(want.shape) and np.isfinite(got).all()
+            assert rel(torch.from_numpy(got), want) < HF_RTOL
+
+
 def test_calls_wait_only_while_the_device_is_busy():
     """The front's CUDA wait rule (``encgraph.serving.waiting``) on a real device: a lone client whose previous
     answer has finished on the device never waits; requests that arrive while the device runs an earlier call

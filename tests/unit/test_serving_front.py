@@ -364,6 +364,63 @@ def test_finish_runs_on_the_worker_after_the_call_and_fails_its_request_alone():
         BatchingFront(fast, finish=3)
 
 
+def test_finish_call_runs_once_per_call_on_the_worker_and_hands_each_request_its_own_value():
+    """``finish_call`` gets the whole call's results, in the requests' order, once, on the worker (in inference
+    mode); each request gets the value at its place in what it returns."""
+    net, fast = _graphed()
+    xs = [torch.randn(2, 6), torch.randn(1, 6), torch.randn(3, 6)]
+    seen: list[tuple[str, list[int], bool]] = []
+
+    def finish_call(outs: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        seen.append((threading.current_thread().name, [o.shape[0] for o in outs], torch.is_inference_mode_enabled()))
+        return [(i, o) for i, o in enumerate(outs)]
+
+    options = dict(max_wait_ms=LONG_WAIT_MS, max_requests=3, finish_call=finish_call, name="front-c")
+    with BatchingFront(fast, **options) as front:
+        got = [f.result(TIMEOUT) for f in [front.submit(x) for x in xs]]
+        stats = front.stats
+    assert seen == [("front-c", [2, 1, 3], True)]
+    for i, (x, (place, out)) in enumerate(zip(xs, got)):
+        assert place == i
+        torch.testing.assert_close(out, net(x).detach(), rtol=1e-5, atol=1e-6)
+    assert stats["calls"] == 1 and stats["completed"] == 3 and stats["items"] == 6
+
+
+@pytest.mark.parametrize("broken", ["raises", "short"])
+def test_a_failing_finish_call_fails_every_request_of_its_call_clearly(broken):
+    """A ``finish_call`` that raises (or returns fewer values than requests) fails each request of its call with
+    an error of its own that names the call and the cause; the next call is served."""
+    _, fast = _graphed()
+    calls = []
+
+    def finish_call(outs):
+        calls.append(len(outs))
+        if len(calls) == 1:
+            if broken == "raises":
+                raise ValueError("copy failed")
+            return outs[:-1]
+        return outs
+
+    with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=2, finish_call=finish_call) as front:
+        futures = [front.submit(torch.randn(n, 6)) for n in (1, 2)]
+        errors = [f.exception(TIMEOUT) for f in futures]
+        assert front.submit(torch.randn(1, 6)).result(TIMEOUT).shape == (1, 5)
+        stats = front.stats
+    cause = "ValueError: copy failed" if broken == "raises" else "returned 1 values for 2 requests"
+    for exc in errors:
+        assert isinstance(exc, RuntimeError) and "call of 2 requests failed" in str(exc) and cause in str(exc)
+    assert errors[0] is not errors[1] and (broken != "raises" or isinstance(errors[0].__cause__, ValueError))
+    assert calls == [2, 1] and stats["failed"] == 2 and stats["completed"] == 1
+
+
+def test_finish_and_finish_call_are_checked():
+    _, fast = _graphed()
+    with pytest.raises(ConfigTypeError, match="finish_call: expected a callable"):
+        BatchingFront(fast, finish_call=3)
+    with pytest.raises(ConfigError, match="finish, finish_call: expected at most one of them"):
+        BatchingFront(fast, finish=list, finish_call=list)
+
+
 def test_submit_after_calls_ready_on_the_worker_before_the_call_and_a_failing_one_fails_alone():
     """``submit_after(ready, ...)``: the worker calls each request's ``ready`` on its own thread once it takes the
     request, before the call that runs it (where the server's device preprocessing makes the worker's stream wait

@@ -321,3 +321,66 @@ def test_request_threads_reach_the_app(monkeypatch):
 
     with pytest.raises(UsageError, match="--request-threads: expected a positive int, got 0"):
         build_parser().parse_args(["serve", "--request-threads", "0"])
+
+
+@pytest.mark.parametrize("tokens", [False, True], ids=["batch-tower", "token-tower"])
+def test_a_call_is_copied_down_once_and_each_request_reads_its_own_rows(monkeypatch, tokens):
+    """The served front's ``finish_call`` on a (faked) CUDA call of three requests of 2, 1 and 3 images: one pinned
+    buffer, one copy and one event for the call; each request's rows are its own images' pooled embeddings, in
+    order (a batch tower's ``pooler_output`` row, a token tower's mean of its merged tokens), as float32; the
+    next call reuses the buffer once the first call's requests are done with it."""
+    from tests.unit.test_serving_transfer import _fake_pinned, _OnCuda
+
+    made = _fake_pinned(monkeypatch)
+    buffers = loading.PinnedBuffers()
+    gen = torch.Generator().manual_seed(0)
+
+    def call(sizes):
+        def item():
+            if tokens:
+                return {"pooler_output": torch.randn(3, 4, generator=gen).as_subclass(_OnCuda)}
+            return {"pooler_output": torch.randn(1, 4, generator=gen).to(torch.bfloat16).as_subclass(_OnCuda),
+                    "last_hidden_state": torch.randn(1, 3, 4, generator=gen).as_subclass(_OnCuda)}
+        return [[item() for _ in range(n)] for n in sizes]
+
+    def want(result):
+        if tokens:
+            return result["pooler_output"].float().mean(0).as_subclass(torch.Tensor).numpy()
+        return result["pooler_output"][0].float().as_subclass(torch.Tensor).numpy()
+
+    first = call([2, 1, 3])
+    finished = loading._finish_call(tokens, buffers, first)
+    assert len(finished) == 3 and len({id(f.pooled) for f in finished}) == 1 and len(made) == 1
+    event = finished[0].pooled.event
+    assert event.recorded == 1 and [f.rows for f in finished] == [slice(0, 2), slice(2, 3), slice(3, 6)]
+    for f, results in zip(finished, first):
+        rows = f.host_rows()
+        assert rows.dtype == np.float32 and rows.shape == (len(results), 4) and f.results is results
+        np.testing.assert_array_equal(rows, np.stack([want(r) for r in results]))
+    assert event.synchronized == 3  # each request waits for the call's one event
+    ptr = finished[0].pooled.tensors[0].data_ptr()
+    del finished, f
+    again = loading._finish_call(tokens, buffers, call([1]))
+    assert len(made) == 1 and again[0].pooled.tensors[0].data_ptr() == ptr
+
+
+def test_coalesced_requests_on_the_cpu_each_get_their_own_images_embeddings(siglip_dir):
+    """Three requests (2, 1 and 3 images) in one call of the served tower on the CPU: each gets its own images'
+    embeddings, in order, equal to the original model's."""
+    path, model = siglip_dir
+    tower, processor, description = loading.load_checkpoint(path, device=torch.device("cpu"), dtype=torch.float32)
+    served = loading.build_model("siglip", tower, processor, description,
+                                 front_options={"max_wait_ms": 5_000, "adaptive_wait": False, "max_requests": 3})
+    batches = [_images(n, seed=n) for n in (2, 1, 3)]
+    try:
+        futures = [served.front.submit(served.inputs(images)) for images in batches]
+        got = [served.embeddings(f.result(TIMEOUT), tokens=False) for f in futures]
+        stats = served.front.stats
+    finally:
+        served.front.close()
+    assert stats["calls"] == 1 and stats["requests_per_call"] == {3: 1}
+    for images, answer in zip(batches, got):
+        want = _reference("siglip", model, processor, images)
+        assert len(answer) == len(want)
+        for (pooled, seq), ref in zip(answer, want):
+            assert seq is None and np.abs(pooled - ref).max() / np.abs(ref).max() < TOL

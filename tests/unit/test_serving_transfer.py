@@ -186,3 +186,81 @@ def test_keep_all_keeps_every_device_tensor_of_a_structure():
     work = SideWork()
     assert work.keep_all(value) is value
     assert [id(t) for t in work.kept] == [id(a), id(b), id(c)]
+
+
+class _OnCuda(torch.Tensor):
+    """A CUDA tensor's stand-in on a CPU-only build: its values on the host, its device ``cuda:0``."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+class _CopyEvent:
+    """A CUDA event's stand-in for device-to-host copies: ``done`` is what ``query()`` says."""
+
+    def __init__(self):
+        self.recorded, self.synchronized, self.done = 0, 0, True
+
+    def record(self, stream=None):
+        self.recorded += 1
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def _fake_pinned(monkeypatch) -> list[torch.Tensor]:
+    """Fake CUDA events, and ``torch.empty(..., pin_memory=True)`` made in plain memory: the list of those made."""
+    made: list[torch.Tensor] = []
+    real = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        out = real(*args, **kwargs)
+        if pin_memory:
+            made.append(out)
+        return out
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "Event", _CopyEvent)
+    return made
+
+
+def test_pinned_buffers_copy_once_per_call_and_reuse_a_buffer_once_free(monkeypatch):
+    """``PinnedBuffers.copy``: one copy and one event; the host tensor holds the values; a buffer is reused only
+    once the copy that holds it is gone and its event is done; a larger call gets the next power of two, replacing
+    a free buffer too small; another dtype gets a buffer of its own; a CPU tensor is returned as it is."""
+    from encgraph.serving.transfer import MIN_PINNED_ELEMENTS, PinnedBuffers
+
+    made = _fake_pinned(monkeypatch)
+    buffers = PinnedBuffers()
+    x = torch.randn(5, 7)
+    first = buffers.copy(x.as_subclass(_OnCuda))
+    (host,) = first.wait()
+    assert type(host) is torch.Tensor and torch.equal(host, x) and host.shape == (5, 7)
+    assert first.event.recorded == 1 and first.event.synchronized == 1
+    assert [m.numel() for m in made] == [MIN_PINNED_ELEMENTS] and made[0].dtype == torch.float32
+    first_ptr = host.data_ptr()
+    held = buffers.copy(torch.ones(3, 7).as_subclass(_OnCuda))  # the first is still held: a buffer of its own
+    assert len(made) == 2 and held.tensors[0].data_ptr() != first_ptr
+    event = first.event
+    event.done = False
+    del first, host  # no request holds it any more, but its copy is still in flight
+    third = buffers.copy(torch.ones(2, 7).as_subclass(_OnCuda))
+    assert len(made) == 3 and third.tensors[0].data_ptr() != first_ptr
+    event.done = True
+    y = torch.randn(4, 7)
+    fourth = buffers.copy(y.as_subclass(_OnCuda))  # now the first's buffer is free
+    assert len(made) == 3 and fourth.tensors[0].data_ptr() == first_ptr and torch.equal(fourth.wait()[0], y)
+    assert torch.equal(held.wait()[0], torch.ones(3, 7))  # untouched by the copies after it
+    del held, third
+    big = buffers.copy(torch.ones(MIN_PINNED_ELEMENTS + 1).as_subclass(_OnCuda))
+    assert made[-1].numel() == 2 * MIN_PINNED_ELEMENTS and buffers.buffers == 3  # one too small one replaced
+    half = buffers.copy(torch.ones(2, dtype=torch.float16).as_subclass(_OnCuda))
+    assert made[-1].dtype == torch.float16 and half.wait()[0].dtype == torch.float16 and buffers.buffers == 4
+    on_cpu = torch.ones(2)
+    copy = buffers.copy(on_cpu)
+    assert copy.event is None and copy.wait()[0] is on_cpu and len(made) == 5
+    assert big.wait()[0].numel() == MIN_PINNED_ELEMENTS + 1
