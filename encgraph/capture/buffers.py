@@ -15,6 +15,7 @@ import torch
 
 from encgraph.capture.grad import persistent
 from encgraph.capture.protocol import BufferSpec, FillRule
+from encgraph.capture.upload import copy_into
 from encgraph.errors import CaptureError, ConfigError, InputError
 
 __all__ = ["PathBuffers", "PathOutputs", "sequence_bounds"]
@@ -224,9 +225,7 @@ def _fill_one(
     if spec.fill is FillRule.SEQUENCE_BOUNDS:
         host = np.zeros(0, np.int64) if value is None else np.asarray(value, dtype=np.int64).reshape(-1)
         full = sequence_bounds(host, rows, int(spec.total), int(spec.chunk))  # type: ignore[arg-type]
-        # Non-blocking: ordered on the stream before the replay, and no host wait on the previous replay (a copy
-        # from pageable memory has read its source when it returns, so the temporary may go).
-        view.copy_(torch.from_numpy(full).to(view.dtype), non_blocking=True)
+        copy_into(view, torch.from_numpy(full))  # ordered before the replay; no host wait on the previous one
         return
     n = 0 if value is None else value.shape[0]
     if n > rows or (value is not None and tuple(value.shape[1:]) != tuple(view.shape[1:])):
@@ -235,7 +234,7 @@ def _fill_one(
             f"{tuple(view.shape)}; the sub-batch is larger than the budget it was planned for."
         )
     if n:
-        view[:n].copy_(value, non_blocking=True)  # type: ignore[arg-type]
+        copy_into(view[:n], value)  # type: ignore[arg-type]
     if n == rows:
         return
     tail = view[n:]

@@ -18,6 +18,7 @@ import torch
 
 from encgraph._validate import check_int, describe
 from encgraph.capture.protocol import AdapterConfig, BudgetUnit, BufferSpec, FillRule, PathSpec
+from encgraph.capture.upload import to_device
 from encgraph.errors import ConfigError, InputError, InputTypeError
 from encgraph.packing import ItemSpec
 
@@ -57,10 +58,7 @@ def take_rows(t: torch.Tensor, rows: Sequence[int] | np.ndarray) -> torch.Tensor
     start = int(index[0]) if n else 0
     if n == 0 or (start >= 0 and np.array_equal(index, np.arange(start, start + n))):
         return t[start : start + n]
-    host = torch.from_numpy(index)
-    if t.device.type == "cuda":
-        return t.index_select(0, host.pin_memory().to(t.device, non_blocking=True))
-    return t.index_select(0, host.to(t.device))
+    return t.index_select(0, to_device(torch.from_numpy(index), t.device))
 
 
 def describe_kind(kind: type | tuple[type, ...]) -> str:

@@ -44,6 +44,7 @@ import torch
 
 from encgraph._validate import check_padded_images, describe
 from encgraph.capture.protocol import BufferSpec, FillRule, StockCall
+from encgraph.capture.upload import to_device
 from encgraph.errors import InputError, InputTypeError
 from encgraph.models import call_args
 from encgraph.models.attention import packed_attention
@@ -178,7 +179,7 @@ class Idefics3Adapter(HiddenStatesChoice, QwenVisionAdapter):
             return tiles.reshape(-1, *tiles.shape[3:])
         units = unit_grid(grid, 1)
         index = torch.from_numpy(np.stack((units.frame, units.y, units.x)))
-        index = index.pin_memory().to(pv.device, non_blocking=True) if pv.is_cuda else index.to(pv.device)
+        index = to_device(index, pv.device)
         return tiles[index[0], index[1], index[2]]
 
     def inputs_from_call(self, *args: Any, **kwargs: Any) -> Idefics3Inputs | StockCall:

@@ -34,6 +34,7 @@ import torch
 
 from encgraph._validate import check_int, check_padded_images, describe
 from encgraph.capture.protocol import BufferSpec, FillRule, StockCall
+from encgraph.capture.upload import to_device
 from encgraph.errors import InputError, InputTypeError
 from encgraph.models import call_args
 from encgraph.models.hidden_choice import (
@@ -142,7 +143,7 @@ class PixtralAdapter(HiddenStatesChoice, QwenVisionAdapter):
             return tiles.reshape(-1, *tiles.shape[3:])
         units = unit_grid(grid, 1)
         index = torch.from_numpy(np.stack((units.frame, units.y, units.x)))
-        index = index.pin_memory().to(pv.device, non_blocking=True) if pv.is_cuda else index.to(pv.device)
+        index = to_device(index, pv.device)
         return tiles[index[0], index[1], index[2]]
 
     def sample_inputs(self, path: str, tokens: int) -> QwenVisionInputs:

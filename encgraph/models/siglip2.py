@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from encgraph._validate import check_int, check_pixels, describe
+from encgraph.capture.upload import to_device
 from encgraph.errors import InputError, InputTypeError
 from encgraph.models import call_args
 from encgraph.models.attention import hf_attention_forward
@@ -199,8 +200,7 @@ class Siglip2Adapter(QwenVisionAdapter):
         return pv.reshape(-1, pv.shape[2]).index_select(0, self._device_index(_flat_index(rows, pv.shape[1])))
 
     def _device_index(self, index: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(index)
-        return tensor.pin_memory().to(self._device, non_blocking=True) if self._device.type == "cuda" else tensor
+        return to_device(torch.from_numpy(index), self._device)
 
     def inputs_from_call(self, *args: Any, **kwargs: Any) -> Siglip2Inputs | StockCall:
         """The tower's ``forward(pixel_values, pixel_attention_mask, spatial_shapes, **kwargs)`` as inputs.
