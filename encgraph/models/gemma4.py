@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from encgraph._validate import check_int, check_pixels, describe
+from encgraph.capture.upload import to_device
 from encgraph.errors import ConfigError, InputError, InputTypeError, UnsupportedModelError
 from encgraph.models.own_forward import own_forward
 from encgraph.models._hf import require_transformers, tower_dtype_device
@@ -304,8 +305,9 @@ class Gemma4Adapter:
 
     def forward_eager(self, path: str, inputs: Gemma4Patches) -> dict[str, torch.Tensor]:
         pixels, positions, cu = self._path_rows(path, inputs)
-        cu_dev = torch.from_numpy(cu.astype(np.int32)).to(self._device)
-        return self._encode(pixels, torch.from_numpy(positions).to(self._device), cu_dev, int(np.diff(cu).max()))
+        cu_dev = to_device(torch.from_numpy(cu.astype(np.int32)), self._device)
+        positions_dev = to_device(torch.from_numpy(positions), self._device)
+        return self._encode(pixels, positions_dev, cu_dev, int(np.diff(cu).max()))
 
     def _encode(
         self, pixels: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, max_seqlen: int

@@ -261,7 +261,7 @@ class Idefics3Adapter(HiddenStatesChoice, QwenVisionAdapter):
         full = bool((grid[:, 1] == rows).all() and (grid[:, 2] == cols).all())
         index = None
         if not full:
-            index = torch.from_numpy(padded_layout(grid, rows, cols)).to(results[0]["last_hidden_state"].device)
+            index = to_device(torch.from_numpy(padded_layout(grid, rows, cols)), results[0]["last_hidden_state"].device)
         cat = {}
         for name in ("last_hidden_state",) + self._hidden_names():
             real = torch.cat([r[name] for r in results])

@@ -34,6 +34,7 @@ import torch
 
 from encgraph._validate import check_int, describe
 from encgraph.capture.grad import persistent
+from encgraph.capture.upload import to_device
 from encgraph.errors import InputTypeError
 from encgraph.models._hf import require_transformers, tower_dtype_device
 from encgraph.models.attention import MIN_TRANSFORMERS, RowsTable, host_bounds, use_packed_attention
@@ -337,7 +338,7 @@ class QwenVisionAdapter(QwenInputsMixin):
         # A view, as the static forward's buffers are (slices of the largest budget's): Dynamo guards a view's
         # base, so the blocks compiled for capture then serve this eager forward without tracing it again
         # (encgraph.capture.compiled_eager). Same storage, no copy.
-        tensor = torch.from_numpy(array).to(self._device)
+        tensor = to_device(torch.from_numpy(array), self._device)
         return tensor.view(tensor.shape)
 
     def _run(self, pixels: torch.Tensor, tokens: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
