@@ -71,6 +71,27 @@ class Sizes(enum.Enum):
     a batch of 1 again (three frames), which a region holding the whole stack of blocks pays at about 20 s each
     (SigLIP-so400m on an H100, ``benches/results/generic_compile_nvidia-h100-80gb-hbm3_stack-region.md``). Where
     there are no regions, the whole static forward is compiled with torch's automatic dynamic."""
+    TOP_STATIC = "top-static"
+    """The largest budget with every size static, in a frame of its own, and every smaller budget through
+    :attr:`BATCH`'s one batch-symbolic frame: two frames for a ladder, one for a ladder of one budget. The first
+    batch a compiled region (or the whole forward) is called with goes to the static frame, every other batch to
+    the symbolic one; the capture warms up largest first (design rule 10), so that first batch is the top budget's,
+    whose kernels are then compiled for its own size, as ``torch.compile(mode="reduce-overhead")`` compiles them.
+
+    Why a frame of its own: Dynamo looks a code object's cache entries up most recently used first and runs the
+    first whose guards pass (``lookup`` and ``move_to_front`` in torch's ``torch/csrc/dynamo/extra_state.cpp``). So
+    under torch's automatic dynamic, the batch-symbolic entry traced after the top budget's static one also serves
+    the top budget from then on: on the CPU (torch 2.13) a call at the top budget after the smaller budgets ran the
+    symbolic entry. Here the top budget is compiled by a ``torch.compile(dynamic=False)`` of a function of its own
+    (``_static_region``, or ``_static_whole`` for a whole forward), so its entries are static and apart twice over:
+    on their own code object, and under a backend that the symbolic frame's does not match (Dynamo runs only
+    entries whose backend equals the caller's, and torch's backend wrappers compare their ``dynamic``).
+
+    Measured on the CPU only (``tests/unit/test_compiling_top_static.py``): two frames for a ladder of 1, 2, 4, 8,
+    the top budget's calls run the static entry before and after the smaller budgets, outputs equal the uncompiled
+    forward. Not measured on a GPU: whether its top-budget kernels beat :attr:`BATCH`'s (SigLIP-so400m at 32
+    images on an H100: 54.19 ms under BATCH against 50.88 under reduce-overhead) and what the second frame costs in
+    warm-up (``benches/generic_compile.py``'s ``blocks/top-static`` and ``stack/top-static``). Not a default."""
 
 
 def resolve_compile(value: Any, *, graph_mode: bool) -> CompileMode:
@@ -145,13 +166,18 @@ def _env_cache_dir(directory: str) -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
 
 
-def compile_dynamic(fn: Callable[..., Any], dynamic: bool | Sizes | None = True) -> Callable[..., Any]:
+def compile_dynamic(fn: Callable[..., Any], dynamic: bool | Sizes | None = True, *,
+                    backend: str | Callable[..., Any] = "inductor") -> Callable[..., Any]:
     """``torch.compile(fn, dynamic=dynamic)`` (inductor, no cudagraphs of its own); trace it inside
     :func:`no_duck_sizing`. ``dynamic``: an adapter's :func:`dynamic_sizes` (:attr:`Sizes.BATCH`: torch's
-    automatic dynamic, the whole forward's arguments being the runner's, not a region's)."""
+    automatic dynamic, the whole forward's arguments being the runner's, not a region's; :attr:`Sizes.TOP_STATIC`:
+    the first budget static in a frame of its own, the others through torch's automatic dynamic)."""
     import torch
 
-    return torch.compile(fn, dynamic=None if dynamic is Sizes.BATCH else dynamic)
+    compiled = torch.compile(fn, dynamic=None if isinstance(dynamic, Sizes) else dynamic, backend=backend)
+    if dynamic is Sizes.TOP_STATIC:
+        return _TopStatic(_static_whole, backend).route(fn, compiled)
+    return compiled
 
 
 def dynamic_sizes(adapter: Any) -> bool | Sizes | None:
@@ -162,11 +188,12 @@ def dynamic_sizes(adapter: Any) -> bool | Sizes | None:
     compiled with its own static sizes: one frame per budget, up to torch's recompile limit; what
     ``benches/generic_compile.py``'s ``blocks/static`` measures against the automatic default), or
     :attr:`Sizes.BATCH` (the batch alone symbolic from the first trace, one frame for every budget: the batch
-    ladders' default)."""
+    ladders' default), or :attr:`Sizes.TOP_STATIC` (the top budget static in a frame of its own, the others as
+    under BATCH: two frames)."""
     value = getattr(adapter, "compile_dynamic", True)
-    if not any(value is allowed for allowed in (True, None, False, Sizes.BATCH)):  # not 0 or 1
-        raise ConfigError(f"{type(adapter).__name__}.compile_dynamic: expected True, None, False or Sizes.BATCH, "
-                          f"got {describe(value)}.")
+    if not any(value is allowed for allowed in (True, None, False, *Sizes)):  # not 0 or 1
+        raise ConfigError(f"{type(adapter).__name__}.compile_dynamic: expected True, None, False, Sizes.BATCH or "
+                          f"Sizes.TOP_STATIC, got {describe(value)}.")
     return value
 
 
@@ -183,6 +210,48 @@ def _batch_symbolic(compiled: Callable[..., Any]) -> Callable[..., Any]:
             return compiled(*args, **kwargs)
 
     return call
+
+
+def _static_region(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """A region's call, for :attr:`Sizes.TOP_STATIC`'s static frame: Dynamo keeps its cache entries on this
+    function's code object, apart from the symbolic frame's (``nn.Module._call_impl``'s)."""
+    return module._call_impl(*args, **kwargs)
+
+
+def _static_whole(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A whole static forward's call, for :attr:`Sizes.TOP_STATIC`'s static frame (its own code object, as
+    :func:`_static_region`)."""
+    return forward(*args, **kwargs)
+
+
+class _TopStatic:
+    """:attr:`Sizes.TOP_STATIC`'s routing for one capture: the first batch seen (dim 0 of the first tensor among the
+    arguments, nested ones included), ``top``, runs ``frame`` compiled with every size static (``dynamic=False``);
+    every other batch runs the call it is given (the batch-symbolic one). One instance serves every region of a
+    capture, so that all of them agree on ``top`` and share the static frame."""
+
+    def __init__(self, frame: Callable[..., Any], backend: Any) -> None:
+        import torch
+
+        self.top: int | None = None
+        self.static = torch.compile(frame, dynamic=False, backend=backend)
+
+    def route(self, target: Any, symbolic: Callable[..., Any]) -> Callable[..., Any]:
+        """The call for ``target`` (a region's module, or a whole forward): ``frame(target, ...)`` static at the
+        top batch, ``symbolic(...)`` at any other."""
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            size = next((int(a.shape[0]) for a in tree_leaves((args, kwargs))
+                         if isinstance(a, torch.Tensor) and a.dim()), None)
+            if self.top is None:
+                self.top = size
+            if size == self.top:
+                return self.static(target, *args, **kwargs)
+            return symbolic(*args, **kwargs)
+
+        return call
 
 
 @contextlib.contextmanager
@@ -221,19 +290,23 @@ class CompiledRegions:
     (idempotent) clears their compiled call again, so outside the capture the tower runs exactly as before.
     """
 
-    def __init__(self, adapter: Any, *, backend: str = "inductor") -> None:
+    def __init__(self, adapter: Any, *, backend: str | Callable[..., Any] = "inductor") -> None:
         hook = getattr(adapter, "compile_regions", None)
         self.modules = list(hook()) if hook is not None else []
         self.dynamic = dynamic_sizes(adapter)
         self.backend = backend
         self.active = False
+        self.top_static: _TopStatic | None = None  # Sizes.TOP_STATIC's routing from compile() (.top: static)
 
     def compile(self) -> None:
-        batch = self.dynamic is Sizes.BATCH
+        batch = isinstance(self.dynamic, Sizes)
+        self.top_static = _TopStatic(_static_region, self.backend) if self.dynamic is Sizes.TOP_STATIC else None
         for module in self.modules:
             module.compile(dynamic=None if batch else self.dynamic, backend=self.backend)
             if batch:
                 module._compiled_call_impl = _batch_symbolic(module._compiled_call_impl)
+            if self.top_static is not None:
+                module._compiled_call_impl = self.top_static.route(module, module._compiled_call_impl)
         self.active = True
 
     @contextlib.contextmanager

@@ -132,7 +132,8 @@ class FixedResolutionAdapter(HiddenStatesChoice, BatchLadderAdapter):
     """The tower's output class, looked up in the tower's own modeling module (so it matches the version)."""
     compile_dynamic: ClassVar[Sizes] = Sizes.BATCH
     """How ``compile="auto"`` traces the layers: the batch alone symbolic, one frame for every budget
-    (:attr:`encgraph.capture.compiling.Sizes.BATCH`)."""
+    (:attr:`encgraph.capture.compiling.Sizes.BATCH`). ``Sizes.TOP_STATIC`` (the top budget static in a second
+    frame) is selectable here, not yet measured on a GPU (``benches/generic_compile.py``)."""
 
     def __init__(
         self,

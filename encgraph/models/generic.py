@@ -113,7 +113,8 @@ class GenericModuleAdapter:
     then batch 1) warmed up faster than every size symbolic on an H100
     (``benches/results/generic_compile_nvidia-h100-80gb-hbm3.md``: timm ViT-B 4.6 s against 5.3, ConvNeXt-B 19.0
     against 26.5) and ran as fast or faster (timm ViT-B at batch 32: 3.75 ms against 4.06); the batch alone symbolic
-    keeps its kernels and traces once."""
+    keeps its kernels and traces once. :attr:`~encgraph.capture.compiling.Sizes.TOP_STATIC` (the top budget static
+    in a second frame) is selectable here, not yet measured on a GPU (``benches/generic_compile.py``)."""
 
     def __init__(self, module: torch.nn.Module, example: CallSplit, output: OutputSpec, *, max_batch: int = 32) -> None:
         if not isinstance(module, torch.nn.Module):

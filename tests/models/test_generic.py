@@ -233,11 +233,12 @@ def test_batch_ladders_compile_with_the_batch_alone_symbolic():
 
 
 @pytest.mark.parametrize(("value", "ok"), [(True, True), (None, True), (False, True), (Sizes.BATCH, True),
-                                           ("batch", False), ("auto", False), (0, False)])
-def test_compile_dynamic_takes_true_none_false_or_batch(value, ok):
+                                           (Sizes.TOP_STATIC, True), ("batch", False), ("top-static", False),
+                                           ("auto", False), (0, False)])
+def test_compile_dynamic_takes_true_none_false_or_a_sizes_member(value, ok):
     """``compile_dynamic``: every size symbolic (True), torch's automatic dynamic (None), static per budget
-    (False, what benches/generic_compile.py's blocks/static measures) or Sizes.BATCH; anything else (the enum's
-    value as a string included) is a ConfigError naming it."""
+    (False, what benches/generic_compile.py's blocks/static measures), Sizes.BATCH or Sizes.TOP_STATIC; anything
+    else (an enum's value as a string included) is a ConfigError naming it."""
     from encgraph.capture.compiling import dynamic_sizes
     from encgraph.errors import ConfigError
 
@@ -247,7 +248,7 @@ def test_compile_dynamic_takes_true_none_false_or_batch(value, ok):
     if ok:
         assert dynamic_sizes(Adapter()) is value
     else:
-        with pytest.raises(ConfigError, match="compile_dynamic: expected True, None, False or Sizes.BATCH"):
+        with pytest.raises(ConfigError, match="compile_dynamic: expected True, None, False, Sizes.BATCH or Sizes.TOP_STATIC"):
             dynamic_sizes(Adapter())
 
 
