@@ -11,6 +11,10 @@ compile it before the graphs are captured, each measured on one module in one pr
   runs every budget but the largest through one batch-symbolic kernel set);
 - ``blocks/batch`` and ``stack/batch``: the batch alone symbolic from the first trace (``Sizes.BATCH``: one frame
   for every budget, batch 1 included); ``blocks/batch`` is the default;
+- ``blocks/top-static`` and ``stack/top-static``: the largest budget with static sizes in a frame of its own, every
+  smaller one through ``Sizes.BATCH``'s batch-symbolic frame (``Sizes.TOP_STATIC``: two frames; the batch-32 graph
+  is captured from the static one, where ``stack/automatic``'s is captured from its later symbolic entry, which
+  Dynamo tries first); not yet measured on a GPU;
 - ``whole/symbolic`` and ``whole/automatic``: the adapter's whole static forward instead of its blocks;
 - ``stack/automatic``: one region, the outermost submodule that holds every repeated block (SigLIP's and CLIP's
   ``encoder`` in transformers 5 and ConvNeXt's and DINOv2's, timm's ``blocks``; the blocks where no such submodule is
@@ -45,9 +49,11 @@ if __package__ in (None, ""):
 from benches.anymodule import BATCHES, Timer, build, dynamo_counts, first_tensor, heading, run_modules  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = {"blocks/symbolic": ("blocks", True), "blocks/automatic": ("blocks", None), "blocks/static": ("blocks", False),
-            "blocks/batch": ("blocks", "batch"), "whole/symbolic": ("whole", True), "whole/automatic": ("whole", None),
-            "stack/automatic": ("stack", None), "stack/batch": ("stack", "batch")}
+VARIANTS = {"blocks/symbolic": ("blocks", True), "blocks/automatic": ("blocks", None),
+            "blocks/static": ("blocks", False), "blocks/batch": ("blocks", "batch"),
+            "blocks/top-static": ("blocks", "top-static"), "whole/symbolic": ("whole", True),
+            "whole/automatic": ("whole", None), "stack/automatic": ("stack", None), "stack/batch": ("stack", "batch"),
+            "stack/top-static": ("stack", "top-static")}
 TIMED = (1, 2, 8, 32)
 
 
@@ -78,7 +84,8 @@ def block_stack(module: Any) -> list[Any]:
 
 def set_variant(regions: str, dynamic: bool | str | None) -> list[tuple[type, str, Any]]:
     """Patch the batch-ladder adapters' classes (``regions``: "blocks", "whole" or "stack"; ``dynamic``: torch's
-    ``dynamic=`` or "batch", ``Sizes.BATCH``); returns what to put back."""
+    ``dynamic=``, or a :class:`~encgraph.capture.compiling.Sizes` value: "batch", "top-static"); returns what to
+    put back."""
     from encgraph.capture.compiling import Sizes
     from encgraph.models._hf import repeated_blocks
 
@@ -86,7 +93,7 @@ def set_variant(regions: str, dynamic: bool | str | None) -> list[tuple[type, st
     for cls in adapter_classes():
         for name in ("compile_dynamic", "compile_regions"):
             saved.append((cls, name, cls.__dict__.get(name)))
-        cls.compile_dynamic = Sizes.BATCH if dynamic == "batch" else dynamic
+        cls.compile_dynamic = Sizes(dynamic) if isinstance(dynamic, str) else dynamic
         cls.compile_regions = {"whole": lambda self: [], "blocks": lambda self: repeated_blocks(self._module),
                                "stack": lambda self: block_stack(self._module)}[regions]
     return saved

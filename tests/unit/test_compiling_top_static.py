@@ -144,3 +144,18 @@ def test_top_static_whole_forward_runs_its_first_budget_static():
         if b == 8:
             assert RAN[start:] == ["static"]
     assert compile_stats()["frames_ok"] - before["frames_ok"] <= 4
+
+
+@pytest.mark.parametrize(("variant", "member"), [("stack/top-static", Sizes.TOP_STATIC),
+                                                 ("blocks/top-static", Sizes.TOP_STATIC), ("stack/batch", Sizes.BATCH)])
+def test_generic_compile_variants_select_the_sizes_member_and_put_the_default_back(variant, member):
+    """benches/generic_compile.py's variants set the batch-ladder adapters' ``compile_dynamic`` for one run and put
+    the default (Sizes.BATCH, left unchanged) back."""
+    from benches.generic_compile import VARIANTS, adapter_classes, restore, set_variant
+
+    saved = set_variant(*VARIANTS[variant])
+    try:
+        assert all(cls.compile_dynamic is member for cls in adapter_classes())
+    finally:
+        restore(saved)
+    assert all(cls.compile_dynamic is Sizes.BATCH for cls in adapter_classes())
