@@ -220,6 +220,28 @@ BATCH_LADDERS = {"vit (generic)": _vit_generic, "siglip": _fixed("siglip"), "cli
 """Batch-ladder adapters (the any-module path and the fixed-resolution towers): (adapter, its regions' classes)."""
 
 
+def run_budgets(adapter, regions, order, log=()):
+    """The adapter's static forward at each budget of ``order`` (random inputs) through ``regions``, compiled for
+    the calls: per call, the budget, its outputs, its inputs (cloned) and what ``log`` gained meanwhile (a set)."""
+    path = adapter.config.paths[0].name
+    specs = {b: adapter.buffer_specs(path, b, max(order), 1) for b in set(order)}
+    buffers = PathBuffers(path, specs, torch.device("cpu"))
+    done = []
+    regions.compile()
+    try:
+        for b in order:
+            views = buffers.fill(b, None)
+            for t in views.values():
+                if t.is_floating_point():
+                    t.normal_()
+            start = len(log)
+            out = adapter.forward_static(path, views, b)
+            done.append((b, out, {k: v.clone() for k, v in views.items()}, set(log[start:])))
+    finally:
+        regions.restore()
+    return done
+
+
 @pytest.mark.parametrize("name", sorted(BATCH_LADDERS))
 def test_batch_ladders_compile_their_stack_once_for_every_batch(name):
     """A batch ladder compiles its layers with the batch alone symbolic from the first trace: one frame for every
@@ -234,26 +256,12 @@ def test_batch_ladders_compile_their_stack_once_for_every_batch(name):
     regions = CompiledRegions(adapter, backend="eager")
     assert regions.dynamic is Sizes.BATCH
     assert [type(m).__name__ for m in regions.modules] == classes
-    path = adapter.config.paths[0].name
-    budgets = [1, 4, 2, 3, 1]
-    specs = {b: adapter.buffer_specs(path, b, 4, 1) for b in budgets}
-    buffers = PathBuffers(path, specs, torch.device("cpu"))
     before = compile_stats()
-    outs = []
     with no_duck_sizing(), torch.no_grad():
-        regions.compile()
-        try:
-            for b in budgets:
-                views = buffers.fill(b, None)
-                for t in views.values():
-                    if t.is_floating_point():
-                        t.normal_()
-                outs.append((adapter.forward_static(path, views, b), {k: v.clone() for k, v in views.items()}))
-        finally:
-            regions.restore()
+        done = run_budgets(adapter, regions, [1, 4, 2, 3, 1])
         after = compile_stats()
-        for out, views in outs:
-            ref = adapter.forward_static(path, views, next(iter(views.values())).shape[0])
+        for b, out, views, _ in done:
+            ref = adapter.forward_static(adapter.config.paths[0].name, views, b)
             for key in ref:
                 torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-5)
     assert after["frames_ok"] - before["frames_ok"] == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encgraph.capture.buffers import PathBuffers
 from encgraph.capture.compiling import (
     CompiledRegions,
     Sizes,
@@ -16,6 +15,7 @@ from encgraph.capture.compiling import (
     compile_stats,
     no_duck_sizing,
 )
+from tests.unit.test_compiling import BATCH_LADDERS, run_budgets
 
 pytest.importorskip("transformers")
 
@@ -37,38 +37,10 @@ def recording(gm, example_inputs):
     return run
 
 
-def _adapters():
-    from tests.unit.test_compiling import BATCH_LADDERS
-
-    return BATCH_LADDERS
-
-
 def _top_static(name, monkeypatch):
-    adapter, _ = _adapters()[name]()
+    adapter, _ = BATCH_LADDERS[name]()
     monkeypatch.setattr(adapter, "compile_dynamic", Sizes.TOP_STATIC, raising=False)
     return adapter
-
-
-def _calls(adapter, regions, order):
-    """The static forward at each budget of ``order`` through the compiled regions: per call, the budget, the kinds
-    of entry that ran, its outputs and its inputs (cloned)."""
-    path = adapter.config.paths[0].name
-    specs = {b: adapter.buffer_specs(path, b, max(order), 1) for b in set(order)}
-    buffers = PathBuffers(path, specs, torch.device("cpu"))
-    done = []
-    regions.compile()
-    try:
-        for b in order:
-            views = buffers.fill(b, None)
-            for t in views.values():
-                if t.is_floating_point():
-                    t.normal_()
-            start = len(RAN)
-            out = adapter.forward_static(path, views, b)
-            done.append((b, set(RAN[start:]), out, {k: v.clone() for k, v in views.items()}))
-    finally:
-        regions.restore()
-    return done
 
 
 @pytest.mark.parametrize("name", ["vit (generic)", "siglip", "clip"])
@@ -82,9 +54,9 @@ def test_top_static_compiles_the_top_budget_static_and_the_rest_in_one_symbolic_
     assert regions.dynamic is Sizes.TOP_STATIC
     before = compile_stats()
     with no_duck_sizing(), torch.no_grad():
-        done = _calls(adapter, regions, [8, 4, 2, 1, 3, 2, 8, 4, 2, 1])
+        done = run_budgets(adapter, regions, [8, 4, 2, 1, 3, 2, 8, 4, 2, 1], RAN)
         after = compile_stats()
-        for budget, ran, out, views in done:
+        for budget, out, views, ran in done:
             assert ran == ({"static"} if budget == 8 else {"symbolic"}), (budget, ran)
             ref = adapter.forward_static(adapter.config.paths[0].name, views, budget)
             for key in ref:
@@ -102,9 +74,9 @@ def test_top_static_ladder_of_one_budget_traces_one_frame(monkeypatch):
     regions = CompiledRegions(adapter, backend=recording)
     before = compile_stats()
     with no_duck_sizing(), torch.no_grad():
-        done = _calls(adapter, regions, [4, 4, 4])
+        done = run_budgets(adapter, regions, [4, 4, 4], RAN)
     assert compile_stats()["frames_ok"] - before["frames_ok"] == 1
-    assert all(ran == {"static"} for _, ran, _, _ in done)
+    assert all(ran == {"static"} for *_, ran in done)
 
 
 def test_automatic_dynamic_serves_the_top_budget_from_its_later_symbolic_entry():
