@@ -248,7 +248,8 @@ def test_compile_dynamic_takes_true_none_false_or_a_sizes_member(value, ok):
     if ok:
         assert dynamic_sizes(Adapter()) is value
     else:
-        with pytest.raises(ConfigError, match="compile_dynamic: expected True, None, False, Sizes.BATCH or Sizes.TOP_STATIC"):
+        with pytest.raises(ConfigError,
+                           match="compile_dynamic: expected True, None, False, Sizes.BATCH or Sizes.TOP_STATIC"):
             dynamic_sizes(Adapter())
 
 
