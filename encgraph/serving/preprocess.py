@@ -53,12 +53,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+import attrs
+
 from encgraph.errors import ConfigError, EncgraphError, ShutdownError
 from encgraph.serving import preprocess_worker, slots
 from encgraph.serving.images import ImageLimits
 from encgraph.serving.preprocess_worker import Prepared, WorkerError
 
-__all__ = ["PreprocessPool", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
+__all__ = ["PreprocessPool", "Pending", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
 
 log = logging.getLogger("encgraph.serve")
 
@@ -77,6 +79,36 @@ def default_workers(devices: Iterable[Any]) -> int:
 
 
 # ------------------------------------------------------------------------------------------ in the server process
+@attrs.define(eq=False)
+class Pending:
+    """A worker's :class:`Prepared` whose pixels may still be in a shared-memory slot of ``arena``: :meth:`read`
+    copies them out and gives the slot back, on any thread (the server reads on the thread that then uploads the
+    pixels, not on the event loop); :meth:`release` gives it back unread (a request cancelled before its read)."""
+
+    prepared: Prepared
+    arena: slots.Arena | None = None
+    slot: int | None = None
+    free: slots.FreeSlots | None = None
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def read(self, *, threadsafe: bool = True) -> Prepared:
+        """The prepared arrays, pixels included (``threadsafe``: called off the event loop)."""
+        if self.prepared.pixels is None:
+            return self.prepared
+        try:
+            pixels = self.arena.read(*self.prepared.pixels)
+        finally:
+            self.release(threadsafe=threadsafe)
+        return Prepared({**self.prepared.arrays, "pixel_values": pixels}, self.prepared.decode_s)
+
+    def release(self, *, threadsafe: bool = True) -> None:
+        """Give the slot back (once; the pixels in it are then gone)."""
+        with self._lock:
+            slot, self.slot = self.slot, None
+        if slot is not None and self.free is not None:
+            self.free.give(self.arena, slot, threadsafe=threadsafe)
+
+
 class PreprocessPool:
     """``workers`` spawned processes that turn one request's image strings into its processor's arrays.
 
@@ -181,8 +213,9 @@ class PreprocessPool:
             future.add_done_callback(ready)
         return executor, warm
 
-    async def prepare(self, model: str, texts: Sequence[str]) -> Prepared:
-        """``model``'s arrays for one request's image strings. Raises the request's
+    async def prepare(self, model: str, texts: Sequence[str], *, read: bool = True) -> Any:
+        """``model``'s arrays for one request's image strings (``read=False``: a :class:`Pending`, its pixels
+        still in their slot, for a thread to read). Raises the request's
         :class:`~encgraph.serving.images.ImageError`, :class:`WorkerDiedError` (a worker died: retry),
         :class:`WorkerError`, or :class:`~encgraph.errors.ShutdownError` (the pool is closed or closing)."""
         closed = ShutdownError("the preprocessing pool is closed (the server is shutting down).")
@@ -226,10 +259,9 @@ class PreprocessPool:
             if slot is not None:  # larger than a slot: it came through the pipe
                 arena.note_overflow()
             self._free.give(arena, slot)
-            return prepared
-        pixels = arena.read(*prepared.pixels)
-        self._free.give(arena, slot)
-        return Prepared({**prepared.arrays, "pixel_values": pixels}, prepared.decode_s)
+            return prepared if read else Pending(prepared)
+        pending = Pending(prepared, arena, slot, self._free)
+        return pending.read(threadsafe=False) if read else pending
 
     async def _died(self, generation: int) -> WorkerDiedError:
         restart = await asyncio.to_thread(self._restart, generation)
