@@ -53,14 +53,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-import attrs
-
 from encgraph.errors import ConfigError, EncgraphError, ShutdownError
 from encgraph.serving import preprocess_worker, slots
 from encgraph.serving.images import ImageLimits
 from encgraph.serving.preprocess_worker import Prepared, WorkerError
 
-__all__ = ["PreprocessPool", "Pending", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
+__all__ = ["PreprocessPool", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
 
 log = logging.getLogger("encgraph.serve")
 
@@ -79,36 +77,6 @@ def default_workers(devices: Iterable[Any]) -> int:
 
 
 # ------------------------------------------------------------------------------------------ in the server process
-@attrs.define(eq=False)
-class Pending:
-    """A worker's :class:`Prepared` whose pixels may still be in a shared-memory slot of ``arena``: :meth:`read`
-    copies them out and gives the slot back, on any thread (the server reads on the thread that then uploads the
-    pixels, not on the event loop); :meth:`release` gives it back unread (a request cancelled before its read)."""
-
-    prepared: Prepared
-    arena: slots.Arena | None = None
-    slot: int | None = None
-    free: slots.FreeSlots | None = None
-    _lock: threading.Lock = attrs.field(factory=threading.Lock)
-
-    def read(self, *, threadsafe: bool = True) -> Prepared:
-        """The prepared arrays, pixels included (``threadsafe``: called off the event loop)."""
-        if self.prepared.pixels is None:
-            return self.prepared
-        try:
-            pixels = self.arena.read(*self.prepared.pixels)
-        finally:
-            self.release(threadsafe=threadsafe)
-        return Prepared({**self.prepared.arrays, "pixel_values": pixels}, self.prepared.decode_s)
-
-    def release(self, *, threadsafe: bool = True) -> None:
-        """Give the slot back (once; the pixels in it are then gone)."""
-        with self._lock:
-            slot, self.slot = self.slot, None
-        if slot is not None and self.free is not None:
-            self.free.give(self.arena, slot, threadsafe=threadsafe)
-
-
 class PreprocessPool:
     """``workers`` spawned processes that turn one request's image strings into its processor's arrays.
 
@@ -213,9 +181,8 @@ class PreprocessPool:
             future.add_done_callback(ready)
         return executor, warm
 
-    async def prepare(self, model: str, texts: Sequence[str], *, read: bool = True) -> Any:
-        """``model``'s arrays for one request's image strings (``read=False``: a :class:`Pending`, its pixels
-        still in their slot, for a thread to read). Raises the request's
+    async def prepare(self, model: str, texts: Sequence[str]) -> Prepared:
+        """``model``'s arrays for one request's image strings. Raises the request's
         :class:`~encgraph.serving.images.ImageError`, :class:`WorkerDiedError` (a worker died: retry),
         :class:`WorkerError`, or :class:`~encgraph.errors.ShutdownError` (the pool is closed or closing)."""
         closed = ShutdownError("the preprocessing pool is closed (the server is shutting down).")
@@ -242,26 +209,41 @@ class PreprocessPool:
         except RuntimeError:  # shut down by close() since the read above
             self._free.give(arena, slot)
             raise closed from None
+        out: dict[str, Any] = {}
+        if slot is not None:  # registered before the loop's own callback: it runs first, on the executor's thread
+            future.add_done_callback(lambda f: self._settle_slot(f, arena, slot, out))
         try:
             prepared = await asyncio.wrap_future(future)
-        except BrokenProcessPool:  # the slot is not given back: its arena goes with this generation
+        except BrokenProcessPool:
             raise await self._died(generation) from None
-        except asyncio.CancelledError:
-            if slot is not None:  # a running worker may still write there: free the slot once it is done
-                future.add_done_callback(lambda _: self._free.give(arena, slot, threadsafe=True))
+        except asyncio.CancelledError:  # the slot is given back once the worker is done with it (_settle_slot)
             if future.cancelled() and self._closed:  # cancelled by close(), not by the request's own task
                 raise closed from None
             raise
-        except BaseException:  # the worker answered (a bad image, ...): done with the slot
-            self._free.give(arena, slot)
-            raise
         if prepared.pixels is None:
-            if slot is not None:  # larger than a slot: it came through the pipe
-                arena.note_overflow()
-            self._free.give(arena, slot)
-            return prepared if read else Pending(prepared)
-        pending = Pending(prepared, arena, slot, self._free)
-        return pending.read(threadsafe=False) if read else pending
+            return prepared
+        if "pixels" not in out:  # the copy out of the slot raised (logged by the executor's thread)
+            raise WorkerError("the preprocessed pixels could not be read out of their shared-memory slot.")
+        return Prepared({**prepared.arrays, "pixel_values": out["pixels"]}, prepared.decode_s)
+
+    def _settle_slot(self, future: concurrent.futures.Future, arena: slots.Arena, slot: int,
+                     out: dict[str, Any]) -> None:
+        """Once a request's worker is done (on the executor's thread, before the event loop hears of it): its
+        pixels copied out of ``slot`` into ``out["pixels"]`` and the slot given back, so that neither the copy nor
+        the slot's wait for the loop is the event loop's. A broken pool's slot is not given back (its arena goes
+        with its generation)."""
+        exc = None if future.cancelled() else future.exception()
+        if isinstance(exc, BrokenProcessPool):
+            return
+        try:
+            if not future.cancelled() and exc is None:
+                prepared = future.result()
+                if prepared.pixels is not None:
+                    out["pixels"] = arena.read(*prepared.pixels)
+                else:  # larger than a slot: it came through the pipe
+                    arena.note_overflow()
+        finally:
+            self._free.give(arena, slot, threadsafe=True)
 
     async def _died(self, generation: int) -> WorkerDiedError:
         restart = await asyncio.to_thread(self._restart, generation)

@@ -6,9 +6,10 @@ workers (:mod:`encgraph.serving.preprocess`), the copy to the device on an uploa
 Each function raises :class:`~encgraph.serving.protocol.ApiError` for what the client can fix (an image that does
 not decode, or that the processor refuses, named) and for a 503 (a worker died, shutting down).
 
-Hops to and from the event loop per request: in the workers' path, one back from the pool, then one job (the
-pixels read out of their shared-memory slot, then the copy up or the device half) and one hop back; the slot is
-not read on the event loop.
+Hops to and from the event loop per request, as before the batching: in the workers' path, one back from the pool
+(the pixels are copied out of their shared-memory slot before it, on the pool's thread:
+:meth:`~encgraph.serving.preprocess.PreprocessPool.prepare`), then one job (the copy up, or the device half) and one
+hop back.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from encgraph.errors import ShutdownError
 from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
 from encgraph.serving.loading import process_images
-from encgraph.serving.preprocess import Pending, PreprocessPool, WorkerDiedError
+from encgraph.serving.preprocess import PreprocessPool, WorkerDiedError
 from encgraph.serving.protocol import ApiError, ServerLimits, retry_headers
 
 if TYPE_CHECKING:
@@ -60,20 +61,14 @@ def _from_arrays(model: Any, arrays: Mapping[str, Any], texts: Sequence[str], li
         raise
 
 
-def _read_and_prepare(model: Any, pending: Pending, texts: Sequence[str], limits: ImageLimits) -> Any:
-    """:func:`_from_arrays` of a worker's result, its pixels read out of their slot first (one job on an upload
-    thread: neither the copy nor the hop back is the event loop's)."""
-    return _from_arrays(model, pending.read().arrays, texts, limits)
-
-
 async def prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str], limits: ServerLimits,
                           uploads: concurrent.futures.Executor, batcher: DeviceBatcher | None
                           ) -> tuple[Prepared, float]:
     """The model's prepared inputs for a request's image strings, decoded and preprocessed in ``pool``'s workers
-    (their slot read and the copy to the device on an ``uploads`` thread, or the device half on the model's
-    ``batcher`` with other requests'), and the workers' seconds of decoding."""
+    (the copy to the device on an ``uploads`` thread, or the device half on the model's ``batcher`` with other
+    requests'), and the workers' seconds of decoding."""
     try:
-        pending = await pool.prepare(model.name, texts, read=False)
+        prepared = await pool.prepare(model.name, texts)
     except ImageError as exc:
         raise ApiError.of_image(exc) from None
     except WorkerDiedError as exc:
@@ -83,14 +78,11 @@ async def prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str]
                        retry_headers(limits)) from None
     if batcher is not None:
         alone = functools.partial(_from_arrays, model, texts=texts, limits=limits.image)
-        future = batcher.submit(lambda: pending.read().arrays, alone)
+        inputs = await asyncio.wrap_future(batcher.submit(lambda: prepared.arrays, alone))
     else:
-        future = uploads.submit(_read_and_prepare, model, pending, texts, limits.image)
-    try:
-        return await asyncio.wrap_future(future), pending.prepared.decode_s
-    except asyncio.CancelledError:  # a job not started never reads its slot: give it back
-        future.add_done_callback(lambda f: pending.release() if f.cancelled() else None)
-        raise
+        inputs = await asyncio.get_running_loop().run_in_executor(uploads, _from_arrays, model, prepared.arrays,
+                                                                  texts, limits.image)
+    return inputs, prepared.decode_s
 
 
 async def decode_in_threads(model: Any, texts: Sequence[str], limits: ImageLimits, batcher: DeviceBatcher | None
