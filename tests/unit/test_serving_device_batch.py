@@ -5,7 +5,10 @@ gets its own rows, in order, whatever groups form; a failing request fails alone
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,94 +74,85 @@ def submit(batcher: DeviceBatcher, model: FakeModel, arrays) -> concurrent.futur
     return batcher.submit(lambda: arrays, model.prepare)
 
 
-def test_every_request_gets_its_own_rows_in_order_from_shared_calls():
+@contextlib.contextmanager
+def held(**options: Any) -> Iterator[tuple[FakeModel, DeviceBatcher, Callable[[], None]]]:
+    """A batcher whose first call (one request of one image, tag 0) waits inside the processor until ``release()``:
+    what is submitted meanwhile queues behind it. On release that first request is checked, then the test goes on;
+    the batcher is closed at the end."""
     gate = threading.Event()
     model = FakeModel(FakeProcessor(gate=gate))
-    batcher = DeviceBatcher(model, max_images=64)
+    batcher = DeviceBatcher(model, **options)
     try:
-        sizes = [1, 3, 2, 1, 4, 1, 2, 5, 1, 1, 3, 2]
-        first = submit(batcher, model, request(0, 1))  # its call waits at the gate: the others queue behind it
+        first = submit(batcher, model, request(0, 1))
         assert model.processor.entered.wait(TIMEOUT)
-        futures = [submit(batcher, model, request(t, n)) for t, n in enumerate(sizes, start=1)]
-        gate.set()
-        assert first.result(TIMEOUT).inputs["pixel_values"].numpy().tolist() == expected(0, 1).tolist()
-        for tag, (n, future) in enumerate(zip(sizes, futures, strict=True), start=1):
-            got = future.result(TIMEOUT)
-            np.testing.assert_array_equal(got.inputs["pixel_values"].numpy(), expected(tag, n))
-        stats = batcher.stats
-        assert model.processor.calls == [1, len(sizes)]  # the queued requests went in one call
-        assert stats["groups"] == 2 and stats["requests"] == 1 + len(sizes) and stats["images"] == 1 + sum(sizes)
-        assert stats["largest_group"] == len(sizes) and stats["alone"] == 0 and stats["retried_groups"] == 0
+
+        def release() -> None:
+            gate.set()
+            np.testing.assert_array_equal(first.result(TIMEOUT).inputs["pixel_values"].numpy(), expected(0, 1))
+
+        yield model, batcher, release
     finally:
+        gate.set()
         batcher.close()
+
+
+def rows(future: concurrent.futures.Future) -> np.ndarray:
+    return future.result(TIMEOUT).inputs["pixel_values"].numpy()
+
+
+def test_every_request_gets_its_own_rows_in_order_from_shared_calls():
+    sizes = [1, 3, 2, 1, 4, 1, 2, 5, 1, 1, 3, 2]
+    with held(max_images=64) as (model, batcher, release):
+        futures = [submit(batcher, model, request(t, n)) for t, n in enumerate(sizes, start=1)]
+        release()
+        for tag, (n, future) in enumerate(zip(sizes, futures, strict=True), start=1):
+            np.testing.assert_array_equal(rows(future), expected(tag, n))
+        stats = batcher.stats
+    assert model.processor.calls == [1, len(sizes)]  # the queued requests went in one call
+    assert stats["groups"] == 2 and stats["requests"] == 1 + len(sizes) and stats["images"] == 1 + sum(sizes)
+    assert stats["largest_group"] == len(sizes) and stats["alone"] == 0 and stats["retried_groups"] == 0
 
 
 def test_groups_stay_within_max_images_and_keep_the_order():
-    gate = threading.Event()
-    model = FakeModel(FakeProcessor(gate=gate))
-    batcher = DeviceBatcher(model, max_images=4)
-    try:
-        first = submit(batcher, model, request(0, 1))
-        assert model.processor.entered.wait(TIMEOUT)
+    with held(max_images=4) as (model, batcher, release):
         futures = [submit(batcher, model, request(t, 2)) for t in range(1, 8)]
-        gate.set()
-        first.result(TIMEOUT)
+        release()
         for tag, future in enumerate(futures, start=1):
-            np.testing.assert_array_equal(future.result(TIMEOUT).inputs["pixel_values"].numpy(), expected(tag, 2))
-        assert model.processor.calls[0] == 1 and max(model.processor.calls[1:]) == 2  # 2 requests of 2 images
-        assert sum(model.processor.calls) == 8
-    finally:
-        batcher.close()
+            np.testing.assert_array_equal(rows(future), expected(tag, 2))
+    assert model.processor.calls[0] == 1 and max(model.processor.calls[1:]) == 2  # 2 requests of 2 images
+    assert sum(model.processor.calls) == 8
 
 
 def test_a_refused_image_fails_its_own_request_alone():
-    gate = threading.Event()
-    model = FakeModel(FakeProcessor(gate=gate))
-    batcher = DeviceBatcher(model)
-    try:
-        first = submit(batcher, model, request(0, 1))
-        assert model.processor.entered.wait(TIMEOUT)
+    with held() as (model, batcher, release):
         futures = [submit(batcher, model, request(t, 3, bad=1 if t == 3 else None)) for t in range(1, 6)]
-        gate.set()
-        first.result(TIMEOUT)
+        release()
         for tag, future in enumerate(futures, start=1):
             if tag == 3:
                 with pytest.raises(ValueError, match="refuses"):
                     future.result(TIMEOUT)
             else:
-                np.testing.assert_array_equal(future.result(TIMEOUT).inputs["pixel_values"].numpy(),
-                                              expected(tag, 3))
+                np.testing.assert_array_equal(rows(future), expected(tag, 3))
         stats = batcher.stats
-        assert stats["retried_groups"] == 1 and stats["alone"] == 5
-    finally:
-        batcher.close()
+    assert stats["retried_groups"] == 1 and stats["alone"] == 5
 
 
 def test_a_failing_read_fails_its_own_request_and_a_cancelled_one_is_skipped():
-    gate = threading.Event()
-    model = FakeModel(FakeProcessor(gate=gate))
-    batcher = DeviceBatcher(model)
-
     def broken():
         raise OSError("slot gone")
 
-    try:
-        first = submit(batcher, model, request(0, 1))
-        assert model.processor.entered.wait(TIMEOUT)
+    with held() as (model, batcher, release):
         ok = submit(batcher, model, request(1, 2))
         bad = batcher.submit(broken, model.prepare)
         cancelled = submit(batcher, model, request(2, 2))
         assert cancelled.cancel()
         last = submit(batcher, model, request(3, 1))
-        gate.set()
-        first.result(TIMEOUT)
+        release()
         with pytest.raises(OSError, match="slot gone"):
             bad.result(TIMEOUT)
-        np.testing.assert_array_equal(ok.result(TIMEOUT).inputs["pixel_values"].numpy(), expected(1, 2))
-        np.testing.assert_array_equal(last.result(TIMEOUT).inputs["pixel_values"].numpy(), expected(3, 1))
-        assert model.processor.calls == [1, 2]
-    finally:
-        batcher.close()
+        np.testing.assert_array_equal(rows(ok), expected(1, 2))
+        np.testing.assert_array_equal(rows(last), expected(3, 1))
+    assert model.processor.calls == [1, 2]
 
 
 def test_a_processor_that_does_not_batch_runs_each_request_alone_and_says_so(caplog):
