@@ -50,8 +50,8 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -61,9 +61,10 @@ from starlette.exceptions import HTTPException
 from encgraph.errors import ConfigError, InputError, InputTypeError, OverloadedError, ShutdownError
 from encgraph.serving.admission import InFlight, Ticket
 from encgraph.serving.auth import BearerAuth
-from encgraph.serving.images import ImageError, ImageLimits, decode_image, name_the_refused
+from encgraph.serving.device_batch import DeviceBatcher
+from encgraph.serving.device_preprocess import DeviceProcessing
 from encgraph.serving.metrics import Metrics
-from encgraph.serving.preprocess import PreprocessPool, WorkerDiedError
+from encgraph.serving.preprocess import PreprocessPool
 from encgraph.serving.protocol import (
     ApiError,
     EmbeddingRequest,
@@ -75,39 +76,11 @@ from encgraph.serving.protocol import (
     retry_headers,
     take,
 )
-
-if TYPE_CHECKING:
-    from encgraph.serving.loading import Prepared
+from encgraph.serving.request_inputs import decode_in_threads, prepare_in_pool, prepare_in_threads
 
 __all__ = ["create_app", "ServerLimits", "EmbeddingRequest", "Draining"]
 
 log = logging.getLogger("encgraph.serve")
-
-
-def _decode_all(images: Sequence[str], limits: ImageLimits) -> list[Any]:
-    try:
-        return [decode_image(text, i, limits) for i, text in enumerate(images)]
-    except ImageError as exc:
-        raise ApiError.of_image(exc) from None
-
-
-def _prepare(model: Any, images: Sequence[Any]) -> Any:
-    """The model's prepared inputs (``ServedModel.prepare_images``) for decoded images; an image its processor (or
-    adapter) refuses is named."""
-    try:
-        return name_the_refused(model.prepare_images, images)
-    except ImageError as exc:
-        raise ApiError.of_image(exc) from None
-
-
-def _from_arrays(model: Any, arrays: Mapping[str, Any], texts: Sequence[str], limits: ImageLimits) -> Any:
-    """The model's prepared inputs for a worker's arrays (the same second half as :func:`_prepare`'s)."""
-    try:
-        return model.prepare(arrays)
-    except Exception:
-        # The adapter refused the processor's arrays (rare): the in-thread path finds and names the image.
-        _prepare(model, _decode_all(texts, limits))
-        raise
 
 
 def _answer_on_host(model: Any, results: Any, req: EmbeddingRequest) -> tuple[Response, float]:
@@ -117,24 +90,6 @@ def _answer_on_host(model: Any, results: Any, req: EmbeddingRequest) -> tuple[Re
     model.on_host(results)
     on_host = time.perf_counter()
     return answer(model, results, req), on_host
-
-
-async def _prepare_in_pool(pool: PreprocessPool, model: Any, texts: Sequence[str], limits: ServerLimits,
-                           uploads: concurrent.futures.Executor) -> tuple[Prepared, float]:
-    """The model's prepared inputs for a request's image strings, decoded and preprocessed in ``pool``'s workers
-    (the copy to the device on an ``uploads`` thread), and the workers' seconds of decoding."""
-    try:
-        prepared = await pool.prepare(model.name, texts)
-    except ImageError as exc:
-        raise ApiError.of_image(exc) from None
-    except WorkerDiedError as exc:
-        raise ApiError(503, None, "preprocess_worker_died", f"{exc}", retry_headers(limits)) from None
-    except ShutdownError:
-        raise ApiError(503, None, "shutting_down", "the server is shutting down; retry on another replica.",
-                       retry_headers(limits)) from None
-    loop = asyncio.get_running_loop()
-    inputs = await loop.run_in_executor(uploads, _from_arrays, model, prepared.arrays, texts, limits.image)
-    return inputs, prepared.decode_s
 
 
 def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(), *,
@@ -160,7 +115,8 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
     pool = None
     if preprocess_workers:
         pool = PreprocessPool({n: m.processor for n, m in models.items()}, preprocess_workers, limits.image)
-    metrics = Metrics(models, preprocess=pool)
+    batchers = {n: DeviceBatcher(m) for n, m in models.items() if isinstance(m.processor, DeviceProcessing)}
+    metrics = Metrics(models, preprocess=pool, batchers=batchers)
     threads = _RequestThreads(request_threads)
     in_flight = InFlight(limits.in_flight)
     draining = Draining()
@@ -170,6 +126,8 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
         if pool is not None:
             await run_in_threadpool(pool.start)
         yield
+        for batcher in batchers.values():  # before the fronts: what it still holds goes to an open front
+            await run_in_threadpool(batcher.close, close_timeout_s)
         for model in models.values():
             await run_in_threadpool(model.front.close, drain=True, timeout=close_timeout_s)
         if pool is not None:
@@ -180,6 +138,7 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
     app.state.models = models
     app.state.metrics = metrics
     app.state.preprocess = pool
+    app.state.batchers = batchers
     app.state.in_flight = in_flight
     app.state.draining = draining
     workers = pool.workers if pool is not None else 0
@@ -200,7 +159,9 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "default_model": default, "gc_frozen_objects": gc.get_freeze_count(),
-                "models": {n: {**m.info(), "preprocess_workers": workers} for n, m in models.items()}}
+                "models": {n: {**m.info(), "preprocess_workers": workers,
+                               **({"device_preprocess": batchers[n].stats} if n in batchers else {})}
+                           for n, m in models.items()}}
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -245,14 +206,15 @@ def create_app(models: Mapping[str, Any], limits: ServerLimits = ServerLimits(),
                                f"input: {len(req.input)} images is over the server's limit of {limits.max_images} "
                                "per request; split the request.")
             take(ticket.take_pixels, count_pixels(req.input, limits), limits)
+            batcher = batchers.get(name)
             if pool is None:
-                images = await run_in_threadpool(_decode_all, req.input, limits.image)
+                images, arrays = await decode_in_threads(model, req.input, limits.image, batcher)
                 clock.lap("decode")
-                inputs = await run_in_threadpool(_prepare, model, images)
-                del images
+                inputs = await prepare_in_threads(model, images, arrays, batcher)
+                del images, arrays
                 clock.lap("preprocess")
             else:
-                inputs, decode_s = await _prepare_in_pool(pool, model, req.input, limits, threads.uploads)
+                inputs, decode_s = await prepare_in_pool(pool, model, req.input, limits, threads.uploads, batcher)
                 clock.split("decode", "preprocess", decode_s)
             ticket.release_pixels()  # decoded and processed: what is left is the tower's (small) inputs
             results = await _encode_on(model, inputs, limits)

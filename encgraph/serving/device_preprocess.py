@@ -89,6 +89,20 @@ class DeviceProcessing:
         return {"pixel_values": torch.from_numpy(flat), "decoded_sizes": torch.from_numpy(sizes)}
 
     # -- device half
+    @property
+    def batches(self) -> bool:
+        """Whether the device half can run once over several requests' images and split the result back per
+        request (:meth:`on_device_many`): the processor concatenates variable patch rows (Qwen-VL: ``merge_size``)
+        or makes every image one fixed size (a resize to a height and width, or a center crop). Another
+        processor's images may come out in several sizes, which one tensor cannot hold."""
+        p = self.processor
+        if getattr(p, "merge_size", None) is not None:
+            return True
+        size, crop = getattr(p, "size", None) or {}, getattr(p, "crop_size", None) or {}
+        fixed = bool(getattr(p, "do_resize", False)) and bool(size.get("height") and size.get("width"))
+        cropped = bool(getattr(p, "do_center_crop", False)) and bool(crop.get("height") and crop.get("width"))
+        return fixed or cropped
+
     def on_device(self, arrays: Mapping[str, np.ndarray], device: Any, dtype: Any) -> dict[str, Any]:
         """The processor's outputs for the host half's ``arrays``, computed on ``device`` on the calling thread's
         current stream: ``pixel_values`` in ``dtype`` on ``device`` and (Qwen-VL) ``image_grid_thw`` as a CPU int64
@@ -96,20 +110,60 @@ class DeviceProcessing:
         inside :func:`~encgraph.serving.transfer.side_stream_work` (``ServedModel.prepare`` does, with
         :attr:`~encgraph.serving.transfer.Handoff.EVENT`): not on the default stream, where it would queue behind
         the replays, and with the pixels handed over only once that stream's work is done."""
+        return self.on_device_many([arrays], device, dtype)[0]
+
+    def on_device_many(self, parts: Sequence[Mapping[str, np.ndarray]], device: Any, dtype: Any
+                       ) -> list[dict[str, Any]]:
+        """:meth:`on_device` for several requests' ``arrays`` at once: one upload of all their bytes (on CUDA, one
+        pinned staging buffer), one processor call over all their images, and each request's outputs in order:
+        its ``pixel_values`` rows (views of the call's tensor: its images, or its images' patch rows for Qwen-VL)
+        and its ``image_grid_thw`` rows. Raises what the processor raises (for any of the images), and
+        ``RuntimeError`` when the processor's output does not split into the requests' images (only a
+        :attr:`batches` processor is checked to)."""
         import torch
 
-        sizes = np.asarray(arrays["decoded_sizes"], dtype=np.int64).reshape(-1, 2)
-        flat = torch.from_numpy(np.asarray(arrays["pixel_values"]))
-        counts = (sizes[:, 0] * sizes[:, 1] * 3).tolist()
-        device = torch.device(device)
-        if device.type == "cuda":  # pinned, so that the copy is queued on the stream and returns at once
-            flat = (flat if flat.is_pinned() else flat.pin_memory()).to(device, non_blocking=True)
+        sizes = [np.asarray(a["decoded_sizes"], dtype=np.int64).reshape(-1, 2) for a in parts]
+        images = [view for flat, hw in zip(_upload(parts, torch.device(device)), sizes)
+                  for view in _views(flat, hw)]
+        out = self.processor(images=images, return_tensors="pt", device=torch.device(device))
+        pixels = out["pixel_values"].to(dtype)
+        counts = [len(hw) for hw in sizes]
+        grid = None
+        if "image_grid_thw" in out:  # on the host already (made from Python ints): no wait for the stream
+            grid = out["image_grid_thw"].to("cpu", torch.int64)
+            rows = [int(n) for n in grid.prod(-1).tolist()]  # patch rows per image
+            bounds = np.cumsum([0, *counts]).tolist()
+            per_part = [sum(rows[a:b]) for a, b in zip(bounds, bounds[1:])]
         else:
-            flat = flat.to(device)
-        images = [part.view(int(h), int(w), 3).permute(2, 0, 1)
-                  for part, (h, w) in zip(torch.split(flat, counts), sizes.tolist())]
-        out = self.processor(images=images, return_tensors="pt", device=device)
-        result: dict[str, Any] = {"pixel_values": out["pixel_values"].to(dtype)}
-        if "image_grid_thw" in out:  # on the device, its copy waits for this stream's work alone
-            result["image_grid_thw"] = out["image_grid_thw"].to("cpu", torch.int64)
+            per_part = counts
+        if len(grid if grid is not None else pixels) != sum(counts) or pixels.shape[0] != sum(per_part):
+            raise RuntimeError(f"{type(self.processor).__name__} gave {pixels.shape[0]} pixel rows for {sum(counts)} "
+                               f"images; expected {sum(per_part)}: its output cannot be split per request.")
+        result = [{"pixel_values": p} for p in torch.split(pixels, per_part)]
+        if grid is not None:
+            for r, g in zip(result, torch.split(grid, counts)):
+                r["image_grid_thw"] = g
         return result
+
+
+def _upload(parts: Sequence[Mapping[str, np.ndarray]], device: Any) -> list[Any]:
+    """Each part's flat ``uint8`` bytes on ``device``: on CUDA all of them in one copy from one pinned buffer
+    (queued on the current stream; the host allocator keeps the buffer until the copy is done), elsewhere the
+    parts' own memory."""
+    import torch
+
+    flats = [torch.from_numpy(np.asarray(a["pixel_values"]).reshape(-1)) for a in parts]
+    if device.type != "cuda":
+        return [flat.to(device) for flat in flats]
+    staged = torch.empty(sum(f.numel() for f in flats), dtype=torch.uint8, pin_memory=True)
+    torch.cat(flats, out=staged)
+    return list(torch.split(staged.to(device, non_blocking=True), [f.numel() for f in flats]))
+
+
+def _views(flat: Any, sizes: np.ndarray) -> list[Any]:
+    """One request's images, ``(3, H, W)`` views of its flat ``H x W x 3`` bytes."""
+    import torch
+
+    counts = (sizes[:, 0] * sizes[:, 1] * 3).tolist()
+    return [part.view(int(h), int(w), 3).permute(2, 0, 1) for part, (h, w) in zip(torch.split(flat, counts),
+                                                                                 sizes.tolist())]

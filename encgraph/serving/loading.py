@@ -138,15 +138,16 @@ class ServedModel:
             # On a GPU through this thread's side stream: a copy on the default stream would wait for every replay
             # the front's worker has queued there (encgraph.serving.transfer).
             pixels = upload(torch.from_numpy(arrays["pixel_values"]), self.device, self.dtype)
-            return Prepared(self._adapter_inputs(pixels, arrays.get("image_grid_thw")))
+            return Prepared(self.adapter_inputs(pixels, arrays.get("image_grid_thw")))
         with side_stream_work(self.device, Handoff.EVENT) as work:
             done = self.processor.on_device(arrays, self.device, self.dtype)
             pixels = work(done["pixel_values"])
             # Every device tensor of the inputs, not only the pixels: the adapter's step may make new ones here.
-            inputs = work.keep_all(self._adapter_inputs(pixels, done.get("image_grid_thw")))
+            inputs = work.keep_all(self.adapter_inputs(pixels, done.get("image_grid_thw")))
         return Prepared(inputs, work.ready)
 
-    def _adapter_inputs(self, pixels: Any, grid: Any) -> Any:
+    def adapter_inputs(self, pixels: Any, grid: Any) -> Any:
+        """The adapter's inputs for the processor's ``pixel_values`` (on the device) and ``image_grid_thw``."""
         import torch
 
         if grid is not None:

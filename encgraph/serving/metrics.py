@@ -20,6 +20,10 @@ counters are read at scrape time from their ``stats`` (one source of truth, noth
 - ``encgraph_preprocess_pipe_results_total`` (with preprocessing worker processes): requests whose pixels came
   back through the pool's pipe rather than a shared-memory slot, being larger than one
   (:mod:`encgraph.serving.slots`);
+- ``encgraph_device_preprocess_total{model,kind}`` (``--preprocess-on device``): the device half of
+  preprocessing run per group of requests (:mod:`encgraph.serving.device_batch`): ``groups`` (processor calls),
+  ``requests`` and ``images`` in them, ``retried_groups`` (calls that raised: their requests ran again alone) and
+  ``alone`` (requests run alone: those, or every request of a processor that cannot batch);
 - ``encgraph_preprocess_restarts_total`` (with preprocessing worker processes): times the server's one pool was
   restarted after a worker died;
 - ``encgraph_queue_depth{model}``, ``encgraph_front_calls_total{model}``, ``encgraph_front_requests_total{model,
@@ -49,9 +53,11 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class _StatsCollector:
     """Reads every served model's ``front.stats`` (with the runner's counters inside) at scrape time."""
 
-    def __init__(self, models: Mapping[str, Any], preprocess: Any = None) -> None:
+    def __init__(self, models: Mapping[str, Any], preprocess: Any = None, batchers: Mapping[str, Any] | None = None
+                 ) -> None:
         self.models = models
         self.preprocess = preprocess
+        self.batchers = dict(batchers or {})
 
     def describe(self) -> list[Any]:
         return []  # collected on demand only (the label sets depend on the traffic)
@@ -103,6 +109,14 @@ class _StatsCollector:
                 corrections.add_metric([name, kind], n)
         yield from (items, replays, eager, tokens, padded, depth, calls, outcome, coalesced, launches, corrections)
         yield from _gc_families()
+        if self.batchers:
+            device = CounterMetricFamily("encgraph_device_preprocess", "Device preprocessing per group of requests: "
+                                         "groups, requests, images, retried_groups, alone", labels=["model", "kind"])
+            for name, batcher in self.batchers.items():
+                for kind, n in batcher.stats.items():
+                    if kind != "largest_group":
+                        device.add_metric([name, kind], n)
+            yield device
         if self.preprocess is not None:
             yield CounterMetricFamily("encgraph_preprocess_restarts", "Restarts of the preprocessing pool after a "
                                       "worker process died", value=self.preprocess.restarts)
@@ -130,8 +144,10 @@ def _gc_families() -> Iterator[Any]:
 class Metrics:
     """The app's registry: HTTP counters it updates, and the served models' stats read at scrape time."""
 
-    def __init__(self, models: Mapping[str, Any], *, preprocess: Any = None) -> None:
-        """``preprocess``: the server's :class:`~encgraph.serving.preprocess.PreprocessPool`, if it has one."""
+    def __init__(self, models: Mapping[str, Any], *, preprocess: Any = None,
+                 batchers: Mapping[str, Any] | None = None) -> None:
+        """``preprocess``: the server's :class:`~encgraph.serving.preprocess.PreprocessPool`, if it has one;
+        ``batchers``: model name -> its :class:`~encgraph.serving.device_batch.DeviceBatcher`, if any."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
@@ -142,7 +158,7 @@ class Metrics:
                                  ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.stages = Histogram("encgraph_request_stage_seconds", "Time of an answered request per stage",
                                 ["model", "stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_StatsCollector(models, preprocess))
+        self.registry.register(_StatsCollector(models, preprocess, batchers))
         PAUSES.install()
 
     def observe(self, model: str, status: int, *, images: int = 0, seconds: float | None = None,

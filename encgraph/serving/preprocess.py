@@ -209,27 +209,41 @@ class PreprocessPool:
         except RuntimeError:  # shut down by close() since the read above
             self._free.give(arena, slot)
             raise closed from None
+        out: dict[str, Any] = {}
+        if slot is not None:  # registered before the loop's own callback: it runs first, on the executor's thread
+            future.add_done_callback(lambda f: self._settle_slot(f, arena, slot, out))
         try:
             prepared = await asyncio.wrap_future(future)
-        except BrokenProcessPool:  # the slot is not given back: its arena goes with this generation
+        except BrokenProcessPool:
             raise await self._died(generation) from None
-        except asyncio.CancelledError:
-            if slot is not None:  # a running worker may still write there: free the slot once it is done
-                future.add_done_callback(lambda _: self._free.give(arena, slot, threadsafe=True))
+        except asyncio.CancelledError:  # the slot is given back once the worker is done with it (_settle_slot)
             if future.cancelled() and self._closed:  # cancelled by close(), not by the request's own task
                 raise closed from None
             raise
-        except BaseException:  # the worker answered (a bad image, ...): done with the slot
-            self._free.give(arena, slot)
-            raise
         if prepared.pixels is None:
-            if slot is not None:  # larger than a slot: it came through the pipe
-                arena.note_overflow()
-            self._free.give(arena, slot)
             return prepared
-        pixels = arena.read(*prepared.pixels)
-        self._free.give(arena, slot)
-        return Prepared({**prepared.arrays, "pixel_values": pixels}, prepared.decode_s)
+        if "pixels" not in out:  # the copy out of the slot raised (logged by the executor's thread)
+            raise WorkerError("the preprocessed pixels could not be read out of their shared-memory slot.")
+        return Prepared({**prepared.arrays, "pixel_values": out["pixels"]}, prepared.decode_s)
+
+    def _settle_slot(self, future: concurrent.futures.Future, arena: slots.Arena, slot: int,
+                     out: dict[str, Any]) -> None:
+        """Once a request's worker is done (on the executor's thread, before the event loop hears of it): its
+        pixels copied out of ``slot`` into ``out["pixels"]`` and the slot given back, so that neither the copy nor
+        the slot's wait for the loop is the event loop's. A broken pool's slot is not given back (its arena goes
+        with its generation)."""
+        exc = None if future.cancelled() else future.exception()
+        if isinstance(exc, BrokenProcessPool):
+            return
+        try:
+            if not future.cancelled() and exc is None:
+                prepared = future.result()
+                if prepared.pixels is not None:
+                    out["pixels"] = arena.read(*prepared.pixels)
+                else:  # larger than a slot: it came through the pipe
+                    arena.note_overflow()
+        finally:
+            self._free.give(arena, slot, threadsafe=True)
 
     async def _died(self, generation: int) -> WorkerDiedError:
         restart = await asyncio.to_thread(self._restart, generation)

@@ -96,3 +96,83 @@ def test_the_command_line_wraps_every_served_processor():
     finally:
         for m in models.values():
             m.front.close()
+
+
+def _requests(seed: int) -> list[list[Image.Image]]:
+    """Requests of one or several images, sizes mixed within and across requests (two of one size, so that a
+    grouping processor stacks them)."""
+    rng = np.random.default_rng(seed)
+    shapes = [[(120, 200)], [(384, 384), (64, 90), (120, 200)], [(701, 333)], [(50, 40), (50, 40)], [(224, 224)]]
+    return [[Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in one] for one in shapes]
+
+
+@pytest.mark.parametrize("grouping", [False, True], ids=["the CPU's default", "grouped by shape, as on CUDA"])
+@pytest.mark.parametrize("name", sorted(loading.EMBEDDED))
+def test_one_call_over_many_requests_gives_each_its_own_output_exactly(name, grouping):
+    """``on_device_many`` (the server's batched device half) against ``on_device`` per request: the same pixels
+    and the same grids, bit for bit, each request its own rows in order."""
+    processor = loading.load_processor(name)
+    if grouping:
+        processor.disable_grouping = False  # what the processor does on a CUDA device: stack images by shape
+    split = device_processing(processor)
+    assert split.batches
+    parts = [loading.process_images(split, one) for one in _requests(2)]
+    cpu = torch.device("cpu")
+    together = split.on_device_many(parts, cpu, torch.float32)
+    assert len(together) == len(parts)
+    for part, got in zip(parts, together, strict=True):
+        alone = split.on_device(part, cpu, torch.float32)
+        assert sorted(got) == sorted(alone)
+        assert torch.equal(got["pixel_values"], alone["pixel_values"])
+        if "image_grid_thw" in alone:
+            assert torch.equal(got["image_grid_thw"], alone["image_grid_thw"])
+            assert got["pixel_values"].shape[0] == int(got["image_grid_thw"].prod(-1).sum())
+        else:
+            assert got["pixel_values"].shape[0] == len(part["decoded_sizes"])
+
+
+def test_a_processor_whose_images_may_differ_in_size_does_not_batch():
+    processor = loading.load_processor("siglip")
+    processor.do_resize = False
+    assert not device_processing(processor).batches
+    assert device_processing(loading.load_processor("siglip")).batches
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["server threads", "a worker process"])
+@pytest.mark.parametrize("name", sorted(loading.EMBEDDED))
+def test_concurrent_requests_each_get_their_own_embeddings(name, workers):
+    """16 concurrent requests of 1-3 images, preprocessed on the device in shared calls: each answer equals that
+    request's answer with host preprocessing, one at a time (so no image is lost, reordered or given to another
+    request); a request with a corrupt image fails alone, with the error it gets on the host path."""
+    import concurrent.futures
+
+    pictures = [p for one in _requests(3) for p in one]
+    bodies = [[_b64(pictures[(k + i) % len(pictures)]) for i in range(1 + k % 3)] for k in range(16)]
+    bodies[5] = [bodies[5][0], "aGVsbG8="]  # base64 of "hello": not an image
+    processor = loading.load_processor(name)
+    tower, description = loading.embedded_tower(name, device=torch.device("cpu"), dtype=torch.float32)
+    host = loading.build_model(name, tower, processor, description, budgets=loading.EMBEDDED[name])
+    device = loading.build_model(name, tower, DeviceProcessing(processor), description, budgets=loading.EMBEDDED[name])
+    try:
+        with TestClient(create_app({name: host})) as client:
+            want = [client.post("/v1/embeddings", json={"model": name, "input": b}) for b in bodies]
+        app = create_app({name: device}, preprocess_workers=workers)
+        with TestClient(app) as client, concurrent.futures.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda b: client.post("/v1/embeddings", json={"model": name, "input": b}), bodies))
+            stats = app.state.batchers[name].stats
+            health = client.get("/health").json()["models"][name]["device_preprocess"]
+            scraped = client.get("/metrics").text
+    finally:
+        host.front.close()
+        device.front.close()
+    for w, g in zip(want, got, strict=True):
+        assert g.status_code == w.status_code, g.text
+        if w.status_code != 200:
+            assert g.json() == w.json()
+            continue
+        np.testing.assert_allclose(np.array([d["embedding"] for d in g.json()["data"]]),
+                                   np.array([d["embedding"] for d in w.json()["data"]]), rtol=1e-5, atol=1e-6)
+    assert want[5].status_code == 400
+    assert stats["requests"] == 15 and stats["images"] == sum(len(b) for b in bodies) - 2
+    assert health == stats
+    assert f'encgraph_device_preprocess_total{{kind="requests",model="{name}"}} 15.0' in scraped

@@ -177,6 +177,33 @@ def test_pixels_come_back_through_shared_slots_and_through_the_pipe_alike(pools,
     assert not os.path.exists(path)
 
 
+def test_the_pixels_leave_their_slot_off_the_event_loop(pools, monkeypatch):
+    """The copy out of a shared-memory slot runs on the pool's own thread as the worker answers, not on the event
+    loop (ANALYSIS-57 item 5), and the slot is free again by the time the request resumes."""
+    import threading
+
+    pool = pools["tiny"]
+    readers: list[str] = []
+    read = preprocess.slots.Arena.read
+
+    def spy(self, *args):
+        readers.append(threading.current_thread().name)
+        return read(self, *args)
+
+    monkeypatch.setattr(preprocess.slots.Arena, "read", spy)
+
+    async def request() -> tuple[Prepared, str, int]:
+        prepared = await pool.prepare("tiny", TEXTS[:2])
+        await asyncio.sleep(0)  # the slot's return was queued on the loop before the request resumed
+        return prepared, threading.current_thread().name, len(pool._arena._free)
+
+    prepared, loop_thread, free = asyncio.run(asyncio.wait_for(request(), TIMEOUT))
+    assert readers and loop_thread not in readers
+    assert free == pool._arena.count
+    want = np.stack([np.asarray(decode_image(t, 0, ImageLimits()), np.float32).mean((0, 1)) for t in TEXTS[:2]])
+    np.testing.assert_allclose(prepared.arrays["pixel_values"][:, :, 0, 0], want, rtol=1e-6)
+
+
 def test_bad_images_come_back_as_the_same_image_errors(pools):
     pool = pools["embedded"]
     thin = _encode(2000, 3, 4)  # an aspect ratio Qwen's processor refuses
