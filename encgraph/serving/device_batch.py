@@ -148,6 +148,17 @@ class DeviceBatcher:
             jobs = []
             while self._queue and len(jobs) < (self.max_images if self.batches else 1):
                 jobs.append(self._queue.popleft())
+        try:
+            return self._group(jobs)
+        except BaseException as exc:  # a bug here: fail the taken requests rather than leave them waiting
+            log.exception("encgraph serve: the device preprocessing thread failed while grouping requests")
+            for job in jobs:
+                _settle(job.future, exc=exc)
+            return []
+
+    def _group(self, jobs: list[_Job]) -> list[_Job]:
+        """``jobs`` read (their arrays) and grouped within the bounds: a full group runs at once, the rest are
+        returned."""
         group, images, size = [], 0, 0
         for job in jobs:
             if not job.future.set_running_or_notify_cancel():

@@ -155,6 +155,20 @@ def test_a_failing_read_fails_its_own_request_and_a_cancelled_one_is_skipped():
     assert model.processor.calls == [1, 2]
 
 
+def test_a_bug_while_grouping_fails_the_taken_requests_and_the_thread_goes_on():
+    # Arrays without decoded_sizes break the grouping itself (not the read): the requests taken with it get the
+    # error instead of waiting forever, and the thread serves the next request.
+    with held() as (model, batcher, release):
+        bad = submit(batcher, model, {"pixel_values": np.zeros(4, np.uint8)})
+        release()
+        with pytest.raises(KeyError, match="decoded_sizes"):
+            bad.result(TIMEOUT)
+        thread = batcher._thread
+        after = submit(batcher, model, request(4, 1))
+        np.testing.assert_array_equal(rows(after), expected(4, 1))
+        assert batcher._thread is thread and thread.is_alive()
+
+
 def test_a_processor_that_does_not_batch_runs_each_request_alone_and_says_so(caplog):
     model = FakeModel(FakeProcessor(batches=False))
     batcher = DeviceBatcher(model)
