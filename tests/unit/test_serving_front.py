@@ -404,13 +404,14 @@ def test_a_failing_finish_call_fails_every_request_of_its_call_clearly(broken):
     with BatchingFront(fast, max_wait_ms=LONG_WAIT_MS, max_requests=2, finish_call=finish_call) as front:
         futures = [front.submit(torch.randn(n, 6)) for n in (1, 2)]
         errors = [f.exception(TIMEOUT) for f in futures]
-        assert front.submit(torch.randn(1, 6)).result(TIMEOUT).shape == (1, 5)
+        after = [front.submit(torch.randn(1, 6)) for _ in range(2)]  # a full call: launched without the long wait
+        assert [f.result(TIMEOUT).shape for f in after] == [(1, 5), (1, 5)]
         stats = front.stats
     cause = "ValueError: copy failed" if broken == "raises" else "returned 1 values for 2 requests"
     for exc in errors:
         assert isinstance(exc, RuntimeError) and "call of 2 requests failed" in str(exc) and cause in str(exc)
     assert errors[0] is not errors[1] and (broken != "raises" or isinstance(errors[0].__cause__, ValueError))
-    assert calls == [2, 1] and stats["failed"] == 2 and stats["completed"] == 1
+    assert calls == [2, 2] and stats["failed"] == 2 and stats["completed"] == 2
 
 
 def test_finish_and_finish_call_are_checked():
