@@ -15,7 +15,9 @@ from encgraph.capture.recording import graph_calls
 from encgraph.capture.runner import EncoderGraphRunner
 from encgraph.models import attention, cudnn_varlen, kernel_choice, varlen_kernel, wrap
 from encgraph.packing.crossover import faster_varlen
-from tests.gpu.test_fa4_gpu import LENGTHS, OTHER, _cu, _one_projection, check_nan_stays_in_its_sequence, registered
+from tests.gpu.test_fa4_gpu import (
+    LENGTHS, OTHER, _cu, _one_projection, check_nan_stays_in_its_sequence, measured_crossover, registered,
+)
 from tests.gpu.test_kernels_gpu import BF16_RTOL, GEOMETRIES, _per_sequence_fp32, _qkv
 from tests.gpu.test_qwen_gpu import HF_RTOL, build, hf_per_item, random_mix, rel
 
@@ -73,12 +75,7 @@ def test_cudnn_keeps_nan_within_its_sequence(on_cudnn):
 
 def test_capture_measures_cudnn_and_graphs_run_the_fastest(monkeypatch):
     monkeypatch.setattr(kernel_choice, "_fa4_fits", lambda *args: False)  # a torch-only install with the frontend
-    device = torch.device("cuda")
-    heads, dim = 16, 72
-    c = kernel_choice.measure_crossover(heads, dim, torch.bfloat16, device)
-    print(f"\n{heads}x{dim} at {list(c.lengths)}: flash {list(c.varlen_ms)}, cudnn {list(c.cudnn_ms)}, dense "
-          f"{list(c.dense_ms)}; graph kernel {c.graph_kernel}, eager {c.varlen_kernel}, dense from {c.min_rows}")
-    assert len(c.cudnn_ms) == len(c.lengths) and all(t > 0 for t in c.cudnn_ms)
+    c = measured_crossover("cudnn")
     assert c.graph_kernel == faster_varlen(c.varlen_ms, (), c.cudnn_ms) and c.varlen_kernel == "flash"
     # Replayed from graphs on an H100, cuDNN ran at 1.4-1.6x torch's Flash at 16 x 72 (one 896 px image, 16 x
     # 256, one 27,000-row photo: benches/results/attention_kernels_nvidia-h100-80gb-hbm3.md): chosen there.

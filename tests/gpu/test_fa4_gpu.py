@@ -106,17 +106,24 @@ def check_nan_stays_in_its_sequence(calls):
             assert torch.isfinite(got).all() and rel(got, want) < BF16_RTOL, i
 
 
+def measured_crossover(kernel: str) -> kernel_choice.Crossover:
+    """Capture's measurement at 16 heads x 72 (Qwen3-VL's geometry), printed (``-s``), with a time of ``kernel``
+    (``"fa4"`` or ``"cudnn"``) at every length."""
+    c = kernel_choice.measure_crossover(16, 72, torch.bfloat16, torch.device("cuda"))
+    times = list(c.fa4_ms if kernel == "fa4" else c.cudnn_ms)
+    print(f"\n16x72 at {list(c.lengths)}: flash {list(c.varlen_ms)}, {kernel} {times}, dense {list(c.dense_ms)}; "
+          f"graph kernel {c.graph_kernel}, eager {c.varlen_kernel}, dense from {c.min_rows}")
+    assert len(times) == len(c.lengths) and all(t > 0 for t in times)
+    return c
+
+
 def test_capture_measures_fa4_and_runs_the_faster_kernel():
-    device = torch.device("cuda")
-    heads, dim = 16, 72
-    c = kernel_choice.measure_crossover(heads, dim, torch.bfloat16, device)
-    print(f"\n{heads}x{dim} at {list(c.lengths)}: flash {list(c.varlen_ms)}, fa4 {list(c.fa4_ms)}, dense "
-          f"{list(c.dense_ms)}; varlen kernel {c.varlen_kernel}, dense from {c.min_rows}")
-    assert len(c.fa4_ms) == len(c.lengths) and all(t > 0 for t in c.fa4_ms)
+    c = measured_crossover("fa4")
     assert c.varlen_kernel == faster_varlen(c.varlen_ms, c.fa4_ms)
     # Timed on the device (replayed from a graph), FA4 is 1.08-2.25x torch's Flash at every length on an H200
     # (benches/results/attention_kernels_nvidia-h200_fa4.md, in git at 280d20c): capture must choose it there.
     assert c.varlen_kernel == "fa4", c.to_dict()
+    heads, dim, device = c.heads, c.head_dim, torch.device("cuda")
     module = torch.nn.Module()
     module.attn = torch.nn.Module()
     module.attn.num_heads, module.attn.head_dim = heads, dim
