@@ -70,12 +70,13 @@ def upload(tensor: Any, device: Any, dtype: Any = None) -> Any:
     Lifetime: the result is an ordinary device tensor owned by the caller."""
     import torch
 
+    from encgraph.capture.upload import to_device
+
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device, dtype)
-    staged = tensor if tensor.is_pinned() else tensor.pin_memory()
     with side_stream_work(device) as keep:
-        out = staged.to(device, non_blocking=True)
+        out = to_device(tensor, device)  # from pinned memory, queued on the side stream
         if dtype is not None and out.dtype != dtype:
             out = out.to(dtype)
         keep(out)
