@@ -50,6 +50,7 @@ if __package__ in (None, ""):
 from benches.lib.load import Run, closed_loop, http_closed_loop, summarize, window  # noqa: E402, F401
 from benches.lib.plots_registry import parse  # noqa: E402
 from benches.lib.results import git_commit, result_dirs  # noqa: E402
+from benches.lib.gpu_busy import GpuBusy, merge_busy, nvml_index  # noqa: E402
 from benches.lib.server_profile import GilProfile  # noqa: E402
 from benches.lib.serving_http import (  # noqa: E402, F401
     counter_delta, counter_summary, delta_summary, run_server, server_bodies, server_counters, server_missing,
@@ -288,6 +289,7 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
             for c in args.concurrency:
                 runs: dict[str, list[Run]] = {s: [] for s in args.systems}
                 extras: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+                busy: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
                 for r in range(args.repeats):
                     k = r % len(args.systems)
                     for system in args.systems[k:] + args.systems[:k]:
@@ -297,6 +299,9 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
                             continue
                         print(f"[serving] {bench.name} {transport} {system} x{c} run {r + 1}", file=sys.stderr,
                               flush=True)
+                        # The device's busy share over the run's measured window (benches/lib/gpu_busy.py).
+                        sampler = (GpuBusy(args.duration, delay=args.warmup, index=nvml_index(device.index or 0))
+                                   if device.type == "cuda" else None)
                         if transport == "inprocess":
                             run, extra = run_inprocess(bench, system, c, args)
                         else:
@@ -312,6 +317,9 @@ def run_points(bench: Bench, transport: str, args: argparse.Namespace, device: A
                         runs[system].append(run)
                         extras[system].append(extra)
                         points[system][str(c)] = _point(runs[system], extras[system], transport)
+                        if sampler is not None:
+                            busy[system].append(sampler.result())
+                            points[system][str(c)]["gpu_busy"] = merge_busy(busy[system])
                         if (system, c) in profiles:
                             points[system][str(c)]["gil_profile"] = profiles[(system, c)]
                         flush()

@@ -83,6 +83,12 @@ def render(data: dict[str, Any]) -> str:
             if eager:
                 lines += ["", "Items that a graphed system ran eagerly (the tower's own forward): " + "; ".join(eager)
                           + "."]
+            busy = [f"{system} x{c}: {b['busy_pct_mean']:.0f}% / {b['busy_pct_p50']:.0f}% / {b['share_at_100']:.2f}"
+                    for system, by_c in result["points"].items() for c, p in by_c.items()
+                    if (b := p.get("gpu_busy") or {}).get("samples")]
+            if busy:
+                lines += ["", "GPU busy over the measured windows (NVML utilization: the share of time some kernel "
+                          "ran; mean / median / share of samples at 100%): " + "; ".join(busy) + "."]
             lines += [_profile_line(system, c, p["gil_profile"]) for system, by_c in result["points"].items()
                       for c, p in by_c.items() if p.get("gil_profile")]
             t = result.get("targets", {})
