@@ -37,6 +37,9 @@ down after the server's graceful shutdown has drained its requests (:meth:`Prepr
 A worker that dies (killed, out of memory, a crash in a native decoder) breaks the executor: every request it
 held fails with :class:`WorkerDiedError` (the server answers 503 with ``Retry-After``), and the first of them
 replaces the executor with a new one, once per death (``restarts``); the requests after it run on the new workers.
+On CPython before 3.11.5 (Debian 12's 3.11.2 among them) a broken executor's thread could wait for good on its
+call queue's feeder, blocked writing to a pipe no worker reads any more (python/cpython#94777), and the process
+then hung at exit: :func:`unblock_broken` does what CPython's fix does.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -61,6 +65,37 @@ from encgraph.serving.preprocess_worker import Prepared, WorkerError
 __all__ = ["PreprocessPool", "Prepared", "WorkerDiedError", "WorkerError", "default_workers"]
 
 log = logging.getLogger("encgraph.serve")
+
+
+FEEDER_FIXED = (3, 11, 5)
+"""The first CPython of 3.11 whose ``ProcessPoolExecutor`` closes a broken pool's call-queue reader itself
+(python/cpython#94777, in 3.12.0 too)."""
+
+
+def call_queue(executor: concurrent.futures.ProcessPoolExecutor) -> Any:
+    """``executor``'s call queue (the pipe its workers read requests from), read before ``shutdown()``, which
+    drops it; None where this CPython's executor has none."""
+    return getattr(executor, "_call_queue", None)
+
+
+def unblock_broken(queue: Any) -> bool:
+    """On a CPython before :data:`FEEDER_FIXED`, close the parent's read end of a broken executor's call ``queue``
+    (:func:`call_queue`), as CPython's fix does: once the workers' own copies of that end are gone with them, its
+    feeder thread, blocked writing a queued request to a pipe nobody reads, fails that write and ends, so the
+    executor's thread ends and the interpreter can exit (without it, the tests that kill a worker passed, then
+    their process waited forever at exit on Debian 12's Python 3.11.2). Workers still alive keep reading their own
+    copies, so this is safe at any time after the pool broke. Returns whether it closed anything (never on a fixed
+    CPython, where the executor does it itself and a second close could race with it)."""
+    if sys.version_info >= FEEDER_FIXED:
+        return False
+    reader = getattr(queue, "_reader", None)
+    if reader is None or reader.closed:
+        return False
+    try:
+        reader.close()
+    except OSError:
+        return False
+    return True
 
 
 class WorkerDiedError(EncgraphError, RuntimeError):
@@ -267,6 +302,7 @@ class PreprocessPool:
         log.warning("encgraph serve: a preprocessing worker died; restarted the pool of %d workers (restart %d)",
                     self.workers, restart)
         if broken is not None:
+            unblock_broken(call_queue(broken))
             broken.shutdown(wait=False)  # its processes are gone or terminated; this lets its thread finish
         return f"the pool restarted, restart {restart}"
 
@@ -279,6 +315,7 @@ class PreprocessPool:
             pids = self.pids
         if executor is None:
             return
+        queue = call_queue(executor)  # before shutdown() drops it
         waiter = threading.Thread(target=executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
                                   name="encgraph-preprocess-close", daemon=True)
         waiter.start()
@@ -290,6 +327,7 @@ class PreprocessPool:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            unblock_broken(queue)  # every worker is dead: nothing reads the call queue's pipe
             waiter.join(timeout_s)
         with self._lock:
             arena, self._arena = self._arena, None

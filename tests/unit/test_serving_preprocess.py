@@ -324,3 +324,33 @@ def test_sweep_removes_the_arena_files_of_dead_servers_only(tmp_path, monkeypatc
         (tmp_path / name).write_bytes(b"x")
     assert preprocess.slots.sweep() == [str(tmp_path / names[0])]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+def test_a_broken_pools_blocked_feeder_is_freed_by_closing_its_reader(monkeypatch):
+    """python/cpython#94777 (fixed in 3.11.5): a worker dies while the executor's call queue holds more than its pipe
+    does; the queue's feeder thread blocks writing to a pipe nobody reads, the executor's thread waits for it, and
+    the process hangs at exit (the killed-worker test above did, on Debian 12's Python 3.11.2). unblock_broken
+    closes the parent's read end as the fix does; forced here on any CPython, on a queue whose reader nobody uses."""
+    import multiprocessing
+    import threading
+
+    monkeypatch.setattr(preprocess, "FEEDER_FIXED", (99,))
+    queue = multiprocessing.get_context("spawn").Queue()
+    queue.put(b"x" * (4 << 20))  # more than a pipe holds: the feeder thread blocks in its write
+    time.sleep(0.3)
+    assert preprocess.unblock_broken(queue) is True
+    queue.close()
+    joiner = threading.Thread(target=queue.join_thread, daemon=True)
+    joiner.start()
+    joiner.join(20)
+    assert not joiner.is_alive(), "the feeder thread is still blocked"
+    assert preprocess.unblock_broken(queue) is False  # closed already
+    assert preprocess.unblock_broken(None) is False
+    monkeypatch.undo()
+    fresh = multiprocessing.get_context("spawn").Queue()
+    try:  # a fixed CPython closes it itself; closing it again could race with the executor's thread
+        import sys
+
+        assert preprocess.unblock_broken(fresh) is (sys.version_info < (3, 11, 5))
+    finally:
+        fresh.close()
