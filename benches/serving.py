@@ -47,10 +47,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
 # What tests and benches/readme.py reach through this script are re-exported (F401).
+from benches.lib.gpu_busy import GpuBusy, merge_busy, nvml_index  # noqa: E402
 from benches.lib.load import Run, closed_loop, http_closed_loop, summarize, window  # noqa: E402, F401
 from benches.lib.plots_registry import parse  # noqa: E402
 from benches.lib.results import git_commit, result_dirs  # noqa: E402
-from benches.lib.gpu_busy import GpuBusy, merge_busy, nvml_index  # noqa: E402
 from benches.lib.server_profile import GilProfile  # noqa: E402
 from benches.lib.serving_http import (  # noqa: E402, F401
     counter_delta, counter_summary, delta_summary, run_server, server_bodies, server_counters, server_missing,
